@@ -1,0 +1,1 @@
+"""Small parts shared by the scripts: networks, environments, evaluation."""

@@ -1,0 +1,93 @@
+"""envpool environments for every script: one place that knows the Atari preprocessing and checks env ids."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+
+import numpy as np
+
+# Gymnasium warns that envpool's float64 MuJoCo bounds get cast to float32; nothing to act on.
+warnings.filterwarnings("ignore", message=".*precision lowered by casting.*")
+
+
+class UsageError(Exception):
+    """Bad input found before any work starts: the scripts print it as one line and exit with status 2."""
+
+
+def _envpool():
+    import envpool  # imported lazily so that importing a script touches no environment library
+
+    return envpool
+
+
+def env_spec(env_id: str, discrete: bool | None = None):
+    """The envpool spec of `env_id`, or a UsageError saying what would be right."""
+    envpool = _envpool()
+    known = envpool.list_all_envs()
+    if env_id not in known:
+        close = difflib.get_close_matches(env_id, known, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see envpool.list_all_envs()"
+        raise UsageError(f"unknown env id {env_id!r}: envpool has no such environment{hint}")
+    spec = envpool.make_spec(env_id)
+    is_discrete = hasattr(spec.action_space, "n")
+    if discrete is True and not is_discrete:
+        raise UsageError(f"{env_id} has continuous actions {spec.action_space}; this script needs a discrete-action "
+                         "env (e.g. Breakout-v5, CartPole-v1)")
+    if discrete is False and is_discrete:
+        raise UsageError(f"{env_id} has discrete actions; this script needs a continuous-action env "
+                         "(e.g. HalfCheetah-v4, Pendulum-v1)")
+    return spec
+
+
+def is_atari(env_id: str) -> bool:
+    return "episodic_life" in _envpool().make_spec(env_id).config._fields
+
+
+def make_env(env_id: str, num_envs: int, seed: int, batch_size: int | None = None, training: bool = True,
+             render: bool = False, num_threads: int | None = None):
+    """An envpool (gymnasium API) of `num_envs` copies; async when `batch_size < num_envs`.
+
+    Atari (Espeholt et al. 2018, Table G.1; Mnih et al. 2015): 84x84 grey, 4 stacked frames, action repeat 4
+    with a max-pool over the last 2 frames, up to 30 no-op starts, at most 108,000 frames (27,000 steps) an
+    episode, sticky actions off. For training only (`training=True`), a lost life ends the training episode
+    and rewards are clipped to [-1, 1]; the raw reward stays in `info["reward"]` and `info["terminated"]`
+    marks game over, so game scores are always the unclipped sum over all lives.
+    """
+    envpool = _envpool()
+    batch_size = batch_size or num_envs
+    kwargs = dict(env_type="gymnasium", num_envs=num_envs, batch_size=batch_size, seed=seed,
+                  num_threads=num_threads or min(batch_size, os.cpu_count() or 1))
+    if is_atari(env_id):
+        kwargs.update(episodic_life=training, reward_clip=training, noop_max=30, stack_num=4, frame_skip=4,
+                      repeat_action_probability=0.0, max_episode_steps=27000)
+    if render:
+        kwargs["render_mode"] = "rgb_array"
+    return envpool.make(env_id, **kwargs)
+
+
+class EpisodeTracker:
+    """Game scores from envpool steps: the raw (unclipped) reward summed over all lives until game over or
+    time-limit truncation. The step that follows an episode end is envpool's reset step (action ignored,
+    reward 0): it is not counted in the length."""
+
+    def __init__(self, num_envs: int):
+        self.ret = np.zeros(num_envs, np.float64)
+        self.len = np.zeros(num_envs, np.int64)
+        self.after_end = np.zeros(num_envs, bool)
+
+    def step(self, env_ids, rewards, terminated, truncated, info):
+        """Returns a list of (env_id, score, length) for the games that ended at this step."""
+        raw = info.get("reward", rewards)
+        game_over = np.asarray(info.get("terminated", terminated)).astype(bool) | truncated
+        real = ~self.after_end[env_ids]
+        self.ret[env_ids] += np.where(real, raw, 0.0)
+        self.len[env_ids] += real
+        self.after_end[env_ids] = terminated | truncated
+        done = []
+        for i in np.flatnonzero(game_over):
+            e = env_ids[i]
+            done.append((int(e), float(self.ret[e]), int(self.len[e])))
+            self.ret[e], self.len[e] = 0.0, 0
+        return done

@@ -1,0 +1,139 @@
+"""Network parts shared by the scripts: torsos, a recurrent core, and heads.
+
+Every torso maps observations `[N, *obs_shape]` to features `[N, out_features]`; pixel observations
+(uint8) are scaled to [0, 1] inside the torso so that buffers can stay uint8.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _scale(x: torch.Tensor) -> torch.Tensor:
+    return x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+
+
+class ShallowTorso(nn.Module):
+    """The shallow Atari network of A3C (Mnih et al. 2016) used by IMPALA (Espeholt et al. 2018, Fig. 3 left):
+    conv 16 8x8/4, conv 32 4x4/2, fully connected 256, ReLUs."""
+
+    def __init__(self, obs_shape, channels=(16, 32), hidden=256):
+        super().__init__()
+        c, h, w = obs_shape
+        self.convs = nn.Sequential(
+            nn.Conv2d(c, channels[0], 8, stride=4), nn.ReLU(),
+            nn.Conv2d(channels[0], channels[1], 4, stride=2), nn.ReLU(), nn.Flatten(),
+        )
+        with torch.no_grad():
+            n = self.convs(torch.zeros(1, c, h, w)).shape[1]
+        self.fc = nn.Linear(n, hidden)
+        self.out_features = hidden
+
+    def forward(self, x):
+        return F.relu(self.fc(self.convs(_scale(x))))
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv1(F.relu(self.conv0(F.relu(x))))
+
+
+class ResNetTorso(nn.Module):
+    """IMPALA's deep network (Espeholt et al. 2018, Fig. 3 right): three sections, each a 3x3 conv, a 3x3/2
+    max-pool and two residual blocks (15 conv layers in all), then ReLU and a 256-unit layer.
+    Channels (16, 32, 32) as in IMPALA; (64, 128, 128) as in V-MPO (Song et al. 2020)."""
+
+    def __init__(self, obs_shape, channels=(16, 32, 32), hidden=256):
+        super().__init__()
+        c, h, w = obs_shape
+        layers = []
+        for out in channels:
+            layers += [nn.Conv2d(c, out, 3, padding=1), nn.MaxPool2d(3, stride=2, padding=1),
+                       _ResidualBlock(out), _ResidualBlock(out)]
+            c = out
+        self.sections = nn.Sequential(*layers, nn.ReLU(), nn.Flatten())
+        with torch.no_grad():
+            n = self.sections(torch.zeros(1, obs_shape[0], h, w)).shape[1]
+        self.fc = nn.Linear(n, hidden)
+        self.out_features = hidden
+
+    def forward(self, x):
+        return F.relu(self.fc(self.sections(_scale(x))))
+
+
+class MLPTorso(nn.Module):
+    """Fully connected torso for vector observations."""
+
+    def __init__(self, obs_dim, hidden=(64, 64), activation=nn.Tanh):
+        super().__init__()
+        layers, n = [], obs_dim
+        for h in hidden:
+            layers += [nn.Linear(n, h), activation()]
+            n = h
+        self.net = nn.Sequential(*layers)
+        self.out_features = n
+
+    def forward(self, x):
+        return self.net(x.flatten(1).float())
+
+
+def make_torso(obs_shape, network="shallow", channels=None, mlp_hidden=(64, 64)):
+    """Pixel observations `[C, H, W]` get a conv torso (`shallow` or `deep`), vectors an MLP."""
+    if len(obs_shape) == 3:
+        if network == "shallow":
+            return ShallowTorso(obs_shape, **({"channels": tuple(channels)} if channels else {}))
+        if network == "deep":
+            return ResNetTorso(obs_shape, **({"channels": tuple(channels)} if channels else {}))
+        raise ValueError(f"unknown network {network!r}: expected 'shallow' or 'deep'")
+    return MLPTorso(int(math.prod(obs_shape)), mlp_hidden)
+
+
+class LSTMCore(nn.Module):
+    """An LSTM fed the torso features, the previous action (one-hot) and the previous reward.
+
+    `forward` runs a time-major sequence `[T, B, F]`; where `first[t]` is True the state is zeroed before
+    step t (a new episode starts there). The state is a pair `(h, c)` of `[B, hidden]` tensors.
+    """
+
+    def __init__(self, in_features, num_actions, hidden=256):
+        super().__init__()
+        self.num_actions, self.hidden = num_actions, hidden
+        self.cell = nn.LSTMCell(in_features + num_actions + 1, hidden)
+        self.out_features = hidden
+
+    def initial_state(self, batch_size, device=None):
+        z = torch.zeros(batch_size, self.hidden, device=device)
+        return (z, z.clone())
+
+    def forward(self, features, prev_action, prev_reward, first, state):
+        T, B = first.shape
+        x = torch.cat([features.view(T, B, -1), F.one_hot(prev_action.long(), self.num_actions).float(),
+                       prev_reward.view(T, B, 1).float()], dim=-1)
+        h, c = state
+        outs = []
+        for t in range(T):
+            keep = (~first[t]).float().unsqueeze(-1)
+            h, c = self.cell(x[t], (h * keep, c * keep))
+            outs.append(h)
+        return torch.stack(outs), (h, c)
+
+
+class PolicyValueHeads(nn.Module):
+    """Linear policy logits and a linear state value on top of a core's features."""
+
+    def __init__(self, in_features, num_actions, num_values=1):
+        super().__init__()
+        self.policy = nn.Linear(in_features, num_actions)
+        self.value = nn.Linear(in_features, num_values)
+
+    def forward(self, x):
+        return self.policy(x), self.value(x).squeeze(-1)

@@ -1,0 +1,625 @@
+"""IMPALA with V-trace.
+
+Espeholt, Soyer, Munos, Simonyan, Mnih, Ward, Doron, Firoiu, Harley, Dunning, Legg, Kavukcuoglu (2018),
+"IMPALA: Scalable Distributed Deep-RL with Importance Weighted Actor-Learner Architectures".
+
+Actors step many environments with a copy of the policy that may be several learner updates old and send
+whole unrolls, with the behaviour policy's logits, to a learner that trains on batches of them. V-trace
+corrects for the lag: its value targets use truncated importance weights ρ_t = min(ρ̄, π/μ) and
+c_t = λ min(c̄, π/μ), and the policy gradient uses ρ_t (r_t + γ v_{t+1} − V(x_t)).
+
+| paper                                                         | here                                     |
+|---------------------------------------------------------------|------------------------------------------|
+| Eq. (1) V-trace target v_s; Remark 1 (recursion); Remark 2 (λ) | `vtrace` -> vs                           |
+| Sec. 4.2 policy gradient ρ_s ∇log π (r_s + γ v_{s+1} − V(x_s)) | `vtrace` -> pg_advantages, `learner_loss` |
+| Sec. 4.2 value loss (v_s − V(x_s))², entropy bonus             | `learner_loss`                            |
+| Fig. 1, Sec. 3: actors send unrolls + μ, learner batches       | `actor_process`, `Learner.next_batch`     |
+| Fig. 3: shallow / deep (ResNet) agent, optional LSTM           | `Agent` (parts in common/networks.py)     |
+| Table G.1 Atari hyperparameters                                | `Args` defaults                           |
+
+Losses are *summed* over time and batch, as in the paper (Table D.1 note) and its reference code, with the
+value loss baseline_cost · ½ Σ (v_s − V(x_s))²; the learning rate, entropy and baseline costs are the
+paper's for that choice. The optimiser is PyTorch's RMSProp, which adds ε outside the square root (the
+paper's TensorFlow RMSProp adds it inside); with summed losses the gradients are large and ε barely matters.
+
+envpool resets an environment on the step *after* an episode ends (that step ignores the action and gives
+reward 0). Such a step is no transition: it gets no gradient, and V-trace gets discount 0 and reward V(x_k)
+there, so that its target is exactly V(x_k) and nothing crosses from one episode into the next. A time-limit
+truncation therefore bootstraps from the value of the last observation; only termination (or, for Atari in
+training, a lost life) has discount 0.
+
+Processes: each learner process (one, or K under torchrun with gradient averaging by DDP) starts
+`--num-actors` actor processes. Actors write unrolls into shared-memory slots and pass slot numbers
+through queues; the learner publishes its weights to shared memory after every update. Acting and
+learning overlap; the lag is logged as `stats/policy_lag`. A dead actor ends the run with its traceback; an
+actor whose learner died exits by itself.
+
+    python impala_vtrace.py --env-id Breakout-v5
+    torchrun --nproc_per_node 2 impala_vtrace.py --env-id Pong-v5 --network deep --use-lstm
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
+from common.networks import LSTMCore, PolicyValueHeads, make_torso
+
+
+@dataclass
+class Args:
+    env_id: str = "Breakout-v5"
+    """envpool task id (any discrete-action task: Atari *-v5, CartPole-v1, ...)"""
+    exp_name: str = "impala_vtrace"
+    """name of this experiment, part of the run folder's name"""
+    seed: int = 1
+    """seed of torch, numpy and the environments (actor a of learner r uses seed + 1000 r + a)"""
+    torch_deterministic: bool = True
+    """torch.backends.cudnn.deterministic"""
+    cuda: bool = True
+    """learner and actors' inference on the GPU when there is one"""
+    total_timesteps: int = 50_000_000
+    """environment steps in all (200M frames at action repeat 4, Sec. 5.3 / Table C.1)"""
+    num_envs: int = 32
+    """environments per learner process, split evenly over its actors"""
+    env_batch_size: int = 0
+    """envs returned per envpool step (async when below envs per actor); 0: half of each actor's envs"""
+    num_actors: int = 1
+    """actor processes per learner process"""
+    unroll_length: int = 20
+    """n, unroll length (Table G.1)"""
+    batch_size: int = 32
+    """unrolls per learner batch, over all learner processes (Table G.1)"""
+    learning_rate: float = 6e-4
+    """learning rate (Table G.1)"""
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to 0 over training (Table G.1)"""
+    rmsprop_decay: float = 0.99
+    """RMSProp decay (the paper's code default; Table G.1 gives momentum and ε)"""
+    rmsprop_eps: float = 0.01
+    """RMSProp ε (Table G.1)"""
+    rmsprop_momentum: float = 0.0
+    """RMSProp momentum (Table G.1)"""
+    max_grad_norm: float = 40.0
+    """global gradient-norm clipping threshold (Table G.1)"""
+    gamma: float = 0.99
+    """γ, discount (Table G.1)"""
+    baseline_cost: float = 0.5
+    """baseline loss scaling (Table G.1)"""
+    entropy_cost: float = 0.01
+    """entropy regulariser (Table G.1)"""
+    clip_rho_threshold: float = 1.0
+    """ρ̄, truncation of ρ_t in the V-trace target (Sec. 5.2.2)"""
+    clip_pg_rho_threshold: float = 1.0
+    """ρ̄ of the policy-gradient importance weight (Sec. 4.2, 5.2.2)"""
+    clip_c_threshold: float = 1.0
+    """c̄, truncation of the trace coefficients c_i (Sec. 5.2.2)"""
+    vtrace_lambda: float = 1.0
+    """λ of Remark 2 (1: plain V-trace)"""
+    network: Literal["shallow", "deep"] = "shallow"
+    """torso for pixels: shallow (Fig. 3 left) or deep ResNet (Fig. 3 right); vectors get an MLP"""
+    channels: tuple[int, ...] = ()
+    """conv channels; empty: (16, 32) shallow, (16, 32, 32) deep (Fig. 3)"""
+    use_lstm: bool = False
+    """LSTM core fed the previous action and reward (Fig. 3; the paper's Atari agents are feed-forward)"""
+    lstm_size: int = 256
+    """LSTM hidden units (Fig. 3)"""
+    mlp_hidden: tuple[int, ...] = (64, 64)
+    """hidden layers of the MLP torso for vector observations"""
+    save_model: bool = False
+    """write model.pt (weights and what evaluation needs) in the run folder"""
+    capture_video: bool = False
+    """record the first evaluation episode as an animated PNG under the run folder"""
+    eval_episodes: int = 10
+    """evaluation episodes at the end of training (0: none)"""
+    run_dir: str = "runs"
+    """folder of the run folders"""
+    log_interval: float = 5.0
+    """seconds between console progress lines"""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paper's math: pure functions of time-major [T, B] tensors.
+
+
+@torch.no_grad()
+def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0,
+           clip_pg_rho_threshold=1.0, clip_c_threshold=1.0, lambda_=1.0):
+    """V-trace targets v_s (Eq. 1 via Remark 1, with λ of Remark 2) and policy-gradient advantages
+    ρ_s (r_s + γ_s v_{s+1} − V(x_s)) (Sec. 4.2).
+
+    log_rhos = log π(a_t|x_t) − log μ(a_t|x_t), discounts = γ (1 − done_t), rewards and values `[T, B]`;
+    bootstrap_value = V(x_T) `[B]`. A threshold of None means no truncation. Returns (vs, pg_advantages).
+    """
+    rhos = torch.exp(log_rhos)
+    clipped_rhos = rhos if clip_rho_threshold is None else rhos.clamp(max=clip_rho_threshold)
+    cs = lambda_ * (rhos if clip_c_threshold is None else rhos.clamp(max=clip_c_threshold))
+    values_tp1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)])
+    deltas = clipped_rhos * (rewards + discounts * values_tp1 - values)
+    acc = torch.zeros_like(bootstrap_value)
+    vs_minus_v = []
+    for t in reversed(range(values.shape[0])):  # v_s − V(x_s) = δ_s + γ_s c_s (v_{s+1} − V(x_{s+1}))
+        acc = deltas[t] + discounts[t] * cs[t] * acc
+        vs_minus_v.append(acc)
+    vs = values + torch.stack(vs_minus_v[::-1])
+    vs_tp1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)])
+    pg_rhos = rhos if clip_pg_rho_threshold is None else rhos.clamp(max=clip_pg_rho_threshold)
+    return vs, pg_rhos * (rewards + discounts * vs_tp1 - values)
+
+
+def learner_loss(logits, values, batch, args):
+    """The V-trace actor-critic loss (Sec. 4.2), summed over time and batch.
+
+    `logits [T+1, B, A]`, `values [T+1, B]` from the learner's network on rows 0..T of the unrolls; row T
+    only bootstraps. Transition k goes from row k to row k+1. Returns (loss, stats).
+    """
+    logp_all = F.log_softmax(logits[:-1], dim=-1)
+    actions = batch["action"][:-1].unsqueeze(-1)
+    logp = logp_all.gather(-1, actions).squeeze(-1)
+    behaviour_logp = F.log_softmax(batch["logits"][:-1], dim=-1).gather(-1, actions).squeeze(-1)
+    log_rhos = logp.detach() - behaviour_logp
+
+    v = values.detach()
+    reset_step = batch["ended"][:-1]  # row k ended an episode: step k is envpool's reset step
+    discounts = args.gamma * (~batch["terminated"][1:]).float()
+    discounts = torch.where(reset_step, 0.0, discounts)
+    rewards = torch.where(reset_step, v[:-1], batch["reward"][1:])  # zero TD error: v_k = V(x_k)
+    vs, pg_adv = vtrace(log_rhos, discounts, rewards, v[:-1], v[-1], args.clip_rho_threshold,
+                        args.clip_pg_rho_threshold, args.clip_c_threshold, args.vtrace_lambda)
+    mask = (~reset_step).float()
+    pg_loss = -(mask * pg_adv * logp).sum()
+    baseline_loss = args.baseline_cost * 0.5 * (mask * (vs - values[:-1]) ** 2).sum()
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy_loss = -args.entropy_cost * (mask * entropy).sum()
+    n = mask.sum().clamp(min=1)
+    rhos = log_rhos.exp()
+    stats = {"losses/policy_loss": pg_loss, "losses/value_loss": baseline_loss, "losses/entropy": entropy_loss,
+             "stats/entropy": (mask * entropy).sum() / n, "stats/rho_mean": (mask * rhos).sum() / n,
+             "stats/rho_clipped_fraction": (mask * (rhos > args.clip_rho_threshold)).sum() / n,
+             "stats/value_mean": (mask * v[:-1]).sum() / n}
+    return pg_loss + baseline_loss + entropy_loss, stats
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The agent (Fig. 3).
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_shape, num_actions, network="shallow", channels=(), use_lstm=False, lstm_size=256,
+                 mlp_hidden=(64, 64)):
+        super().__init__()
+        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, network=network,
+                           channels=tuple(channels), use_lstm=use_lstm, lstm_size=lstm_size,
+                           mlp_hidden=tuple(mlp_hidden))
+        self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
+        self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
+        self.heads = PolicyValueHeads(self.core.out_features if use_lstm else self.torso.out_features, num_actions)
+
+    def initial_state(self, batch_size, device=None):
+        return self.core.initial_state(batch_size, device) if self.core is not None else ()
+
+    def forward(self, obs, prev_action, prev_reward, first, state=()):
+        """Time-major inputs `[T, B, ...]`; returns logits `[T, B, A]`, values `[T, B]` and the core state."""
+        T, B = first.shape
+        x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
+        if self.core is not None:
+            x, state = self.core(x.view(T, B, -1), prev_action, prev_reward, first, state)
+        logits, values = self.heads(x)
+        return logits.view(T, B, -1), values.view(T, B), state
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: it keeps the LSTM
+    state and previous action itself; rewards are clipped as in training."""
+    agent = Agent(**checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])
+    agent.eval()
+    clip = checkpoint["reward_clip"]
+    state = agent.initial_state(num_envs, device)
+    prev_action = torch.zeros(num_envs, dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        nonlocal state, prev_action
+        first_t = torch.as_tensor(first, device=device).bool()
+        r = torch.as_tensor(rewards, device=device).float()
+        r = r.clamp(-1, 1) if clip else r
+        prev = torch.where(first_t, 0, prev_action)
+        logits, _, state = agent(torch.as_tensor(obs, device=device)[None], prev[None], r[None], first_t[None],
+                                 state)
+        dist = torch.distributions.Categorical(logits=logits[0])
+        prev_action = logits[0].argmax(-1) if greedy else dist.sample()
+        return prev_action.cpu().numpy()
+
+    return policy
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Acting. Row t of an unroll holds obs_t, the reward and end flags that came with obs_t, the action taken at
+# obs_t and its behaviour logits. An unroll has T+1 rows; its last row is the next unroll's first.
+
+
+def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
+    specs = {"obs": ((T + 1, *obs_shape), obs_dtype), "reward": ((T + 1,), torch.float32),
+             "ended": ((T + 1,), torch.bool), "terminated": ((T + 1,), torch.bool), "first": ((T + 1,), torch.bool),
+             "action": ((T + 1,), torch.long), "prev_action": ((T + 1,), torch.long),
+             "logits": ((T + 1, num_actions), torch.float32), "version": ((T + 1,), torch.long)}
+    if use_lstm:
+        specs.update(core_h=((lstm_size,), torch.float32), core_c=((lstm_size,), torch.float32))
+    return specs
+
+
+def actor_process(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
+    """Entry point of an actor process: runs `act` and reports its traceback if it fails."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
+    try:
+        torch.set_num_threads(1)
+        act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, parent_pid)
+    except Exception:
+        msg_q.put(("error", actor_id, traceback.format_exc()))
+        sys.exit(1)
+
+
+def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
+    T, n, device = cfg["unroll_length"], cfg["num_envs"], torch.device(cfg["device"])
+
+    def next_slot():
+        while True:
+            try:
+                return free_q.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent_pid:
+                    sys.exit(0)
+
+    envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True)
+    agent = Agent(**shared_agent.config).to(device)
+    agent.load_state_dict(shared_agent.state_dict())
+    seen = int(version.item())
+    slot = np.array([next_slot() for _ in range(n)])
+    pos = np.zeros(n, np.int64)
+    ended = np.zeros(n, bool)
+    prev_action = torch.zeros(n, dtype=torch.long)
+    state = agent.initial_state(n, device)
+    tracker = EpisodeTracker(n)
+    use_lstm = agent.core is not None
+    envs.async_reset()
+    while True:
+        obs, reward, term, trunc, info = envs.recv()
+        ids = info["env_id"]
+        if os.getppid() != parent_pid:
+            return
+        if int(version.item()) != seen:
+            seen = int(version.item())
+            agent.load_state_dict(shared_agent.state_dict())
+        ids_t = torch.from_numpy(ids).long()
+        first = torch.from_numpy(ended[ids])
+        obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
+        prev = torch.where(first, 0, prev_action[ids_t])
+        state_before = tuple(s[ids_t.to(device)] for s in state)
+        with torch.no_grad():
+            logits, _, state_after = agent(obs_t.to(device)[None], prev.to(device)[None], reward_t.to(device)[None],
+                                           first.to(device)[None], state_before)
+            action = torch.distributions.Categorical(logits=logits[0]).sample()
+        action_cpu = action.cpu()
+        envs.send(action_cpu.numpy(), ids)  # the envs step while this process does the bookkeeping
+
+        sl, p = torch.from_numpy(slot[ids]), torch.from_numpy(pos[ids])
+        done_now = term | trunc
+        row = {"obs": obs_t, "reward": reward_t, "ended": torch.from_numpy(done_now),
+               "terminated": torch.from_numpy(term), "first": first, "action": action_cpu, "prev_action": prev,
+               "logits": logits[0].cpu(), "version": torch.full((len(ids),), seen, dtype=torch.long)}
+        for k, v in row.items():
+            buffers[k][sl, p] = v
+        if use_lstm:
+            h0, c0 = (s.cpu() for s in state_before)
+            start = p == 0  # the first unroll of an env: its initial state is the one before row 0
+            buffers["core_h"][sl[start]] = h0[start]
+            buffers["core_c"][sl[start]] = c0[start]
+            for s, s_new in zip(state, state_after):
+                s[ids_t.to(device)] = s_new
+        prev_action[ids_t] = action_cpu
+        ended[ids] = done_now
+        pos[ids] += 1
+        for i in np.flatnonzero(pos[ids] == T + 1):
+            e = ids[i]
+            new = next_slot()
+            for k in row:  # the last row of this unroll is the first row of the next
+                buffers[k][new, 0] = buffers[k][slot[e], T]
+            if use_lstm:
+                buffers["core_h"][new] = h0[i]
+                buffers["core_c"][new] = c0[i]
+            full_q.put(int(slot[e]))
+            slot[e], pos[e] = new, 1
+        for _, score, length in tracker.step(ids, reward, term, trunc, info):
+            msg_q.put(("episode", score, length))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Learning and process plumbing.
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Learner:
+    """Owns the actor processes of one learner process and hands out batches of their unrolls."""
+
+    def __init__(self, args, agent, obs_shape, obs_dtype, num_actions, device, rank):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.args, self.device = args, device
+        self.local_batch = args.batch_size // _world_size()
+        envs_per_actor = args.num_envs // args.num_actors
+        num_slots = args.num_envs + 4 * self.local_batch
+        self.specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm,
+                                  args.lstm_size)
+        self.buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_()
+                        for k, (shape, dt) in self.specs.items()}
+        self.shared_agent = Agent(**agent.config)
+        self.shared_agent.load_state_dict(agent.state_dict())
+        self.shared_agent.share_memory()
+        self.version = torch.zeros(1, dtype=torch.long).share_memory_()
+        self.free_q, self.full_q, self.msg_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        for i in range(num_slots):
+            self.free_q.put(i)
+        self.episodes = []
+        self.procs = []
+        for a in range(args.num_actors):
+            cfg = dict(env_id=args.env_id, num_envs=envs_per_actor, unroll_length=args.unroll_length,
+                       env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
+                       seed=args.seed + 1000 * rank + a, device=str(device))
+            p = ctx.Process(target=actor_process, daemon=True, name=f"actor-{a}",
+                            args=(a, cfg, self.shared_agent, self.version, self.buffers, self.free_q,
+                                  self.full_q, self.msg_q, os.getpid()))
+            p.start()
+            self.procs.append(p)
+
+    def poll(self):
+        """Collect episode reports; raise WorkerError with the traceback if an actor died."""
+        while True:
+            try:
+                msg = self.msg_q.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "episode":
+                self.episodes.append(msg[1:])
+            else:
+                raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
+        for a, p in enumerate(self.procs):
+            if not p.is_alive():
+                time.sleep(0.5)  # give a failing actor's traceback time to arrive
+                try:
+                    msg = self.msg_q.get(timeout=1.0)
+                    if msg[0] == "error":
+                        raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
+                except queue.Empty:
+                    pass
+                raise WorkerError(f"actor {a} died with exit code {p.exitcode}")
+
+    def next_batch(self):
+        """`local_batch` unrolls, time-major `[T+1, B, ...]`, on the learner's device."""
+        idx = []
+        while len(idx) < self.local_batch:
+            try:
+                idx.append(self.full_q.get(timeout=1.0))
+            except queue.Empty:
+                self.poll()
+        self.poll()
+        idx_t = torch.tensor(idx)
+        batch = {k: v[idx_t] for k, v in self.buffers.items()}
+        for i in idx:
+            self.free_q.put(i)
+        pin = self.device.type == "cuda"
+        out = {}
+        for k, v in batch.items():
+            v = v if k in ("core_h", "core_c") else v.transpose(0, 1)
+            out[k] = (v.pin_memory() if pin else v).to(self.device, non_blocking=True)
+        return out
+
+    def publish(self, agent):
+        with torch.no_grad():
+            for dst, src in zip(self.shared_agent.parameters(), agent.parameters()):
+                dst.copy_(src)
+        self.version += 1
+
+    def close(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def _world_size():
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError)."""
+    spec = env_spec(args.env_id, discrete=True)
+    world = _world_size()
+    if args.unroll_length < 1:
+        raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
+    if args.batch_size < 1 or args.batch_size % world:
+        raise UsageError(f"--batch-size {args.batch_size} must be a positive multiple of the number of learner "
+                         f"processes ({world})")
+    if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
+        raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
+    per_actor = args.num_envs // args.num_actors
+    if not 0 <= args.env_batch_size <= per_actor:
+        raise UsageError(f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
+                         f"({per_actor}), or 0 for half of them")
+    steps_per_update = args.batch_size * args.unroll_length
+    if args.total_timesteps < steps_per_update:
+        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one batch "
+                         f"(batch-size x unroll-length = {steps_per_update} steps)")
+    if args.network == "deep" and args.channels and len(args.channels) != 3:
+        raise UsageError(f"--channels for the deep network takes 3 values, got {args.channels}")
+    if args.network == "shallow" and args.channels and len(args.channels) != 2:
+        raise UsageError(f"--channels for the shallow network takes 2 values, got {args.channels}")
+    return spec
+
+
+def main(args: Args):
+    spec = check_args(args)
+    rank, world = int(os.environ.get("RANK", "0")), _world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    obs_shape = spec.observation_space.shape
+    obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
+    num_actions = int(spec.action_space.n)
+    atari = is_atari(args.env_id)
+    agent = Agent(obs_shape, num_actions, args.network, args.channels, args.use_lstm, args.lstm_size,
+                  args.mlp_hidden).to(device)
+    if world > 1:  # same initial weights everywhere
+        for p in agent.parameters():
+            torch.distributed.broadcast(p.data, 0)
+    model = agent
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(agent, device_ids=[local_rank] if use_cuda else None)
+    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay,
+                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
+
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_path = os.path.join(args.run_dir, run_name)
+    writer = None
+    if rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(run_path, exist_ok=True)
+        with open(os.path.join(run_path, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+        writer = SummaryWriter(run_path)
+        print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
+              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs)", flush=True)
+
+    steps_per_update = args.batch_size * args.unroll_length
+    num_updates = args.total_timesteps // steps_per_update
+    learner = None
+    start = time.time()
+    global_step, returns, last_log = 0, [], start
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        learner = Learner(args, agent, obs_shape, obs_dtype, num_actions, device, rank)
+        for update in range(1, num_updates + 1):
+            lr = args.learning_rate * (1 - (update - 1) / num_updates) if args.anneal_lr else args.learning_rate
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            batch = learner.next_batch()
+            state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
+            logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
+            loss, stats = learner_loss(logits, values, batch, args)
+            optimizer.zero_grad(set_to_none=True)
+            (loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
+            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            policy_lag = (learner.version.item() - batch["version"][:-1].float().mean()).item()
+            learner.publish(agent)
+            global_step = update * steps_per_update
+            if rank != 0:
+                learner.episodes.clear()
+                continue
+            for score, length in learner.episodes:
+                returns.append(score)
+                writer.add_scalar("charts/episodic_return", score, global_step)
+                writer.add_scalar("charts/episodic_length", length, global_step)
+            learner.episodes.clear()
+            now = time.time()
+            if now - last_log >= args.log_interval or update == num_updates:
+                sps = global_step / (now - start)
+                writer.add_scalar("charts/SPS", sps, global_step)
+                writer.add_scalar("charts/learning_rate", lr, global_step)
+                writer.add_scalar("stats/policy_lag", policy_lag, global_step)
+                writer.add_scalar("stats/grad_norm", grad_norm.item(), global_step)
+                for k, v in stats.items():
+                    writer.add_scalar(k, v.item(), global_step)
+                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
+                eta = (args.total_timesteps - global_step) / max(sps, 1e-9)
+                print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
+                      f"| episodes {len(returns)} | lag {policy_lag:.1f} | ETA {eta / 60:.1f} min", flush=True)
+                last_log = now
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if learner is not None:
+            learner.close()
+        os._exit(1)  # skip DDP teardown: the other learners are stopped by torchrun
+    except KeyboardInterrupt:
+        print("interrupted: stopping actors", file=sys.stderr, flush=True)
+        if learner is not None:
+            learner.close()
+        sys.exit(130)
+    learner.close()
+    wall = time.time() - start
+
+    if rank == 0:
+        checkpoint = {"script": "impala_vtrace", "env_id": args.env_id, "args": dataclasses.asdict(args),
+                      "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+                      "reward_clip": atari, "global_step": global_step}
+        if args.save_model:
+            torch.save(checkpoint, os.path.join(run_path, "model.pt"))
+        eval_mean = None
+        if args.eval_episodes > 0:
+            from common.evaluation import evaluate
+
+            scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000, device=str(device),
+                              video_dir=run_path if args.capture_video else None)
+            eval_mean = float(np.mean(scores))
+            writer.add_scalar("charts/eval_return", eval_mean, global_step)
+            print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
+        summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
+                   "sps": global_step / wall,
+                   "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+                   "eval_mean_return": eval_mean}
+        with open(os.path.join(run_path, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        writer.close()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def cli():
+    import tyro
+
+    args = tyro.cli(Args)
+    try:
+        main(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
