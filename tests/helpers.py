@@ -1,0 +1,49 @@
+"""Shared by the tests: run a script as a subprocess, read its TensorBoard events, wait for processes."""
+
+import glob
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script, argv, run_dir, timeout=300):
+    """Runs `script` (a file name, or a full command) with `--run-dir run_dir` and returns the run folder."""
+    cmd = [sys.executable, script] if isinstance(script, str) else list(script)
+    out = subprocess.run([*cmd, *argv, "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, f"exit {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
+    runs = [d for d in glob.glob(os.path.join(str(run_dir), "*")) if os.path.isdir(d)]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def events_tags(run_path, values_of=None):
+    """The scalar tags of a run's TensorBoard events, or the values of one tag in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
+    acc.Reload()
+    if values_of is None:
+        return set(acc.Tags()["scalars"])
+    return [e.value for e in acc.Scalars(values_of)]
+
+
+def wait_gone(pids, timeout):
+    """True once none of `pids` is alive (zombies count as gone)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split()[2] != "Z":
+                        alive.append(pid)
+            except FileNotFoundError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False

@@ -1,0 +1,260 @@
+"""impala_vtrace.py: V-trace against the paper, the learner's loss, and the script end to end."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import impala_vtrace  # noqa: E402
+from impala_vtrace import vtrace  # noqa: E402
+from tests.helpers import ROOT, events_tags, run_script, wait_gone  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------------------
+# Math: Eq. (1) written as a plain loop, straight from the paper.
+
+
+def vtrace_reference(log_rhos, discounts, rewards, values, bootstrap, rho_bar, pg_rho_bar, c_bar, lam):
+    """v_s = V(x_s) + Σ_{t=s}^{s+n-1} (Π_{i=s}^{t-1} γ_i c_i) δ_t V with δ_t V = ρ_t (r_t + γ_t V(x_{t+1}) − V(x_t)),
+    ρ_t = min(ρ̄, π/μ), c_i = λ min(c̄, π/μ) (Eq. 1, Remark 2; per-step discounts γ_t = γ (1 − done_t));
+    pg advantage ρ^pg_s (r_s + γ_s v_{s+1} − V(x_s)) with v_n = V(x_n) (Sec. 4.2)."""
+    T, B = values.shape
+    vs = torch.zeros(T, B, dtype=torch.float64)
+    adv = torch.zeros(T, B, dtype=torch.float64)
+    for b in range(B):
+        V = [float(values[t, b]) for t in range(T)] + [float(bootstrap[b])]
+        ratio = [math.exp(float(log_rhos[t, b])) for t in range(T)]
+        rho = [min(rho_bar, r) for r in ratio]
+        c = [lam * min(c_bar, r) for r in ratio]
+        for s in range(T):
+            total = V[s]
+            for t in range(s, T):
+                coef = 1.0
+                for i in range(s, t):
+                    coef *= float(discounts[i, b]) * c[i]
+                delta = rho[t] * (float(rewards[t, b]) + float(discounts[t, b]) * V[t + 1] - V[t])
+                total += coef * delta
+            vs[s, b] = total
+        for s in range(T):
+            v_next = float(vs[s + 1, b]) if s + 1 < T else V[T]
+            adv[s, b] = min(pg_rho_bar, ratio[s]) * (float(rewards[s, b]) + float(discounts[s, b]) * v_next - V[s])
+    return vs, adv
+
+
+def random_unroll(T=9, B=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    log_rhos = torch.randn(T, B, generator=g, dtype=torch.float64) * 1.2  # ratios well above and below 1
+    done = torch.rand(T, B, generator=g) < 0.2
+    done[3, 0] = True  # at least one episode end inside the unroll
+    discounts = 0.97 * (~done).double()
+    rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
+    values = torch.randn(T, B, generator=g, dtype=torch.float64)
+    bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
+    return log_rhos, discounts, rewards, values, bootstrap
+
+
+@pytest.mark.parametrize("rho_bar,pg_rho_bar,c_bar,lam", [(1.0, 1.0, 1.0, 1.0), (1.7, 0.8, 0.6, 0.9),
+                                                          (2.5, 1.3, 1.0, 0.5)])
+def test_vtrace_matches_eq1_plain_loop(rho_bar, pg_rho_bar, c_bar, lam):
+    inputs = random_unroll(seed=int(rho_bar * 10))
+    log_rhos = inputs[0]
+    ratios = log_rhos.exp()
+    assert (ratios > max(rho_bar, pg_rho_bar, c_bar)).any() and (ratios < min(rho_bar, c_bar)).any()  # clips bite
+    vs, adv = vtrace(*inputs, clip_rho_threshold=rho_bar, clip_pg_rho_threshold=pg_rho_bar,
+                     clip_c_threshold=c_bar, lambda_=lam)
+    ref_vs, ref_adv = vtrace_reference(*inputs, rho_bar, pg_rho_bar, c_bar, lam)
+    torch.testing.assert_close(vs, ref_vs, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(adv, ref_adv, rtol=1e-10, atol=1e-10)
+
+
+def test_vtrace_on_policy_is_n_step_return():
+    """Eq. (2): with π = μ and λ = 1, v_s = Σ_t γ^{t-s} r_t + γ^{n-s} V(x_n), cut at episode ends."""
+    _, discounts, rewards, values, bootstrap = random_unroll(T=7, B=4, seed=3)
+    vs, adv = vtrace(torch.zeros_like(values), discounts, rewards, values, bootstrap)
+    T = values.shape[0]
+    expected = torch.zeros_like(values)
+    acc = bootstrap.clone()
+    for t in reversed(range(T)):
+        acc = rewards[t] + discounts[t] * acc
+        expected[t] = acc
+    torch.testing.assert_close(vs, expected)
+    next_vs = torch.cat([expected[1:], bootstrap[None]])
+    torch.testing.assert_close(adv, rewards + discounts * next_vs - values)
+
+
+def test_vtrace_episode_boundary_does_not_leak():
+    """An unroll with an episode end (discount 0 at t = k) gives the same targets as its two halves computed
+    separately, the first half bootstrapping from anything."""
+    log_rhos, discounts, rewards, values, bootstrap = random_unroll(T=10, B=3, seed=5)
+    k = 4
+    discounts[k] = 0.0
+    vs, adv = vtrace(log_rhos, discounts, rewards, values, bootstrap, 1.5, 1.2, 0.9)
+    vs2, adv2 = vtrace(log_rhos[k + 1:], discounts[k + 1:], rewards[k + 1:], values[k + 1:], bootstrap, 1.5, 1.2, 0.9)
+    vs1, adv1 = vtrace(log_rhos[:k + 1], discounts[:k + 1], rewards[:k + 1], values[:k + 1],
+                       torch.full_like(bootstrap, 1e6), 1.5, 1.2, 0.9)
+    torch.testing.assert_close(vs, torch.cat([vs1, vs2]))
+    torch.testing.assert_close(adv, torch.cat([adv1, adv2]))
+
+
+def test_vtrace_has_no_gradient():
+    inputs = [x.clone().requires_grad_(True) for x in random_unroll()]
+    vs, adv = vtrace(*inputs)
+    assert not vs.requires_grad and not adv.requires_grad
+
+
+def make_batch(T=6, B=3, A=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ended = torch.zeros(T + 1, B, dtype=torch.bool)
+    terminated = torch.zeros(T + 1, B, dtype=torch.bool)
+    ended[2, 0] = terminated[2, 0] = True  # a termination in env 0
+    ended[4, 1] = True  # a time-limit truncation in env 1
+    return {"action": torch.randint(0, A, (T + 1, B), generator=g), "logits": torch.randn(T + 1, B, A, generator=g),
+            "reward": torch.randn(T + 1, B, generator=g), "ended": ended, "terminated": terminated}
+
+
+def test_learner_loss_handles_envpool_reset_steps():
+    """Termination cuts the return; truncation bootstraps from the last observation's value; the reset step
+    after either gets no gradient and leaks nothing."""
+    T, B, A = 6, 3, 4
+    batch = make_batch(T, B, A)
+    args = impala_vtrace.Args(gamma=0.9)
+    logits = batch["logits"].clone().requires_grad_(True)  # on-policy: ρ = 1
+    values = torch.randn(T + 1, B).requires_grad_(True)
+    loss, _ = impala_vtrace.learner_loss(logits, values, batch, args)
+    loss.backward()
+    # reset steps (transition 2 of env 0, transition 4 of env 1) get no policy or value gradient
+    assert logits.grad[2, 0].abs().max() == 0 and logits.grad[4, 1].abs().max() == 0
+    assert values.grad[2, 0] == 0 and values.grad[4, 1] == 0
+    # value target of env 1 at step 3 (truncation at row 4): r_4 + γ V(x_4), a plain bootstrap
+    v, r = values.detach(), batch["reward"]
+    target = r[4, 1] + 0.9 * v[4, 1]
+    expected_grad = -0.5 * args.baseline_cost * 2 * (target - v[3, 1])
+    torch.testing.assert_close(values.grad[3, 1], expected_grad)
+    # env 0 at step 1 (termination at row 2): target r_2 only
+    expected_grad = -0.5 * args.baseline_cost * 2 * (r[2, 0] - v[1, 0])
+    torch.testing.assert_close(values.grad[1, 0], expected_grad)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The script end to end.
+
+
+def test_import_runs_nothing():
+    out = subprocess.run([sys.executable, "-c", "import impala_vtrace, sys; "
+                          "print(sorted(m for m in sys.modules if m.startswith('envpool')))"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def check_run(run_path, expect_model=True):
+    summary = json.load(open(os.path.join(run_path, "summary.json")))
+    assert summary["total_timesteps"] > 0 and summary["sps"] > 0
+    tags = events_tags(run_path)
+    for tag in ("charts/SPS", "losses/value_loss", "losses/policy_loss", "stats/policy_lag", "stats/rho_mean"):
+        assert tag in tags, (tag, tags)
+    if expect_model:
+        from common.evaluation import main as eval_main
+
+        scores = eval_main([os.path.join(run_path, "model.pt"), "--episodes", "2", "--num-envs", "2"])
+        assert len(scores) == 2
+    return summary
+
+
+@pytest.mark.parametrize("extra", [["--network", "shallow"], ["--network", "deep", "--use-lstm", "--num-actors", "2"]],
+                         ids=["shallow", "deep-lstm"])
+def test_smoke_breakout(tmp_path, extra):
+    run_path = run_script("impala_vtrace.py", ["--env-id", "Breakout-v5", "--total-timesteps", "480",
+                                               "--num-envs", "4", "--batch-size", "4", "--unroll-length", "20",
+                                               "--save-model", "--eval-episodes", "1", *extra], tmp_path)
+    check_run(run_path)
+
+
+def test_smoke_torchrun_two_learners(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "impala_vtrace.py"]
+    run_path = run_script(cmd, ["--env-id", "CartPole-v1", "--total-timesteps", "3200", "--num-envs", "4",
+                                "--batch-size", "8", "--save-model", "--eval-episodes", "1"], tmp_path)
+    check_run(run_path)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--env-id", "Breakot-v5"], "unknown env id"),
+    (["--env-id", "HalfCheetah-v4"], "continuous actions"),
+    (["--env-id", "CartPole-v1", "--unroll-length", "0"], "--unroll-length"),
+    (["--env-id", "CartPole-v1", "--num-envs", "6", "--num-actors", "4"], "--num-envs"),
+    (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
+])
+def test_bad_input_one_clear_line(argv, needle, tmp_path):
+    t = time.time()
+    out = subprocess.run([sys.executable, "impala_vtrace.py", *argv, "--run-dir", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and not os.listdir(tmp_path)  # no work done, no run folder
+    assert time.time() - t < 60
+
+
+def test_batch_must_divide_over_learners(tmp_path):
+    env = dict(os.environ, WORLD_SIZE="2")
+    out = subprocess.run([sys.executable, "impala_vtrace.py", "--env-id", "CartPole-v1", "--batch-size", "5",
+                          "--run-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "--batch-size 5" in out.stderr and "Traceback" not in out.stderr
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.parametrize("victim", ["actor", "learner"])
+def test_killed_process_ends_the_run(tmp_path, victim):
+    proc = subprocess.Popen([sys.executable, "impala_vtrace.py", "--env-id", "CartPole-v1", "--total-timesteps",
+                             "100000000", "--num-envs", "4", "--batch-size", "4", "--eval-episodes", "0",
+                             "--run-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        actors = []
+        while time.time() < deadline and not actors:  # wait for the actors to start
+            time.sleep(1.0)
+            actors = [c for c in _children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+        assert actors, "no actor process started"
+        time.sleep(3.0)
+        if victim == "actor":
+            os.kill(actors[0], signal.SIGKILL)
+            rc = proc.wait(timeout=30)
+            assert rc != 0
+            assert "actor 0 died" in proc.stderr.read()
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert wait_gone(actors, timeout=15), "an actor outlived its learner"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Learning.
+
+
+def test_learns_cartpole(tmp_path):
+    """CartPole-v1: mean return of the last 20 episodes at least 400 within 300k steps, on 2 CPU cores."""
+    run_path = run_script("impala_vtrace.py", ["--env-id", "CartPole-v1", "--total-timesteps", "300000",
+                                               *CARTPOLE_ARGS, "--eval-episodes", "0"], tmp_path, timeout=600)
+    returns = events_tags(run_path, values_of="charts/episodic_return")
+    assert len(returns) >= 20
+    last20 = sum(returns[-20:]) / 20
+    assert last20 >= 400, f"mean return of the last 20 episodes {last20:.1f} < 400"
+
+
+CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "8", "--learning-rate", "2e-3"]
