@@ -257,4 +257,4 @@ def test_learns_cartpole(tmp_path):
     assert last20 >= 400, f"mean return of the last 20 episodes {last20:.1f} < 400"
 
 
-CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "8", "--learning-rate", "2e-3"]
+CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "8", "--learning-rate", "3e-3", "--baseline-cost", "0.1"]
