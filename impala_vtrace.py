@@ -130,6 +130,8 @@ class Args:
     """folder of the run folders"""
     log_interval: float = 5.0
     """seconds between console progress lines"""
+    learner_threads: int = 0
+    """torch threads of a learner process; 0: half the CPU cores (the other half steps the envs)"""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -285,7 +287,8 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
                 if os.getppid() != parent_pid:
                     sys.exit(0)
 
-    envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True)
+    envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True,
+                    num_threads=cfg["env_threads"])
     agent = Agent(**shared_agent.config).to(device)
     agent.load_state_dict(shared_agent.state_dict())
     seen = int(version.item())
@@ -380,10 +383,12 @@ class Learner:
             self.free_q.put(i)
         self.episodes = []
         self.procs = []
+        # the cores the learner leaves free step the envs
+        env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
         for a in range(args.num_actors):
             cfg = dict(env_id=args.env_id, num_envs=envs_per_actor, unroll_length=args.unroll_length,
                        env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
-                       seed=args.seed + 1000 * rank + a, device=str(device))
+                       seed=args.seed + 1000 * rank + a, device=str(device), env_threads=env_threads)
             p = ctx.Process(target=actor_process, daemon=True, name=f"actor-{a}",
                             args=(a, cfg, self.shared_agent, self.version, self.buffers, self.free_q,
                                   self.full_q, self.msg_q, os.getpid()))
@@ -491,6 +496,7 @@ def main(args: Args):
     torch.manual_seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
 
     obs_shape = spec.observation_space.shape
     obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
@@ -527,6 +533,7 @@ def main(args: Args):
     learner = None
     start = time.time()
     global_step, returns, last_log = 0, [], start
+    first_update_time = None  # steady-state SPS leaves out process start and the first batch
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -549,6 +556,8 @@ def main(args: Args):
             policy_lag = (learner.version.item() - batch["version"][:-1].float().mean()).item()
             learner.publish(agent)
             global_step = update * steps_per_update
+            if first_update_time is None:
+                first_update_time = time.time()
             if rank != 0:
                 learner.episodes.clear()
                 continue
@@ -601,6 +610,8 @@ def main(args: Args):
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
         summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
                    "sps": global_step / wall,
+                   "sps_after_first_update": (global_step - steps_per_update) / max(time.time() - first_update_time, 1e-9)
+                   if num_updates > 1 else None,
                    "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                    "eval_mean_return": eval_mean}
         with open(os.path.join(run_path, "summary.json"), "w") as f:

@@ -2,12 +2,13 @@
 
     python benchmarks/throughput.py --env-id Breakout-v5 --num-envs 32 --timesteps 100000
 
-Three figures, in environment steps per second (SPS; frames are 4x that on Atari):
+Four figures, in environment steps per second (SPS; frames are 4x that on Atari):
 1. raw envpool: random actions, the same env, number of envs and async batch as the training run;
 2. a synchronous loop with the same network and batch: step all envs with the policy for an unroll, then one
-   learner update, then the next unroll (no overlap of acting and learning; one pass per batch, so it is
-   faster than PPO with several epochs);
-3. `impala_vtrace.py` itself, from the `summary.json` of a run of `--timesteps` steps.
+   learner update (one pass over the batch), then the next unroll: no overlap of acting and learning;
+3. the same loop with a PPO-style learner (4 epochs of 4 minibatches per batch, CleanRL's Atari settings);
+4. `impala_vtrace.py` itself, from the `summary.json` of a run of `--timesteps` steps: steady state (after
+   the first update) and with start-up (process spawn, first batch) included.
 Prints a Markdown table and writes it as JSON next to this file (or to --out).
 """
 
@@ -48,8 +49,9 @@ def raw_envpool_sps(env_id, num_envs, batch_size, seconds):
             return steps / (time.time() - t0)
 
 
-def sync_loop_sps(env_id, num_envs, unroll, network, seconds, device):
-    """Acting then learning, in turn, with IMPALA's agent and loss (on-policy)."""
+def sync_loop_sps(env_id, num_envs, unroll, network, seconds, device, epochs=1, minibatches=1):
+    """Acting then learning, in turn, with IMPALA's agent and loss (on-policy); with epochs=4, minibatches=4
+    the learner does the work of PPO's Atari settings (4 epochs of 4 minibatches over each batch)."""
     import impala_vtrace as iv
 
     envs = make_env(env_id, num_envs, seed=0)
@@ -80,12 +82,15 @@ def sync_loop_sps(env_id, num_envs, unroll, network, seconds, device):
             steps += num_envs
         batch = {k: torch.stack(v) for k, v in rows.items()}
         T1, B = batch["action"].shape
-        logits, values, _ = agent(batch["obs"], torch.zeros(T1, B, dtype=torch.long, device=device),
-                                  batch["reward"], torch.zeros(T1, B, dtype=torch.bool, device=device))
-        loss, _ = iv.learner_loss(logits, values, batch, args)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        for _ in range(epochs):
+            for cols in torch.randperm(B).chunk(minibatches):
+                mb = {k: v[:, cols] for k, v in batch.items()}
+                z = torch.zeros(T1, len(cols), device=device)
+                logits, values, _ = agent(mb["obs"], z.long(), mb["reward"], z.bool())
+                loss, _ = iv.learner_loss(logits, values, mb, args)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
         if t0 is None:
             t0, steps = time.time(), 0
         elif time.time() - t0 >= seconds:
@@ -99,7 +104,7 @@ def impala_sps(env_id, num_envs, timesteps, network, extra):
                "--run-dir", d, *extra]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         summary = json.load(open(glob.glob(os.path.join(d, "*", "summary.json"))[0]))
-        return summary["sps"]
+        return summary["sps"], summary["sps_after_first_update"]
 
 
 def main():
@@ -117,17 +122,20 @@ def main():
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
     raw = raw_envpool_sps(a.env_id, a.num_envs, max(1, a.num_envs // 2), a.seconds)
     sync = sync_loop_sps(a.env_id, a.num_envs, a.unroll_length, a.network, a.seconds, device)
+    ppo = sync_loop_sps(a.env_id, a.num_envs, a.unroll_length, a.network, a.seconds, device, 4, 4)
     extra = list(a.extra) + ([] if a.cuda else ["--no-cuda"])
-    impala = impala_sps(a.env_id, a.num_envs, a.timesteps, a.network, extra)
+    impala_total, impala = impala_sps(a.env_id, a.num_envs, a.timesteps, a.network, extra)
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
                + (f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ""))
     result = {"env_id": a.env_id, "num_envs": a.num_envs, "network": a.network, "machine": machine,
-              "raw_envpool_sps": raw, "sync_loop_sps": sync, "impala_vtrace_sps": impala,
-              "impala_over_raw": impala / raw, "impala_over_sync": impala / sync}
-    print(f"| env | envs | network | machine | raw envpool SPS | sync loop SPS | impala_vtrace SPS | "
-          f"impala / raw | impala / sync |\n|---|---|---|---|---|---|---|---|---|\n"
-          f"| {a.env_id} | {a.num_envs} | {a.network} | {machine} | {raw:.0f} | {sync:.0f} | {impala:.0f} | "
-          f"{impala / raw:.2f} | {impala / sync:.2f} |")
+              "raw_envpool_sps": raw, "sync_loop_sps": sync, "sync_ppo_style_sps": ppo,
+              "impala_vtrace_sps": impala, "impala_vtrace_sps_with_startup": impala_total,
+              "impala_over_raw": impala / raw, "impala_over_sync": impala / sync, "impala_over_ppo_style": impala / ppo}
+    print(f"| env | envs | network | machine | raw envpool | sync 1 pass | sync PPO-style | impala_vtrace | "
+          f"impala / raw | impala / sync | impala / PPO-style |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+          f"| {a.env_id} | {a.num_envs} | {a.network} | {machine} | {raw:.0f} | {sync:.0f} | {ppo:.0f} | "
+          f"{impala:.0f} ({impala_total:.0f} with start-up) | {impala / raw:.2f} | {impala / sync:.2f} | "
+          f"{impala / ppo:.2f} |")
     out = a.out or os.path.join(ROOT, "benchmarks", f"throughput_{a.env_id}_{a.network}_{device.type}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
