@@ -1,0 +1,125 @@
+"""common/: networks, envs (episode bookkeeping, checks), evaluation helpers."""
+
+import os
+import struct
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.envs import EpisodeTracker, UsageError, env_spec, make_env  # noqa: E402
+from common.evaluation import write_apng  # noqa: E402
+from common.networks import LSTMCore, PolicyValueHeads, ResNetTorso, ShallowTorso, make_torso  # noqa: E402
+
+
+def test_torsos_shapes_and_layer_counts():
+    x = torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8)
+    shallow = ShallowTorso((4, 84, 84))
+    assert shallow(x).shape == (3, 256)
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in shallow.modules()) == 2
+    for channels in [(16, 32, 32), (64, 128, 128)]:
+        deep = ResNetTorso((4, 84, 84), channels)
+        assert deep(x).shape == (3, 256)
+        convs = [m for m in deep.modules() if isinstance(m, torch.nn.Conv2d)]
+        assert len(convs) == 15 and [c.out_channels for c in convs[::5]] == list(channels)
+    assert make_torso((4,))(torch.randn(5, 4)).shape == (5, 64)
+
+
+def test_uint8_and_float_pixels_agree():
+    torso = ShallowTorso((4, 84, 84))
+    x = torch.randint(0, 256, (2, 4, 84, 84), dtype=torch.uint8)
+    torch.testing.assert_close(torso(x), torso(x.float() / 255.0))
+
+
+def test_lstm_core_resets_state_at_episode_start():
+    torch.manual_seed(0)
+    core = LSTMCore(8, num_actions=3, hidden=16)
+    T, B = 6, 2
+    feats, act, rew = torch.randn(T, B, 8), torch.randint(0, 3, (T, B)), torch.randn(T, B)
+    first = torch.zeros(T, B, dtype=torch.bool)
+    first[3, 0] = True
+    state = (torch.randn(B, 16), torch.randn(B, 16))
+    out, _ = core(feats, act, rew, first, state)
+    # env 0 from t = 3 equals a fresh run from a zero state
+    fresh, _ = core(feats[3:, :1], act[3:, :1], rew[3:, :1], torch.zeros(T - 3, 1, dtype=torch.bool),
+                    core.initial_state(1))
+    torch.testing.assert_close(out[3:, :1], fresh)
+    # the previous action and reward are inputs
+    out2, _ = core(feats, (act + 1) % 3, rew, first, state)
+    assert not torch.allclose(out, out2)
+
+
+def test_heads():
+    logits, value = PolicyValueHeads(10, 4)(torch.randn(7, 10))
+    assert logits.shape == (7, 4) and value.shape == (7,)
+
+
+def test_episode_tracker_sums_raw_reward_over_lives_and_resets_on_truncation():
+    """Scripted Atari-like env: life losses end training episodes but not the game; the reset step after each
+    end is not counted; a truncation with lives left ends the game's statistics too."""
+    tr = EpisodeTracker(1)
+    ids = np.array([0])
+    steps = [  # (raw reward, terminated (life lost), truncated, game over)
+        (1.0, False, False, False), (4.0, True, False, False),  # life lost
+        (0.0, False, False, False),  # envpool's reset step after the life loss
+        (2.0, False, False, False), (0.0, True, False, True),  # game over: score 7, length 4
+        (0.0, False, False, False),  # reset step
+        (5.0, False, False, False), (1.0, False, True, False),  # truncated, lives left: score 6, length 2
+        (0.0, False, False, False), (3.0, False, False, False),  # reset step, then a real step
+    ]
+    ended = []
+    for raw, term, trunc, over in steps:
+        info = {"reward": np.array([raw]), "terminated": np.array([int(over)])}
+        ended += tr.step(ids, np.sign(np.array([raw])), np.array([term]), np.array([trunc]), info)
+    assert ended == [(0, 7.0, 4), (0, 6.0, 2)]
+    assert tr.ret[0] == 3.0 and tr.len[0] == 1
+
+
+def test_episode_tracker_on_real_breakout_with_episodic_life():
+    env = make_env("Breakout-v5", 2, seed=3, training=True)
+    tr = EpisodeTracker(2)
+    obs, info = env.reset()
+    life_losses, games, raw_sum = 0, [], 0.0
+    while len(games) < 2:
+        obs, r, term, trunc, info = env.step(np.random.randint(0, 4, 2), info["env_id"])
+        assert set(np.unique(r)) <= {-1.0, 0.0, 1.0}  # training rewards are clipped
+        life_losses += int(term.sum())
+        games += tr.step(info["env_id"], r, term, trunc, info)
+    assert life_losses >= 2 * 5 - 1  # each game has 5 lives, each one a training episode
+    assert all(length > 0 for _, _, length in games)
+
+
+def test_env_checks():
+    assert hasattr(env_spec("CartPole-v1", discrete=True).action_space, "n")
+    with pytest.raises(UsageError, match="did you mean"):
+        env_spec("CartPol-v1")
+    with pytest.raises(UsageError, match="continuous actions"):
+        env_spec("Pendulum-v1", discrete=True)
+    with pytest.raises(UsageError, match="discrete actions"):
+        env_spec("CartPole-v1", discrete=False)
+
+
+def test_apng_is_a_valid_animated_png(tmp_path):
+    frames = [np.full((6, 5, 3), i * 40, np.uint8) for i in range(3)]
+    path = os.path.join(tmp_path, "v", "a.png")
+    write_apng(path, frames)
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, []
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
+        chunks.append((kind, body))
+        pos += 12 + n
+    kinds = [k for k, _ in chunks]
+    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND"
+    assert struct.unpack(">II", chunks[1][1]) == (3, 0) and kinds.count(b"fcTL") == 3
+    first = zlib.decompress(dict(chunks)[b"IDAT"])
+    assert len(first) == 6 * (1 + 5 * 3) and first[1] == 0
+    last = zlib.decompress([b for k, b in chunks if k == b"fdAT"][-1][4:])
+    assert last[1] == 80
