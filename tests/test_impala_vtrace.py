@@ -168,13 +168,15 @@ def check_run(run_path, expect_model=True):
     return summary
 
 
-@pytest.mark.parametrize("extra", [["--network", "shallow"], ["--network", "deep", "--use-lstm", "--num-actors", "2"]],
-                         ids=["shallow", "deep-lstm"])
+@pytest.mark.parametrize("extra", [["--network", "shallow", "--capture-video"],
+                                   ["--network", "deep", "--use-lstm", "--num-actors", "2"]], ids=["shallow", "deep-lstm"])
 def test_smoke_breakout(tmp_path, extra):
     run_path = run_script("impala_vtrace.py", ["--env-id", "Breakout-v5", "--total-timesteps", "480",
                                                "--num-envs", "4", "--batch-size", "4", "--unroll-length", "20",
                                                "--save-model", "--eval-episodes", "1", *extra], tmp_path)
     check_run(run_path)
+    video = os.path.join(run_path, "videos", "eval_episode_0.png")
+    assert os.path.isfile(video) == ("--capture-video" in extra)
 
 
 def test_smoke_torchrun_two_learners(tmp_path):
@@ -215,7 +217,7 @@ def _children(pid):
     return [int(p) for p in out.stdout.split()]
 
 
-@pytest.mark.parametrize("victim", ["actor", "learner"])
+@pytest.mark.parametrize("victim", ["actor", "learner", "sigint", "sigterm"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     proc = subprocess.Popen([sys.executable, "impala_vtrace.py", "--env-id", "CartPole-v1", "--total-timesteps",
                              "100000000", "--num-envs", "4", "--batch-size", "4", "--eval-episodes", "0",
@@ -234,9 +236,12 @@ def test_killed_process_ends_the_run(tmp_path, victim):
             rc = proc.wait(timeout=30)
             assert rc != 0
             assert "actor 0 died" in proc.stderr.read()
-        else:
+        elif victim == "learner":
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+        else:  # Ctrl-C or a polite kill: the run stops and takes its actors with it
+            os.kill(proc.pid, signal.SIGINT if victim == "sigint" else signal.SIGTERM)
+            assert proc.wait(timeout=30) != 0
         assert wait_gone(actors, timeout=15), "an actor outlived its learner"
     finally:
         if proc.poll() is None:
