@@ -305,14 +305,16 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
         ids = info["env_id"]
         if os.getppid() != parent_pid:
             return
-        if int(version.item()) != seen:
-            seen = int(version.item())
+        latest = int(version.item())
+        if latest != seen:
+            seen = latest
             agent.load_state_dict(shared_agent.state_dict())
         ids_t = torch.from_numpy(ids).long()
+        ids_dev = ids_t.to(device)
         first = torch.from_numpy(ended[ids])
         obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
         prev = torch.where(first, 0, prev_action[ids_t])
-        state_before = tuple(s[ids_t.to(device)] for s in state)
+        state_before = tuple(s[ids_dev] for s in state)
         with torch.no_grad():
             logits, _, state_after = agent(obs_t.to(device)[None], prev.to(device)[None], reward_t.to(device)[None],
                                            first.to(device)[None], state_before)
@@ -333,7 +335,7 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
             buffers["core_h"][sl[start]] = h0[start]
             buffers["core_c"][sl[start]] = c0[start]
             for s, s_new in zip(state, state_after):
-                s[ids_t.to(device)] = s_new
+                s[ids_dev] = s_new
         prev_action[ids_t] = action_cpu
         ended[ids] = done_now
         pos[ids] += 1
