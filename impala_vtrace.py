@@ -612,7 +612,7 @@ def main(args: Args):
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
         summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
                    "sps": global_step / wall,
-                   "sps_after_first_update": (global_step - steps_per_update) / max(time.time() - first_update_time, 1e-9)
+                   "sps_after_first_update": (global_step - steps_per_update) / max(start + wall - first_update_time, 1e-9)
                    if num_updates > 1 else None,
                    "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                    "eval_mean_return": eval_mean}

@@ -46,21 +46,24 @@ def is_atari(env_id: str) -> bool:
 
 
 def make_env(env_id: str, num_envs: int, seed: int, batch_size: int | None = None, training: bool = True,
-             render: bool = False, num_threads: int | None = None):
+             render: bool = False, num_threads: int | None = None, episodic_life: bool | None = None,
+             reward_clip: bool | None = None):
     """An envpool (gymnasium API) of `num_envs` copies; async when `batch_size < num_envs`.
 
     Atari (Espeholt et al. 2018, Table G.1; Mnih et al. 2015): 84x84 grey, 4 stacked frames, action repeat 4
     with a max-pool over the last 2 frames, up to 30 no-op starts, at most 108,000 frames (27,000 steps) an
     episode, sticky actions off. For training only (`training=True`), a lost life ends the training episode
     and rewards are clipped to [-1, 1]; the raw reward stays in `info["reward"]` and `info["terminated"]`
-    marks game over, so game scores are always the unclipped sum over all lives.
+    marks game over, so game scores are always the unclipped sum over all lives. `episodic_life` and
+    `reward_clip` override these two training settings (V-MPO's single-task Atari uses neither).
     """
     envpool = _envpool()
     batch_size = batch_size or num_envs
     kwargs = dict(env_type="gymnasium", num_envs=num_envs, batch_size=batch_size, seed=seed,
                   num_threads=num_threads or min(batch_size, os.cpu_count() or 1))
     if is_atari(env_id):
-        kwargs.update(episodic_life=training, reward_clip=training, noop_max=30, stack_num=4, frame_skip=4,
+        kwargs.update(episodic_life=training if episodic_life is None else episodic_life,
+                      reward_clip=training if reward_clip is None else reward_clip, noop_max=30, stack_num=4, frame_skip=4,
                       repeat_action_probability=0.0, max_episode_steps=27000)
     if render:
         kwargs["render_mode"] = "rgb_array"

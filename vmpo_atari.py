@@ -1,0 +1,757 @@
+"""V-MPO for discrete actions (Atari and any envpool discrete task).
+
+Song, Abdolmaleki, Springenberg, Clark, Soyer, Rae, Noury, Ahuja, Liu, Tirumala, Heess, Belov, Riedmiller,
+Botvinick (2020), "V-MPO: On-Policy Maximum a Posteriori Policy Optimization for Discrete and Continuous
+Control".
+
+An approximate policy iteration: a *target* network acts in the environments and stays fixed for T_target
+learning steps; meanwhile the *online* network learns its value function from n-step returns and improves its
+policy in two steps. The E-step builds a non-parametric distribution ψ over the batch's state-action pairs:
+the top half of the advantages, weighted by exp(A/η), with the temperature η a Lagrange multiplier that keeps
+ψ within ε_η (in KL) of the data. The M-step fits the policy to ψ by weighted maximum likelihood, inside a KL
+trust region KL(π_target ‖ π_online) < ε_α enforced by a second multiplier α. A PopArt value head keeps the
+value loss on the same scale whatever the game's reward scale, so no reward clipping is needed.
+
+| paper                                                           | here                                     |
+|-----------------------------------------------------------------|------------------------------------------|
+| Algorithm 1: target network, refreshed every T_target steps      | `Learner.publish` every `--target-update-period` |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `nstep_returns`                          |
+| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `vmpo_loss`, `common/popart.py`          |
+| Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `vmpo_loss`        |
+| Eq. (13) temperature loss L_η                                    | `vmpo_weights` -> eta_loss               |
+| Eq. (14) KL trust region L_α with stop-gradients                 | `categorical_kl`, `kl_constraint_loss`   |
+| Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step         | `LagrangeMultipliers.project`            |
+| Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
+| Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target              | `Args` defaults                          |
+
+Choices the paper leaves open, and what is done here:
+- Losses are means: ψ sums to one over the batch, L_V = 1/(2|D|) Σ (V − G)², the KL is averaged over |D|.
+- The value loss is computed in PopArt's normalised space, and the advantages too: A = (G − V)/σ. This makes η
+  comparable across tasks (multi-task) and across training; the top-half selection and ψ are unchanged by
+  any positive scaling except through η, which adapts.
+- PopArt's statistics are updated with the batch's returns first, then the loss is taken with the new
+  statistics (van Hasselt et al. 2016, Algorithm 1).
+- The actors act with the target network, so the logits they store are π_target's: the KL of Eq. (14) is taken
+  against them, with no second forward pass. Unrolls collected just before a target refresh and consumed
+  just after it (a fraction of about lag/T_target, logged as `stats/stale_fraction`) use the previous
+  target's logits, the policy that actually produced them.
+- η and α are plain parameters projected to at least 1e-8 after every Adam step, as in the paper.
+- For single-task Atari the paper uses a Transformer-XL core; this script has the multi-task agent's LSTM
+  (Appendix F) or no core (`--no-use-lstm`). Table 6's single-task settings are the defaults: γ = 0.997, no
+  reward clipping, no end-of-life episodes; `--reward-clip --episodic-life --gamma 0.99 --target-update-period
+  100` gives the multi-task settings.
+- With several learner processes (torchrun), each takes the top half and normalises ψ within its own share of
+  the batch, as the paper's TPU replicas did (Appendix F, implementation note); gradients are averaged.
+
+envpool resets an environment on the step *after* an episode ends; that step is no transition and is masked
+out of every loss. Its n-step return is set to V(x_k), so that a time-limit truncation bootstraps from the value
+of the last observation; termination has discount 0.
+
+    python vmpo_atari.py --env-id Breakout-v5
+    torchrun --nproc_per_node 2 vmpo_atari.py --env-id Pong-v5 --num-envs 128
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
+from common.networks import LSTMCore, make_torso
+from common.popart import PopArt
+
+
+@dataclass
+class Args:
+    env_id: str = "Breakout-v5"
+    """envpool task id (any discrete-action task: Atari *-v5, CartPole-v1, ...)"""
+    exp_name: str = "vmpo_atari"
+    """name of this experiment, part of the run folder's name"""
+    seed: int = 1
+    """seed of torch, numpy and the environments (actor a of learner r uses seed + 1000 r + a)"""
+    torch_deterministic: bool = True
+    """torch.backends.cudnn.deterministic"""
+    cuda: bool = True
+    """learner and actors' inference on the GPU when there is one"""
+    total_timesteps: int = 50_000_000
+    """environment steps in all (200M frames at action repeat 4)"""
+    num_envs: int = 64
+    """environments per learner process, split evenly over its actors"""
+    env_batch_size: int = 0
+    """envs returned per envpool step (async when below envs per actor); 0: half of each actor's envs"""
+    num_actors: int = 1
+    """actor processes per learner process"""
+    unroll_length: int = 63
+    """n, unroll length (Appendix F, Atari)"""
+    batch_size: int = 128
+    """B, unrolls per learning step, over all learner processes (Appendix F, Atari)"""
+    target_update_period: int = 1000
+    """T_target, learning steps between target-network refreshes (Table 6, single-task; 100 multi-task)"""
+    learning_rate: float = 1e-4
+    """Adam learning rate for everything (Sec. 4.3)"""
+    adam_eps: float = 1e-8
+    """Adam ε (the paper's TensorFlow default)"""
+    max_grad_norm: float = 0.0
+    """global gradient-norm clipping threshold; 0: none (the paper mentions none)"""
+    gamma: float = 0.997
+    """γ, agent discount (Table 6, single-task; 0.99 multi-task)"""
+    eps_eta: float = 0.1
+    """ε_η, bound of the temperature dual: KL of ψ from the data (Table 6)"""
+    eps_alpha: float = 0.007
+    """ε_α, bound of KL(π_target ‖ π_online) (Table 6: log-uniform in [0.005, 0.01); its geometric middle)"""
+    init_eta: float = 1.0
+    """initial η, temperature (Table 1)"""
+    init_alpha: float = 5.0
+    """initial α, KL multiplier (Table 1)"""
+    min_multiplier: float = 1e-8
+    """η_min = α_min, projection of η and α after every step (Sec. 4.2.2)"""
+    top_fraction: float = 0.5
+    """fraction of the batch's highest advantages used in the E-step (Sec. 4.2.1, 'top-k')"""
+    popart_beta: float = 1e-4
+    """PopArt statistics step size (Sec. 4.1)"""
+    popart_scale_lower: float = 1e-2
+    """PopArt lower bound of σ (Sec. 4.1)"""
+    popart_scale_upper: float = 1e6
+    """PopArt upper bound of σ (Sec. 4.1)"""
+    reward_clip: bool = False
+    """Atari: clip training rewards to [-1, 1] (Table 6: no clipping single-task, [-1, 1] multi-task)"""
+    episodic_life: bool = False
+    """Atari: a lost life ends the training episode, discount 0 (Table 6: not single-task, yes multi-task)"""
+    network: Literal["deep", "shallow"] = "deep"
+    """torso for pixels: deep ResNet (App. F) or the shallow A3C network; vectors get an MLP"""
+    channels: tuple[int, ...] = (64, 128, 128)
+    """ResNet channels per section (App. F: (64, 128, 128)); 2 values for the shallow torso"""
+    use_lstm: bool = True
+    """LSTM core fed the previous action and reward (Fig. 1b); --no-use-lstm for a feed-forward agent"""
+    lstm_size: int = 256
+    """LSTM hidden units (App. F)"""
+    head_hidden: int = 256
+    """hidden units of the policy and value MLP heads (App. F)"""
+    mlp_hidden: tuple[int, ...] = (64, 64)
+    """hidden layers of the MLP torso for vector observations"""
+    save_model: bool = False
+    """write model.pt (weights, PopArt statistics and what evaluation needs) in the run folder"""
+    capture_video: bool = False
+    """record the first evaluation episode as an animated PNG under the run folder"""
+    eval_episodes: int = 10
+    """evaluation episodes at the end of training (0: none)"""
+    run_dir: str = "runs"
+    """folder of the run folders"""
+    log_interval: float = 5.0
+    """seconds between console progress lines"""
+    learner_threads: int = 0
+    """torch threads of a learner process; 0: half the CPU cores (the other half steps the envs)"""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paper's math: pure functions of time-major [T, B] tensors.
+
+
+@torch.no_grad()
+def nstep_returns(rewards, discounts, bootstrap_value):
+    """Eq. (1): G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(s_n) for every ℓ of an unroll
+    of length n, with per-step discounts γ_i = γ (1 − done_i). `[T, B]` inputs, bootstrap_value `[B]`."""
+    acc = bootstrap_value
+    out = []
+    for t in reversed(range(rewards.shape[0])):
+        acc = rewards[t] + discounts[t] * acc
+        out.append(acc)
+    return torch.stack(out[::-1])
+
+
+def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
+    """The E-step, Eqs. (12)-(13), on the top `top_fraction` of the advantages of the batch.
+
+    ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) on the k highest advantages D̃ (exactly k = ⌊fraction · |D|⌋ ≥ 1
+    samples, by `topk`, so ties cannot let more in), 0 elsewhere; `psi` has the advantages' shape, sums to one
+    and carries no gradient. L_η = η ε_η + η log( (1/|D̃|) Σ_{D̃} exp(A/η) ), differentiable in η only, on the
+    same k samples. `mask` (bool, the advantages' shape) leaves samples out of D.
+    """
+    adv = advantages.detach().reshape(-1)
+    valid = torch.ones_like(adv, dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
+    n = int(valid.sum())
+    if n == 0:
+        return torch.zeros_like(advantages), eta * eps_eta
+    k = max(1, int(n * top_fraction))
+    top_values, top_index = adv.masked_fill(~valid, -math.inf).topk(k)
+    weights = torch.softmax(top_values / eta.detach(), dim=0)
+    psi = torch.zeros_like(adv).scatter(0, top_index, weights).view_as(advantages)
+    eta_loss = eta * eps_eta + eta * (torch.logsumexp(top_values / eta, dim=0) - math.log(k))
+    return psi, eta_loss
+
+
+def categorical_kl(target_logits, online_logits):
+    """KL(π_target ‖ π_online) per state for categorical policies `[..., A] -> [...]`; π_target carries no
+    gradient."""
+    target_logp = F.log_softmax(target_logits.detach(), dim=-1)
+    online_logp = F.log_softmax(online_logits, dim=-1)
+    return (target_logp.exp() * (target_logp - online_logp)).sum(-1)
+
+
+def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
+    """Eq. (14): L_α = (1/|D|) Σ_D [ α (ε_α − sg[KL]) + sg[α] KL ], over the full batch D.
+
+    The first term moves α (up when the KL exceeds ε_α, down when below); the second is the trust region on the
+    policy, with α held fixed. Returns (loss, mean KL)."""
+    m = torch.ones_like(kl) if mask is None else mask.float()
+    kl_mean = (m * kl).sum() / m.sum().clamp(min=1)
+    return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
+
+
+def vmpo_loss(logits, value_features, batch, agent, multipliers, args):
+    """Eq. (10): L_V + L_π + L_η + L_α on a batch of unrolls; updates PopArt's statistics first.
+
+    `logits [T+1, B, A]`, `value_features [T+1, B, H]` from the online network on rows 0..T of the unrolls (row T
+    only bootstraps); transition k goes from row k to row k+1; `batch["logits"]` are π_target's (the actors').
+    Returns (loss, stats).
+    """
+    popart = agent.popart
+    task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
+    with torch.no_grad():
+        values = popart.unnormalize(popart(value_features)[..., 0], task)  # online V, unnormalised
+    reset_step = batch["ended"][:-1]  # row k ended an episode: step k is envpool's reset step
+    mask = ~reset_step
+    discounts = args.gamma * (~batch["terminated"][1:]).float()
+    discounts = torch.where(reset_step, 0.0, discounts)
+    rewards = torch.where(reset_step, values[:-1], batch["reward"][1:])  # G_k = V(x_k) at a reset step
+    returns = nstep_returns(rewards, discounts, values[-1])
+
+    popart.update(returns[mask], task[:-1][mask])  # new μ, σ; the layer is rescaled to keep V(s) unchanged
+    value_norm = popart(value_features[:-1])[..., 0]
+    returns_norm = popart.normalize(returns, task[:-1])
+    n = mask.sum().clamp(min=1)
+    value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
+
+    advantages = returns_norm - value_norm.detach()  # (G − V)/σ
+    psi, eta_loss = vmpo_weights(advantages, multipliers.eta, args.eps_eta, mask, args.top_fraction)
+    logp_all = F.log_softmax(logits[:-1], dim=-1)
+    logp = logp_all.gather(-1, batch["action"][:-1].unsqueeze(-1)).squeeze(-1)
+    policy_loss = -(psi * logp).sum()
+    kl = categorical_kl(batch["logits"][:-1], logits[:-1])
+    alpha_loss, kl_mean = kl_constraint_loss(kl, multipliers.alpha, args.eps_alpha, mask)
+
+    with torch.no_grad():
+        selected = psi > 0
+        k = selected.sum().clamp(min=1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        stats = {"losses/value_loss": value_loss, "losses/policy_loss": policy_loss, "losses/eta_loss": eta_loss,
+                 "losses/alpha_loss": alpha_loss, "stats/kl": kl_mean, "stats/eta": multipliers.eta.detach(),
+                 "stats/alpha": multipliers.alpha.detach(),
+                 "stats/kl_psi": (psi[selected] * (psi[selected] * k).log()).sum(),  # KL(ψ ‖ uniform on D̃)
+                 "stats/entropy": (mask * entropy).sum() / n, "stats/advantage_mean": (mask * advantages).sum() / n,
+                 "stats/value_mean": (mask * values[:-1]).sum() / n, "stats/popart_mu": popart.mu[0],
+                 "stats/popart_sigma": popart.sigma[0]}
+    return value_loss + policy_loss + eta_loss + alpha_loss, stats
+
+
+class LagrangeMultipliers(nn.Module):
+    """η (temperature, Eq. 13) and α (KL multiplier, Eq. 14), learned by the same Adam as the networks."""
+
+    def __init__(self, eta=1.0, alpha=5.0):
+        super().__init__()
+        self.eta = nn.Parameter(torch.tensor(float(eta)))
+        self.alpha = nn.Parameter(torch.tensor(float(alpha)))
+
+    @torch.no_grad()
+    def project(self, minimum=1e-8):
+        """Sec. 4.2.2: η ← max(η, η_min), α ← max(α, α_min)."""
+        self.eta.clamp_(min=minimum)
+        self.alpha.clamp_(min=minimum)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The agent (Fig. 1b, Appendix F).
+
+
+class Agent(nn.Module):
+    """Torso (ResNet for pixels, MLP for vectors), optional LSTM core fed the previous action and reward, and
+    two 256-unit MLP heads: policy logits (readout initialised to zero: a uniform policy at the start) and a
+    PopArt value readout."""
+
+    def __init__(self, obs_shape, num_actions, network="deep", channels=(64, 128, 128), use_lstm=True,
+                 lstm_size=256, head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4,
+                 popart_scale_lower=1e-2, popart_scale_upper=1e6):
+        super().__init__()
+        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, network=network,
+                           channels=tuple(channels), use_lstm=use_lstm, lstm_size=lstm_size, head_hidden=head_hidden,
+                           mlp_hidden=tuple(mlp_hidden), num_tasks=num_tasks, popart_beta=popart_beta,
+                           popart_scale_lower=popart_scale_lower, popart_scale_upper=popart_scale_upper)
+        self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
+        self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
+        n = self.core.out_features if use_lstm else self.torso.out_features
+        self.policy_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
+        self.policy = nn.Linear(head_hidden, num_actions)
+        nn.init.zeros_(self.policy.weight)
+        nn.init.zeros_(self.policy.bias)
+        self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
+        self.popart = PopArt(head_hidden, num_tasks, popart_beta, popart_scale_lower, popart_scale_upper)
+
+    def initial_state(self, batch_size, device=None):
+        return self.core.initial_state(batch_size, device) if self.core is not None else ()
+
+    def forward(self, obs, prev_action, prev_reward, first, state=()):
+        """Time-major inputs `[T, B, ...]`; returns logits `[T, B, A]`, the value head's features `[T, B, H]`
+        (normalised values are `self.popart(features)`) and the core state."""
+        T, B = first.shape
+        x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
+        if self.core is not None:
+            x, state = self.core(x.view(T, B, -1), prev_action, prev_reward, first, state)
+        x = x.reshape(T, B, -1)
+        return self.policy(self.policy_mlp(x)), self.value_mlp(x), state
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: it keeps the LSTM
+    state and previous action itself; rewards are clipped as in training."""
+    agent = Agent(**checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])
+    agent.eval()
+    clip = checkpoint["reward_clip"]
+    state = agent.initial_state(num_envs, device)
+    prev_action = torch.zeros(num_envs, dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        nonlocal state, prev_action
+        first_t = torch.as_tensor(first, device=device).bool()
+        r = torch.as_tensor(rewards, device=device).float()
+        r = r.clamp(-1, 1) if clip else r
+        prev = torch.where(first_t, 0, prev_action)
+        logits, _, state = agent(torch.as_tensor(obs, device=device)[None], prev[None], r[None], first_t[None],
+                                 state)
+        prev_action = logits[0].argmax(-1) if greedy else torch.distributions.Categorical(logits=logits[0]).sample()
+        return prev_action.cpu().numpy()
+
+    return policy
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Acting (with the target network). Row t of an unroll holds obs_t, the reward and end flags that came with
+# obs_t, the action taken at obs_t and the target policy's logits. An unroll has T+1 rows; its last row is the
+# next unroll's first.
+
+
+def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
+    specs = {"obs": ((T + 1, *obs_shape), obs_dtype), "reward": ((T + 1,), torch.float32),
+             "ended": ((T + 1,), torch.bool), "terminated": ((T + 1,), torch.bool), "first": ((T + 1,), torch.bool),
+             "action": ((T + 1,), torch.long), "prev_action": ((T + 1,), torch.long),
+             "logits": ((T + 1, num_actions), torch.float32), "version": ((T + 1,), torch.long)}
+    if use_lstm:
+        specs.update(core_h=((lstm_size,), torch.float32), core_c=((lstm_size,), torch.float32))
+    return specs
+
+
+def actor_process(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
+    """Entry point of an actor process: runs `act` and reports its traceback if it fails."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
+    try:
+        torch.set_num_threads(1)
+        act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid)
+    except Exception:
+        msg_q.put(("error", actor_id, traceback.format_exc()))
+        sys.exit(1)
+
+
+def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
+    """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls."""
+    T, n, device = cfg["unroll_length"], cfg["num_envs"], torch.device(cfg["device"])
+
+    def next_slot():
+        while True:
+            try:
+                return free_q.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent_pid:
+                    sys.exit(0)
+
+    envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True,
+                    num_threads=cfg["env_threads"], episodic_life=cfg["episodic_life"], reward_clip=cfg["reward_clip"])
+    agent = Agent(**target_agent.config).to(device)
+    agent.load_state_dict(target_agent.state_dict())
+    seen = int(version.item())
+    slot = np.array([next_slot() for _ in range(n)])
+    pos = np.zeros(n, np.int64)
+    ended = np.zeros(n, bool)
+    prev_action = torch.zeros(n, dtype=torch.long)
+    state = agent.initial_state(n, device)
+    tracker = EpisodeTracker(n)
+    use_lstm = agent.core is not None
+    envs.async_reset()
+    while True:
+        obs, reward, term, trunc, info = envs.recv()
+        ids = info["env_id"]
+        if os.getppid() != parent_pid:
+            return
+        latest = int(version.item())
+        if latest != seen:  # θ_target ← θ_online happened in the learner
+            seen = latest
+            agent.load_state_dict(target_agent.state_dict())
+        ids_t = torch.from_numpy(ids).long()
+        ids_dev = ids_t.to(device)
+        first = torch.from_numpy(ended[ids])
+        obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
+        prev = torch.where(first, 0, prev_action[ids_t])
+        state_before = tuple(s[ids_dev] for s in state)
+        with torch.no_grad():
+            logits, _, state_after = agent(obs_t.to(device)[None], prev.to(device)[None], reward_t.to(device)[None],
+                                           first.to(device)[None], state_before)
+            action = torch.distributions.Categorical(logits=logits[0]).sample()
+        action_cpu = action.cpu()
+        envs.send(action_cpu.numpy(), ids)  # the envs step while this process does the bookkeeping
+
+        sl, p = torch.from_numpy(slot[ids]), torch.from_numpy(pos[ids])
+        done_now = term | trunc
+        row = {"obs": obs_t, "reward": reward_t, "ended": torch.from_numpy(done_now),
+               "terminated": torch.from_numpy(term), "first": first, "action": action_cpu, "prev_action": prev,
+               "logits": logits[0].cpu(), "version": torch.full((len(ids),), seen, dtype=torch.long)}
+        for k, v in row.items():
+            buffers[k][sl, p] = v
+        if use_lstm:
+            h0, c0 = (s.cpu() for s in state_before)
+            start = p == 0  # the first unroll of an env: its initial state is the one before row 0
+            buffers["core_h"][sl[start]] = h0[start]
+            buffers["core_c"][sl[start]] = c0[start]
+            for s, s_new in zip(state, state_after):
+                s[ids_dev] = s_new
+        prev_action[ids_t] = action_cpu
+        ended[ids] = done_now
+        pos[ids] += 1
+        for i in np.flatnonzero(pos[ids] == T + 1):
+            e = ids[i]
+            new = next_slot()
+            for k in row:  # the last row of this unroll is the first row of the next
+                buffers[k][new, 0] = buffers[k][slot[e], T]
+            if use_lstm:
+                buffers["core_h"][new] = h0[i]
+                buffers["core_c"][new] = c0[i]
+            full_q.put(int(slot[e]))
+            slot[e], pos[e] = new, 1
+        for _, score, length in tracker.step(ids, reward, term, trunc, info):
+            msg_q.put(("episode", score, length))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Learning and process plumbing.
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Learner:
+    """Owns the actor processes of one learner process, the target network they act with (in shared memory),
+    and hands out batches of their unrolls."""
+
+    def __init__(self, args, agent, obs_shape, obs_dtype, num_actions, device, rank):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.args, self.device = args, device
+        self.local_batch = args.batch_size // _world_size()
+        envs_per_actor = args.num_envs // args.num_actors
+        num_slots = args.num_envs + 4 * self.local_batch
+        self.specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm,
+                                  args.lstm_size)
+        self.buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_()
+                        for k, (shape, dt) in self.specs.items()}
+        self.target_agent = Agent(**agent.config)
+        self.target_agent.load_state_dict(agent.state_dict())
+        self.target_agent.share_memory()
+        self.version = torch.zeros(1, dtype=torch.long).share_memory_()
+        self.free_q, self.full_q, self.msg_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        for i in range(num_slots):
+            self.free_q.put(i)
+        self.episodes = []
+        self.procs = []
+        # the cores the learner leaves free step the envs
+        env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
+        for a in range(args.num_actors):
+            cfg = dict(env_id=args.env_id, num_envs=envs_per_actor, unroll_length=args.unroll_length,
+                       env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
+                       seed=args.seed + 1000 * rank + a, device=str(device), env_threads=env_threads,
+                       episodic_life=args.episodic_life, reward_clip=args.reward_clip)
+            p = ctx.Process(target=actor_process, daemon=True, name=f"actor-{a}",
+                            args=(a, cfg, self.target_agent, self.version, self.buffers, self.free_q,
+                                  self.full_q, self.msg_q, os.getpid()))
+            p.start()
+            self.procs.append(p)
+
+    def poll(self):
+        """Collect episode reports; raise WorkerError with the traceback if an actor died."""
+        while True:
+            try:
+                msg = self.msg_q.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "episode":
+                self.episodes.append(msg[1:])
+            else:
+                raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
+        for a, p in enumerate(self.procs):
+            if not p.is_alive():
+                time.sleep(0.5)  # give a failing actor's traceback time to arrive
+                try:
+                    msg = self.msg_q.get(timeout=1.0)
+                    if msg[0] == "error":
+                        raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
+                except queue.Empty:
+                    pass
+                raise WorkerError(f"actor {a} died with exit code {p.exitcode}")
+
+    def next_batch(self):
+        """`local_batch` unrolls, time-major `[T+1, B, ...]`, on the learner's device."""
+        idx = []
+        while len(idx) < self.local_batch:
+            try:
+                idx.append(self.full_q.get(timeout=1.0))
+            except queue.Empty:
+                self.poll()
+        self.poll()
+        idx_t = torch.tensor(idx)
+        batch = {k: v[idx_t] for k, v in self.buffers.items()}
+        for i in idx:
+            self.free_q.put(i)
+        pin = self.device.type == "cuda"
+        out = {}
+        for k, v in batch.items():
+            v = v if k in ("core_h", "core_c") else v.transpose(0, 1)
+            out[k] = (v.pin_memory() if pin else v).to(self.device, non_blocking=True)
+        return out
+
+    def publish(self, agent):
+        """θ_target ← θ_online (Algorithm 1): the actors pick the new weights up at their next step."""
+        with torch.no_grad():
+            for dst, src in zip(self.target_agent.parameters(), agent.parameters()):
+                dst.copy_(src)
+        self.version += 1
+
+    def close(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def _world_size():
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def average_gradients(params, world):
+    """Averages gradients over learner processes (one all-reduce of a flat buffer). Used instead of DDP so that
+    PopArt can rescale its layer between the forward pass and the loss."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError)."""
+    spec = env_spec(args.env_id, discrete=True)
+    world = _world_size()
+    if args.unroll_length < 1:
+        raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
+    if args.batch_size < 1 or args.batch_size % world:
+        raise UsageError(f"--batch-size {args.batch_size} must be a positive multiple of the number of learner "
+                         f"processes ({world})")
+    if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
+        raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
+    per_actor = args.num_envs // args.num_actors
+    if not 0 <= args.env_batch_size <= per_actor:
+        raise UsageError(f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
+                         f"({per_actor}), or 0 for half of them")
+    steps_per_update = args.batch_size * args.unroll_length
+    if args.total_timesteps < steps_per_update:
+        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one batch "
+                         f"(batch-size x unroll-length = {steps_per_update} steps)")
+    if args.target_update_period < 1:
+        raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
+    if not 0 < args.top_fraction <= 1:
+        raise UsageError(f"--top-fraction must be in (0, 1], got {args.top_fraction}")
+    for name in ("eps_eta", "eps_alpha", "init_eta", "init_alpha", "learning_rate"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.gamma <= 1:
+        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+    pixels = len(spec.observation_space.shape) == 3
+    if pixels and args.network == "deep" and len(args.channels) != 3:
+        raise UsageError(f"--channels for the deep network takes 3 values, got {args.channels}")
+    if pixels and args.network == "shallow" and len(args.channels) not in (0, 2):
+        raise UsageError(f"--channels for the shallow network takes 2 values, got {args.channels}")
+    return spec
+
+
+def main(args: Args):
+    spec = check_args(args)
+    rank, world = int(os.environ.get("RANK", "0")), _world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
+
+    obs_shape = spec.observation_space.shape
+    obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
+    num_actions = int(spec.action_space.n)
+    atari = is_atari(args.env_id)
+    channels = args.channels if len(obs_shape) == 3 else ()
+    agent = Agent(obs_shape, num_actions, args.network, channels, args.use_lstm, args.lstm_size, args.head_hidden,
+                  args.mlp_hidden, 1, args.popart_beta, args.popart_scale_lower, args.popart_scale_upper).to(device)
+    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha).to(device)
+    params = list(agent.parameters()) + list(multipliers.parameters())
+    if world > 1:  # same initial weights everywhere
+        for p in params:
+            torch.distributed.broadcast(p.data, 0)
+    optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
+
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_path = os.path.join(args.run_dir, run_name)
+    writer = None
+    if rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(run_path, exist_ok=True)
+        with open(os.path.join(run_path, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+        writer = SummaryWriter(run_path)
+        print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
+              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs)", flush=True)
+
+    steps_per_update = args.batch_size * args.unroll_length
+    num_updates = args.total_timesteps // steps_per_update
+    learner = None
+    start = time.time()
+    global_step, returns, last_log = 0, [], start
+    first_update_time = None  # steady-state SPS leaves out process start and the first batch
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        learner = Learner(args, agent, obs_shape, obs_dtype, num_actions, device, rank)
+        for update in range(1, num_updates + 1):
+            batch = learner.next_batch()
+            state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
+            logits, value_features, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"],
+                                              state)
+            loss, stats = vmpo_loss(logits, value_features, batch, agent, multipliers, args)
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            if world > 1:
+                average_gradients(params, world)
+            if args.max_grad_norm > 0:
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            multipliers.project(args.min_multiplier)
+            stale = (batch["version"][:-1] != learner.version.item()).float().mean()
+            if update % args.target_update_period == 0:
+                learner.publish(agent)  # θ_target ← θ_online
+            global_step = update * steps_per_update
+            if first_update_time is None:
+                first_update_time = time.time()
+            if rank != 0:
+                learner.episodes.clear()
+                continue
+            for score, length in learner.episodes:
+                returns.append(score)
+                writer.add_scalar("charts/episodic_return", score, global_step)
+                writer.add_scalar("charts/episodic_length", length, global_step)
+            learner.episodes.clear()
+            now = time.time()
+            if now - last_log >= args.log_interval or update == num_updates:
+                sps = global_step / (now - start)
+                writer.add_scalar("charts/SPS", sps, global_step)
+                writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
+                writer.add_scalar("stats/stale_fraction", stale.item(), global_step)
+                writer.add_scalar("stats/target_version", learner.version.item(), global_step)
+                for k, v in stats.items():
+                    writer.add_scalar(k, v.item(), global_step)
+                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
+                eta_min = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
+                print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
+                      f"| episodes {len(returns)} | η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
+                      f"KL {stats['stats/kl'].item():.4f} | ETA {eta_min:.1f} min", flush=True)
+                last_log = now
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if learner is not None:
+            learner.close()
+        os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun
+    except KeyboardInterrupt:
+        print("interrupted: stopping actors", file=sys.stderr, flush=True)
+        if learner is not None:
+            learner.close()
+        sys.exit(130)
+    learner.close()
+    wall = time.time() - start
+
+    if rank == 0:
+        checkpoint = {"script": "vmpo_atari", "env_id": args.env_id, "args": dataclasses.asdict(args),
+                      "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+                      "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
+                      "reward_clip": atari and args.reward_clip, "global_step": global_step}
+        if args.save_model:
+            torch.save(checkpoint, os.path.join(run_path, "model.pt"))
+        eval_mean = None
+        if args.eval_episodes > 0:
+            from common.evaluation import evaluate
+
+            scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000, device=str(device),
+                              video_dir=run_path if args.capture_video else None)
+            eval_mean = float(np.mean(scores))
+            writer.add_scalar("charts/eval_return", eval_mean, global_step)
+            print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
+        summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
+                   "sps": global_step / wall,
+                   "sps_after_first_update": (global_step - steps_per_update) / max(start + wall - first_update_time, 1e-9)
+                   if num_updates > 1 else None,
+                   "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+                   "eval_mean_return": eval_mean}
+        with open(os.path.join(run_path, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        writer.close()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def cli():
+    import tyro
+
+    args = tyro.cli(Args)
+    try:
+        main(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
