@@ -1,5 +1,6 @@
 """common/: networks, envs (episode bookkeeping, checks), evaluation helpers."""
 
+import math
 import os
 import struct
 import sys
@@ -123,3 +124,69 @@ def test_apng_is_a_valid_animated_png(tmp_path):
     assert len(first) == 6 * (1 + 5 * 3) and first[1] == 0
     last = zlib.decompress([b for k, b in chunks if k == b"fdAT"][-1][4:])
     assert last[1] == 80
+
+
+# --------------------------------------------------------------------------------------------------------
+# PopArt (van Hasselt et al. 2016; V-MPO Sec. 4.1).
+
+
+def _popart(num_tasks=1, beta=0.3, seed=0, **kw):
+    from common.popart import PopArt
+
+    torch.manual_seed(seed)
+    p = PopArt(8, num_tasks, beta=beta, **kw).double()
+    with torch.no_grad():
+        p.linear.weight.normal_()
+        p.linear.bias.normal_()
+    return p
+
+
+def test_popart_preserves_unnormalised_outputs():
+    p = _popart(num_tasks=3)
+    x = torch.randn(50, 8, dtype=torch.float64)
+    tasks = torch.arange(3)
+    for step in range(20):
+        before = p.unnormalize(p(x), tasks)
+        targets = torch.randn(40, dtype=torch.float64) * 10 ** (step % 4) + 50 * step
+        p.update(targets, torch.randint(0, 3, (40,)))
+        after = p.unnormalize(p(x), tasks)
+        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p.normalize(after, tasks), p(x))
+
+
+def test_popart_statistics_are_exponential_moving_averages_per_task():
+    beta = 0.2
+    p = _popart(num_tasks=2, beta=beta)
+    mu, nu = [0.0, 0.0], [1.0, 1.0]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        targets = torch.randn(12, generator=g, dtype=torch.float64) * 3 + 2
+        tasks = torch.tensor([0] * 5 + [1] * 7)
+        p.update(targets, tasks)
+        for t in range(2):
+            sel = [float(v) for v, k in zip(targets, tasks) if k == t]
+            mu[t] = (1 - beta) * mu[t] + beta * sum(sel) / len(sel)
+            nu[t] = (1 - beta) * nu[t] + beta * sum(v * v for v in sel) / len(sel)
+    for t in range(2):
+        assert float(p.mu[t]) == pytest.approx(mu[t], rel=1e-10)
+        assert float(p.sigma[t]) == pytest.approx(math.sqrt(nu[t] - mu[t] ** 2), rel=1e-10)
+
+
+def test_popart_task_without_samples_is_untouched():
+    p = _popart(num_tasks=3)
+    p.update(torch.tensor([5.0, 7.0], dtype=torch.float64), torch.tensor([0, 0]))
+    mu, sigma, w, b = p.mu.clone(), p.sigma.clone(), p.linear.weight.clone(), p.linear.bias.clone()
+    p.update(torch.tensor([100.0, -40.0, 3.0], dtype=torch.float64), torch.tensor([1, 1, 1]))
+    assert torch.isfinite(p.mu).all() and torch.isfinite(p.sigma).all()
+    assert p.mu[1] != mu[1]  # task 1 moved
+    for t in (0, 2):  # tasks 0 and 2 had no sample in this batch
+        assert p.mu[t] == mu[t] and p.sigma[t] == sigma[t]
+        assert torch.equal(p.linear.weight[t], w[t]) and p.linear.bias[t] == b[t]
+
+
+def test_popart_scale_stays_within_bounds():
+    p = _popart(beta=1.0, scale_lower=1e-2, scale_upper=1e6)
+    p.update(torch.full((10,), 3.0, dtype=torch.float64), torch.zeros(10, dtype=torch.long))  # variance 0
+    assert float(p.sigma[0]) == pytest.approx(1e-2)
+    p.update(torch.tensor([-1e9, 1e9], dtype=torch.float64), torch.zeros(2, dtype=torch.long))  # σ would be 1e9
+    assert float(p.sigma[0]) == pytest.approx(1e6)

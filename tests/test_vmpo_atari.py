@@ -1,0 +1,339 @@
+"""vmpo_atari.py: the E-step, the M-step's KL term and n-step returns against the paper, and the script end to end.
+PopArt's own tests are in test_common.py."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import vmpo_atari  # noqa: E402
+from vmpo_atari import categorical_kl, kl_constraint_loss, nstep_returns, vmpo_weights  # noqa: E402
+from tests.helpers import ROOT, events_tags, run_script, wait_gone  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------------------
+# Math, each against a plain loop written from the paper.
+
+
+def test_nstep_returns_match_eq1_plain_loop():
+    """G_ℓ = Σ_{k=ℓ}^{n-1} γ^{k-ℓ} r_k + γ^{n-ℓ} V(s_n), cut at episode ends (discount 0 after a terminal reward)."""
+    g = torch.Generator().manual_seed(0)
+    T, B, gamma = 8, 5, 0.97
+    rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
+    done = torch.rand(T, B, generator=g) < 0.25
+    done[2, 0] = done[5, 0] = True  # two episode ends inside one unroll
+    discounts = gamma * (~done).double()
+    bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
+    returns = nstep_returns(rewards, discounts, bootstrap)
+    for b in range(B):
+        for ell in range(T):
+            total, scale, cut = 0.0, 1.0, False
+            for k in range(ell, T):
+                total += scale * float(rewards[k, b])
+                if done[k, b]:
+                    cut = True
+                    break
+                scale *= gamma
+            if not cut:
+                total += scale * float(bootstrap[b])
+            assert math.isclose(float(returns[ell, b]), total, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def weights_reference(advantages, eta, eps_eta, mask=None, fraction=0.5):
+    """Sort, keep the top half of the valid samples, softmax of A/η over them (Eq. 12); the temperature loss
+    η ε_η + η log( (1/|D̃|) Σ exp(A/η) ) by a plain loop (Eq. 13)."""
+    adv = advantages.reshape(-1).tolist()
+    valid = [True] * len(adv) if mask is None else mask.reshape(-1).tolist()
+    order = sorted((i for i in range(len(adv)) if valid[i]), key=lambda i: adv[i], reverse=True)
+    top = order[:max(1, int(len(order) * fraction))]
+    z = sum(math.exp(adv[i] / eta) for i in top)
+    psi = [0.0] * len(adv)
+    for i in top:
+        psi[i] = math.exp(adv[i] / eta) / z
+    loss = eta * eps_eta + eta * math.log(z / len(top))
+    return torch.tensor(psi, dtype=torch.float64).view_as(advantages), loss
+
+
+@pytest.mark.parametrize("shape,eta,use_mask,fraction", [((7, 6), 0.8, False, 0.5), ((9, 4), 2.5, True, 0.5),
+                                                         ((5, 3), 0.3, True, 0.25), ((1, 1), 1.0, False, 0.5)])
+def test_vmpo_weights_match_brute_force(shape, eta, use_mask, fraction):
+    g = torch.Generator().manual_seed(shape[0])
+    adv = torch.randn(*shape, generator=g, dtype=torch.float64) * 2
+    mask = (torch.rand(*shape, generator=g) > 0.3) if use_mask else None
+    if use_mask:
+        adv[~mask] = 100.0  # masked samples would dominate if they leaked into the top half
+    psi, eta_loss = vmpo_weights(adv, torch.tensor(eta, dtype=torch.float64), 0.1, mask, fraction)
+    ref_psi, ref_loss = weights_reference(adv, eta, 0.1, mask, fraction)
+    torch.testing.assert_close(psi, ref_psi, rtol=1e-12, atol=1e-12)
+    assert math.isclose(float(eta_loss), ref_loss, rel_tol=1e-12)
+    assert psi.shape == adv.shape and math.isclose(float(psi.sum()), 1.0, rel_tol=1e-12)
+    n_valid = adv.numel() if mask is None else int(mask.sum())
+    assert int((psi > 0).sum()) == max(1, int(n_valid * fraction))
+
+
+def test_vmpo_weights_take_exactly_k_with_ties():
+    """Ties at the threshold: exactly half the batch enters ψ and the temperature loss, never more."""
+    adv = torch.tensor([[3.0, 1.0, 1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    psi, eta_loss = vmpo_weights(adv, torch.tensor(1.0, dtype=torch.float64), 0.1)
+    assert int((psi > 0).sum()) == 3
+    selected = adv[psi > 0]
+    assert sorted(selected.tolist()) == [1.0, 1.0, 3.0]
+    expected = 0.1 + math.log((math.exp(3) + 2 * math.e) / 3)  # the loss on the same three samples
+    assert math.isclose(float(eta_loss), expected, rel_tol=1e-12)
+
+
+def test_eta_loss_gradient_matches_finite_differences_and_psi_has_none():
+    g = torch.Generator().manual_seed(4)
+    adv = (torch.randn(10, 6, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    for eta_value in (0.2, 1.0, 4.0):
+        eta = torch.tensor(eta_value, dtype=torch.float64, requires_grad=True)
+        psi, eta_loss = vmpo_weights(adv, eta, 0.1)
+        assert not psi.requires_grad
+        eta_loss.backward()
+        h = 1e-6
+        up = weights_reference(adv.detach(), eta_value + h, 0.1)[1]
+        down = weights_reference(adv.detach(), eta_value - h, 0.1)[1]
+        assert math.isclose(float(eta.grad), (up - down) / (2 * h), rel_tol=1e-6)
+        assert adv.grad is None  # the temperature loss does not reach the advantages either
+        # the derivative of Eq. (13) in η is ε_η − KL(ψ ‖ uniform on the top half)
+        top = psi[psi > 0]
+        kl_psi = float((top * (top * top.numel()).log()).sum())
+        assert math.isclose(float(eta.grad), 0.1 - kl_psi, rel_tol=1e-8, abs_tol=1e-10)
+
+
+def test_categorical_kl_matches_sum():
+    g = torch.Generator().manual_seed(5)
+    p_logits, q_logits = torch.randn(4, 3, 6, generator=g), torch.randn(4, 3, 6, generator=g)
+    kl = categorical_kl(p_logits, q_logits)
+    p, q = torch.softmax(p_logits, -1), torch.softmax(q_logits, -1)
+    for i in range(4):
+        for j in range(3):
+            ref = sum(float(p[i, j, a]) * math.log(float(p[i, j, a]) / float(q[i, j, a])) for a in range(6))
+            assert math.isclose(float(kl[i, j]), ref, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("scale,direction", [(0.5, "up"), (3.0, "up"), (0.05, "down"), (1e-3, "down")])
+def test_alpha_moves_with_the_constraint(scale, direction):
+    """Eq. (14): gradient descent on L_α raises α when the mean KL exceeds ε_α and lowers it when below."""
+    g = torch.Generator().manual_seed(6)
+    target = torch.randn(16, 5, generator=g)
+    online = target + scale * torch.randn(16, 5, generator=g)
+    kl = categorical_kl(target, online)
+    eps_alpha = 0.01
+    assert (float(kl.mean()) > eps_alpha) == (direction == "up")
+    alpha = torch.nn.Parameter(torch.tensor(2.0))
+    opt = torch.optim.SGD([alpha], lr=0.1)
+    loss, kl_mean = kl_constraint_loss(kl, alpha, eps_alpha)
+    loss.backward()
+    assert math.isclose(float(alpha.grad), eps_alpha - float(kl_mean), rel_tol=1e-6)
+    opt.step()
+    assert (float(alpha.detach()) > 2.0) == (direction == "up")
+
+
+def test_kl_term_policy_gradient_uses_stop_gradient_alpha():
+    """The policy sees sg[α] · ∇KL, and α's gradient holds no policy term; masked states take no part."""
+    g = torch.Generator().manual_seed(7)
+    target = torch.randn(6, 4, 5, generator=g, dtype=torch.float64)
+    online = (target + 0.3 * torch.randn(6, 4, 5, generator=g, dtype=torch.float64)).requires_grad_()
+    mask = torch.rand(6, 4, generator=g) > 0.3
+    alpha = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    loss, kl_mean = kl_constraint_loss(categorical_kl(target, online), alpha, 0.01, mask)
+    loss.backward()
+    online_ref = online.detach().clone().requires_grad_()
+    kl_ref = categorical_kl(target, online_ref)
+    (3.0 * kl_ref[mask].mean()).backward()
+    torch.testing.assert_close(online.grad, online_ref.grad)
+    assert (online.grad[~mask] == 0).all()
+    assert math.isclose(float(alpha.grad), 0.01 - float(kl_ref[mask].mean()), rel_tol=1e-12)
+
+
+def test_multipliers_are_projected():
+    m = vmpo_atari.LagrangeMultipliers(1.0, 5.0)
+    with torch.no_grad():
+        m.eta.fill_(-0.3)
+        m.alpha.fill_(0.5)
+    m.project(1e-8)
+    assert float(m.eta.detach()) == pytest.approx(1e-8) and float(m.alpha.detach()) == 0.5
+
+
+def _args(**kw):
+    base = dict(gamma=0.9, eps_eta=0.1, eps_alpha=0.01, top_fraction=0.5)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_vmpo_loss_reset_steps_and_truncation():
+    """envpool's reset step gets no weight anywhere; a truncation bootstraps from V of the last observation;
+    PopArt's update keeps the unnormalised values; uniform policy and zero KL at the start."""
+    torch.manual_seed(0)
+    T, B, A, H = 5, 3, 4, 8
+    agent = vmpo_atari.Agent((6,), A, use_lstm=False, head_hidden=H, mlp_hidden=(16,), popart_beta=0.5)
+    m = vmpo_atari.LagrangeMultipliers()
+    batch = {"obs": torch.randn(T + 1, B, 6), "prev_action": torch.zeros(T + 1, B, dtype=torch.long),
+             "reward": torch.randn(T + 1, B), "first": torch.zeros(T + 1, B, dtype=torch.bool),
+             "ended": torch.zeros(T + 1, B, dtype=torch.bool), "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
+             "action": torch.randint(0, A, (T + 1, B)), "logits": torch.zeros(T + 1, B, A)}
+    batch["ended"][2, 0] = True  # env 0: truncated at row 2 (no termination): step 2 is a reset step
+    batch["ended"][1, 1] = batch["terminated"][1, 1] = True  # env 1: terminated at row 1: step 1 is a reset step
+    batch["first"][3, 0] = batch["first"][2, 1] = True
+    logits, feats, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"])
+    with torch.no_grad():
+        v_before = agent.popart.unnormalize(agent.popart(feats)[..., 0], torch.zeros(T + 1, B, dtype=torch.long))
+    assert torch.allclose(logits, torch.zeros_like(logits))  # zero-initialised policy readout
+    captured = {}
+    original = vmpo_atari.vmpo_weights
+
+    def spy(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
+        captured.update(advantages=advantages, mask=mask)
+        psi, loss = original(advantages, eta, eps_eta, mask, top_fraction)
+        captured["psi"] = psi
+        return psi, loss
+
+    vmpo_atari.vmpo_weights = spy
+    try:
+        loss, stats = vmpo_atari.vmpo_loss(logits, feats, batch, agent, m, _args())
+    finally:
+        vmpo_atari.vmpo_weights = original
+    assert torch.isfinite(loss)
+    assert float(stats["stats/kl"]) == pytest.approx(0.0, abs=1e-7)
+    assert captured["psi"][2, 0] == 0 and captured["psi"][1, 1] == 0
+    assert not captured["mask"][2, 0] and not captured["mask"][1, 1] and captured["mask"].sum() == T * B - 2
+    with torch.no_grad():
+        v_after = agent.popart.unnormalize(agent.popart(feats)[..., 0], torch.zeros(T + 1, B, dtype=torch.long))
+    torch.testing.assert_close(v_after, v_before, rtol=1e-5, atol=1e-5)
+    # advantages are (G − V)/σ: check the truncated env 0 at step 1: G_1 = r_2 + γ V(x_2) (bootstrap, not 0)
+    sigma = float(agent.popart.sigma[0])
+    g1 = float(batch["reward"][2, 0]) + 0.9 * float(v_before[2, 0])
+    assert float(captured["advantages"][1, 0]) == pytest.approx((g1 - float(v_before[1, 0])) / sigma, rel=1e-4)
+    # and the terminated env 1 at step 0: G_0 = r_1 only
+    assert float(captured["advantages"][0, 1]) == pytest.approx(
+        (float(batch["reward"][1, 1]) - float(v_before[0, 1])) / sigma, rel=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The script end to end.
+
+
+def test_import_runs_nothing():
+    out = subprocess.run([sys.executable, "-c", "import vmpo_atari, sys; "
+                          "print(sorted(m for m in sys.modules if m.startswith('envpool')))"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def check_run(run_path, expect_model=True):
+    summary = json.load(open(os.path.join(run_path, "summary.json")))
+    assert summary["total_timesteps"] > 0 and summary["sps"] > 0
+    tags = events_tags(run_path)
+    for tag in ("charts/SPS", "losses/value_loss", "losses/policy_loss", "losses/eta_loss", "losses/alpha_loss",
+                "stats/eta", "stats/alpha", "stats/kl", "stats/kl_psi", "stats/popart_mu", "stats/popart_sigma"):
+        assert tag in tags, (tag, tags)
+    for tag in ("stats/eta", "stats/alpha"):
+        assert min(events_tags(run_path, values_of=tag)) >= 1e-8
+    if expect_model:
+        from common.evaluation import main as eval_main
+
+        scores = eval_main([os.path.join(run_path, "model.pt"), "--episodes", "2", "--num-envs", "2"])
+        assert len(scores) == 2
+        model = torch.load(os.path.join(run_path, "model.pt"), weights_only=False)
+        assert "popart.mu" in model["agent"] and "popart.sigma" in model["agent"] and "eta" in model["multipliers"]
+    return summary
+
+
+TINY = ["--channels", "4", "8", "8", "--lstm-size", "32", "--head-hidden", "32"]
+
+
+@pytest.mark.parametrize("extra", [["--capture-video", "--target-update-period", "2"],
+                                   ["--no-use-lstm", "--network", "shallow", "--channels", "8", "16",
+                                    "--num-actors", "2"]], ids=["deep-lstm", "shallow-ff"])
+def test_smoke_breakout(tmp_path, extra):
+    run_path = run_script("vmpo_atari.py", ["--env-id", "Breakout-v5", "--total-timesteps", "640", "--num-envs", "4",
+                                            "--batch-size", "4", "--unroll-length", "20", *TINY, "--save-model",
+                                            "--eval-episodes", "1", *extra], tmp_path)
+    check_run(run_path)
+    assert os.path.isfile(os.path.join(run_path, "videos", "eval_episode_0.png")) == ("--capture-video" in extra)
+    if "--target-update-period" in extra:  # 8 updates, refresh every 2
+        assert events_tags(run_path, values_of="stats/target_version")[-1] == 4
+
+
+def test_smoke_torchrun_two_learners(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "vmpo_atari.py"]
+    run_path = run_script(cmd, ["--env-id", "CartPole-v1", "--total-timesteps", "3200", "--num-envs", "4",
+                                "--batch-size", "8", "--unroll-length", "20", "--no-use-lstm", "--save-model",
+                                "--eval-episodes", "1"], tmp_path)
+    check_run(run_path)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--env-id", "Breakot-v5"], "unknown env id"),
+    (["--env-id", "HalfCheetah-v4"], "continuous actions"),
+    (["--env-id", "CartPole-v1", "--top-fraction", "0"], "--top-fraction"),
+    (["--env-id", "CartPole-v1", "--eps-alpha", "-1"], "--eps-alpha"),
+    (["--env-id", "Breakout-v5", "--channels", "16", "32"], "--channels"),
+    (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
+])
+def test_bad_input_one_clear_line(argv, needle, tmp_path):
+    out = subprocess.run([sys.executable, "vmpo_atari.py", *argv, "--run-dir", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and not os.listdir(tmp_path)  # no work done, no run folder
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.parametrize("victim", ["actor", "sigint"])
+def test_killed_process_ends_the_run(tmp_path, victim):
+    proc = subprocess.Popen([sys.executable, "vmpo_atari.py", "--env-id", "CartPole-v1", "--total-timesteps",
+                             "100000000", "--num-envs", "4", "--batch-size", "4", "--unroll-length", "10",
+                             "--no-use-lstm", "--eval-episodes", "0", "--run-dir", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        actors = []
+        while time.time() < deadline and not actors:
+            time.sleep(1.0)
+            actors = [c for c in _children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+        assert actors, "no actor process started"
+        time.sleep(3.0)
+        if victim == "actor":
+            os.kill(actors[0], signal.SIGKILL)
+            assert proc.wait(timeout=30) != 0
+            assert "actor 0 died" in proc.stderr.read()
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=30) != 0
+        assert wait_gone(actors, timeout=15), "an actor outlived its learner"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Learning.
+
+CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "16", "--unroll-length", "20", "--no-use-lstm",
+                 "--gamma", "0.99", "--target-update-period", "10", "--learning-rate", "1e-3"]
+
+
+def test_learns_cartpole(tmp_path):
+    """CartPole-v1: mean return of the last 20 episodes at least 400 within 300k steps, on 2 CPU cores."""
+    run_path = run_script("vmpo_atari.py", ["--env-id", "CartPole-v1", "--total-timesteps", "300000",
+                                            *CARTPOLE_ARGS, "--eval-episodes", "0"], tmp_path, timeout=600)
+    returns = events_tags(run_path, values_of="charts/episodic_return")
+    assert len(returns) >= 20
+    last20 = sum(returns[-20:]) / 20
+    assert last20 >= 400, f"mean return of the last 20 episodes {last20:.1f} < 400"
