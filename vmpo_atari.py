@@ -133,8 +133,8 @@ class Args:
     """Atari: a lost life ends the training episode, discount 0 (Table 6: not single-task, yes multi-task)"""
     network: Literal["deep", "shallow"] = "deep"
     """torso for pixels: deep ResNet (App. F) or the shallow A3C network; vectors get an MLP"""
-    channels: tuple[int, ...] = (64, 128, 128)
-    """ResNet channels per section (App. F: (64, 128, 128)); 2 values for the shallow torso"""
+    channels: tuple[int, ...] = ()
+    """conv channels; empty: (64, 128, 128) for the deep ResNet (App. F), (16, 32) for the shallow torso"""
     use_lstm: bool = True
     """LSTM core fed the previous action and reward (Fig. 1b); --no-use-lstm for a feed-forward agent"""
     lstm_size: int = 256
@@ -282,7 +282,7 @@ class Agent(nn.Module):
     two 256-unit MLP heads: policy logits (readout initialised to zero: a uniform policy at the start) and a
     PopArt value readout."""
 
-    def __init__(self, obs_shape, num_actions, network="deep", channels=(64, 128, 128), use_lstm=True,
+    def __init__(self, obs_shape, num_actions, network="deep", channels=(), use_lstm=True,
                  lstm_size=256, head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4,
                  popart_scale_lower=1e-2, popart_scale_upper=1e6):
         super().__init__()
@@ -290,6 +290,9 @@ class Agent(nn.Module):
                            channels=tuple(channels), use_lstm=use_lstm, lstm_size=lstm_size, head_hidden=head_hidden,
                            mlp_hidden=tuple(mlp_hidden), num_tasks=num_tasks, popart_beta=popart_beta,
                            popart_scale_lower=popart_scale_lower, popart_scale_upper=popart_scale_upper)
+        if network == "deep" and not channels and len(obs_shape) == 3:
+            channels = (64, 128, 128)  # four times IMPALA's channels (App. F)
+        self.config["channels"] = tuple(channels)
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
         n = self.core.out_features if use_lstm else self.torso.out_features
@@ -595,7 +598,7 @@ def check_args(args):
     if not 0 <= args.gamma <= 1:
         raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
     pixels = len(spec.observation_space.shape) == 3
-    if pixels and args.network == "deep" and len(args.channels) != 3:
+    if pixels and args.network == "deep" and len(args.channels) not in (0, 3):
         raise UsageError(f"--channels for the deep network takes 3 values, got {args.channels}")
     if pixels and args.network == "shallow" and len(args.channels) not in (0, 2):
         raise UsageError(f"--channels for the shallow network takes 2 values, got {args.channels}")

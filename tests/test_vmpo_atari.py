@@ -155,6 +155,20 @@ def test_kl_term_policy_gradient_uses_stop_gradient_alpha():
     assert math.isclose(float(alpha.grad), 0.01 - float(kl_ref[mask].mean()), rel_tol=1e-12)
 
 
+def test_agent_of_fig1b():
+    """ResNet (64, 128, 128) by default, LSTM core, 256-unit heads, zero policy readout: a uniform policy."""
+    agent = vmpo_atari.Agent((4, 84, 84), 6)
+    convs = [m for m in agent.torso.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs[::5]] == [64, 128, 128] and agent.core is not None
+    assert agent.policy_mlp[0].out_features == 256 and agent.value_mlp[0].out_features == 256
+    obs = torch.randint(0, 256, (3, 2, 4, 84, 84), dtype=torch.uint8)
+    z = torch.zeros(3, 2)
+    logits, feats, _ = agent(obs, z.long(), z, z.bool(), agent.initial_state(2))
+    assert logits.shape == (3, 2, 6) and (logits == 0).all() and agent.popart(feats).shape == (3, 2, 1)
+    shallow = vmpo_atari.Agent((4, 84, 84), 6, network="shallow", use_lstm=False)  # its own default channels
+    assert [c.out_channels for c in shallow.torso.modules() if isinstance(c, torch.nn.Conv2d)] == [16, 32]
+
+
 def test_multipliers_are_projected():
     m = vmpo_atari.LagrangeMultipliers(1.0, 5.0)
     with torch.no_grad():
