@@ -40,8 +40,11 @@ Choices the paper leaves open, and what is done here:
   (Appendix F) or no core (`--no-use-lstm`). Table 6's single-task settings are the defaults: γ = 0.997, no
   reward clipping, no end-of-life episodes; `--reward-clip --episodic-life --gamma 0.99 --target-update-period
   100` gives the multi-task settings.
-- With several learner processes (torchrun), each takes the top half and normalises ψ within its own share of
-  the batch, as the paper's TPU replicas did (Appendix F, implementation note); gradients are averaged.
+- The batch is split into `--num-minibatches` minibatches (8 by default), each taking its own top half and
+  normalising ψ within itself, with gradients averaged: what the paper's 8 TPU replicas did (Appendix F,
+  implementation note). They run one after the other in a learner process (this also bounds the memory of
+  the wide ResNet), or spread over the learner processes under torchrun. PopArt's statistics take one step of
+  β / (minibatches per process) per minibatch (to first order one step of β per learning step).
 
 envpool resets an environment on the step *after* an episode ends; that step is no transition and is masked
 out of every loss. Its n-step return is set to V(x_k), so that a time-limit truncation bootstraps from the value
@@ -99,6 +102,9 @@ class Args:
     """n, unroll length (Appendix F, Atari)"""
     batch_size: int = 128
     """B, unrolls per learning step, over all learner processes (Appendix F, Atari)"""
+    num_minibatches: int = 8
+    """the batch is split into this many minibatches (over all learner processes), each with its own top half
+    and ψ normalisation, gradients averaged: the paper's 8 TPU replicas (App. F, implementation note)"""
     target_update_period: int = 1000
     """T_target, learning steps between target-network refreshes (Table 6, single-task; 100 multi-task)"""
     learning_rate: float = 1e-4
@@ -212,8 +218,9 @@ def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
-def vmpo_loss(logits, value_features, batch, agent, multipliers, args):
-    """Eq. (10): L_V + L_π + L_η + L_α on a batch of unrolls; updates PopArt's statistics first.
+def vmpo_loss(logits, value_features, batch, agent, multipliers, args, popart_beta=None):
+    """Eq. (10): L_V + L_π + L_η + L_α on a batch of unrolls; updates PopArt's statistics first (step size
+    `popart_beta`, default PopArt's own β).
 
     `logits [T+1, B, A]`, `value_features [T+1, B, H]` from the online network on rows 0..T of the unrolls (row T
     only bootstraps); transition k goes from row k to row k+1; `batch["logits"]` are π_target's (the actors').
@@ -230,7 +237,7 @@ def vmpo_loss(logits, value_features, batch, agent, multipliers, args):
     rewards = torch.where(reset_step, values[:-1], batch["reward"][1:])  # G_k = V(x_k) at a reset step
     returns = nstep_returns(rewards, discounts, values[-1])
 
-    popart.update(returns[mask], task[:-1][mask])  # new μ, σ; the layer is rescaled to keep V(s) unchanged
+    popart.update(returns[mask], task[:-1][mask], popart_beta)  # new μ, σ; the layer is rescaled to keep V(s) unchanged
     value_norm = popart(value_features[:-1])[..., 0]
     returns_norm = popart.normalize(returns, task[:-1])
     n = mask.sum().clamp(min=1)
@@ -253,8 +260,8 @@ def vmpo_loss(logits, value_features, batch, agent, multipliers, args):
                  "stats/alpha": multipliers.alpha.detach(),
                  "stats/kl_psi": (psi[selected] * (psi[selected] * k).log()).sum(),  # KL(ψ ‖ uniform on D̃)
                  "stats/entropy": (mask * entropy).sum() / n, "stats/advantage_mean": (mask * advantages).sum() / n,
-                 "stats/value_mean": (mask * values[:-1]).sum() / n, "stats/popart_mu": popart.mu[0],
-                 "stats/popart_sigma": popart.sigma[0]}
+                 "stats/value_mean": (mask * values[:-1]).sum() / n, "stats/popart_mu": popart.mu[0].clone(),
+                 "stats/popart_sigma": popart.sigma[0].clone()}
     return value_loss + policy_loss + eta_loss + alpha_loss, stats
 
 
@@ -588,6 +595,9 @@ def check_args(args):
     if args.total_timesteps < steps_per_update:
         raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one batch "
                          f"(batch-size x unroll-length = {steps_per_update} steps)")
+    if args.num_minibatches < 1 or args.num_minibatches % world or args.batch_size % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide --batch-size {args.batch_size} and be "
+                         f"a multiple of the number of learner processes ({world})")
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
     if not 0 < args.top_fraction <= 1:
@@ -649,6 +659,7 @@ def main(args: Args):
 
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
+    chunks = args.num_minibatches // world  # minibatches of this learner process, one after the other
     learner = None
     start = time.time()
     global_step, returns, last_log = 0, [], start
@@ -662,12 +673,17 @@ def main(args: Args):
         learner = Learner(args, agent, obs_shape, obs_dtype, num_actions, device, rank)
         for update in range(1, num_updates + 1):
             batch = learner.next_batch()
-            state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
-            logits, value_features, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"],
-                                              state)
-            loss, stats = vmpo_loss(logits, value_features, batch, agent, multipliers, args)
             optimizer.zero_grad(set_to_none=False)
-            loss.backward()
+            stats = {}
+            for cols in torch.arange(learner.local_batch, device=device).chunk(chunks):
+                mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
+                state = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
+                logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], state)
+                loss, mb_stats = vmpo_loss(logits, value_features, mb, agent, multipliers, args,
+                                           args.popart_beta / chunks)
+                (loss / chunks).backward()
+                for k, v in mb_stats.items():
+                    stats[k] = stats.get(k, 0) + v / chunks
             if world > 1:
                 average_gradients(params, world)
             if args.max_grad_norm > 0:

@@ -37,9 +37,11 @@ class PopArt(nn.Module):
         return values * self.sigma[task_ids] + self.mu[task_ids]
 
     @torch.no_grad()
-    def update(self, targets: torch.Tensor, task_ids: torch.Tensor) -> None:
+    def update(self, targets: torch.Tensor, task_ids: torch.Tensor, beta: float | None = None) -> None:
         """Moves μ, ν toward the batch moments of the unnormalised `targets` of each task (`task_ids` has the
-        targets' shape) and rescales the layer so that unnormalised outputs do not change."""
+        targets' shape) with step size `beta` (default: the module's β), and rescales the layer so that
+        unnormalised outputs do not change."""
+        beta = self.beta if beta is None else beta
         n = self.mu.shape[0]
         t, ids = targets.reshape(-1).to(self.mu.dtype), task_ids.reshape(-1).long()
         sums = torch.stack([torch.zeros(n, device=t.device, dtype=t.dtype).index_add_(0, ids, t ** p)
@@ -51,8 +53,8 @@ class PopArt(nn.Module):
         batch_mu = first / count.clamp(min=1)
         batch_nu = second / count.clamp(min=1)
         mu_old, sigma_old = self.mu.clone(), self.sigma.clone()
-        self.mu.copy_(torch.where(seen, (1 - self.beta) * self.mu + self.beta * batch_mu, self.mu))
-        self.nu.copy_(torch.where(seen, (1 - self.beta) * self.nu + self.beta * batch_nu, self.nu))
+        self.mu.copy_(torch.where(seen, (1 - beta) * self.mu + beta * batch_mu, self.mu))
+        self.nu.copy_(torch.where(seen, (1 - beta) * self.nu + beta * batch_nu, self.nu))
         variance = (self.nu - self.mu ** 2).clamp(min=0)
         self.sigma.copy_(variance.sqrt().clamp(self.scale_lower, self.scale_upper))
         # Preserve outputs: σ'(W'x + b') + μ' = σ(Wx + b) + μ.

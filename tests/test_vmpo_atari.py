@@ -152,7 +152,7 @@ def test_kl_term_policy_gradient_uses_stop_gradient_alpha():
     (3.0 * kl_ref[mask].mean()).backward()
     torch.testing.assert_close(online.grad, online_ref.grad)
     assert (online.grad[~mask] == 0).all()
-    assert math.isclose(float(alpha.grad), 0.01 - float(kl_ref[mask].mean()), rel_tol=1e-12)
+    assert math.isclose(float(alpha.grad), 0.01 - float(kl_ref[mask].mean().detach()), rel_tol=1e-12)
 
 
 def test_agent_of_fig1b():
@@ -271,7 +271,8 @@ TINY = ["--channels", "4", "8", "8", "--lstm-size", "32", "--head-hidden", "32"]
                                     "--num-actors", "2"]], ids=["deep-lstm", "shallow-ff"])
 def test_smoke_breakout(tmp_path, extra):
     run_path = run_script("vmpo_atari.py", ["--env-id", "Breakout-v5", "--total-timesteps", "640", "--num-envs", "4",
-                                            "--batch-size", "4", "--unroll-length", "20", *TINY, "--save-model",
+                                            "--batch-size", "4", "--num-minibatches", "2", "--unroll-length", "20",
+                                            *TINY, "--save-model",
                                             "--eval-episodes", "1", *extra], tmp_path)
     check_run(run_path)
     assert os.path.isfile(os.path.join(run_path, "videos", "eval_episode_0.png")) == ("--capture-video" in extra)
@@ -282,7 +283,8 @@ def test_smoke_breakout(tmp_path, extra):
 def test_smoke_torchrun_two_learners(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "vmpo_atari.py"]
     run_path = run_script(cmd, ["--env-id", "CartPole-v1", "--total-timesteps", "3200", "--num-envs", "4",
-                                "--batch-size", "8", "--unroll-length", "20", "--no-use-lstm", "--save-model",
+                                "--batch-size", "8", "--num-minibatches", "4", "--unroll-length", "20",
+                                "--no-use-lstm", "--save-model",
                                 "--eval-episodes", "1"], tmp_path)
     check_run(run_path)
 
@@ -294,6 +296,7 @@ def test_smoke_torchrun_two_learners(tmp_path):
     (["--env-id", "CartPole-v1", "--eps-alpha", "-1"], "--eps-alpha"),
     (["--env-id", "Breakout-v5", "--channels", "16", "32"], "--channels"),
     (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
+    (["--env-id", "CartPole-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     out = subprocess.run([sys.executable, "vmpo_atari.py", *argv, "--run-dir", str(tmp_path)], cwd=ROOT,
@@ -312,7 +315,8 @@ def _children(pid):
 @pytest.mark.parametrize("victim", ["actor", "sigint"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     proc = subprocess.Popen([sys.executable, "vmpo_atari.py", "--env-id", "CartPole-v1", "--total-timesteps",
-                             "100000000", "--num-envs", "4", "--batch-size", "4", "--unroll-length", "10",
+                             "100000000", "--num-envs", "4", "--batch-size", "4", "--num-minibatches", "1",
+                             "--unroll-length", "10",
                              "--no-use-lstm", "--eval-episodes", "0", "--run-dir", str(tmp_path)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -339,7 +343,8 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 # --------------------------------------------------------------------------------------------------------
 # Learning.
 
-CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "16", "--unroll-length", "20", "--no-use-lstm",
+CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "16", "--num-minibatches", "1", "--unroll-length", "20",
+                 "--no-use-lstm",
                  "--gamma", "0.99", "--target-update-period", "10", "--learning-rate", "1e-3"]
 
 
