@@ -47,3 +47,18 @@ def wait_gone(pids, timeout):
             return True
         time.sleep(0.2)
     return False
+
+
+def children(pid):
+    """The pids of the direct children of `pid`."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def imported_envpool_modules(module):
+    """The envpool modules that importing `module` loads (a script's import must touch no environment)."""
+    out = subprocess.run([sys.executable, "-c", f"import {module}, sys; "
+                          "print(sorted(m for m in sys.modules if m.startswith('envpool')))"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import impala_vtrace  # noqa: E402
 from impala_vtrace import vtrace  # noqa: E402
-from tests.helpers import ROOT, events_tags, run_script, wait_gone  # noqa: E402
+from tests.helpers import ROOT, children, events_tags, imported_envpool_modules, run_script, wait_gone  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -147,11 +147,7 @@ def test_learner_loss_handles_envpool_reset_steps():
 
 
 def test_import_runs_nothing():
-    out = subprocess.run([sys.executable, "-c", "import impala_vtrace, sys; "
-                          "print(sorted(m for m in sys.modules if m.startswith('envpool')))"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert imported_envpool_modules("impala_vtrace") == "[]"
 
 
 def check_run(run_path, expect_model=True):
@@ -212,11 +208,6 @@ def test_batch_must_divide_over_learners(tmp_path):
     assert out.returncode == 2 and "--batch-size 5" in out.stderr and "Traceback" not in out.stderr
 
 
-def _children(pid):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
 @pytest.mark.parametrize("victim", ["actor", "learner", "sigint", "sigterm"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     proc = subprocess.Popen([sys.executable, "impala_vtrace.py", "--env-id", "CartPole-v1", "--total-timesteps",
@@ -228,7 +219,7 @@ def test_killed_process_ends_the_run(tmp_path, victim):
         actors = []
         while time.time() < deadline and not actors:  # wait for the actors to start
             time.sleep(1.0)
-            actors = [c for c in _children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+            actors = [c for c in children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
         assert actors, "no actor process started"
         time.sleep(3.0)
         if victim == "actor":

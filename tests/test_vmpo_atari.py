@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, nstep_returns, vmpo_weights  # noqa: E402
-from tests.helpers import ROOT, events_tags, run_script, wait_gone  # noqa: E402
+from tests.helpers import ROOT, children, events_tags, imported_envpool_modules, run_script, wait_gone  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -237,11 +237,7 @@ def test_vmpo_loss_reset_steps_and_truncation():
 
 
 def test_import_runs_nothing():
-    out = subprocess.run([sys.executable, "-c", "import vmpo_atari, sys; "
-                          "print(sorted(m for m in sys.modules if m.startswith('envpool')))"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert imported_envpool_modules("vmpo_atari") == "[]"
 
 
 def check_run(run_path, expect_model=True):
@@ -307,11 +303,6 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert "Traceback" not in out.stderr and not os.listdir(tmp_path)  # no work done, no run folder
 
 
-def _children(pid):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
 @pytest.mark.parametrize("victim", ["actor", "sigint"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     proc = subprocess.Popen([sys.executable, "vmpo_atari.py", "--env-id", "CartPole-v1", "--total-timesteps",
@@ -324,7 +315,7 @@ def test_killed_process_ends_the_run(tmp_path, victim):
         actors = []
         while time.time() < deadline and not actors:
             time.sleep(1.0)
-            actors = [c for c in _children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+            actors = [c for c in children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
         assert actors, "no actor process started"
         time.sleep(3.0)
         if victim == "actor":
