@@ -262,6 +262,7 @@ def vmpo_loss(logits, value_features, batch, agent, multipliers, args, popart_be
                  "stats/entropy": (mask * entropy).sum() / n, "stats/advantage_mean": (mask * advantages).sum() / n,
                  "stats/value_mean": (mask * values[:-1]).sum() / n, "stats/popart_mu": popart.mu[0].clone(),
                  "stats/popart_sigma": popart.sigma[0].clone()}
+    stats = {k: v.detach() for k, v in stats.items()}  # logging must not keep a minibatch's graph alive
     return value_loss + policy_loss + eta_loss + alpha_loss, stats
 
 
