@@ -62,3 +62,26 @@ def imported_envpool_modules(module):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+def assert_usage_error(script, argv, run_dir, needle):
+    """Bad input: exit status 2, one line `error: ...` naming `needle`, no traceback, no run folder, quickly."""
+    t = time.time()
+    out = subprocess.run([sys.executable, script, *argv, "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and not os.listdir(run_dir)  # no work done, no run folder
+    assert time.time() - t < 60
+
+
+def wait_for_actors(proc, timeout=120):
+    """The pids of `proc`'s spawned worker processes, once at least one has started."""
+    deadline = time.time() + timeout
+    actors = []
+    while time.time() < deadline and not actors:
+        time.sleep(1.0)
+        actors = [c for c in children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+    assert actors, "no actor process started"
+    return actors

@@ -14,7 +14,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import impala_vtrace  # noqa: E402
 from impala_vtrace import vtrace  # noqa: E402
-from tests.helpers import ROOT, children, events_tags, imported_envpool_modules, run_script, wait_gone  # noqa: E402
+from tests.helpers import (ROOT, assert_usage_error, events_tags, imported_envpool_modules, run_script,  # noqa: E402
+                           wait_for_actors, wait_gone)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -191,14 +192,7 @@ def test_smoke_torchrun_two_learners(tmp_path):
     (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
-    t = time.time()
-    out = subprocess.run([sys.executable, "impala_vtrace.py", *argv, "--run-dir", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.stderr
-    assert "Traceback" not in out.stderr and not os.listdir(tmp_path)  # no work done, no run folder
-    assert time.time() - t < 60
+    assert_usage_error("impala_vtrace.py", argv, tmp_path, needle)
 
 
 def test_batch_must_divide_over_learners(tmp_path):
@@ -215,12 +209,7 @@ def test_killed_process_ends_the_run(tmp_path, victim):
                              "--run-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
-        actors = []
-        while time.time() < deadline and not actors:  # wait for the actors to start
-            time.sleep(1.0)
-            actors = [c for c in children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
-        assert actors, "no actor process started"
+        actors = wait_for_actors(proc)
         time.sleep(3.0)
         if victim == "actor":
             os.kill(actors[0], signal.SIGKILL)

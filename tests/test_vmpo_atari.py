@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, nstep_returns, vmpo_weights  # noqa: E402
-from tests.helpers import ROOT, children, events_tags, imported_envpool_modules, run_script, wait_gone  # noqa: E402
+from tests.helpers import (ROOT, assert_usage_error, events_tags, imported_envpool_modules, run_script,  # noqa: E402
+                           wait_for_actors, wait_gone)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -295,12 +296,7 @@ def test_smoke_torchrun_two_learners(tmp_path):
     (["--env-id", "CartPole-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
-    out = subprocess.run([sys.executable, "vmpo_atari.py", *argv, "--run-dir", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.stderr
-    assert "Traceback" not in out.stderr and not os.listdir(tmp_path)  # no work done, no run folder
+    assert_usage_error("vmpo_atari.py", argv, tmp_path, needle)
 
 
 @pytest.mark.parametrize("victim", ["actor", "sigint"])
@@ -311,12 +307,7 @@ def test_killed_process_ends_the_run(tmp_path, victim):
                              "--no-use-lstm", "--eval-episodes", "0", "--run-dir", str(tmp_path)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
-        actors = []
-        while time.time() < deadline and not actors:
-            time.sleep(1.0)
-            actors = [c for c in children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
-        assert actors, "no actor process started"
+        actors = wait_for_actors(proc)
         time.sleep(3.0)
         if victim == "actor":
             os.kill(actors[0], signal.SIGKILL)
