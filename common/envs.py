@@ -41,6 +41,23 @@ def env_spec(env_id: str, discrete: bool | None = None):
     return spec
 
 
+def flat_obs_dim(spec) -> int:
+    """Length of an observation once `flatten_obs` has made one vector of it (dm_control gives a dict)."""
+    space = spec.observation_space
+    shapes = [space[k].shape for k in sorted(space.keys())] if hasattr(space, "keys") else [space.shape]
+    return int(sum(np.prod(s, dtype=np.int64) for s in shapes))
+
+
+def flatten_obs(obs) -> np.ndarray:
+    """A batch of observations as float32 `[N, D]`: a dict of arrays (dm_control) is concatenated in sorted key
+    order, one vector per env."""
+    if isinstance(obs, dict):
+        n = len(next(iter(obs.values())))
+        return np.concatenate([np.asarray(obs[k], np.float32).reshape(n, -1) for k in sorted(obs)], axis=1)
+    obs = np.asarray(obs, np.float32)
+    return obs.reshape(obs.shape[0], -1)
+
+
 def is_atari(env_id: str) -> bool:
     return "episodic_life" in _envpool().make_spec(env_id).config._fields
 

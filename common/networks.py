@@ -127,6 +127,45 @@ class LSTMCore(nn.Module):
         return torch.stack(outs), (h, c)
 
 
+class RunningNorm(nn.Module):
+    """Observation normalisation by running statistics: `forward(x)` = clip((x − mean) / sqrt(var + ε), ±clip).
+
+    `update(x)` folds a batch `[..., D]` into the mean and variance (the parallel-variance rule of Chan et al.;
+    under torch.distributed the batch moments of every process are summed first, so all processes keep the
+    same statistics). The statistics are buffers: they travel with `state_dict()` into `model.pt`.
+    """
+
+    def __init__(self, dim, clip=10.0, eps=1e-8):
+        super().__init__()
+        self.clip, self.eps = clip, eps
+        self.register_buffer("mean", torch.zeros(dim, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(dim, dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def update(self, x):
+        d = self.mean.shape[0]
+        x = x.reshape(-1, d).double()
+        moments = torch.cat([x.new_tensor([x.shape[0]]), x.sum(0), (x * x).sum(0)])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(moments)
+        n = moments[0]
+        if n == 0:
+            return
+        batch_mean = moments[1:d + 1] / n
+        batch_var = (moments[d + 1:] / n - batch_mean ** 2).clamp(min=0)
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * n + delta ** 2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var.copy_(m2 / total)
+        self.count.copy_(total)
+
+    def forward(self, x):
+        z = (x.float() - self.mean.float()) / torch.sqrt(self.var.float() + self.eps)
+        return z.clamp(-self.clip, self.clip)
+
+
 class PolicyValueHeads(nn.Module):
     """Linear policy logits and a linear state value on top of a core's features."""
 

@@ -1,0 +1,779 @@
+"""V-MPO for continuous actions (Gym MuJoCo, dm_control humanoid, any envpool continuous-action task).
+
+Song, Abdolmaleki, Springenberg, Clark, Soyer, Rae, Noury, Ahuja, Liu, Tirumala, Heess, Belov, Riedmiller,
+Botvinick (2020), "V-MPO: On-Policy Maximum a Posteriori Policy Optimization for Discrete and Continuous
+Control".
+
+An approximate policy iteration: a *target* network acts in the environments and stays fixed for T_target
+learning steps; meanwhile the *online* network learns its value function from n-step returns and improves its
+policy in two steps. The E-step weights the top half of the batch's advantages by exp(A/η), the temperature η a
+Lagrange multiplier keeping the weights ψ within ε_η (in KL) of the data. The M-step fits the Gaussian policy to
+ψ by weighted maximum likelihood inside a trust region around π_target. For Gaussians the trust region is
+*decoupled* (Appendix C): KL(π_target ‖ π) splits into a mean part, which measures the mean's move in the
+metric of the target's covariance, and a covariance part; each has its own bound (ε_αμ ≫ ε_αΣ) and its own
+multiplier (α_μ, α_Σ). So the mean can move fast in action space while the covariance shrinks slowly, which
+keeps exploring. A PopArt value head keeps the value loss on one scale whatever the task's reward scale.
+
+| paper                                                          | here                                       |
+|----------------------------------------------------------------|--------------------------------------------|
+| Algorithm 1: target network, refreshed every T_target steps     | `Learner.publish` every `--target-update-period` |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V     | `nstep_returns`                            |
+| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt              | `vmpo_loss`, `common/popart.py`            |
+| Eq. (12) ψ over the top half of the advantages, L_π             | `vmpo_weights` -> psi, `vmpo_loss`          |
+| Eq. (13) temperature loss L_η                                   | `vmpo_weights` -> eta_loss                 |
+| Eqs. (23)-(25) KL of Gaussians split into mean and covariance   | `gaussian_kl_parts`                        |
+| Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                 | `kl_constraint_loss`                       |
+| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                 | `LagrangeMultipliers.project`              |
+| App. F: 512-256 MLP core, 256-unit policy and value MLP heads   | `Agent`                                    |
+| Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `--preset`           |
+
+Choices the paper leaves open, and what is done here:
+- The policy is a diagonal Gaussian over actions scaled to [-1, 1]^d: mean linear, σ = softplus(·) + 1e-4.
+  A sampled action is stored as sampled and only mapped to the env's bounds and clipped when sent to the env.
+  The initial σ (`--init-std`, 0.5) is not given in the paper.
+- Observations are normalised by running mean and variance (clipped to ±10), updated by the learner from every
+  batch and handed to the actors with the target network's weights; the statistics are saved in `model.pt`.
+- Losses are means: ψ sums to one over the batch, L_V = 1/(2|D|) Σ (V − G)², the KLs are averaged over |D|.
+  The value loss and the advantages are in PopArt's normalised space (A = (G − V)/σ); PopArt's statistics take
+  one step with the batch's returns before the loss (van Hasselt et al. 2016, Algorithm 1).
+- The batch is split into `--num-minibatches` minibatches (8) for the E-step, each with its own top half and ψ
+  normalisation, as the paper's 8 TPU replicas did (App. F, implementation note); ψ of each is scaled by
+  1/minibatches. The network runs once on the whole batch.
+- The actors act with the target network, so the Gaussian they store is π_target's: the KLs are taken against
+  it, with no second forward pass.
+- Table 7's ε_η row reads 0.1 (humanoid pixels), 0.01 (humanoid state) and leaves the Gym cell to the state
+  column: 0.01 here. Ranges sampled log-uniformly in the paper take their geometric middle. Table 7 gives the
+  humanoid-from-state unroll as 63, Appendix F as 40: the preset follows the table.
+- Gym tasks have no network in the paper: the humanoid-from-state agent (512-256 core) is used for all.
+
+envpool resets an environment on the step *after* an episode ends; that step is no transition and is masked
+out of every loss. Its n-step return is set to V(x_k), so a time-limit truncation (all MuJoCo tasks have one)
+bootstraps from the value of the last observation; termination has discount 0.
+
+    python vmpo_mujoco.py --env-id HalfCheetah-v4
+    python vmpo_mujoco.py --env-id HumanoidRun-v1 --preset humanoid-state --num-envs 128
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
+from common.networks import MLPTorso, RunningNorm
+from common.popart import PopArt
+
+
+@dataclass
+class Args:
+    env_id: str = "HalfCheetah-v4"
+    """envpool task id with continuous actions (Gym MuJoCo *-v4/v5, dm_control HumanoidRun-v1, Pendulum-v1, ...)"""
+    preset: Literal["gym", "humanoid-state"] = "gym"
+    """Table 7 column whose settings become the defaults (flags given as well override them)"""
+    exp_name: str = "vmpo_mujoco"
+    """name of this experiment, part of the run folder's name"""
+    seed: int = 1
+    """seed of torch, numpy and the environments (actor a of learner r uses seed + 1000 r + a)"""
+    torch_deterministic: bool = True
+    """torch.backends.cudnn.deterministic"""
+    cuda: bool = True
+    """learner and actors' inference on the GPU when there is one"""
+    total_timesteps: int = 10_000_000
+    """environment steps in all (the paper's Gym curves run to billions, Fig. 5c-d)"""
+    num_envs: int = 64
+    """environments per learner process, split evenly over its actors"""
+    env_batch_size: int = 0
+    """envs returned per envpool step (async when below envs per actor); 0: half of each actor's envs"""
+    num_actors: int = 1
+    """actor processes per learner process"""
+    unroll_length: int = 39
+    """n, unroll length (Table 7: 39 OpenAI Gym, 63 humanoid)"""
+    batch_size: int = 64
+    """B, unrolls per learning step, over all learner processes (App. F, humanoid)"""
+    num_minibatches: int = 8
+    """E-step minibatches (over all learner processes), each with its own top half and ψ normalisation: the
+    paper's 8 TPU replicas (App. F, implementation note)"""
+    target_update_period: int = 100
+    """T_target, learning steps between target-network refreshes (Table 7)"""
+    learning_rate: float = 1e-4
+    """Adam learning rate for everything (Sec. 4.3)"""
+    adam_eps: float = 1e-8
+    """Adam ε (the paper's TensorFlow default)"""
+    max_grad_norm: float = 0.0
+    """global gradient-norm clipping threshold; 0: none (the paper mentions none)"""
+    gamma: float = 0.99
+    """γ, agent discount (Table 7)"""
+    eps_eta: float = 0.01
+    """ε_η, bound of the temperature dual: KL of ψ from the data (Table 7)"""
+    eps_alpha_mu: float = 0.007
+    """ε_αμ, bound of the mean part of KL(π_target ‖ π) (Table 7 Gym: log-uniform [0.005, 0.01]; geometric middle)"""
+    eps_alpha_sigma: float = 1.6e-5
+    """ε_αΣ, bound of the covariance part (Table 7 Gym: log-uniform [5e-6, 5e-5); geometric middle)"""
+    init_eta: float = 1.0
+    """initial η, temperature (Table 1)"""
+    init_alpha_mu: float = 1.0
+    """initial α_μ, mean-KL multiplier (Table 1)"""
+    init_alpha_sigma: float = 1.0
+    """initial α_Σ, covariance-KL multiplier (Table 1)"""
+    min_multiplier: float = 1e-8
+    """η_min = α_min, projection of the multipliers after every step (Sec. 4.2.2)"""
+    top_fraction: float = 0.5
+    """fraction of the highest advantages used in the E-step (Sec. 4.2.1, 'top-k')"""
+    popart_beta: float = 1e-4
+    """PopArt statistics step size (Sec. 4.1)"""
+    popart_scale_lower: float = 1e-2
+    """PopArt lower bound of σ (Sec. 4.1)"""
+    popart_scale_upper: float = 1e6
+    """PopArt upper bound of σ (Sec. 4.1)"""
+    hidden: tuple[int, ...] = (512, 256)
+    """MLP core (App. F, humanoid from state: 512 and 256 units)"""
+    head_hidden: int = 256
+    """hidden units of the policy and value MLP heads (App. F)"""
+    init_std: float = 0.5
+    """initial standard deviation of the policy in [-1, 1] action units (not given in the paper)"""
+    save_model: bool = False
+    """write model.pt (weights, observation and PopArt statistics, what evaluation needs) in the run folder"""
+    capture_video: bool = False
+    """record an evaluation episode (not available for MuJoCo here: envpool renders it only with an OpenGL
+    context; the flag is refused with a message)"""
+    eval_episodes: int = 10
+    """evaluation episodes at the end of training, sampling from the policy (0: none)"""
+    run_dir: str = "runs"
+    """folder of the run folders"""
+    log_interval: float = 5.0
+    """seconds between console progress lines"""
+    learner_threads: int = 0
+    """torch threads of a learner process; 0: half the CPU cores (the other half steps the envs)"""
+
+
+# Table 7's columns. `--preset humanoid-state` starts from these values; flags given on the command line win.
+PRESETS = {
+    "gym": {},
+    "humanoid-state": dict(unroll_length=63, eps_eta=0.01, eps_alpha_mu=0.16, eps_alpha_sigma=2.2e-5),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paper's math: pure functions of time-major [T, B] tensors.
+
+
+@torch.no_grad()
+def nstep_returns(rewards, discounts, bootstrap_value):
+    """Eq. (1): G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(s_n) for every ℓ of an unroll
+    of length n, with per-step discounts γ_i = γ (1 − done_i). `[T, B]` inputs, bootstrap_value `[B]`."""
+    acc = bootstrap_value
+    out = []
+    for t in reversed(range(rewards.shape[0])):
+        acc = rewards[t] + discounts[t] * acc
+        out.append(acc)
+    return torch.stack(out[::-1])
+
+
+def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
+    """The E-step, Eqs. (12)-(13), on the top `top_fraction` of the advantages of the batch.
+
+    ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) on the k highest advantages D̃ (exactly k = ⌊fraction · |D|⌋ ≥ 1
+    samples, by `topk`, so ties cannot let more in), 0 elsewhere; `psi` has the advantages' shape, sums to one
+    and carries no gradient. L_η = η ε_η + η log( (1/|D̃|) Σ_{D̃} exp(A/η) ), differentiable in η only, on the
+    same k samples. `mask` (bool, the advantages' shape) leaves samples out of D.
+    """
+    adv = advantages.detach().reshape(-1)
+    valid = torch.ones_like(adv, dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
+    n = int(valid.sum())
+    if n == 0:
+        return torch.zeros_like(advantages), eta * eps_eta
+    k = max(1, int(n * top_fraction))
+    top_values, top_index = adv.masked_fill(~valid, -math.inf).topk(k)
+    weights = torch.softmax(top_values / eta.detach(), dim=0)
+    psi = torch.zeros_like(adv).scatter(0, top_index, weights).view_as(advantages)
+    eta_loss = eta * eps_eta + eta * (torch.logsumexp(top_values / eta, dim=0) - math.log(k))
+    return psi, eta_loss
+
+
+def gaussian_log_prob(actions, mean, std):
+    """log N(a; μ, diag σ²), summed over the action dimensions `[..., d] -> [...]`."""
+    z = (actions - mean) / std
+    return (-0.5 * z * z - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+
+def gaussian_kl_parts(target_mean, target_std, mean, std):
+    """Eqs. (24)-(25) for diagonal Gaussians: KL(π_target ‖ π) split into
+
+        KL_μ = ½ (μ − μ_t)ᵀ Σ_t⁻¹ (μ − μ_t)                     (the target's covariance: only μ moves it)
+        KL_Σ = ½ [ Tr(Σ⁻¹ Σ_t) − d + log(|Σ| / |Σ_t|) ]           (no mean: only σ moves it)
+
+    `[..., d] -> ([...], [...])`; KL_μ + KL_Σ is the full KL of Eq. (23). π_target carries no gradient."""
+    target_mean, target_var = target_mean.detach(), target_std.detach() ** 2
+    var = std ** 2
+    kl_mu = 0.5 * ((mean - target_mean) ** 2 / target_var).sum(-1)
+    kl_sigma = 0.5 * (target_var / var - 1.0 + var.log() - target_var.log()).sum(-1)
+    return kl_mu, kl_sigma
+
+
+def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
+    """Eq. (14), for one KL part (Eq. 26): L_α = (1/|D|) Σ_D [ α (ε_α − sg[KL]) + sg[α] KL ], on the full batch D.
+
+    The first term moves α (up when the KL exceeds ε_α, down when below); the second is the trust region on the
+    policy, with α held fixed. Returns (loss, mean KL)."""
+    m = torch.ones_like(kl) if mask is None else mask.float()
+    kl_mean = (m * kl).sum() / m.sum().clamp(min=1)
+    return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
+
+
+def vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1):
+    """Eq. (26): L_V + L_π + L_η + L_αμ + L_αΣ on a batch of unrolls; updates PopArt's statistics first.
+
+    `mean, std [T+1, B, d]` and `value_features [T+1, B, H]` from the online network on rows 0..T of the unrolls
+    (row T only bootstraps); transition k goes from row k to row k+1; `batch["mean"], batch["std"]` are
+    π_target's (the actors'). The E-step runs on `num_minibatches` groups of columns, ψ of each scaled by
+    1/num_minibatches. Returns (loss, stats).
+    """
+    popart = agent.popart
+    task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
+    with torch.no_grad():
+        values = popart.unnormalize(popart(value_features)[..., 0], task)  # online V, unnormalised
+    reset_step = batch["ended"][:-1]  # row k ended an episode: step k is envpool's reset step
+    mask = ~reset_step
+    discounts = args.gamma * (~batch["terminated"][1:]).float()
+    discounts = torch.where(reset_step, 0.0, discounts)
+    rewards = torch.where(reset_step, values[:-1], batch["reward"][1:])  # G_k = V(x_k) at a reset step
+    returns = nstep_returns(rewards, discounts, values[-1])
+
+    popart.update(returns[mask], task[:-1][mask])  # new μ, σ; the layer is rescaled to keep V(s) unchanged
+    value_norm = popart(value_features[:-1])[..., 0]
+    returns_norm = popart.normalize(returns, task[:-1])
+    n = mask.sum().clamp(min=1)
+    value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
+
+    advantages = returns_norm - value_norm.detach()  # (G − V)/σ
+    psi = torch.zeros_like(advantages)
+    eta_loss, kl_psi = 0.0, 0.0
+    for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
+        psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], multipliers.eta, args.eps_eta, mask[:, cols],
+                                           args.top_fraction)
+        psi[:, cols] = psi_mb / num_minibatches
+        eta_loss = eta_loss + eta_loss_mb / num_minibatches
+        top = psi_mb[psi_mb > 0]
+        kl_psi = kl_psi + (top * (top * top.numel()).log()).sum() / num_minibatches  # KL(ψ ‖ uniform on D̃)
+    logp = gaussian_log_prob(batch["action"][:-1], mean[:-1], std[:-1])
+    policy_loss = -(psi * logp).sum()
+    kl_mu, kl_sigma = gaussian_kl_parts(batch["mean"][:-1], batch["std"][:-1], mean[:-1], std[:-1])
+    alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, multipliers.alpha_mu, args.eps_alpha_mu, mask)
+    alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, multipliers.alpha_sigma, args.eps_alpha_sigma,
+                                                         mask)
+
+    with torch.no_grad():
+        stats = {"losses/value_loss": value_loss, "losses/policy_loss": policy_loss, "losses/eta_loss": eta_loss,
+                 "losses/alpha_mu_loss": alpha_mu_loss, "losses/alpha_sigma_loss": alpha_sigma_loss,
+                 "stats/kl_mu": kl_mu_mean, "stats/kl_sigma": kl_sigma_mean, "stats/eta": multipliers.eta,
+                 "stats/alpha_mu": multipliers.alpha_mu, "stats/alpha_sigma": multipliers.alpha_sigma,
+                 "stats/kl_psi": kl_psi,
+                 "stats/policy_std": (mask[..., None] * std[:-1]).sum() / (n * std.shape[-1]),
+                 "stats/advantage_mean": (mask * advantages).sum() / n,
+                 "stats/value_mean": (mask * values[:-1]).sum() / n, "stats/popart_mu": popart.mu[0],
+                 "stats/popart_sigma": popart.sigma[0]}
+        stats = {k: torch.as_tensor(v).detach().clone() for k, v in stats.items()}
+    loss = value_loss + policy_loss + eta_loss + alpha_mu_loss + alpha_sigma_loss
+    return loss, stats
+
+
+class LagrangeMultipliers(nn.Module):
+    """η (temperature, Eq. 13), α_μ and α_Σ (decoupled KL multipliers, Eq. 26), learned by the same Adam as the
+    networks."""
+
+    def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0):
+        super().__init__()
+        self.eta = nn.Parameter(torch.tensor(float(eta)))
+        self.alpha_mu = nn.Parameter(torch.tensor(float(alpha_mu)))
+        self.alpha_sigma = nn.Parameter(torch.tensor(float(alpha_sigma)))
+
+    @torch.no_grad()
+    def project(self, minimum=1e-8):
+        """Sec. 4.2.2: every multiplier ← max(multiplier, 1e-8)."""
+        for p in self.parameters():
+            p.clamp_(min=minimum)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The agent (Appendix F).
+
+
+class Agent(nn.Module):
+    """Observation normalisation, an MLP core (512, 256; ELU) and two 256-unit MLP heads: the Gaussian's mean and
+    standard deviation (readout initialised to zero weights: the same policy N(0, init_std²) in every state at
+    the start) and a PopArt value readout."""
+
+    MIN_STD = 1e-4
+
+    def __init__(self, obs_dim, action_dim, hidden=(512, 256), head_hidden=256, init_std=0.5, num_tasks=1,
+                 popart_beta=1e-4, popart_scale_lower=1e-2, popart_scale_upper=1e6):
+        super().__init__()
+        self.config = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden), head_hidden=head_hidden,
+                           init_std=init_std, num_tasks=num_tasks, popart_beta=popart_beta,
+                           popart_scale_lower=popart_scale_lower, popart_scale_upper=popart_scale_upper)
+        self.action_dim = action_dim
+        self.obs_norm = RunningNorm(obs_dim)
+        self.core = MLPTorso(obs_dim, hidden, activation=nn.ELU)
+        n = self.core.out_features
+        self.policy_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ELU())
+        self.policy = nn.Linear(head_hidden, 2 * action_dim)
+        nn.init.zeros_(self.policy.weight)
+        nn.init.zeros_(self.policy.bias)
+        with torch.no_grad():  # softplus(b) + MIN_STD = init_std
+            self.policy.bias[action_dim:] = math.log(math.expm1(init_std - self.MIN_STD))
+        self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ELU())
+        self.popart = PopArt(head_hidden, num_tasks, popart_beta, popart_scale_lower, popart_scale_upper)
+
+    def forward(self, obs):
+        """`obs [..., obs_dim]` (raw) -> mean `[..., d]`, std `[..., d]`, the value head's features `[..., H]`
+        (normalised values are `self.popart(features)`)."""
+        x = self.core(self.obs_norm(obs).reshape(-1, self.obs_norm.mean.shape[0])).view(*obs.shape[:-1], -1)
+        out = self.policy(self.policy_mlp(x))
+        mean, raw_std = out.split(self.action_dim, dim=-1)
+        return mean, F.softplus(raw_std) + self.MIN_STD, self.value_mlp(x)
+
+
+def to_env_action(action, low, high):
+    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
+    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: the saved observation
+    statistics normalise; the action is sampled (or the mean, `greedy`), mapped to the env's box and clipped."""
+    agent = Agent(**checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])
+    agent.eval()
+    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        mean, std, _ = agent(torch.as_tensor(flatten_obs(obs), device=device))
+        action = mean if greedy else mean + std * torch.randn_like(mean)
+        return to_env_action(action.cpu().numpy(), low, high)
+
+    return policy
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Acting (with the target network). Row t of an unroll holds obs_t, the reward and end flags that came with
+# obs_t, the action taken at obs_t and the target policy's mean and std there. An unroll has T+1 rows; its last
+# row is the next unroll's first.
+
+
+def buffer_specs(obs_dim, action_dim, T):
+    return {"obs": ((T + 1, obs_dim), torch.float32), "reward": ((T + 1,), torch.float32),
+            "ended": ((T + 1,), torch.bool), "terminated": ((T + 1,), torch.bool),
+            "action": ((T + 1, action_dim), torch.float32), "mean": ((T + 1, action_dim), torch.float32),
+            "std": ((T + 1, action_dim), torch.float32), "version": ((T + 1,), torch.long)}
+
+
+def actor_process(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
+    """Entry point of an actor process: runs `act` and reports its traceback if it fails."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
+    try:
+        torch.set_num_threads(1)
+        act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid)
+    except Exception:
+        msg_q.put(("error", actor_id, traceback.format_exc()))
+        sys.exit(1)
+
+
+def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
+    """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls."""
+    T, n, device = cfg["unroll_length"], cfg["num_envs"], torch.device(cfg["device"])
+    generator = torch.Generator(device=device).manual_seed(cfg["seed"])
+
+    def next_slot():
+        while True:
+            try:
+                return free_q.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent_pid:
+                    sys.exit(0)
+
+    envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True,
+                    num_threads=cfg["env_threads"])
+    low = envs.action_space.low.astype(np.float32)
+    high = envs.action_space.high.astype(np.float32)
+    agent = Agent(**target_agent.config).to(device)
+    agent.load_state_dict(target_agent.state_dict())
+    seen = int(version.item())
+    slot = np.array([next_slot() for _ in range(n)])
+    pos = np.zeros(n, np.int64)
+    tracker = EpisodeTracker(n)
+    envs.async_reset()
+    while True:
+        obs, reward, term, trunc, info = envs.recv()
+        ids = info["env_id"]
+        if os.getppid() != parent_pid:
+            return
+        latest = int(version.item())
+        if latest != seen:  # θ_target ← θ_online happened in the learner
+            seen = latest
+            agent.load_state_dict(target_agent.state_dict())
+        obs_t = torch.from_numpy(flatten_obs(obs))
+        with torch.no_grad():
+            mean, std, _ = agent(obs_t.to(device))
+            action = mean + std * torch.randn(mean.shape, device=device, generator=generator)
+        action_cpu = action.cpu()
+        envs.send(to_env_action(action_cpu.numpy(), low, high), ids)  # the envs step during the bookkeeping
+
+        sl, p = torch.from_numpy(slot[ids]), torch.from_numpy(pos[ids])
+        row = {"obs": obs_t, "reward": torch.from_numpy(reward).float(), "ended": torch.from_numpy(term | trunc),
+               "terminated": torch.from_numpy(term), "action": action_cpu, "mean": mean.cpu(), "std": std.cpu(),
+               "version": torch.full((len(ids),), seen, dtype=torch.long)}
+        for k, v in row.items():
+            buffers[k][sl, p] = v
+        pos[ids] += 1
+        for i in np.flatnonzero(pos[ids] == T + 1):
+            e = ids[i]
+            new = next_slot()
+            for k in row:  # the last row of this unroll is the first row of the next
+                buffers[k][new, 0] = buffers[k][slot[e], T]
+            full_q.put(int(slot[e]))
+            slot[e], pos[e] = new, 1
+        for _, score, length in tracker.step(ids, reward, term, trunc, info):
+            msg_q.put(("episode", score, length))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Learning and process plumbing.
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Learner:
+    """Owns the actor processes of one learner process, the target network they act with (in shared memory),
+    and hands out batches of their unrolls."""
+
+    def __init__(self, args, agent, obs_dim, action_dim, device, rank):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.args, self.device = args, device
+        self.local_batch = args.batch_size // _world_size()
+        envs_per_actor = args.num_envs // args.num_actors
+        num_slots = args.num_envs + 4 * self.local_batch
+        self.buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_()
+                        for k, (shape, dt) in buffer_specs(obs_dim, action_dim, args.unroll_length).items()}
+        self.target_agent = Agent(**agent.config)
+        self.target_agent.load_state_dict(agent.state_dict())
+        self.target_agent.share_memory()
+        self.version = torch.zeros(1, dtype=torch.long).share_memory_()
+        self.free_q, self.full_q, self.msg_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        for i in range(num_slots):
+            self.free_q.put(i)
+        self.episodes = []
+        self.procs = []
+        # the cores the learner leaves free step the envs
+        env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
+        for a in range(args.num_actors):
+            cfg = dict(env_id=args.env_id, num_envs=envs_per_actor, unroll_length=args.unroll_length,
+                       env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
+                       seed=args.seed + 1000 * rank + a, device=str(device), env_threads=env_threads)
+            p = ctx.Process(target=actor_process, daemon=True, name=f"actor-{a}",
+                            args=(a, cfg, self.target_agent, self.version, self.buffers, self.free_q,
+                                  self.full_q, self.msg_q, os.getpid()))
+            p.start()
+            self.procs.append(p)
+
+    def poll(self):
+        """Collect episode reports; raise WorkerError with the traceback if an actor died."""
+        while True:
+            try:
+                msg = self.msg_q.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "episode":
+                self.episodes.append(msg[1:])
+            else:
+                raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
+        for a, p in enumerate(self.procs):
+            if not p.is_alive():
+                time.sleep(0.5)  # give a failing actor's traceback time to arrive
+                try:
+                    msg = self.msg_q.get(timeout=1.0)
+                    if msg[0] == "error":
+                        raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
+                except queue.Empty:
+                    pass
+                raise WorkerError(f"actor {a} died with exit code {p.exitcode}")
+
+    def next_batch(self):
+        """`local_batch` unrolls, time-major `[T+1, B, ...]`, on the learner's device."""
+        idx = []
+        while len(idx) < self.local_batch:
+            try:
+                idx.append(self.full_q.get(timeout=1.0))
+            except queue.Empty:
+                self.poll()
+        self.poll()
+        idx_t = torch.tensor(idx)
+        batch = {k: v[idx_t] for k, v in self.buffers.items()}
+        for i in idx:
+            self.free_q.put(i)
+        pin = self.device.type == "cuda"
+        return {k: (v.transpose(0, 1).pin_memory() if pin else v.transpose(0, 1)).to(self.device, non_blocking=True)
+                for k, v in batch.items()}
+
+    def publish(self, agent):
+        """θ_target ← θ_online (Algorithm 1), observation statistics included: the actors pick the new weights up
+        at their next step."""
+        with torch.no_grad():
+            for dst, src in zip(self.target_agent.state_dict().values(), agent.state_dict().values()):
+                dst.copy_(src)
+        self.version += 1
+
+    def close(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def _world_size():
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def average_gradients(params, world):
+    """Averages gradients over learner processes (one all-reduce of a flat buffer). Used instead of DDP so that
+    PopArt can rescale its layer between the forward pass and the loss."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError)."""
+    spec = env_spec(args.env_id, discrete=False)
+    world = _world_size()
+    if len(spec.action_space.shape) != 1:
+        raise UsageError(f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a vector")
+    if args.unroll_length < 1:
+        raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
+    if args.batch_size < 1 or args.batch_size % world:
+        raise UsageError(f"--batch-size {args.batch_size} must be a positive multiple of the number of learner "
+                         f"processes ({world})")
+    if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
+        raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
+    per_actor = args.num_envs // args.num_actors
+    if not 0 <= args.env_batch_size <= per_actor:
+        raise UsageError(f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
+                         f"({per_actor}), or 0 for half of them")
+    steps_per_update = args.batch_size * args.unroll_length
+    if args.total_timesteps < steps_per_update:
+        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one batch "
+                         f"(batch-size x unroll-length = {steps_per_update} steps)")
+    if args.num_minibatches < 1 or args.num_minibatches % world or args.batch_size % args.num_minibatches:
+        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide --batch-size {args.batch_size} and be "
+                         f"a multiple of the number of learner processes ({world})")
+    if args.target_update_period < 1:
+        raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
+    if not 0 < args.top_fraction <= 1:
+        raise UsageError(f"--top-fraction must be in (0, 1], got {args.top_fraction}")
+    for name in ("eps_eta", "eps_alpha_mu", "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma",
+                 "learning_rate"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not args.init_std > Agent.MIN_STD:
+        raise UsageError(f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
+    if not 0 <= args.gamma <= 1:
+        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+    if not args.hidden or min(args.hidden) < 1:
+        raise UsageError(f"--hidden takes one or more positive layer sizes, got {args.hidden}")
+    if args.capture_video:
+        raise UsageError("--capture-video is not available for continuous control: envpool renders MuJoCo only "
+                         "with an OpenGL context, which it does not create; leave the flag out")
+    if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
+        raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
+    return spec
+
+
+def main(args: Args):
+    spec = check_args(args)
+    rank, world = int(os.environ.get("RANK", "0")), _world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
+
+    obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
+    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, 1, args.popart_beta,
+                  args.popart_scale_lower, args.popart_scale_upper).to(device)
+    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
+    params = list(agent.parameters()) + list(multipliers.parameters())
+    if world > 1:  # same initial weights everywhere
+        for p in params:
+            torch.distributed.broadcast(p.data, 0)
+    optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
+
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_path = os.path.join(args.run_dir, run_name)
+    writer = None
+    if rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(run_path, exist_ok=True)
+        with open(os.path.join(run_path, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+        writer = SummaryWriter(run_path)
+        print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
+              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs)", flush=True)
+
+    steps_per_update = args.batch_size * args.unroll_length
+    num_updates = args.total_timesteps // steps_per_update
+    groups = args.num_minibatches // world  # E-step minibatches of this learner process
+    learner = None
+    start = time.time()
+    global_step, returns, last_log = 0, [], start
+    first_update_time = None  # steady-state SPS leaves out process start and the first batch
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        learner = Learner(args, agent, obs_dim, action_dim, device, rank)
+        for update in range(1, num_updates + 1):
+            batch = learner.next_batch()
+            agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
+            mean, std, value_features = agent(batch["obs"])
+            loss, stats = vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            if world > 1:
+                average_gradients(params, world)
+            if args.max_grad_norm > 0:
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            multipliers.project(args.min_multiplier)
+            stale = (batch["version"][:-1] != learner.version.item()).float().mean()
+            if update % args.target_update_period == 0:
+                learner.publish(agent)  # θ_target ← θ_online
+            global_step = update * steps_per_update
+            if first_update_time is None:
+                first_update_time = time.time()
+            if rank != 0:
+                learner.episodes.clear()
+                continue
+            for score, length in learner.episodes:
+                returns.append(score)
+                writer.add_scalar("charts/episodic_return", score, global_step)
+                writer.add_scalar("charts/episodic_length", length, global_step)
+            learner.episodes.clear()
+            now = time.time()
+            if now - last_log >= args.log_interval or update == num_updates:
+                sps = global_step / (now - start)
+                writer.add_scalar("charts/SPS", sps, global_step)
+                writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
+                writer.add_scalar("stats/stale_fraction", stale.item(), global_step)
+                writer.add_scalar("stats/target_version", learner.version.item(), global_step)
+                for k, v in stats.items():
+                    writer.add_scalar(k, v.item(), global_step)
+                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
+                eta_min = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
+                print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+                      f"| episodes {len(returns)} | η {stats['stats/eta'].item():.3f} "
+                      f"α_μ {stats['stats/alpha_mu'].item():.3f} α_Σ {stats['stats/alpha_sigma'].item():.3f} "
+                      f"σ {stats['stats/policy_std'].item():.3f} | ETA {eta_min:.1f} min", flush=True)
+                last_log = now
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if learner is not None:
+            learner.close()
+        os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun
+    except KeyboardInterrupt:
+        print("interrupted: stopping actors", file=sys.stderr, flush=True)
+        if learner is not None:
+            learner.close()
+        sys.exit(130)
+    learner.close()
+    wall = time.time() - start
+
+    if rank == 0:
+        checkpoint = {"script": "vmpo_mujoco", "env_id": args.env_id, "args": dataclasses.asdict(args),
+                      "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+                      "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
+                      "action_low": spec.action_space.low.astype(np.float32).tolist(),
+                      "action_high": spec.action_space.high.astype(np.float32).tolist(), "global_step": global_step}
+        if args.save_model:
+            torch.save(checkpoint, os.path.join(run_path, "model.pt"))
+        eval_mean = None
+        if args.eval_episodes > 0:
+            from common.evaluation import evaluate
+
+            scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000, device=str(device))
+            eval_mean = float(np.mean(scores))
+            writer.add_scalar("charts/eval_return", eval_mean, global_step)
+            print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
+        summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
+                   "sps": global_step / wall,
+                   "sps_after_first_update": (global_step - steps_per_update) / max(start + wall - first_update_time, 1e-9)
+                   if num_updates > 1 else None,
+                   "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+                   "eval_mean_return": eval_mean}
+        with open(os.path.join(run_path, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        writer.close()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def parse_args(argv=None):
+    """`tyro` over `Args`, starting from the `--preset` column of Table 7."""
+    import tyro
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    preset = "gym"
+    for i, a in enumerate(argv):
+        if a == "--preset" and i + 1 < len(argv):
+            preset = argv[i + 1]
+        elif a.startswith("--preset="):
+            preset = a.split("=", 1)[1]
+    if preset not in PRESETS:
+        raise UsageError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}")
+    return tyro.cli(Args, args=argv, default=Args(preset=preset, **PRESETS[preset]))
+
+
+def cli():
+    try:
+        main(parse_args())
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
