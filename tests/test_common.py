@@ -11,9 +11,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.envs import EpisodeTracker, UsageError, env_spec, make_env  # noqa: E402
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env  # noqa: E402
 from common.evaluation import write_apng  # noqa: E402
-from common.networks import LSTMCore, PolicyValueHeads, ResNetTorso, ShallowTorso, make_torso  # noqa: E402
+from common.networks import (LSTMCore, PolicyValueHeads, ResNetTorso, RunningNorm, ShallowTorso,  # noqa: E402
+                             make_torso)
 
 
 def test_torsos_shapes_and_layer_counts():
@@ -190,3 +191,34 @@ def test_popart_scale_stays_within_bounds():
     assert float(p.sigma[0]) == pytest.approx(1e-2)
     p.update(torch.tensor([-1e9, 1e9], dtype=torch.float64), torch.zeros(2, dtype=torch.long))  # σ would be 1e9
     assert float(p.sigma[0]) == pytest.approx(1e6)
+
+
+def test_running_norm_equals_the_statistics_of_everything_seen():
+    """Batches of different sizes and scales folded in one at a time give the mean and (population) variance of
+    their concatenation; normalised outputs are clipped; the statistics are in the state dict."""
+    rng = np.random.default_rng(0)
+    norm = RunningNorm(3, clip=5.0)
+    seen = []
+    for n in (1, 7, 50, 3):
+        x = rng.normal(loc=[1.0, -20.0, 300.0], scale=[0.1, 5.0, 40.0], size=(n, 3))
+        seen.append(x)
+        norm.update(torch.tensor(x, dtype=torch.float32).view(1, n, 3))  # any leading shape
+        allx = np.concatenate(seen)
+        np.testing.assert_allclose(norm.mean.numpy(), allx.mean(0), rtol=1e-5)
+        np.testing.assert_allclose(norm.var.numpy(), allx.var(0), rtol=1e-4, atol=1e-9)
+        assert float(norm.count) == len(allx)
+    x = torch.tensor([[1.0, -20.0, 1e6]])
+    z = norm(x)
+    assert float(z[0, 2]) == 5.0 and abs(float(z[0, 0]) - (1.0 - float(norm.mean[0])) / math.sqrt(float(norm.var[0]))) < 1e-3
+    assert {"mean", "var", "count"} <= set(norm.state_dict())
+
+
+def test_flatten_obs_of_a_dm_control_dict():
+    obs = {"b": np.arange(6.0).reshape(2, 3), "a": np.array([10.0, 20.0]), "c": np.zeros((2, 2, 2))}
+    flat = flatten_obs(obs)
+    assert flat.dtype == np.float32 and flat.shape == (2, 1 + 3 + 4)
+    np.testing.assert_array_equal(flat[1, :4], [20.0, 3.0, 4.0, 5.0])  # sorted keys: a, b, c
+    spec = env_spec("HumanoidRun-v1")
+    assert flat_obs_dim(spec) == 21 + 1 + 12 + 3 + 3 + 28 + 27 and flat_obs_dim(env_spec("HalfCheetah-v4")) == 17
+    env = make_env("HumanoidRun-v1", 2, seed=0)
+    assert flatten_obs(env.reset()[0]).shape == (2, flat_obs_dim(spec))
