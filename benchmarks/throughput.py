@@ -4,6 +4,8 @@
 
     python benchmarks/throughput.py --script vmpo_atari --env-id Breakout-v5 --num-envs 32 --timesteps 100000 \
         -- --network shallow --no-use-lstm --batch-size 32 --unroll-length 20
+    python benchmarks/throughput.py --script vmpo_mujoco --env-id HalfCheetah-v4 --num-envs 64 --unroll-length 39 \
+        --timesteps 500000 -- --batch-size 64
 
 Four figures, in environment steps per second (SPS; frames are 4x that on Atari):
 1. raw envpool: random actions, the same env, number of envs and async batch as the training run;
@@ -40,13 +42,16 @@ from common.envs import make_env  # noqa: E402
 
 def raw_envpool_sps(env_id, num_envs, batch_size, seconds):
     envs = make_env(env_id, num_envs, seed=0, batch_size=batch_size)
-    n_actions = envs.action_space.n
+    space = envs.action_space
     envs.async_reset()
     steps, t0 = 0, None
     while True:
         _, _, _, _, info = envs.recv()
         ids = info["env_id"]
-        envs.send(np.random.randint(0, n_actions, len(ids)), ids)
+        if hasattr(space, "n"):
+            envs.send(np.random.randint(0, space.n, len(ids)), ids)
+        else:
+            envs.send(np.random.uniform(space.low, space.high, (len(ids), *space.shape)).astype(np.float32), ids)
         steps += len(ids)
         if t0 is None and steps >= 4 * num_envs:  # warm-up
             t0, steps = time.time(), 0
@@ -54,37 +59,68 @@ def raw_envpool_sps(env_id, num_envs, batch_size, seconds):
             return steps / (time.time() - t0)
 
 
-def make_learner(script, obs_shape, num_actions, network, script_args, device):
-    """The script's agent, optimiser and loss as `(agent, optimizer, loss_fn(batch) -> loss)`."""
-    if script == "impala_vtrace":
-        import impala_vtrace as m
+def make_learner(script, envs, network, script_args, device):
+    """The script's agent and optimiser as `(optimizer, policy_step, loss_fn)`: `policy_step(obs, state)` gives
+    `(env_actions, row, state)` with what the script stores per step, `loss_fn(batch)` the script's loss."""
+    spec = envs.spec
+    if script in ("impala_vtrace", "vmpo_atari"):
+        obs_shape, num_actions = spec.observation_space.shape, envs.action_space.n
+        if script == "impala_vtrace":
+            import impala_vtrace as m
 
-        args = m.Args(network=network, use_lstm=script_args.get("use_lstm", False))
-        agent = m.Agent(obs_shape, num_actions, network, args.channels, args.use_lstm).to(device)
-        opt = torch.optim.RMSprop(agent.parameters(), lr=1e-4, alpha=0.99, eps=0.01)
+            args = m.Args(network=network, use_lstm=script_args.get("use_lstm", False))
+            agent = m.Agent(obs_shape, num_actions, network, args.channels, args.use_lstm).to(device)
+            opt = torch.optim.RMSprop(agent.parameters(), lr=1e-4, alpha=0.99, eps=0.01)
+            loss = lambda logits, values, mb: m.learner_loss(logits, values, mb, args)[0]  # noqa: E731
+        else:
+            import vmpo_atari as m
 
-        def loss_fn(mb, T1, B):
+            args = m.Args(network=network, use_lstm=script_args.get("use_lstm", True),
+                          channels=script_args.get("channels", ()))
+            agent = m.Agent(obs_shape, num_actions, network, args.channels, args.use_lstm).to(device)
+            multipliers = m.LagrangeMultipliers().to(device)
+            opt = torch.optim.Adam([*agent.parameters(), *multipliers.parameters()], lr=1e-4)
+            loss = lambda logits, feats, mb: m.vmpo_loss(logits, feats, mb, agent, multipliers, args)[0]  # noqa: E731
+
+        def policy_step(obs, state):
+            z = torch.zeros(1, obs.shape[0], device=device)
+            state = agent.initial_state(obs.shape[0], device) if state is None else state
+            with torch.no_grad():
+                logits, _, state = agent(torch.as_tensor(obs, device=device)[None], z.long(), z, z.bool(), state)
+            a = torch.distributions.Categorical(logits=logits[0]).sample()
+            return a.cpu().numpy(), {"obs": torch.as_tensor(obs, device=device), "action": a, "logits": logits[0]}, state
+
+        def loss_fn(mb):
+            T1, B = mb["action"].shape
             z = torch.zeros(T1, B, device=device)
-            state = agent.initial_state(B, device)
-            logits, values, _ = agent(mb["obs"], z.long(), mb["reward"], z.bool(), state)
-            return m.learner_loss(logits, values, mb, args)[0]
-    elif script == "vmpo_atari":
-        import vmpo_atari as m
+            logits, out, _ = agent(mb["obs"], z.long(), mb["reward"], z.bool(), agent.initial_state(B, device))
+            return loss(logits, out, mb)
+    elif script == "vmpo_mujoco":
+        import vmpo_mujoco as m
+        from common.envs import flat_obs_dim, flatten_obs
 
-        args = m.Args(network=network, use_lstm=script_args.get("use_lstm", True),
-                      channels=script_args.get("channels", ()))
-        agent = m.Agent(obs_shape, num_actions, network, args.channels, args.use_lstm).to(device)
+        args = m.Args()
+        agent = m.Agent(flat_obs_dim(spec), envs.action_space.shape[0], args.hidden).to(device)
         multipliers = m.LagrangeMultipliers().to(device)
         opt = torch.optim.Adam([*agent.parameters(), *multipliers.parameters()], lr=1e-4)
+        low, high = envs.action_space.low, envs.action_space.high
 
-        def loss_fn(mb, T1, B):
-            z = torch.zeros(T1, B, device=device)
-            state = agent.initial_state(B, device)
-            logits, features, _ = agent(mb["obs"], z.long(), mb["reward"], z.bool(), state)
-            return m.vmpo_loss(logits, features, mb, agent, multipliers, args)[0]
+        def policy_step(obs, state):
+            o = torch.as_tensor(flatten_obs(obs), device=device)
+            with torch.no_grad():
+                mean, std, _ = agent(o)
+            a = mean + std * torch.randn_like(mean)
+            return m.to_env_action(a.cpu().numpy(), low, high), {"obs": o, "action": a, "mean": mean, "std": std}, state
+
+        def loss_fn(mb):
+            agent.obs_norm.update(mb["obs"][:-1])
+            mean, std, feats = agent(mb["obs"])
+            B = mb["obs"].shape[1]
+            groups = args.num_minibatches if B % args.num_minibatches == 0 else 1
+            return m.vmpo_loss(mean, std, feats, mb, agent, multipliers, args, groups)[0]
     else:
         raise SystemExit(f"error: unknown --script {script!r}")
-    return agent, opt, loss_fn
+    return opt, policy_step, loss_fn
 
 
 def sync_loop_sps(script, env_id, num_envs, unroll, network, script_args, seconds, device, epochs=1,
@@ -92,36 +128,31 @@ def sync_loop_sps(script, env_id, num_envs, unroll, network, script_args, second
     """Acting then learning, in turn, with the script's agent and loss (on-policy); with epochs=4,
     minibatches=4 the learner does the work of PPO's Atari settings (4 epochs of 4 minibatches per batch)."""
     envs = make_env(env_id, num_envs, seed=0)
-    agent, opt, loss_fn = make_learner(script, envs.spec.observation_space.shape, envs.action_space.n, network,
-                                       script_args, device)
+    opt, policy_step, loss_fn = make_learner(script, envs, network, script_args, device)
     obs, _ = envs.reset()
-    zeros = torch.zeros(1, num_envs, device=device)
-    state = agent.initial_state(num_envs, device)
+    state = None
     steps, t0 = 0, None
     while True:
-        rows = {k: [] for k in ("obs", "action", "logits", "reward", "ended", "terminated")}
+        rows = {}
         reward = np.zeros(num_envs, np.float32)
         ended = np.zeros(num_envs, bool)
         term = np.zeros(num_envs, bool)
         for _ in range(unroll + 1):
-            o = torch.as_tensor(obs, device=device)
-            with torch.no_grad():
-                logits, _, state = agent(o[None], zeros.long(), zeros, zeros.bool(), state)
-            a = torch.distributions.Categorical(logits=logits[0]).sample()
-            for k, v in (("obs", o), ("action", a), ("logits", logits[0]),
-                         ("reward", torch.as_tensor(reward, device=device)),
-                         ("ended", torch.as_tensor(ended, device=device)),
-                         ("terminated", torch.as_tensor(term, device=device))):
-                rows[k].append(v)
-            obs, reward, term, trunc, _ = envs.step(a.cpu().numpy())
+            actions, row, state = policy_step(obs, state)
+            row.update(reward=torch.as_tensor(reward, device=device), ended=torch.as_tensor(ended, device=device),
+                       terminated=torch.as_tensor(term, device=device))
+            for k, v in row.items():
+                rows.setdefault(k, []).append(v)
+            obs, reward, term, trunc, _ = envs.step(actions)
+            reward = reward.astype(np.float32)
             ended = term | trunc
             steps += num_envs
         batch = {k: torch.stack(v) for k, v in rows.items()}
-        T1, B = batch["action"].shape
+        B = num_envs
         for _ in range(epochs):
             for cols in torch.randperm(B).chunk(minibatches):
                 mb = {k: v[:, cols] for k, v in batch.items()}
-                loss = loss_fn(mb, T1, len(cols))
+                loss = loss_fn(mb)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -133,8 +164,9 @@ def sync_loop_sps(script, env_id, num_envs, unroll, network, script_args, second
 
 def script_sps(script, env_id, num_envs, timesteps, network, extra):
     with tempfile.TemporaryDirectory() as d:
+        net = ["--network", network] if script in ("impala_vtrace", "vmpo_atari") else []
         cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), "--env-id", env_id, "--num-envs",
-               str(num_envs), "--total-timesteps", str(timesteps), "--network", network, "--eval-episodes", "0",
+               str(num_envs), "--total-timesteps", str(timesteps), *net, "--eval-episodes", "0",
                "--run-dir", d, *extra]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         summary = json.load(open(glob.glob(os.path.join(d, "*", "summary.json"))[0]))
@@ -143,10 +175,10 @@ def script_sps(script, env_id, num_envs, timesteps, network, extra):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--script", default="impala_vtrace", choices=["impala_vtrace", "vmpo_atari"])
+    p.add_argument("--script", default="impala_vtrace", choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
     p.add_argument("--env-id", default="Breakout-v5")
     p.add_argument("--num-envs", type=int, default=32)
-    p.add_argument("--network", default="shallow")
+    p.add_argument("--network", default="shallow", help="Atari scripts' torso (vmpo_mujoco has its MLP)")
     p.add_argument("--unroll-length", type=int, default=20)
     p.add_argument("--seconds", type=float, default=20.0, help="length of the raw and synchronous measurements")
     p.add_argument("--timesteps", type=int, default=100_000, help="length of the script's run")
