@@ -200,18 +200,19 @@ def main():
                         4, 4)
     extra = ["--unroll-length", str(a.unroll_length), *a.extra] + ([] if a.cuda else ["--no-cuda"])
     total, steady = script_sps(a.script, a.env_id, a.num_envs, a.timesteps, a.network, extra)
+    network = a.network if a.script in ("impala_vtrace", "vmpo_atari") else "mlp"
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
                + (f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ""))
-    result = {"script": a.script, "env_id": a.env_id, "num_envs": a.num_envs, "network": a.network,
+    result = {"script": a.script, "env_id": a.env_id, "num_envs": a.num_envs, "network": network,
               "script_args": a.extra, "machine": machine, "raw_envpool_sps": raw, "sync_loop_sps": sync,
               "sync_ppo_style_sps": ppo, "script_sps": steady, "script_sps_with_startup": total,
               "script_over_raw": steady / raw, "script_over_sync": steady / sync, "script_over_ppo_style": steady / ppo}
     print(f"| script | env | envs | network | machine | raw envpool | sync 1 pass | sync PPO-style | script | "
           f"script / raw | script / sync | script / PPO-style |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-          f"| {a.script} | {a.env_id} | {a.num_envs} | {a.network} | {machine} | {raw:.0f} | {sync:.0f} | {ppo:.0f} | "
+          f"| {a.script} | {a.env_id} | {a.num_envs} | {network} | {machine} | {raw:.0f} | {sync:.0f} | {ppo:.0f} | "
           f"{steady:.0f} ({total:.0f} with start-up) | {steady / raw:.2f} | {steady / sync:.2f} | {steady / ppo:.2f} |")
     out = a.out or os.path.join(ROOT, "benchmarks",
-                                f"throughput_{a.script}_{a.env_id}_{a.network}_{device.type}.json")
+                                f"throughput_{a.script}_{a.env_id}_{network}_{device.type}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
 

@@ -217,7 +217,7 @@ def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
     adv = torch.cat([c[0] for c in captured], dim=1)
     for i, (a, mask, psi) in enumerate(captured):
         assert a.shape == (T, B // M)
-        ref_psi, _ = weights_reference(a.double(), float(m.eta), 0.01, mask)
+        ref_psi, _ = weights_reference(a.double(), m.eta.item(), 0.01, mask)
         torch.testing.assert_close(psi.double(), ref_psi, rtol=1e-5, atol=1e-7)
         assert math.isclose(float(psi.sum()), 1.0, rel_tol=1e-5)
     assert captured[0][2][2, 0] == 0 and captured[2][2][1, 1] == 0 and not captured[0][1][2, 0]
