@@ -85,3 +85,26 @@ def wait_for_actors(proc, timeout=120):
         actors = [c for c in children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
     assert actors, "no actor process started"
     return actors
+
+
+def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
+    """Starts `script` for a long run; `victim` "actor" SIGKILLs one actor (the run must end non-zero, naming
+    it), "sigint" sends Ctrl-C to the learner (the run must end); either way no actor may outlive the run."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, script, *argv, "--run-dir", str(run_dir)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        actors = wait_for_actors(proc)
+        time.sleep(3.0)
+        if victim == "actor":
+            os.kill(actors[0], signal.SIGKILL)
+            assert proc.wait(timeout=30) != 0
+            assert "actor 0 died" in proc.stderr.read()
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=30) != 0
+        assert wait_gone(actors, timeout=15), "an actor outlived its learner"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -4,10 +4,7 @@ script end to end. The E-step's reference (`weights_reference`) is shared with t
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_mujoco  # noqa: E402
 from vmpo_mujoco import (gaussian_kl_parts, gaussian_log_prob, kl_constraint_loss, nstep_returns,  # noqa: E402
                          vmpo_weights)
-from tests.helpers import (ROOT, assert_usage_error, events_tags, imported_envpool_modules, run_script,  # noqa: E402
-                           wait_for_actors, wait_gone)
+from tests.helpers import (assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
+                           imported_envpool_modules, run_script)
 from tests.test_vmpo_atari import weights_reference  # noqa: E402
 
 
@@ -335,24 +332,9 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
 
 @pytest.mark.parametrize("victim", ["actor", "sigint"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    proc = subprocess.Popen([sys.executable, "vmpo_mujoco.py", "--env-id", "Pendulum-v1", "--total-timesteps",
-                             "100000000", "--num-envs", "4", "--batch-size", "4", "--num-minibatches", "1",
-                             "--unroll-length", "10", "--eval-episodes", "0", "--run-dir", str(tmp_path)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        actors = wait_for_actors(proc)
-        time.sleep(3.0)
-        if victim == "actor":
-            os.kill(actors[0], signal.SIGKILL)
-            assert proc.wait(timeout=30) != 0
-            assert "actor 0 died" in proc.stderr.read()
-        else:
-            os.kill(proc.pid, signal.SIGINT)
-            assert proc.wait(timeout=30) != 0
-        assert wait_gone(actors, timeout=15), "an actor outlived its learner"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    assert_killed_process_ends_the_run("vmpo_mujoco.py", ["--env-id", "Pendulum-v1", "--total-timesteps", "100000000", "--num-envs", "4",
+                                         "--batch-size", "4", "--num-minibatches", "1", "--unroll-length", "10",
+                                         "--eval-episodes", "0"], tmp_path, victim)
 
 
 # --------------------------------------------------------------------------------------------------------
