@@ -44,7 +44,8 @@ Choices the paper leaves open, and what is done here:
 - Table 7's ε_η row reads 0.1 (humanoid pixels), 0.01 (humanoid state) and leaves the Gym cell to the state
   column: 0.01 here. Ranges sampled log-uniformly in the paper take their geometric middle. Table 7 gives the
   humanoid-from-state unroll as 63, Appendix F as 40: the preset follows the table.
-- Gym tasks have no network in the paper: the humanoid-from-state agent (512-256 core) is used for all.
+- Gym tasks have no network in the paper: the humanoid-from-state agent (512-256 core) is used for all, with
+  ELU activations (the paper does not name them).
 
 envpool resets an environment on the step *after* an episode ends; that step is no transition and is masked
 out of every loss. Its n-step return is set to V(x_k), so a time-limit truncation (all MuJoCo tasks have one)

@@ -228,7 +228,7 @@ def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
     # the policy loss is −Σ ψ log π with the minibatches' ψ scaled by 1/M
     psi_all = torch.cat([c[2] for c in captured], dim=1) / M
     logp = gaussian_log_prob(batch["action"][:-1], mean[:-1], std[:-1])
-    assert float(stats["losses/policy_loss"]) == pytest.approx(float(-(psi_all * logp).sum()), rel=1e-5)
+    assert float(stats["losses/policy_loss"]) == pytest.approx(float(-(psi_all * logp).sum().detach()), rel=1e-5)
 
 
 def test_agent_starts_with_the_same_gaussian_everywhere_and_actions_map_to_the_box():
