@@ -298,9 +298,9 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
 
 @pytest.mark.parametrize("victim", ["actor", "sigint"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    assert_killed_process_ends_the_run("vmpo_atari.py", ["--env-id", "CartPole-v1", "--total-timesteps", "100000000", "--num-envs", "4",
-                                        "--batch-size", "4", "--num-minibatches", "1", "--unroll-length", "10",
-                                        "--no-use-lstm", "--eval-episodes", "0"], tmp_path, victim)
+    argv = ["--env-id", "CartPole-v1", "--total-timesteps", "100000000", "--num-envs", "4", "--batch-size", "4",
+            "--num-minibatches", "1", "--unroll-length", "10", "--no-use-lstm", "--eval-episodes", "0"]
+    assert_killed_process_ends_the_run("vmpo_atari.py", argv, tmp_path, victim)
 
 
 # --------------------------------------------------------------------------------------------------------

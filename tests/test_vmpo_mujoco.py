@@ -332,9 +332,9 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
 
 @pytest.mark.parametrize("victim", ["actor", "sigint"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    assert_killed_process_ends_the_run("vmpo_mujoco.py", ["--env-id", "Pendulum-v1", "--total-timesteps", "100000000", "--num-envs", "4",
-                                         "--batch-size", "4", "--num-minibatches", "1", "--unroll-length", "10",
-                                         "--eval-episodes", "0"], tmp_path, victim)
+    argv = ["--env-id", "Pendulum-v1", "--total-timesteps", "100000000", "--num-envs", "4", "--batch-size", "4",
+            "--num-minibatches", "1", "--unroll-length", "10", "--eval-episodes", "0"]
+    assert_killed_process_ends_the_run("vmpo_mujoco.py", argv, tmp_path, victim)
 
 
 # --------------------------------------------------------------------------------------------------------
