@@ -98,16 +98,17 @@ def make_torso(obs_shape, network="shallow", channels=None, mlp_hidden=(64, 64))
 
 
 class LSTMCore(nn.Module):
-    """An LSTM fed the torso features, the previous action (one-hot) and the previous reward.
+    """An LSTM fed the torso features, the previous action (one-hot) and the previous reward (IMPALA, V-MPO);
+    with `action_reward_inputs=False` the features alone (A3C), and `prev_action`, `prev_reward` are ignored.
 
     `forward` runs a time-major sequence `[T, B, F]`; where `first[t]` is True the state is zeroed before
     step t (a new episode starts there). The state is a pair `(h, c)` of `[B, hidden]` tensors.
     """
 
-    def __init__(self, in_features, num_actions, hidden=256):
+    def __init__(self, in_features, num_actions, hidden=256, action_reward_inputs=True):
         super().__init__()
-        self.num_actions, self.hidden = num_actions, hidden
-        self.cell = nn.LSTMCell(in_features + num_actions + 1, hidden)
+        self.num_actions, self.hidden, self.action_reward_inputs = num_actions, hidden, action_reward_inputs
+        self.cell = nn.LSTMCell(in_features + (num_actions + 1 if action_reward_inputs else 0), hidden)
         self.out_features = hidden
 
     def initial_state(self, batch_size, device=None):
@@ -116,8 +117,10 @@ class LSTMCore(nn.Module):
 
     def forward(self, features, prev_action, prev_reward, first, state):
         T, B = first.shape
-        x = torch.cat([features.view(T, B, -1), F.one_hot(prev_action.long(), self.num_actions).float(),
-                       prev_reward.view(T, B, 1).float()], dim=-1)
+        x = features.view(T, B, -1)
+        if self.action_reward_inputs:
+            x = torch.cat([x, F.one_hot(prev_action.long(), self.num_actions).float(),
+                           prev_reward.view(T, B, 1).float()], dim=-1)
         h, c = state
         outs = []
         for t in range(T):

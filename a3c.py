@@ -1,0 +1,641 @@
+"""A3C: asynchronous advantage actor-critic, discrete (Atari, any envpool discrete task) and continuous actions.
+
+Mnih, Badia, Mirza, Graves, Lillicrap, Harley, Silver, Kavukcuoglu (2016), "Asynchronous Methods for Deep
+Reinforcement Learning".
+
+Several actor-learner processes share one network in shared memory. Each keeps a local copy: it copies the
+shared weights, acts for t_max steps in its own environments, computes n-step returns bootstrapped from its
+value estimate, and applies the gradient of its actor-critic loss straight to the shared weights, without
+locks (Hogwild). Parallel actors exploring different parts of the environment decorrelate the updates, the
+role a replay memory plays in DQN. The optimiser is the paper's *shared* RMSProp: the running average of
+squared gradients is itself in shared memory, updated by every worker.
+
+| paper                                                             | here                                  |
+|-------------------------------------------------------------------|---------------------------------------|
+| Algorithm S3: sync θ' ← θ, act t_max steps, R ← r_i + γR backwards  | `train_worker`, `n_step_returns`       |
+| Algorithm S3: dθ ← ∇ log π(a|s)(R − V) + β∇H, dθ_v ← ∂(R − V)²/∂θ_v | `a3c_loss`                             |
+| Algorithm S3: "asynchronous update of θ using dθ" (Hogwild)         | `hogwild_update`                       |
+| Sec. 4 Eq. (1), Supp. Eqs. (S2)-(S3): shared RMSProp               | `SharedRMSprop`                        |
+| Supp. 8: Atari network (16 8x8/4, 32 4x4/2, 256), softmax + value  | `Agent` (ShallowTorso from common/)    |
+| Sec. 5.1: 256 LSTM cells after the last hidden layer               | `--lstm` (LSTMCore from common/)       |
+| Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V   | `Agent` with continuous actions        |
+| Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0             | `Args` defaults                        |
+
+Choices the paper leaves open, and what is done here:
+- Losses are summed over the t_max steps of a rollout, as Algorithm S3 accumulates its gradients, and
+  averaged over a worker's environments (`--num-envs`, 1 in the paper). The value loss is
+  value_coef · Σ (R − V)² with value_coef 0.5, so its gradient is (V − R)∇V.
+- The learning rate is the geometric middle of the paper's LogUniform(1e-4, 1e-2) search (Supp. 8): 1e-3.
+  RMSProp's ε (0.1, inside the square root as in Eq. S3) and the gradient-norm clipping threshold (40) are
+  not given in the paper, which tuned the clipping on six games.
+- Continuous actions live in [-1, 1]^d and are mapped to the env's box (and clipped) only when sent to it.
+  The covariance is spherical, σ²I with σ² = softplus(·) + 1e-5 (the floor keeps log-probabilities finite).
+  The paper updates once per episode without bootstrapping on MuJoCo; here MuJoCo uses t_max-step rollouts
+  like Atari. Vector observations are normalised by running statistics (not in the paper), kept in shared
+  memory, updated by the workers under a lock and saved in `model.pt`.
+- The LSTM sees only the torso's features (no previous action or reward): `--lstm` makes t_max 20.
+
+envpool resets an environment on the step *after* an episode ends; that step ignores the action and gives
+reward 0. It is no transition: it gets no gradient, and its return is set to V(x_k), so a time-limit
+truncation bootstraps from the value of its last observation; only termination (and, for Atari in training,
+a lost life) has discount 0.
+
+Processes: `main` starts `--num-workers` spawned worker processes (one per CPU core by default; the paper ran
+16 threads on 16 cores) and monitors them: it logs what they report, ends the run when the shared step
+counter reaches `--total-timesteps`, and ends it with the traceback if a worker dies. Workers use one torch
+thread each. A3C is a CPU algorithm: the workers share parameters in CPU memory, and `--cuda` is refused.
+
+    python a3c.py --env-id Breakout-v5
+    python a3c.py --env-id HalfCheetah-v4 --num-workers 8 --lstm
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
+from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso
+
+
+@dataclass
+class Args:
+    env_id: str = "Breakout-v5"
+    """envpool task id, discrete (Atari *-v5, CartPole-v1, ...) or continuous actions (HalfCheetah-v4, ...)"""
+    exp_name: str = "a3c"
+    """name of this experiment, part of the run folder's name"""
+    seed: int = 1
+    """seed of the shared initial weights; worker w seeds torch with seed + w and its envs from seed + w·num_envs"""
+    torch_deterministic: bool = True
+    """torch.backends.cudnn.deterministic (kept for the common command line; the workers run on CPU)"""
+    cuda: bool = False
+    """not available: Hogwild workers share their parameters in CPU memory (the paper: 16 CPU cores, no GPU)"""
+    total_timesteps: int = 20_000_000
+    """environment steps over all workers (80M frames on Atari; the paper trains for 1-4 days on 16 cores)"""
+    num_workers: int = 0
+    """actor-learner processes; 0: one per CPU core (the paper: 16 threads, Supp. 8)"""
+    num_envs: int = 1
+    """environments per worker, stepped together (1 in the paper)"""
+    t_max: int = 0
+    """t_max, steps per rollout and update; 0: 5 (Supp. 8), or 20 with --lstm"""
+    learning_rate: float = 1e-3
+    """η, initial learning rate (the geometric middle of the paper's LogUniform(1e-4, 1e-2), Supp. 8)"""
+    anneal_lr: bool = True
+    """anneal η linearly to 0 over the run (Supp. 8)"""
+    rmsprop_alpha: float = 0.99
+    """α, RMSProp decay of the squared-gradient average g (Supp. 8)"""
+    rmsprop_eps: float = 0.1
+    """ε of RMSProp, inside the square root (Eq. S3; its value is not given in the paper)"""
+    shared_statistics: bool = True
+    """shared RMSProp: one g for all workers (Sec. 4); --no-shared-statistics gives each worker its own g"""
+    gamma: float = 0.99
+    """γ, discount (Supp. 8)"""
+    ent_coef: float = -1.0
+    """β, entropy regularisation; negative: 0.01 for discrete (Supp. 8), 1e-4 for continuous actions (Supp. 9)"""
+    value_coef: float = 0.5
+    """weight of the value loss Σ (R − V)²"""
+    max_grad_norm: float = 40.0
+    """gradient-norm clipping of a worker's gradient (tuned in the paper, value not given); 0: none"""
+    lstm: bool = False
+    """recurrent agent: an LSTM after the last hidden layer (Sec. 5.1 'A3C, LSTM'; Supp. 9)"""
+    lstm_size: int = 0
+    """LSTM cells; 0: 256 for pixel observations (Sec. 5.1), 128 for vector observations (Supp. 9)"""
+    hidden: int = 200
+    """ReLU units of the one hidden layer for vector observations (Supp. 9)"""
+    save_model: bool = False
+    """write model.pt (weights, observation statistics, what evaluation needs) in the run folder"""
+    capture_video: bool = False
+    """record the first evaluation episode as runs/<run>/videos/eval_episode_0.png (Atari and classic control)"""
+    eval_episodes: int = 10
+    """evaluation episodes at the end of training, sampling from the policy (0: none)"""
+    run_dir: str = "runs"
+    """folder of the run folders"""
+    log_interval: float = 5.0
+    """seconds between console progress lines"""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paper's math: pure functions of time-major [T, B] tensors.
+
+
+@torch.no_grad()
+def n_step_returns(rewards, discounts, bootstrap_value):
+    """Algorithm S3: R ← V(s_t) (the bootstrap), then R ← r_i + γ_i R for i = t−1 down to t_start. Every step
+    gets the longest return the rollout allows: a one-step return for the last, a t_max-step one for the first.
+    `[T, B]` rewards and per-step discounts γ_i = γ (1 − done_i), bootstrap_value `[B]`."""
+    acc = bootstrap_value
+    out = []
+    for t in reversed(range(rewards.shape[0])):
+        acc = rewards[t] + discounts[t] * acc
+        out.append(acc)
+    return torch.stack(out[::-1])
+
+
+def a3c_loss(log_probs, entropies, values, rewards, terminated, reset, bootstrap_value, gamma, ent_coef,
+             value_coef):
+    """Algorithm S3's accumulated gradients as one loss on a rollout `[T, B]`:
+
+        L = Σ_t [ −log π(a_t|s_t) (R_t − V(s_t)) − β H(π(·|s_t)) + value_coef (R_t − V(s_t))² ]
+
+    summed over time and averaged over the B environments; the advantage carries no gradient. `reset[t]` marks
+    envpool's reset step (the step after an episode ended): no loss there, and R_t = V(s_t), so a truncated
+    episode bootstraps from its last observation. Returns (loss, stats)."""
+    values_sg = values.detach()
+    discounts = torch.where(reset, 0.0, gamma * (~terminated).float())
+    returns = n_step_returns(torch.where(reset, values_sg, rewards), discounts, bootstrap_value)
+    mask = (~reset).float()
+    advantages = returns - values_sg
+    B = values.shape[1]
+    policy_loss = -(mask * log_probs * advantages).sum() / B
+    entropy = (mask * entropies).sum() / B
+    value_loss = (mask * (returns - values) ** 2).sum() / B
+    loss = policy_loss - ent_coef * entropy + value_coef * value_loss
+    n = mask.sum().clamp(min=1)
+    stats = {"losses/policy_loss": policy_loss.detach(), "losses/value_loss": value_loss.detach(),
+             "losses/entropy": (entropy * B / n).detach(), "stats/advantage_mean": (mask * advantages).sum() / n,
+             "stats/value_mean": (mask * values_sg).sum() / n}
+    return loss, stats
+
+
+class SharedRMSprop(torch.optim.Optimizer):
+    """Non-centred RMSProp of Eqs. (S2)-(S3), elementwise and without locks:
+
+        g ← α g + (1 − α) Δθ²,      θ ← θ − η Δθ / √(g + ε)
+
+    The statistics g are created here, not lazily at the first step, so that `share_memory()` can put them in
+    shared memory before the workers start: every worker that receives this optimiser then reads and updates
+    the same g ("Shared RMSProp", Sec. 4). Without `share_memory()` each process has its own g (the paper's
+    per-thread "RMSProp")."""
+
+    def __init__(self, params, lr=1e-3, alpha=0.99, eps=0.1):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def share_memory(self):
+        for state in self.state.values():
+            state["square_avg"].share_memory_()
+        return self
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = self.state[p]["square_avg"]
+                g.mul_(alpha).addcmul_(p.grad, p.grad, value=1 - alpha)
+                p.addcdiv_(p.grad, (g + eps).sqrt_(), value=-lr)
+
+
+def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
+    """Algorithm S3, 'perform asynchronous update of θ using dθ': dθ is the gradient of *this rollout's* loss at
+    the local copy θ', clipped, handed to the shared parameters and applied by the (shared) optimiser.
+
+    The shared parameters' `.grad` is assigned afresh at every update. (Pointing it once at the local
+    gradients, a common pattern, goes stale on PyTorch 2: `zero_grad()` sets gradients to None, so the shared
+    `.grad` keeps the first rollout's tensor, or sums every rollout when nothing is zeroed.) Returns the norm of
+    the gradient before clipping."""
+    local.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for p in local.parameters() if p.grad is not None]
+    if max_grad_norm > 0:
+        norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    for shared_p, local_p in zip(shared.parameters(), local.parameters()):
+        shared_p.grad = local_p.grad
+    optimizer.step()
+    for shared_p in shared.parameters():
+        shared_p.grad = None
+    return norm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The agent.
+
+
+class Body(nn.Module):
+    """A torso, then (with `lstm_size`) an LSTM fed its features alone: `[T, B, ...]` -> `[T, B, F]`."""
+
+    def __init__(self, obs_shape, hidden=200, lstm_size=0):
+        super().__init__()
+        if len(obs_shape) == 3:
+            self.torso = ShallowTorso(obs_shape)
+        else:
+            self.torso = MLPTorso(int(math.prod(obs_shape)), (hidden,), activation=nn.ReLU)
+        self.core = LSTMCore(self.torso.out_features, 0, lstm_size, action_reward_inputs=False) if lstm_size else None
+        self.out_features = lstm_size or self.torso.out_features
+
+    def forward(self, obs, first, state):
+        T, B = first.shape
+        x = self.torso(obs.reshape(T * B, *obs.shape[2:])).view(T, B, -1)
+        if self.core is not None:
+            x, state = self.core(x, None, None, first, state)
+        return x, state
+
+
+class Agent(nn.Module):
+    """Discrete actions (`num_actions`): one body with a softmax policy and a linear value (Supp. 8). Continuous
+    actions (`action_dim`): separate policy and value bodies (Supp. 9), a linear mean μ and a spherical variance
+    σ² = softplus(linear) + 1e-5. Vector observations are normalised by running statistics first.
+
+    `forward(obs, first, state)` takes time-major `[T, B, ...]` and returns the policy's parameters `pi`
+    (`[T, B, A]` logits, or `[T, B, d+1]`: μ then σ), the values `[T, B]` and the recurrent state."""
+
+    MIN_VAR = 1e-5
+
+    def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0):
+        super().__init__()
+        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim,
+                           hidden=hidden, lstm_size=lstm_size)
+        self.num_actions, self.action_dim = num_actions, action_dim
+        self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
+        self.body = Body(obs_shape, hidden, lstm_size)
+        self.value_body = Body(obs_shape, hidden, lstm_size) if action_dim else None
+        n = self.body.out_features
+        self.policy = nn.Linear(n, action_dim + 1 if action_dim else num_actions)
+        self.value = nn.Linear(n, 1)
+
+    def bodies(self):
+        return [self.body] + ([self.value_body] if self.value_body is not None else [])
+
+    def initial_state(self, batch_size):
+        return tuple(b.core.initial_state(batch_size) for b in self.bodies() if b.core is not None)
+
+    def forward(self, obs, first, state=()):
+        if self.obs_norm is not None:
+            obs = self.obs_norm(obs)
+        recurrent = bool(state)
+        x, s = self.body(obs, first, state[0] if recurrent else None)
+        new_state = (s,)
+        xv = x
+        if self.value_body is not None:
+            xv, sv = self.value_body(obs, first, state[1] if recurrent else None)
+            new_state = (s, sv)
+        pi = self.policy(x)
+        if self.action_dim:
+            mean, raw_var = pi.split(self.action_dim, dim=-1)
+            pi = torch.cat([mean, (F.softplus(raw_var) + self.MIN_VAR).sqrt()], dim=-1)
+        return pi, self.value(xv).squeeze(-1), new_state if recurrent else ()
+
+    def log_prob_entropy(self, pi, actions):
+        """log π(a|s) and the entropy H(π(·|s)), both `[...]`; for the spherical Gaussian the entropy is the
+        paper's d · ½ (log(2πσ²) + 1) (Supp. 9)."""
+        if self.action_dim:
+            mean, std = pi[..., :-1], pi[..., -1:]
+            z = (actions - mean) / std
+            log_prob = (-0.5 * z * z - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+            entropy = self.action_dim * (0.5 * (math.log(2 * math.pi) + 1.0) + std[..., 0].log())
+            return log_prob, entropy
+        log_p = F.log_softmax(pi, dim=-1)
+        return log_p.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+    @torch.no_grad()
+    def sample(self, pi, greedy=False):
+        if self.action_dim:
+            mean, std = pi[..., :-1], pi[..., -1:]
+            return mean if greedy else mean + std * torch.randn_like(mean)
+        if greedy:
+            return pi.argmax(-1)
+        return torch.multinomial(F.softmax(pi.reshape(-1, pi.shape[-1]), -1), 1).view(pi.shape[:-1])
+
+
+def detach_state(state):
+    return tuple((h.detach(), c.detach()) for h, c in state)
+
+
+def to_env_action(action, low, high):
+    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the action learned from stays as sampled)."""
+    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
+
+
+def obs_tensor(obs, pixels):
+    """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
+    return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: it keeps the LSTM state
+    itself; the saved observation statistics normalise; actions are sampled (or the most probable / the mean)."""
+    agent = Agent(**checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])
+    agent.eval()
+    pixels = len(agent.config["obs_shape"]) == 3
+    state = tuple((h.to(device), c.to(device)) for h, c in agent.initial_state(num_envs))
+    low, high = checkpoint.get("action_low"), checkpoint.get("action_high")
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        nonlocal state
+        first_t = torch.as_tensor(first, device=device).bool()[None]
+        pi, _, state = agent(obs_tensor(obs, pixels).to(device)[None], first_t, state)
+        action = agent.sample(pi[0], greedy).cpu().numpy()
+        return to_env_action(action, np.asarray(low), np.asarray(high)) if agent.action_dim else action
+
+    return policy
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The actor-learner workers and the process that watches them.
+
+
+def worker_process(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, parent_pid):
+    """Entry point of a worker process: runs `train_worker` and reports its traceback if it fails."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    try:
+        torch.set_num_threads(1)
+        train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, parent_pid)
+    except Exception:
+        msg_q.put(("error", worker_id, traceback.format_exc()))
+        sys.exit(1)
+
+
+def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, parent_pid):
+    """Algorithm S3 for one actor-learner thread, here a process: sync, act t_max steps, update the shared θ."""
+    n, T = args.num_envs, args.t_max
+    torch.manual_seed(args.seed + worker_id)
+    np.random.seed(args.seed + worker_id)
+    envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
+    local = Agent(**shared.config)
+    if optimizer is None:  # --no-shared-statistics: this worker's own g, on the shared parameters
+        optimizer = SharedRMSprop(shared.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
+    continuous = local.action_dim > 0
+    pixels = len(local.config["obs_shape"]) == 3
+    if continuous:
+        low = envs.action_space.low.astype(np.float32)
+        high = envs.action_space.high.astype(np.float32)
+    tracker = EpisodeTracker(n)
+    obs, _ = envs.reset()
+    obs = obs_tensor(obs, pixels)
+    ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
+    first = torch.ones(n, dtype=torch.bool)  # obs starts an episode (the LSTM state is zeroed there)
+    state = local.initial_state(n)
+    local_tensors = list(local.parameters()) + list(local.buffers())
+    shared_tensors = list(shared.parameters()) + list(shared.buffers())
+    last_report = 0.0
+    while counter.value < args.total_timesteps:
+        if os.getppid() != parent_pid:
+            return
+        with torch.no_grad():  # θ' ← θ (the observation statistics come along)
+            for dst, src in zip(local_tensors, shared_tensors):
+                dst.copy_(src)
+        synced_at = counter.value
+        start_state = state = detach_state(state)
+        rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "reset")}
+        with torch.no_grad():  # act; the loss takes one batched pass over the rollout afterwards
+            for _ in range(T):
+                pi, _, state = local(obs[None], first[None], state)
+                action = local.sample(pi[0])
+                env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
+                next_obs, reward, term, trunc, info = envs.step(env_action)
+                for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
+                    msg_q.put(("episode", worker_id, counter.value, score, length))
+                for k, v in (("obs", obs), ("first", first), ("action", action), ("reward", reward),
+                             ("terminated", term), ("reset", ended)):
+                    rows[k].append(torch.as_tensor(v))
+                first, ended = ended, torch.as_tensor(term | trunc)
+                obs = obs_tensor(next_obs, pixels)
+        # rows 0..T-1 of the rollout and the bootstrap observation s_T, through θ' from the rollout's first state
+        pi, values, _ = local(torch.stack(rows["obs"] + [obs]), torch.stack(rows["first"] + [first]), start_state)
+        log_probs, entropies = local.log_prob_entropy(pi[:-1], torch.stack(rows["action"]))
+        ent_coef = args.ent_coef if args.ent_coef >= 0 else (1e-4 if continuous else 0.01)
+        loss, stats = a3c_loss(log_probs, entropies, values[:-1], torch.stack(rows["reward"]).float(),
+                               torch.stack(rows["terminated"]), torch.stack(rows["reset"]), values[-1].detach(),
+                               args.gamma, ent_coef, args.value_coef)
+        with counter.get_lock():
+            step = counter.value
+            counter.value += T * n
+        lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps) if args.anneal_lr \
+            else args.learning_rate
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
+        if shared.obs_norm is not None:
+            with obs_lock:
+                shared.obs_norm.update(torch.stack(rows["obs"]))
+        now = time.time()
+        if worker_id == 0 and now - last_report >= 1.0:
+            stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm,
+                          "stats/policy_lag": (step - synced_at) / (T * n)})  # other workers' updates meanwhile
+            if continuous:
+                stats["stats/policy_std"] = pi[:-1, :, -1].detach().mean()
+            msg_q.put(("stats", worker_id, step + T * n, {k: float(v) for k, v in stats.items()}))
+            last_report = now
+    msg_q.put(("done", worker_id))
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def stop_workers(procs):
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
+    spec = env_spec(args.env_id)
+    discrete = hasattr(spec.action_space, "n")
+    if args.cuda:
+        raise UsageError("--cuda is not available in a3c.py: its Hogwild workers share parameters in CPU memory "
+                         "(the paper's A3C runs on CPU cores); leave the flag out")
+    if args.num_workers < 0:
+        raise UsageError(f"--num-workers must be at least 1, or 0 for one per CPU core; got {args.num_workers}")
+    if args.num_envs < 1:
+        raise UsageError(f"--num-envs must be at least 1, got {args.num_envs}")
+    if args.t_max < 0:
+        raise UsageError(f"--t-max must be at least 1, or 0 for the paper's 5 (20 with --lstm); got {args.t_max}")
+    t_max = args.t_max or (20 if args.lstm else 5)
+    if args.total_timesteps < t_max * args.num_envs:
+        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one rollout "
+                         f"(t-max x num-envs = {t_max * args.num_envs} steps)")
+    for name in ("learning_rate", "rmsprop_eps"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.rmsprop_alpha < 1:
+        raise UsageError(f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
+    if not 0 <= args.gamma <= 1:
+        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+    for name in ("value_coef", "max_grad_norm", "lstm_size"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.hidden < 1:
+        raise UsageError(f"--hidden must be at least 1, got {args.hidden}")
+    if not discrete:
+        if len(spec.action_space.shape) != 1:
+            raise UsageError(f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a "
+                             "vector or a discrete set")
+        if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
+            raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
+        if args.capture_video:
+            raise UsageError("--capture-video is not available for continuous control: envpool renders MuJoCo only "
+                             "with an OpenGL context, which it does not create; leave the flag out")
+    pixels = is_atari(args.env_id)
+    obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
+    lstm_size = (args.lstm_size or (256 if pixels else 128)) if args.lstm else 0
+    return spec, dict(t_max=t_max, discrete=discrete, obs_shape=obs_shape, lstm_size=lstm_size,
+                      num_workers=args.num_workers or os.cpu_count() or 1)
+
+
+def main(args: Args):
+    spec, derived = check_args(args)
+    args = dataclasses.replace(args, t_max=derived["t_max"], num_workers=derived["num_workers"],
+                               lstm_size=derived["lstm_size"])
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    discrete = derived["discrete"]
+    agent = Agent(derived["obs_shape"], spec.action_space.n if discrete else 0,
+                  0 if discrete else int(spec.action_space.shape[0]), args.hidden, args.lstm_size)
+    agent.share_memory()  # θ (and the observation statistics) in shared memory, written by every worker
+    optimizer = None
+    if args.shared_statistics:
+        optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha,
+                                  args.rmsprop_eps).share_memory()
+
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_path = os.path.join(args.run_dir, run_name)
+    os.makedirs(run_path, exist_ok=True)
+    with open(os.path.join(run_path, "args.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=2)
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(run_path)
+    print(f"run folder: {run_path}  ({args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
+          f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
+          "RMSProp statistics)", flush=True)
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    counter, obs_lock, msg_q = ctx.Value("q", 0), ctx.Lock(), ctx.Queue()
+    procs = [ctx.Process(target=worker_process, name=f"worker-{w}", daemon=True,
+                         args=(w, args, agent, optimizer, counter, obs_lock, msg_q, os.getpid()))
+             for w in range(args.num_workers)]
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    start = time.time()
+    returns, done, last_log, first_step_time = [], set(), start, None
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < len(procs):
+            try:
+                msg = msg_q.get(timeout=0.2)
+            except queue.Empty:
+                msg = None
+            if msg is not None:
+                kind = msg[0]
+                if kind == "episode":
+                    _, w, step, score, length = msg
+                    returns.append(score)
+                    writer.add_scalar("charts/episodic_return", score, step)
+                    writer.add_scalar("charts/episodic_length", length, step)
+                elif kind == "stats":
+                    for k, v in msg[3].items():
+                        writer.add_scalar(k, v, msg[2])
+                elif kind == "done":
+                    done.add(msg[1])
+                else:
+                    raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
+            for w, p in enumerate(procs):
+                if not p.is_alive() and p.exitcode != 0:
+                    try:  # a failing worker's traceback may still be in the queue
+                        while True:
+                            late = msg_q.get(timeout=1.0)
+                            if late[0] == "error":
+                                raise WorkerError(f"worker {late[1]} failed:\n{late[2]}")
+                    except queue.Empty:
+                        pass
+                    raise WorkerError(f"worker {w} died with exit code {p.exitcode}")
+            now = time.time()
+            step = counter.value
+            if first_step_time is None and step > 0:
+                first_step_time, first_step = now, step
+            if now - last_log >= args.log_interval:
+                sps = step / (now - start)
+                writer.add_scalar("charts/SPS", sps, step)
+                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
+                eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
+                print(f"step {step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+                      f"| episodes {len(returns)} | ETA {eta}", flush=True)
+                last_log = now
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        stop_workers(procs)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted: stopping workers", file=sys.stderr, flush=True)
+        stop_workers(procs)
+        sys.exit(130)
+    for p in procs:
+        p.join()
+    wall = time.time() - start
+    global_step = counter.value
+    writer.add_scalar("charts/SPS", global_step / wall, global_step)
+
+    checkpoint = {"script": "a3c", "env_id": args.env_id, "args": dataclasses.asdict(args),
+                  "agent_config": agent.config, "agent": {k: v.detach().clone() for k, v in agent.state_dict().items()},
+                  "global_step": global_step}
+    if not discrete:
+        checkpoint.update(action_low=spec.action_space.low.astype(np.float32).tolist(),
+                          action_high=spec.action_space.high.astype(np.float32).tolist())
+    if args.save_model:
+        torch.save(checkpoint, os.path.join(run_path, "model.pt"))
+    eval_mean = None
+    if args.eval_episodes > 0:
+        from common.evaluation import evaluate
+
+        scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000,
+                          video_dir=run_path if args.capture_video else None)
+        eval_mean = float(np.mean(scores))
+        writer.add_scalar("charts/eval_return", eval_mean, global_step)
+        print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
+    steady = None
+    if first_step_time is not None and start + wall > first_step_time:
+        steady = (global_step - first_step) / (start + wall - first_step_time)
+    summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
+               "sps": global_step / wall, "sps_after_first_update": steady, "num_workers": args.num_workers,
+               "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+               "eval_mean_return": eval_mean}
+    with open(os.path.join(run_path, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    writer.close()
+
+
+def cli():
+    import tyro
+
+    try:
+        main(tyro.cli(Args))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
