@@ -530,6 +530,7 @@ def main(args: Args):
 
     ctx = torch.multiprocessing.get_context("spawn")
     counter, obs_lock, msg_q = ctx.Value("q", 0), ctx.Lock(), ctx.Queue()
+    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
     procs = [ctx.Process(target=worker_process, name=f"worker-{w}", daemon=True,
                          args=(w, args, agent, optimizer, counter, obs_lock, msg_q, os.getpid()))
              for w in range(args.num_workers)]
@@ -564,16 +565,17 @@ def main(args: Args):
                     raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
             for w, p in enumerate(procs):
                 if not p.is_alive() and p.exitcode != 0:
-                    try:  # a failing worker's traceback may still be in the queue
-                        while True:
-                            late = msg_q.get(timeout=1.0)
-                            if late[0] == "error":
-                                raise WorkerError(f"worker {late[1]} failed:\n{late[2]}")
-                    except queue.Empty:
-                        pass
+                    deadline = time.time() + 2.0  # a failing worker's traceback may still be in the queue
+                    while time.time() < deadline:
+                        try:
+                            late = msg_q.get(timeout=0.2)
+                        except queue.Empty:
+                            continue
+                        if late[0] == "error":
+                            raise WorkerError(f"worker {late[1]} failed:\n{late[2]}")
                     raise WorkerError(f"worker {w} died with exit code {p.exitcode}")
             now = time.time()
-            step = counter.value
+            step = steps.value
             if first_step_time is None and step > 0:
                 first_step_time, first_step = now, step
             if now - last_log >= args.log_interval:
@@ -595,7 +597,7 @@ def main(args: Args):
     for p in procs:
         p.join()
     wall = time.time() - start
-    global_step = counter.value
+    global_step = steps.value
     writer.add_scalar("charts/SPS", global_step / wall, global_step)
 
     checkpoint = {"script": "a3c", "env_id": args.env_id, "args": dataclasses.asdict(args),

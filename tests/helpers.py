@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import subprocess
 import sys
 import time
@@ -88,8 +89,9 @@ def wait_for_actors(proc, timeout=120):
 
 
 def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
-    """Starts `script` for a long run; `victim` "actor" SIGKILLs one actor (the run must end non-zero, naming
-    it), "sigint" sends Ctrl-C to the learner (the run must end); either way no actor may outlive the run."""
+    """Starts `script` for a long run; `victim` "actor" (or "worker") SIGKILLs one of its spawned processes (the
+    run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must end); either way
+    no spawned process may outlive the run."""
     import signal
 
     proc = subprocess.Popen([sys.executable, script, *argv, "--run-dir", str(run_dir)], cwd=ROOT,
@@ -97,10 +99,10 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
     try:
         actors = wait_for_actors(proc)
         time.sleep(3.0)
-        if victim == "actor":
+        if victim in ("actor", "worker"):
             os.kill(actors[0], signal.SIGKILL)
             assert proc.wait(timeout=30) != 0
-            assert "actor 0 died" in proc.stderr.read()
+            assert re.search(rf"{victim} \d+ died with exit code -9", proc.stderr.read())
         else:
             os.kill(proc.pid, signal.SIGINT)
             assert proc.wait(timeout=30) != 0
