@@ -26,8 +26,12 @@ Choices the paper leaves open, and what is done here:
   averaged over a worker's environments (`--num-envs`, 1 in the paper). The value loss is
   value_coef · Σ (R − V)² with value_coef 0.5, so its gradient is (V − R)∇V.
 - The learning rate is the geometric middle of the paper's LogUniform(1e-4, 1e-2) search (Supp. 8): 1e-3.
-  RMSProp's ε (0.1, inside the square root as in Eq. S3) and the gradient-norm clipping threshold (40) are
-  not given in the paper, which tuned the clipping on six games.
+  RMSProp's ε (0.1, inside the square root as in Eq. S3) and the gradient-norm clipping threshold are not
+  given in the paper, which tuned the clipping on six Atari games. Atari (clipped rewards) clips at 40; vector
+  tasks do not clip by default: their unclipped returns (in the hundreds) make most gradients exceed 40, and
+  clipped gradients are so small next to ε = 0.1 that shared RMSProp turns into plain gradient steps of
+  lr/√ε; measured with 2 workers x 4 envs, CartPole-v1 and InvertedPendulum-v4 then collapse (entropy near 0,
+  values diverging), and learn without clipping.
 - Continuous actions live in [-1, 1]^d and are mapped to the env's box (and clipped) only when sent to it.
   The covariance is spherical, σ²I with σ² = softplus(·) + 1e-5 (the floor keeps log-probabilities finite).
   The paper updates once per episode without bootstrapping on MuJoCo; here MuJoCo uses t_max-step rollouts
@@ -107,8 +111,9 @@ class Args:
     """β, entropy regularisation; negative: 0.01 for discrete (Supp. 8), 1e-4 for continuous actions (Supp. 9)"""
     value_coef: float = 0.5
     """weight of the value loss Σ (R − V)²"""
-    max_grad_norm: float = 40.0
-    """gradient-norm clipping of a worker's gradient (tuned in the paper, value not given); 0: none"""
+    max_grad_norm: float = -1.0
+    """gradient-norm clipping of a worker's gradient (tuned in the paper, value not given); 0: none; negative: 40
+    for pixel observations (Atari), none for vector observations (see the docstring)"""
     lstm: bool = False
     """recurrent agent: an LSTM after the last hidden layer (Sec. 5.1 'A3C, LSTM'; Supp. 9)"""
     lstm_size: int = 0
@@ -479,7 +484,7 @@ def check_args(args):
         raise UsageError(f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
     if not 0 <= args.gamma <= 1:
         raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
-    for name in ("value_coef", "max_grad_norm", "lstm_size"):
+    for name in ("value_coef", "lstm_size"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     if args.hidden < 1:
@@ -496,14 +501,15 @@ def check_args(args):
     pixels = is_atari(args.env_id)
     obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     lstm_size = (args.lstm_size or (256 if pixels else 128)) if args.lstm else 0
+    max_grad_norm = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
     return spec, dict(t_max=t_max, discrete=discrete, obs_shape=obs_shape, lstm_size=lstm_size,
-                      num_workers=args.num_workers or os.cpu_count() or 1)
+                      num_workers=args.num_workers or os.cpu_count() or 1, max_grad_norm=max_grad_norm)
 
 
 def main(args: Args):
     spec, derived = check_args(args)
     args = dataclasses.replace(args, t_max=derived["t_max"], num_workers=derived["num_workers"],
-                               lstm_size=derived["lstm_size"])
+                               lstm_size=derived["lstm_size"], max_grad_norm=derived["max_grad_norm"])
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic

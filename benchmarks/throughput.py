@@ -17,6 +17,11 @@ Four figures, in environment steps per second (SPS; frames are 4x that on Atari)
    (after the first update) and with start-up (process spawn, first batch) included.
 The script's network arguments after `--` (`--network`, `--no-use-lstm`, `--channels`) are given to the
 synchronous loops too. Prints a Markdown table and writes it as JSON next to this file (or to --out).
+
+A3C has no learner to batch: `--script a3c --workers 1 2 4` measures how its Hogwild workers scale with cores
+instead, each count against raw envpool stepping the same number of environments (`--num-envs` per worker):
+
+    python benchmarks/throughput.py --script a3c --env-id CartPole-v1 --num-envs 4 --workers 1 2 --timesteps 300000
 """
 
 from __future__ import annotations
@@ -173,19 +178,45 @@ def script_sps(script, env_id, num_envs, timesteps, network, extra):
         return summary["sps"], summary["sps_after_first_update"]
 
 
+def a3c_scaling(a):
+    """SPS of a3c.py against its number of workers, each next to raw envpool with as many environments."""
+    rows = []
+    for w in a.workers:
+        envs = w * a.num_envs
+        raw = raw_envpool_sps(a.env_id, envs, max(1, envs // 2), a.seconds)
+        total, steady = script_sps("a3c", a.env_id, a.num_envs, a.timesteps * w, None,
+                                   ["--num-workers", str(w), *a.extra])
+        rows.append({"workers": w, "envs_per_worker": a.num_envs, "raw_envpool_sps": raw, "script_sps": steady,
+                     "script_sps_with_startup": total, "script_over_raw": steady / raw})
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    print(f"| workers | envs per worker | raw envpool (same envs) | a3c.py | a3c / raw | speed-up over 1 worker |\n"
+          f"|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workers']} | {r['envs_per_worker']} | {r['raw_envpool_sps']:.0f} | {r['script_sps']:.0f} "
+              f"({r['script_sps_with_startup']:.0f} with start-up) | {r['script_over_raw']:.2f} | "
+              f"{r['script_sps'] / rows[0]['script_sps']:.2f} |")
+    out = a.out or os.path.join(ROOT, "benchmarks", f"throughput_a3c_{a.env_id}_{a.num_envs}envs_cpu.json")
+    with open(out, "w") as f:
+        json.dump({"script": "a3c", "env_id": a.env_id, "machine": machine, "script_args": a.extra, "rows": rows},
+                  f, indent=2)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--script", default="impala_vtrace", choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
+    p.add_argument("--script", default="impala_vtrace", choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c"])
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="a3c: worker counts to measure")
     p.add_argument("--env-id", default="Breakout-v5")
     p.add_argument("--num-envs", type=int, default=32)
     p.add_argument("--network", default="shallow", help="Atari scripts' torso (vmpo_mujoco has its MLP)")
     p.add_argument("--unroll-length", type=int, default=20)
     p.add_argument("--seconds", type=float, default=20.0, help="length of the raw and synchronous measurements")
-    p.add_argument("--timesteps", type=int, default=100_000, help="length of the script's run")
+    p.add_argument("--timesteps", type=int, default=100_000, help="length of the script's run (a3c: per worker)")
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("extra", nargs="*", help="more arguments of the script, after --")
     a = p.parse_args()
+    if a.script == "a3c":
+        return a3c_scaling(a)
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
     script_args = {}
     if "--no-use-lstm" in a.extra or "--use-lstm" in a.extra:
