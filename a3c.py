@@ -435,7 +435,7 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, p
             with obs_lock:
                 shared.obs_norm.update(torch.stack(rows["obs"]))
         now = time.time()
-        if worker_id == 0 and now - last_report >= 1.0:
+        if worker_id == 0 and (now - last_report >= 1.0 or counter.value >= args.total_timesteps):  # or the last
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm,
                           "stats/policy_lag": (step - synced_at) / (T * n)})  # other workers' updates meanwhile
             if continuous:
