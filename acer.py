@@ -1,0 +1,650 @@
+"""ACER: actor-critic with experience replay (discrete actions: Atari, any envpool discrete task).
+
+Wang, Bapst, Heess, Mnih, Munos, Kavukcuoglu, de Freitas (2017), "Sample Efficient Actor-Critic with Experience
+Replay".
+
+ACER is the off-policy counterpart of A3C. Asynchronous workers (processes here, sharing one network and shared
+RMSProp statistics, as in a3c.py) act for k steps, learn from that segment on-policy, store it with the behaviour
+policy's probabilities μ(·|x) in their own replay memory, and then learn from Poisson(r) segments sampled from it.
+Three ideas make the off-policy updates stable: the critic Q learns from Retrace targets, whose traces are cut by
+truncated importance weights min(1, π/μ); the policy gradient truncates its importance weight at c and adds a
+bias-correction term that recovers the untruncated gradient in expectation, using Q for the actions the data does
+not cover; and an efficient trust region projects the policy gradient, taken with respect to the policy's
+probabilities φ(x), so that the policy stays close (linearised KL ≤ δ) to a running average of past policies.
+
+| paper                                                              | here                                   |
+|--------------------------------------------------------------------|----------------------------------------|
+| Eq. (5) Retrace target Q^ret (Algorithm 2: ρ̄ = min(1, ρ))            | `retrace`                              |
+| Eqs. (7)-(10) truncated importance weight with bias correction       | `acer_policy_gradient`                 |
+| Eq. (6) critic update (Q^ret − Q)∇Q                                  | `acer_loss`                            |
+| Eqs. (11)-(12) trust region with the average policy network          | `trust_region_step`, `kl_gradient`     |
+| Sec. 3.3 θ_a ← α θ_a + (1 − α) θ                                     | `update_average`                       |
+| Algorithm 1: on-policy step, then Poisson(r) replay steps            | `train_worker`, `Replay`               |
+| Sec. 4: Atari network, k, c, δ, α, β, γ, replay size                 | `Agent`, `Args` defaults               |
+
+Choices the paper leaves open, and what is done here:
+- As in a3c.py (the paper: "the same optimization procedure as in Mnih et al. (2016)"): shared RMSProp (α 0.99,
+  ε 0.1 inside the square root), gradient-norm clipping at 40 for pixel observations and none for vector
+  observations, losses summed over the k steps of a segment and averaged over a worker's environments. The
+  learning rate is not annealed (Sec. 4); its value is not given: 1e-3, the a3c.py default.
+- The policy's statistics φ are its probabilities (Sec. 3.3): g and the KL gradient k = −φ_a/φ are taken with
+  respect to them, the trust region is applied per state (Eq. 12) and z is back-propagated through the softmax.
+  The entropy bonus (β = 0.001) is part of g, so the trust region bounds it too.
+- The critic loss is value_coef · (Q^ret − Q(x, a))² with value_coef 0.5, so its gradient is Eq. (6).
+- Replay holds whole segments of k steps (with the observation after the last), per worker, up to
+  `--replay-size` steps (50,000 on Atari, Sec. 4: "frames" read as agent steps, the DQN convention; stored as
+  uint8 stacks of 4 frames this is about 1.4 GB per worker). Replay starts as soon as one segment is stored
+  (Algorithm 1). `--no-poisson-replay` replays exactly r segments per on-policy step (r must be an integer).
+- Continuous actions (Sec. 5, the stochastic dueling network) are not in this script yet: a continuous-action
+  env is refused with a message.
+
+envpool resets an environment on the step *after* an episode ends; that step is no transition: it gets no loss,
+and its truncated weight is 0 in Retrace, so the target carried back from it is V(x_k): a time-limit truncation
+bootstraps from the value of its last observation; termination has discount 0.
+
+    python acer.py --env-id Breakout-v5
+    python acer.py --env-id CartPole-v1 --num-workers 2 --num-envs 4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
+from common.networks import MLPTorso
+
+
+@dataclass
+class Args:
+    env_id: str = "Breakout-v5"
+    """envpool task id with discrete actions (Atari *-v5, CartPole-v1, ...)"""
+    exp_name: str = "acer"
+    """name of this experiment, part of the run folder's name"""
+    seed: int = 1
+    """seed of the shared initial weights; worker w seeds torch with seed + w and its envs from seed + w·num_envs"""
+    torch_deterministic: bool = True
+    """torch.backends.cudnn.deterministic (kept for the common command line; the workers run on CPU)"""
+    cuda: bool = False
+    """not available: the workers share their parameters in CPU memory (the paper: 16 CPU threads, no GPU)"""
+    total_timesteps: int = 20_000_000
+    """environment steps over all workers, on-policy steps only (80M frames on Atari)"""
+    num_workers: int = 0
+    """actor-learner processes; 0: one per CPU core (the paper: 16 threads, Sec. 4)"""
+    num_envs: int = 1
+    """environments per worker, stepped together (1 in the paper)"""
+    k: int = 20
+    """k, steps per segment and update (Sec. 4)"""
+    replay_ratio: float = 4.0
+    """r, replay updates per on-policy update, Poisson-distributed (Algorithm 1; 4 in Sec. 4); 0: A3C with a Q critic"""
+    poisson_replay: bool = True
+    """draw the number of replay updates from Poisson(r) (Algorithm 1); --no-poisson-replay: exactly r"""
+    replay_size: int = 50_000
+    """replay memory per worker, in environment steps (50,000 'frames', Sec. 4)"""
+    c: float = 10.0
+    """c, truncation of the importance weight in the policy gradient (Sec. 4)"""
+    delta: float = 1.0
+    """δ, trust-region bound on the linearised KL to the average policy (Sec. 4)"""
+    avg_decay: float = 0.99
+    """α, decay of the average policy network θ_a ← α θ_a + (1 − α) θ (Sec. 4)"""
+    trust_region: bool = True
+    """use the trust region (Sec. 3.3); --no-trust-region is the paper's 'without trust region' ablation"""
+    learning_rate: float = 1e-3
+    """η, RMSProp learning rate, constant (Sec. 4: not annealed; value not given)"""
+    rmsprop_alpha: float = 0.99
+    """RMSProp decay of the squared-gradient average (as A3C)"""
+    rmsprop_eps: float = 0.1
+    """RMSProp ε, inside the square root (as a3c.py)"""
+    gamma: float = 0.99
+    """γ, discount (Sec. 4)"""
+    ent_coef: float = 0.001
+    """β, entropy regularisation (Sec. 4)"""
+    value_coef: float = 0.5
+    """weight of the critic loss (Q^ret − Q)²"""
+    max_grad_norm: float = -1.0
+    """gradient-norm clipping; 0: none; negative: 40 for pixel observations, none for vector observations"""
+    hidden: int = 200
+    """ReLU units of the hidden layer for vector observations"""
+    save_model: bool = False
+    """write model.pt (weights, what evaluation needs) in the run folder"""
+    capture_video: bool = False
+    """record the first evaluation episode as runs/<run>/videos/eval_episode_0.png"""
+    eval_episodes: int = 10
+    """evaluation episodes at the end of training, sampling from the policy (0: none)"""
+    run_dir: str = "runs"
+    """folder of the run folders"""
+    log_interval: float = 5.0
+    """seconds between console progress lines"""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paper's math: pure functions of time-major [T, B] tensors.
+
+
+@torch.no_grad()
+def retrace(rewards, discounts, q_taken, values, truncated_rhos, bootstrap_value):
+    """Eq. (5), as Algorithm 2 computes it backwards from Q^ret = V(x_k) (the bootstrap):
+
+        Q^ret_t = r_t + γ_t [ ρ̄_{t+1} (Q^ret_{t+1} − Q(x_{t+1}, a_{t+1})) + V(x_{t+1}) ]
+
+    with per-step discounts γ_t = γ (1 − done_t) and ρ̄_t = min(1, ρ_t) given by the caller. `[T, B]` inputs,
+    bootstrap_value `[B]`; returns Q^ret `[T, B]`."""
+    carry = bootstrap_value
+    out = []
+    for t in reversed(range(rewards.shape[0])):
+        q_ret = rewards[t] + discounts[t] * carry
+        out.append(q_ret)
+        carry = truncated_rhos[t] * (q_ret - q_taken[t]) + values[t]
+    return torch.stack(out[::-1])
+
+
+def trust_region_step(g, k, delta):
+    """Eq. (12), row-wise over `[N, D]`: z* = g − max(0, (kᵀg − δ) / ‖k‖²) k, the solution of
+    min_z ½‖g − z‖² subject to kᵀz ≤ δ (Eq. 11)."""
+    scale = ((k * g).sum(-1, keepdim=True) - delta).clamp(min=0) / (k * k).sum(-1, keepdim=True).clamp(min=1e-12)
+    return g - scale * k
+
+
+def kl_gradient(avg_probs, probs):
+    """k = ∇_φ KL(f(·|φ_a) ‖ f(·|φ)) for categorical f with probabilities φ: −φ_a / φ (Sec. 3.3)."""
+    return -avg_probs / probs
+
+
+def acer_policy_gradient(probs, actions, behaviour_probs, q, q_ret, c, ent_coef=0.0):
+    """Eq. (10): ĝ^acer with respect to the probabilities φ, per state `[N, A]`:
+
+        ρ̄_t ∇_φ log φ(a_t) (Q^ret − V) + Σ_a [1 − c/ρ(a)]_+ φ(a) ∇_φ log φ(a) (Q(a) − V)  (+ β ∇_φ H(φ))
+
+    with ρ(a) = φ(a)/μ(a), ρ̄_t = min(c, ρ(a_t)), V = Σ_a φ(a) Q(a); ∇_φ log φ(a) = e_a / φ(a), so the correction
+    term is [1 − c/ρ(a)]_+ (Q(a) − V) for every a. All inputs are constants here (`[N, A]` probabilities and Q,
+    `[N]` actions and Q^ret). Returns (g, truncated ρ̄_t, ρ_t)."""
+    probs, behaviour_probs, q = probs.detach(), behaviour_probs.detach(), q.detach()
+    v = (probs * q).sum(-1, keepdim=True)
+    rho_all = probs / behaviour_probs
+    rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+    rho_bar = rho.clamp(max=c)
+    g = (1 - c / rho_all).clamp(min=0) * (q - v)
+    taken = (rho_bar * (q_ret.detach() - v.squeeze(-1)) / probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1))
+    g = g.scatter_add(-1, actions.unsqueeze(-1), taken.unsqueeze(-1))
+    if ent_coef:
+        g = g - ent_coef * (probs.log() + 1)  # ∇_φ of H = −Σ φ log φ
+    return g, rho_bar, rho
+
+
+def acer_loss(logits, q, avg_logits, batch, args):
+    """Algorithm 2 on a segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the ACER update.
+
+    `logits`, `q` `[k+1, B, A]` from the local network θ', `avg_logits` from the average network θ_a; `batch` has
+    `action`, `reward`, `terminated`, `reset` `[k+1, B]` and the behaviour probabilities `mu` `[k+1, B, A]`. The
+    policy part back-propagates −z (Eq. 12, or −ĝ without the trust region) through the softmax; the critic part
+    is value_coef · Σ (Q^ret − Q(x, a))². Summed over time, averaged over the B environments. Returns (loss,
+    stats)."""
+    probs = F.softmax(logits, dim=-1)
+    T, B, A = probs[:-1].shape
+    actions, reset = batch["action"][:-1].long(), batch["reset"][:-1]
+    mask = (~reset).float()
+    with torch.no_grad():
+        p = probs.detach()
+        values = (p * q.detach()).sum(-1)
+        rho_all = p[:-1] / batch["mu"][:-1]
+        rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        truncated = torch.where(reset, 0.0, rho.clamp(max=1.0))  # ρ̄ = min(1, ρ); 0 cuts the trace at a reset step
+        discounts = args.gamma * (~batch["terminated"][:-1]).float()
+        q_taken = q.detach()[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        q_ret = retrace(batch["reward"][:-1], discounts, q_taken, values[:-1], truncated, values[-1])
+        g, rho_bar, _ = acer_policy_gradient(p[:-1].reshape(-1, A), actions.reshape(-1), batch["mu"][:-1].reshape(-1, A),
+                                             q.detach()[:-1].reshape(-1, A), q_ret.reshape(-1), args.c, args.ent_coef)
+        avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A)
+        k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
+        z = trust_region_step(g, k, args.delta) if args.trust_region else g
+        z = z.view(T, B, A) * mask[..., None]
+        g = g.view(T, B, A) * mask[..., None]
+        n = mask.sum().clamp(min=1)
+        kl = (avg_probs * (avg_probs.log() - p[:-1].reshape(-1, A).log())).sum(-1).view(T, B)
+        stats = {"stats/rho_mean": (mask * rho_bar.view(T, B)).sum() / n,
+                 "stats/truncated_fraction": (mask * (rho > args.c).float()).sum() / n,
+                 "stats/trust_region_adjustment": (z - g).norm() / g.norm().clamp(min=1e-12),
+                 "stats/kl_avg": (mask * kl).sum() / n,
+                 "stats/value_mean": (mask * values[:-1]).sum() / n,
+                 "losses/entropy": -(mask * (p[:-1] * p[:-1].log()).sum(-1)).sum() / n}
+    policy_loss = -(z * probs[:-1]).sum() / B  # ∂/∂φ = −z/B: ascent along z
+    q_sa = q[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+    value_loss = (mask * (q_ret - q_sa) ** 2).sum() / B
+    stats.update({"losses/policy_loss": policy_loss.detach(), "losses/value_loss": value_loss.detach()})
+    return policy_loss + args.value_coef * value_loss, stats
+
+
+@torch.no_grad()
+def update_average(avg_agent, agent, decay):
+    """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ, after every update of θ."""
+    for pa, p in zip(avg_agent.parameters(), agent.parameters()):
+        pa.mul_(decay).add_(p, alpha=1 - decay)
+
+
+class SharedRMSprop(torch.optim.Optimizer):
+    """A3C's shared RMSProp (Mnih et al. 2016, Eqs. S2-S3): g ← αg + (1 − α)Δθ², θ ← θ − ηΔθ/√(g + ε), elementwise
+    and without locks; `share_memory()` puts g in shared memory before the workers start."""
+
+    def __init__(self, params, lr=1e-3, alpha=0.99, eps=0.1):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def share_memory(self):
+        for state in self.state.values():
+            state["square_avg"].share_memory_()
+        return self
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = self.state[p]["square_avg"]
+                g.mul_(alpha).addcmul_(p.grad, p.grad, value=1 - alpha)
+                p.addcdiv_(p.grad, (g + eps).sqrt_(), value=-lr)
+
+
+def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
+    """The gradient of this segment's loss at θ', clipped, assigned afresh to the shared parameters and applied."""
+    local.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for p in local.parameters() if p.grad is not None]
+    if max_grad_norm > 0:
+        norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    for shared_p, local_p in zip(shared.parameters(), local.parameters()):
+        shared_p.grad = local_p.grad
+    optimizer.step()
+    for shared_p in shared.parameters():
+        shared_p.grad = None
+    return norm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The agent.
+
+
+class NatureTorso(nn.Module):
+    """Sec. 4 (Mnih et al. 2015): conv 32 8x8/4, conv 64 4x4/2, conv 64 3x3/1, fully connected 512, ReLUs."""
+
+    def __init__(self, obs_shape):
+        super().__init__()
+        c, h, w = obs_shape
+        self.convs = nn.Sequential(nn.Conv2d(c, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+                                   nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten())
+        with torch.no_grad():
+            n = self.convs(torch.zeros(1, c, h, w)).shape[1]
+        self.fc = nn.Linear(n, 512)
+        self.out_features = 512
+
+    def forward(self, x):
+        return F.relu(self.fc(self.convs(x.float() / 255.0)))
+
+
+class Agent(nn.Module):
+    """One network with a softmax policy head and a Q head (Sec. 3.1). `forward(obs)` takes `[T, B, ...]` and
+    returns logits and Q values, both `[T, B, A]`."""
+
+    def __init__(self, obs_shape, num_actions, hidden=200):
+        super().__init__()
+        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, hidden=hidden)
+        if len(obs_shape) == 3:
+            self.torso = NatureTorso(obs_shape)
+        else:
+            self.torso = MLPTorso(int(math.prod(obs_shape)), (hidden,), activation=nn.ReLU)
+        self.policy = nn.Linear(self.torso.out_features, num_actions)
+        self.q = nn.Linear(self.torso.out_features, num_actions)
+
+    def forward(self, obs):
+        T, B = obs.shape[:2]
+        x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
+        return self.policy(x).view(T, B, -1), self.q(x).view(T, B, -1)
+
+
+def obs_tensor(obs, pixels):
+    """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
+    return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`."""
+    agent = Agent(**checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])
+    agent.eval()
+    pixels = len(agent.config["obs_shape"]) == 3
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        logits, _ = agent(obs_tensor(obs, pixels).to(device)[None])
+        if greedy:
+            return logits[0].argmax(-1).cpu().numpy()
+        return torch.distributions.Categorical(logits=logits[0]).sample().cpu().numpy()
+
+    return policy
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Replay, workers, and the process that watches them.
+
+
+class Replay:
+    """A worker's memory of whole segments `[k+1, num_envs, ...]` (obs, action, reward, terminated, reset, μ), a
+    ring of `capacity` segments, sampled uniformly."""
+
+    def __init__(self, capacity):
+        self.capacity, self.segments, self.next = capacity, [], 0
+
+    def add(self, segment):
+        if len(self.segments) < self.capacity:
+            self.segments.append(segment)
+        else:
+            self.segments[self.next] = segment
+        self.next = (self.next + 1) % self.capacity
+
+    def sample(self, generator):
+        return self.segments[int(torch.randint(len(self.segments), (1,), generator=generator))]
+
+    def __len__(self):
+        return len(self.segments)
+
+
+def worker_process(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, parent_pid):
+    """Entry point of a worker process: runs `train_worker` and reports its traceback if it fails."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    try:
+        torch.set_num_threads(1)
+        train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, parent_pid)
+    except Exception:
+        msg_q.put(("error", worker_id, traceback.format_exc()))
+        sys.exit(1)
+
+
+def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, parent_pid):
+    """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored), then Poisson(r)
+    segments replayed from this worker's memory; each update is Algorithm 2 followed by θ_a's soft update."""
+    n, k = args.num_envs, args.k
+    torch.manual_seed(args.seed + worker_id)
+    np.random.seed(args.seed + worker_id)
+    generator = torch.Generator().manual_seed(args.seed + worker_id)
+    envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
+    local = Agent(**shared.config)
+    pixels = len(local.config["obs_shape"]) == 3
+    replay = Replay(max(1, args.replay_size // (k * n)))
+    tracker = EpisodeTracker(n)
+    obs, _ = envs.reset()
+    obs = obs_tensor(obs, pixels)
+    ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
+    local_tensors, shared_tensors = list(local.parameters()), list(shared.parameters())
+    last_report = 0.0
+
+    def learn(segment):
+        with torch.no_grad():  # θ' ← θ
+            for dst, src in zip(local_tensors, shared_tensors):
+                dst.copy_(src)
+        logits, q = local(segment["obs"])
+        with torch.no_grad():
+            avg_logits, _ = avg_agent(segment["obs"])
+        loss, stats = acer_loss(logits, q, avg_logits, segment, args)
+        grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
+        update_average(avg_agent, shared, args.avg_decay)
+        stats["stats/grad_norm"] = grad_norm
+        return stats
+
+    while counter.value < args.total_timesteps:
+        if os.getppid() != parent_pid:
+            return
+        with torch.no_grad():
+            for dst, src in zip(local_tensors, shared_tensors):
+                dst.copy_(src)
+        rows = {key: [] for key in ("obs", "action", "reward", "terminated", "reset", "mu")}
+        with torch.no_grad():
+            for _ in range(k):
+                logits, _ = local(obs[None])
+                mu = F.softmax(logits[0], dim=-1)
+                action = torch.multinomial(mu, 1, generator=generator).squeeze(-1)
+                next_obs, reward, term, trunc, info = envs.step(action.numpy())
+                for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
+                    msg_q.put(("episode", worker_id, counter.value, score, length))
+                for key, v in (("obs", obs), ("action", action), ("reward", reward), ("terminated", term),
+                               ("reset", ended), ("mu", mu)):
+                    rows[key].append(torch.as_tensor(v))
+                ended = torch.as_tensor(term | trunc)
+                obs = obs_tensor(next_obs, pixels)
+        # row k: the bootstrap observation (its other fields are never used)
+        rows["obs"].append(obs)
+        for key in ("action", "reward", "terminated", "reset", "mu"):
+            rows[key].append(torch.zeros_like(rows[key][-1]))
+        segment = {key: torch.stack(v) for key, v in rows.items()}
+        segment["reward"] = segment["reward"].float()
+        with counter.get_lock():
+            step = counter.value
+            counter.value += k * n
+        stats = learn(segment)
+        replay.add(segment)
+        replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
+        for _ in range(replays):
+            replay_stats = learn(replay.sample(generator))
+        now = time.time()
+        if worker_id == 0 and (now - last_report >= 1.0 or counter.value >= args.total_timesteps):
+            report = {f"on_policy/{key.split('/')[1]}" if key.startswith("stats/") else key: v
+                      for key, v in stats.items()}
+            if replays:
+                report.update(replay_stats)
+            report.update({"charts/learning_rate": args.learning_rate, "stats/replay_updates": replays,
+                           "stats/replay_segments": len(replay)})
+            msg_q.put(("stats", worker_id, step + k * n, {key: float(v) for key, v in report.items()}))
+            last_report = now
+    msg_q.put(("done", worker_id))
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def stop_workers(procs):
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
+    spec = env_spec(args.env_id)
+    if not hasattr(spec.action_space, "n"):
+        raise UsageError(f"{args.env_id} has continuous actions; acer.py covers discrete actions so far (e.g. "
+                         "Breakout-v5, CartPole-v1)")
+    if args.cuda:
+        raise UsageError("--cuda is not available in acer.py: its workers share parameters in CPU memory (the "
+                         "paper's ACER runs on CPU threads); leave the flag out")
+    if args.num_workers < 0:
+        raise UsageError(f"--num-workers must be at least 1, or 0 for one per CPU core; got {args.num_workers}")
+    for name in ("num_envs", "k"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.total_timesteps < args.k * args.num_envs:
+        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one segment "
+                         f"(k x num-envs = {args.k * args.num_envs} steps)")
+    if args.replay_ratio < 0 or (not args.poisson_replay and args.replay_ratio != int(args.replay_ratio)):
+        raise UsageError(f"--replay-ratio must be at least 0 (and a whole number with --no-poisson-replay); got "
+                         f"{args.replay_ratio}")
+    if args.replay_size < args.k * args.num_envs and args.replay_ratio > 0:
+        raise UsageError(f"--replay-size {args.replay_size} cannot hold one segment of k x num-envs = "
+                         f"{args.k * args.num_envs} steps")
+    for name in ("c", "delta", "learning_rate", "rmsprop_eps"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("avg_decay", "rmsprop_alpha"):
+        if not 0 <= getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    if not 0 <= args.gamma <= 1:
+        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+    if args.value_coef < 0 or args.ent_coef < 0:
+        raise UsageError("--value-coef and --ent-coef must not be negative")
+    if args.hidden < 1:
+        raise UsageError(f"--hidden must be at least 1, got {args.hidden}")
+    pixels = is_atari(args.env_id)
+    obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
+    max_grad_norm = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
+    return spec, dict(obs_shape=obs_shape, num_workers=args.num_workers or os.cpu_count() or 1,
+                      max_grad_norm=max_grad_norm)
+
+
+def main(args: Args):
+    spec, derived = check_args(args)
+    args = dataclasses.replace(args, num_workers=derived["num_workers"], max_grad_norm=derived["max_grad_norm"])
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    agent = Agent(derived["obs_shape"], spec.action_space.n, args.hidden)
+    avg_agent = Agent(derived["obs_shape"], spec.action_space.n, args.hidden)
+    avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ
+    agent.share_memory()
+    avg_agent.share_memory()
+    optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
+    optimizer.share_memory()
+
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_path = os.path.join(args.run_dir, run_name)
+    os.makedirs(run_path, exist_ok=True)
+    with open(os.path.join(run_path, "args.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=2)
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(run_path)
+    print(f"run folder: {run_path}  ({args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio "
+          f"{args.replay_ratio}, {'trust region' if args.trust_region else 'no trust region'})", flush=True)
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    counter, msg_q = ctx.Value("q", 0), ctx.Queue()
+    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
+    procs = [ctx.Process(target=worker_process, name=f"worker-{w}", daemon=True,
+                         args=(w, args, agent, avg_agent, optimizer, counter, msg_q, os.getpid()))
+             for w in range(args.num_workers)]
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    start = time.time()
+    returns, done, last_log, first_step_time = [], set(), start, None
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < len(procs):
+            try:
+                msg = msg_q.get(timeout=0.2)
+            except queue.Empty:
+                msg = None
+            if msg is not None:
+                kind = msg[0]
+                if kind == "episode":
+                    _, w, step, score, length = msg
+                    returns.append(score)
+                    writer.add_scalar("charts/episodic_return", score, step)
+                    writer.add_scalar("charts/episodic_length", length, step)
+                elif kind == "stats":
+                    for key, v in msg[3].items():
+                        writer.add_scalar(key, v, msg[2])
+                elif kind == "done":
+                    done.add(msg[1])
+                else:
+                    raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
+            for w, p in enumerate(procs):
+                if not p.is_alive() and p.exitcode != 0:
+                    deadline = time.time() + 2.0  # a failing worker's traceback may still be in the queue
+                    while time.time() < deadline:
+                        try:
+                            late = msg_q.get(timeout=0.2)
+                        except queue.Empty:
+                            continue
+                        if late[0] == "error":
+                            raise WorkerError(f"worker {late[1]} failed:\n{late[2]}")
+                    raise WorkerError(f"worker {w} died with exit code {p.exitcode}")
+            now = time.time()
+            step = steps.value
+            if first_step_time is None and step > 0:
+                first_step_time, first_step = now, step
+            if now - last_log >= args.log_interval:
+                sps = step / (now - start)
+                writer.add_scalar("charts/SPS", sps, step)
+                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
+                eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
+                print(f"step {step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+                      f"| episodes {len(returns)} | ETA {eta}", flush=True)
+                last_log = now
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        stop_workers(procs)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted: stopping workers", file=sys.stderr, flush=True)
+        stop_workers(procs)
+        sys.exit(130)
+    for p in procs:
+        p.join()
+    wall = time.time() - start
+    global_step = steps.value
+    writer.add_scalar("charts/SPS", global_step / wall, global_step)
+
+    checkpoint = {"script": "acer", "env_id": args.env_id, "args": dataclasses.asdict(args),
+                  "agent_config": agent.config, "agent": {key: v.detach().clone() for key, v in agent.state_dict().items()},
+                  "avg_agent": {key: v.detach().clone() for key, v in avg_agent.state_dict().items()},
+                  "global_step": global_step}
+    if args.save_model:
+        torch.save(checkpoint, os.path.join(run_path, "model.pt"))
+    eval_mean = None
+    if args.eval_episodes > 0:
+        from common.evaluation import evaluate
+
+        scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000,
+                          video_dir=run_path if args.capture_video else None)
+        eval_mean = float(np.mean(scores))
+        writer.add_scalar("charts/eval_return", eval_mean, global_step)
+        print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
+    steady = None
+    if first_step_time is not None and start + wall > first_step_time:
+        steady = (global_step - first_step) / (start + wall - first_step_time)
+    summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
+               "sps": global_step / wall, "sps_after_first_update": steady, "num_workers": args.num_workers,
+               "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+               "eval_mean_return": eval_mean}
+    with open(os.path.join(run_path, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    writer.close()
+
+
+def cli():
+    import tyro
+
+    try:
+        main(tyro.cli(Args))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,273 @@
+"""acer.py: Retrace, the truncated policy gradient with bias correction, the trust region and the average
+network against the paper, and the script end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import acer  # noqa: E402
+from acer import acer_loss, acer_policy_gradient, kl_gradient, retrace, trust_region_step  # noqa: E402
+from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
+                           imported_envpool_modules, run_script)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Math against plain loops written from the paper.
+
+
+def retrace_reference(rewards, discounts, q_taken, values, rho_bar, bootstrap):
+    """Algorithm 2 per environment: Q^ret ← V(x_k); for i = k−1..0: Q^ret ← r_i + γ_i Q^ret (the target of step
+    i), then Q^ret ← ρ̄_i (Q^ret − Q(x_i, a_i)) + V(x_i)."""
+    T, B = rewards.shape
+    out = torch.zeros(T, B, dtype=torch.float64)
+    for b in range(B):
+        q_ret = float(bootstrap[b])
+        for i in reversed(range(T)):
+            q_ret = float(rewards[i, b]) + float(discounts[i, b]) * q_ret
+            out[i, b] = q_ret
+            q_ret = float(rho_bar[i, b]) * (q_ret - float(q_taken[i, b])) + float(values[i, b])
+    return out
+
+
+def random_segment(T=8, B=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
+    done = torch.rand(T, B, generator=g) < 0.2
+    done[3, 0] = True  # an episode end inside the segment
+    discounts = 0.9 * (~done).double()
+    q_taken = torch.randn(T, B, generator=g, dtype=torch.float64)
+    values = torch.randn(T, B, generator=g, dtype=torch.float64)
+    rho = torch.exp(torch.randn(T, B, generator=g, dtype=torch.float64))  # ratios above and below 1
+    bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
+    return rewards, discounts, q_taken, values, rho.clamp(max=1.0), bootstrap
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_retrace_matches_algorithm_2(seed):
+    rewards, discounts, q_taken, values, rho_bar, bootstrap = random_segment(seed=seed)
+    assert (rho_bar < 1).any() and (rho_bar == 1).any()  # truncation bites somewhere
+    out = retrace(rewards, discounts, q_taken, values, rho_bar, bootstrap)
+    torch.testing.assert_close(out, retrace_reference(rewards, discounts, q_taken, values, rho_bar, bootstrap))
+    assert out[3, 0] == rewards[3, 0]  # nothing crosses the episode end
+
+
+def test_retrace_limits():
+    """ρ̄ = 0 everywhere: one-step targets r_t + γ V(x_{t+1}). ρ̄ = 1 and Q(x, a) = V(x) (a policy evaluation
+    where the critic has no action preference): the n-step return bootstrapped from V(x_k)."""
+    rewards, discounts, q_taken, values, _, bootstrap = random_segment()
+    one_step = retrace(rewards, discounts, q_taken, values, torch.zeros_like(values), bootstrap)
+    next_v = torch.cat([values[1:], bootstrap[None]])
+    torch.testing.assert_close(one_step, rewards + discounts * next_v)
+    full = retrace(rewards, discounts, values, values, torch.ones_like(values), bootstrap)
+    expected, acc = torch.zeros_like(rewards), bootstrap
+    for t in reversed(range(rewards.shape[0])):
+        acc = rewards[t] + discounts[t] * acc
+        expected[t] = acc
+    torch.testing.assert_close(full, expected)
+
+
+def test_trust_region_step_solves_the_linearised_problem():
+    """Eq. (11): min ½‖g − z‖² s.t. kᵀz ≤ δ. The KKT conditions of this convex problem hold at z (feasible; either
+    z = g with g feasible, or kᵀz = δ with g − z = λk, λ ≥ 0), and no one of 2000 random feasible points is
+    closer to g; rows where the constraint is inactive are left unchanged."""
+    g_ = torch.Generator().manual_seed(0)
+    N, D, delta = 64, 5, 1.0
+    g = torch.randn(N, D, generator=g_, dtype=torch.float64) * 3
+    k = torch.randn(N, D, generator=g_, dtype=torch.float64)
+    z = trust_region_step(g, k, delta)
+    inactive = (k * g).sum(-1) <= delta
+    assert 5 < inactive.sum() < N - 5  # both kinds of rows
+    torch.testing.assert_close(z[inactive], g[inactive])
+    assert ((k * z).sum(-1) <= delta + 1e-9).all()
+    active = ~inactive
+    torch.testing.assert_close((k * z).sum(-1)[active], torch.full((int(active.sum()),), delta, dtype=torch.float64))
+    lam = ((g - z) * k).sum(-1) / (k * k).sum(-1)
+    torch.testing.assert_close((g - z)[active], (lam[:, None] * k)[active])
+    assert (lam[active] > 0).all()
+    for row in range(N):  # brute force: random feasible candidates around g
+        cand = g[row] + torch.randn(2000, D, generator=g_, dtype=torch.float64) * 2
+        cand = cand[(cand @ k[row]) <= delta]
+        assert ((cand - g[row]).norm(dim=-1) >= (z[row] - g[row]).norm() - 1e-9).all()
+
+
+def test_kl_gradient_matches_autograd():
+    g_ = torch.Generator().manual_seed(1)
+    avg = torch.softmax(torch.randn(6, 4, generator=g_, dtype=torch.float64), -1)
+    phi = torch.softmax(torch.randn(6, 4, generator=g_, dtype=torch.float64), -1).requires_grad_()
+    (avg * (avg.log() - phi.log())).sum().backward()
+    torch.testing.assert_close(kl_gradient(avg, phi.detach()), phi.grad)
+
+
+def test_bias_correction_recovers_the_untruncated_gradient():
+    """Eq. (7) by exact summation on a small discrete example with truncation that bites: the expectation over
+    a_t ~ μ of ĝ^acer (Eq. 10, with Q^ret = Q(a_t) exact) equals E_{a~π}[∇_φ log π(a)(Q(a) − V)] = Q − V
+    (∇_φ log φ(a) = e_a/φ(a)), the untruncated importance-weighted gradient; truncation alone does not."""
+    pi = torch.tensor([0.55, 0.3, 0.1, 0.05], dtype=torch.float64)
+    mu = torch.tensor([0.02, 0.18, 0.4, 0.4], dtype=torch.float64)  # ρ(a) = 27.5, 1.67, 0.25, 0.125
+    q = torch.tensor([2.0, -1.0, 0.5, 3.0], dtype=torch.float64)
+    c = 1.5
+    A = len(pi)
+    actions = torch.arange(A)
+    g, rho_bar, rho = acer_policy_gradient(pi.expand(A, A), actions, mu.expand(A, A), q.expand(A, A), q[actions], c)
+    assert (rho > c).any() and (rho_bar < rho).any()
+    expected_g = (mu[:, None] * g).sum(0)
+    v = (pi * q).sum()
+    torch.testing.assert_close(expected_g, q - v)
+    untruncated = (mu[:, None] * rho[:, None] * torch.eye(A, dtype=torch.float64) * ((q - v) / pi)[:, None]).sum(0)
+    torch.testing.assert_close(untruncated, q - v)
+    truncated_only = mu * rho.clamp(max=c) * (q - v) / pi  # the first term of Eq. (10) alone is biased
+    assert not torch.allclose(truncated_only, q - v)
+
+
+def loss_inputs(T=6, B=3, A=4, seed=0):
+    g_ = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T + 1, B, A, generator=g_, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(T + 1, B, A, generator=g_, dtype=torch.float64, requires_grad=True)
+    avg_logits = torch.randn(T + 1, B, A, generator=g_, dtype=torch.float64)
+    reset = torch.zeros(T + 1, B, dtype=torch.bool)
+    reset[3, 1] = True
+    terminated = torch.zeros(T + 1, B, dtype=torch.bool)
+    terminated[2, 1] = True
+    batch = {"action": torch.randint(A, (T + 1, B), generator=g_), "reward": torch.randn(T + 1, B, generator=g_,
+                                                                                          dtype=torch.float64),
+             "terminated": terminated, "reset": reset,
+             "mu": torch.softmax(torch.randn(T + 1, B, A, generator=g_, dtype=torch.float64) * 2, -1)}
+    args = SimpleNamespace(gamma=0.9, c=10.0, delta=1.0, ent_coef=0.01, trust_region=True, value_coef=0.5)
+    return logits, q, avg_logits, batch, args
+
+
+def test_acer_loss_gradients():
+    """The critic gets Eq. (6) for the taken actions only (value_coef · 2 (Q − Q^ret)/B, Q^ret from `retrace` with
+    ρ̄ = min(1, π/μ), 0 at the reset step), the policy −z/B through the softmax, and a reset step gets nothing."""
+    logits, q, avg_logits, batch, args = loss_inputs()
+    T, B, A = logits.shape[0] - 1, logits.shape[1], logits.shape[2]
+    loss, stats = acer_loss(logits, q, avg_logits, batch, args)
+    loss.backward()
+    probs = torch.softmax(logits.detach(), -1)
+    v = (probs * q.detach()).sum(-1)
+    a = batch["action"][:-1]
+    rho = (probs[:-1] / batch["mu"][:-1]).gather(-1, a[..., None])[..., 0]
+    rho_bar = torch.where(batch["reset"][:-1], 0.0, rho.clamp(max=1))
+    q_taken = q.detach()[:-1].gather(-1, a[..., None])[..., 0]
+    q_ret = retrace_reference(batch["reward"][:-1], 0.9 * (~batch["terminated"][:-1]).double(), q_taken, v[:-1],
+                              rho_bar, v[-1])
+    expected_q_grad = torch.zeros_like(q)
+    for t in range(T):
+        for b in range(B):
+            if not batch["reset"][t, b]:
+                expected_q_grad[t, b, a[t, b]] = 0.5 * 2 * (q_taken[t, b] - q_ret[t, b]) / B
+    torch.testing.assert_close(q.grad, expected_q_grad)
+    assert (logits.grad[3, 1] == 0).all() and (logits.grad[-1] == 0).all()
+    # the policy part: −z/B back through the softmax, z the trust-region step of ĝ (Eq. 12) for each state
+    g, _, _ = acer_policy_gradient(probs[:-1].reshape(-1, A), a.reshape(-1), batch["mu"][:-1].reshape(-1, A),
+                                   q.detach()[:-1].reshape(-1, A), q_ret.reshape(-1), args.c, args.ent_coef)
+    z = trust_region_step(g, kl_gradient(torch.softmax(avg_logits[:-1], -1).reshape(-1, A),
+                                         probs[:-1].reshape(-1, A)), args.delta).view(T, B, A)
+    z[3, 1] = 0
+    jac_logits = logits.detach()[:-1].clone().requires_grad_()
+    torch.softmax(jac_logits, -1).backward(-z / B)
+    torch.testing.assert_close(logits.grad[:-1], jac_logits.grad)
+    assert stats["stats/trust_region_adjustment"] > 0
+
+
+def test_no_trust_region_with_a_huge_delta():
+    """δ → ∞ makes the constraint inactive: the same update as --no-trust-region."""
+    grads = []
+    for trust_region, delta in ((True, 1e12), (False, 1.0)):
+        logits, q, avg_logits, batch, args = loss_inputs(seed=3)
+        args.trust_region, args.delta = trust_region, delta
+        acer_loss(logits, q, avg_logits, batch, args)[0].backward()
+        grads.append(logits.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_average_network_moves():
+    """After an update θ_a = α θ_a_old + (1 − α) θ_new (Sec. 3.3)."""
+    torch.manual_seed(0)
+    agent, avg = acer.Agent((4,), 2), acer.Agent((4,), 2)
+    old = [p.detach().clone() for p in avg.parameters()]
+    acer.update_average(avg, agent, 0.99)
+    for pa, p0, p in zip(avg.parameters(), old, agent.parameters()):
+        torch.testing.assert_close(pa.detach(), 0.99 * p0 + 0.01 * p.detach())
+        assert not torch.allclose(pa, p0)
+
+
+def test_replay_ring_and_sampling():
+    replay = acer.Replay(3)
+    for i in range(5):
+        replay.add({"i": i})
+    assert len(replay) == 3 and sorted(s["i"] for s in replay.segments) == [2, 3, 4]
+    gen = torch.Generator().manual_seed(0)
+    assert {replay.sample(gen)["i"] for _ in range(100)} == {2, 3, 4}
+
+
+def test_nature_network():
+    agent = acer.Agent((4, 84, 84), 6)
+    convs = [m for m in agent.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [(m.out_channels, m.kernel_size, m.stride) for m in convs] == [(32, (8, 8), (4, 4)), (64, (4, 4), (2, 2)),
+                                                                           (64, (3, 3), (1, 1))]
+    logits, q = agent(torch.zeros(2, 3, 4, 84, 84, dtype=torch.uint8))
+    assert logits.shape == q.shape == (2, 3, 6) and agent.torso.out_features == 512
+
+
+def test_import_runs_nothing():
+    assert imported_envpool_modules("acer") == "[]"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The script end to end.
+
+
+def test_smoke_breakout(tmp_path):
+    run = run_script("acer.py", ["--env-id", "Breakout-v5", "--num-workers", "2", "--total-timesteps", "800",
+                                 "--replay-size", "2000", "--eval-episodes", "1", "--save-model",
+                                 "--no-poisson-replay", "--replay-ratio", "2"], tmp_path)
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert 800 <= summary["total_timesteps"] < 800 + 2 * 20
+    tags = events_tags(run)
+    assert {"stats/rho_mean", "stats/truncated_fraction", "stats/trust_region_adjustment", "stats/kl_avg",
+            "losses/value_loss", "losses/policy_loss", "charts/SPS", "charts/episodic_return"} <= tags
+    assert set(events_tags(run, "stats/replay_updates")) == {2.0}
+    out = subprocess.run([sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["episodes"] == 2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--env-id", "Breakout-v9"], "unknown env id"),
+    (["--env-id", "HalfCheetah-v4"], "continuous actions"),
+    (["--env-id", "CartPole-v1", "--cuda"], "--cuda"),
+    (["--env-id", "CartPole-v1", "--k", "0"], "--k"),
+    (["--env-id", "CartPole-v1", "--no-poisson-replay", "--replay-ratio", "2.5"], "--replay-ratio"),
+    (["--env-id", "CartPole-v1", "--delta", "0"], "--delta"),
+    (["--env-id", "CartPole-v1", "--avg-decay", "1"], "--avg-decay"),
+    (["--env-id", "CartPole-v1", "--replay-size", "10"], "--replay-size"),
+])
+def test_bad_input_one_clear_line(argv, needle, tmp_path):
+    assert_usage_error("acer.py", argv, tmp_path, needle)
+
+
+@pytest.mark.parametrize("victim", ["worker", "sigint"])
+def test_killed_process_ends_the_run(tmp_path, victim):
+    assert_killed_process_ends_the_run("acer.py", argv=["--env-id", "CartPole-v1", "--num-workers", "2",
+                                                        "--total-timesteps", "100000000"],
+                                       run_dir=tmp_path, victim=victim)
+
+
+def test_learns_cartpole(tmp_path):
+    """CartPole-v1 with 2 workers of 4 envs and the paper's other settings (replay ratio 4, trust region): the
+    mean return over 20 episodes reaches 400 within 150k on-policy steps (README)."""
+    run = run_script("acer.py", ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "4",
+                                 "--total-timesteps", "150000", "--eval-episodes", "0", "--seed", "1"], tmp_path,
+                     timeout=600)
+    returns = events_tags(run, "charts/episodic_return")
+    assert np.convolve(returns, np.ones(20) / 20, mode="valid").max() >= 400
