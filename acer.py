@@ -29,7 +29,8 @@ Choices the paper leaves open, and what is done here:
   learning rate is not annealed (Sec. 4); its value is not given: 1e-3, the a3c.py default.
 - The policy's statistics φ are its probabilities (Sec. 3.3): g and the KL gradient k = −φ_a/φ are taken with
   respect to them, the trust region is applied per state (Eq. 12) and z is back-propagated through the softmax.
-  The entropy bonus (β = 0.001) is part of g, so the trust region bounds it too.
+  The entropy bonus (β = 0.001) is part of g, so the trust region bounds it too. Probabilities are floored
+  at 1e-6 where they divide or enter a logarithm (a near-deterministic policy otherwise gives NaN).
 - The critic loss is value_coef · (Q^ret − Q(x, a))² with value_coef 0.5, so its gradient is Eq. (6).
 - Replay holds whole segments of k steps (with the observation after the last), per worker, up to
   `--replay-size` steps (50,000 on Atari, Sec. 4: "frames" read as agent steps, the DQN convention; stored as
@@ -158,9 +159,12 @@ def trust_region_step(g, k, delta):
     return g - scale * k
 
 
+PROB_FLOOR = 1e-6  # probabilities are floored here where they divide or enter a log: 1/φ and log φ stay finite
+
+
 def kl_gradient(avg_probs, probs):
     """k = ∇_φ KL(f(·|φ_a) ‖ f(·|φ)) for categorical f with probabilities φ: −φ_a / φ (Sec. 3.3)."""
-    return -avg_probs / probs
+    return -avg_probs / probs.clamp(min=PROB_FLOOR)
 
 
 def acer_policy_gradient(probs, actions, behaviour_probs, q, q_ret, c, ent_coef=0.0):
@@ -171,7 +175,8 @@ def acer_policy_gradient(probs, actions, behaviour_probs, q, q_ret, c, ent_coef=
     with ρ(a) = φ(a)/μ(a), ρ̄_t = min(c, ρ(a_t)), V = Σ_a φ(a) Q(a); ∇_φ log φ(a) = e_a / φ(a), so the correction
     term is [1 − c/ρ(a)]_+ (Q(a) − V) for every a. All inputs are constants here (`[N, A]` probabilities and Q,
     `[N]` actions and Q^ret). Returns (g, truncated ρ̄_t, ρ_t)."""
-    probs, behaviour_probs, q = probs.detach(), behaviour_probs.detach(), q.detach()
+    probs, q = probs.detach().clamp(min=PROB_FLOOR), q.detach()
+    behaviour_probs = behaviour_probs.detach().clamp(min=PROB_FLOOR)
     v = (probs * q).sum(-1, keepdim=True)
     rho_all = probs / behaviour_probs
     rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
@@ -197,9 +202,9 @@ def acer_loss(logits, q, avg_logits, batch, args):
     actions, reset = batch["action"][:-1].long(), batch["reset"][:-1]
     mask = (~reset).float()
     with torch.no_grad():
-        p = probs.detach()
-        values = (p * q.detach()).sum(-1)
-        rho_all = p[:-1] / batch["mu"][:-1]
+        p = probs.detach().clamp(min=PROB_FLOOR)
+        values = (probs.detach() * q.detach()).sum(-1)
+        rho_all = p[:-1] / batch["mu"][:-1].clamp(min=PROB_FLOOR)
         rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         truncated = torch.where(reset, 0.0, rho.clamp(max=1.0))  # ρ̄ = min(1, ρ); 0 cuts the trace at a reset step
         discounts = args.gamma * (~batch["terminated"][:-1]).float()
@@ -207,7 +212,7 @@ def acer_loss(logits, q, avg_logits, batch, args):
         q_ret = retrace(batch["reward"][:-1], discounts, q_taken, values[:-1], truncated, values[-1])
         g, rho_bar, _ = acer_policy_gradient(p[:-1].reshape(-1, A), actions.reshape(-1), batch["mu"][:-1].reshape(-1, A),
                                              q.detach()[:-1].reshape(-1, A), q_ret.reshape(-1), args.c, args.ent_coef)
-        avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A)
+        avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A).clamp(min=PROB_FLOOR)
         k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
         z = trust_region_step(g, k, args.delta) if args.trust_region else g
         z = z.view(T, B, A) * mask[..., None]
