@@ -1,4 +1,4 @@
-"""ACER: actor-critic with experience replay (discrete actions: Atari, any envpool discrete task).
+"""ACER: actor-critic with experience replay, discrete (Atari, any envpool discrete task) and continuous actions.
 
 Wang, Bapst, Heess, Mnih, Munos, Kavukcuoglu, de Freitas (2017), "Sample Efficient Actor-Critic with Experience
 Replay".
@@ -21,6 +21,10 @@ probabilities φ(x), so that the policy stays close (linearised KL ≤ δ) to a 
 | Sec. 3.3 θ_a ← α θ_a + (1 − α) θ                                     | `update_average`                       |
 | Algorithm 1: on-policy step, then Poisson(r) replay steps            | `train_worker`, `Replay`               |
 | Sec. 4: Atari network, k, c, δ, α, β, γ, replay size                 | `Agent`, `Args` defaults               |
+| Eq. (13) stochastic dueling network Q̃ = V + A − mean_i A(x, u_i)     | `ContinuousAgent.q_tilde`              |
+| Eq. (16) Gaussian ĝ^acer with Q^opc (App. B), Eq. (14) V update      | `gaussian_policy_gradient`             |
+| Algorithm 3: c_i = min(1, ρ^(1/d)) traces, replay-only learning      | `acer_loss_continuous`, `train_worker` |
+| Sec. 6: σ = 0.3, n = 5, k = 50, replay 5,000, α = 0.995              | `ContinuousAgent`, `Args` defaults     |
 
 Choices the paper leaves open, and what is done here:
 - As in a3c.py (the paper: "the same optimization procedure as in Mnih et al. (2016)"): shared RMSProp (α 0.99,
@@ -36,8 +40,13 @@ Choices the paper leaves open, and what is done here:
   `--replay-size` steps (50,000 on Atari, Sec. 4: "frames" read as agent steps, the DQN convention; stored as
   uint8 stacks of 4 frames this is about 1.4 GB per worker). Replay starts as soon as one segment is stored
   (Algorithm 1). `--no-poisson-replay` replays exactly r segments per on-policy step (r must be an integer).
-- Continuous actions (Sec. 5, the stochastic dueling network) are not in this script yet: a continuous-action
-  env is refused with a message.
+- Continuous actions (Sec. 5-6): a Gaussian policy N(φ(x), σ²I) with the paper's fixed σ = 0.3 in [-1, 1]
+  action units (mapped to the env's box and clipped only when sent), the mean and V on one 200-unit ReLU torso,
+  A(x, a) a separate small network (200 ReLUs on [x, a]). Learning is from replay only (Sec. 6: "entirely
+  off-policy"), Poisson(4) segments per collected one. The policy-gradient truncation c is illegible in Sec. 6
+  ("set to a"): 5 here, the truncation of the paper's TIS baseline (App. E.2). The learning rate is the
+  geometric middle of Sec. 6's search range, δ = 1 the middle of [0.1, 2]. No observation normalisation
+  (the paper has none).
 
 envpool resets an environment on the step *after* an episode ends; that step is no transition: it gets no loss,
 and its truncated weight is 0 in Retrace, so the target carried back from it is V(x_k): a time-limit truncation
@@ -72,7 +81,7 @@ from common.networks import MLPTorso
 @dataclass
 class Args:
     env_id: str = "Breakout-v5"
-    """envpool task id with discrete actions (Atari *-v5, CartPole-v1, ...)"""
+    """envpool task id, discrete (Atari *-v5, CartPole-v1, ...) or continuous actions (HalfCheetah-v4, ...)"""
     exp_name: str = "acer"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
@@ -87,24 +96,25 @@ class Args:
     """actor-learner processes; 0: one per CPU core (the paper: 16 threads, Sec. 4)"""
     num_envs: int = 1
     """environments per worker, stepped together (1 in the paper)"""
-    k: int = 20
-    """k, steps per segment and update (Sec. 4)"""
+    k: int = 0
+    """k, steps per segment and update; 0: 20 for discrete (Sec. 4), 50 for continuous actions (Sec. 6)"""
     replay_ratio: float = 4.0
     """r, replay updates per on-policy update, Poisson-distributed (Algorithm 1; 4 in Sec. 4); 0: A3C with a Q critic"""
     poisson_replay: bool = True
     """draw the number of replay updates from Poisson(r) (Algorithm 1); --no-poisson-replay: exactly r"""
-    replay_size: int = 50_000
-    """replay memory per worker, in environment steps (50,000 'frames', Sec. 4)"""
-    c: float = 10.0
-    """c, truncation of the importance weight in the policy gradient (Sec. 4)"""
+    replay_size: int = 0
+    """replay memory per worker, in environment steps; 0: 50,000 'frames' (Sec. 4), 5,000 for continuous (Sec. 6)"""
+    c: float = 0.0
+    """c, truncation of the importance weight in the policy gradient; 0: 10 (Sec. 4), 5 for continuous actions"""
     delta: float = 1.0
     """δ, trust-region bound on the linearised KL to the average policy (Sec. 4)"""
-    avg_decay: float = 0.99
-    """α, decay of the average policy network θ_a ← α θ_a + (1 − α) θ (Sec. 4)"""
+    avg_decay: float = 0.0
+    """α, decay of the average policy network θ_a ← α θ_a + (1 − α) θ; 0: 0.99 (Sec. 4), 0.995 continuous (Sec. 6)"""
     trust_region: bool = True
     """use the trust region (Sec. 3.3); --no-trust-region is the paper's 'without trust region' ablation"""
-    learning_rate: float = 1e-3
-    """η, RMSProp learning rate, constant (Sec. 4: not annealed; value not given)"""
+    learning_rate: float = 0.0
+    """η, RMSProp learning rate, constant (Sec. 4: not annealed); 0: 1e-3 (not given for Atari), 2.2e-4 for
+    continuous actions (the geometric middle of Sec. 6's log-uniform [1e-4, 10^-3.3])"""
     rmsprop_alpha: float = 0.99
     """RMSProp decay of the squared-gradient average (as A3C)"""
     rmsprop_eps: float = 0.1
@@ -118,7 +128,11 @@ class Args:
     max_grad_norm: float = -1.0
     """gradient-norm clipping; 0: none; negative: 40 for pixel observations, none for vector observations"""
     hidden: int = 200
-    """ReLU units of the hidden layer for vector observations"""
+    """ReLU units of the hidden layer for vector observations (and of the advantage network)"""
+    policy_std: float = 0.3
+    """σ, the fixed standard deviation of the Gaussian policy, in [-1, 1] action units (Sec. 6)"""
+    sdn_samples: int = 5
+    """n, samples u_i ~ π of the stochastic dueling network (Eq. 13; Sec. 6)"""
     save_model: bool = False
     """write model.pt (weights, what evaluation needs) in the run folder"""
     capture_video: bool = False
@@ -232,6 +246,71 @@ def acer_loss(logits, q, avg_logits, batch, args):
     return policy_loss + args.value_coef * value_loss, stats
 
 
+def gaussian_ratio(actions, mean, behaviour_mean, std):
+    """ρ = f(a|φ) / μ(a|x) for two Gaussians with the same fixed σ: N(φ, σ²I) over N(behaviour_mean, σ²I)."""
+    return ((((actions - behaviour_mean) ** 2 - (actions - mean) ** 2) / (2 * std * std)).sum(-1)).exp()
+
+
+def gaussian_policy_gradient(mean, actions, behaviour_mean, q_opc, values, sampled_actions, q_sampled, std, c):
+    """Eq. (16): ĝ^acer with respect to the mean φ of a Gaussian policy N(φ, σ²I) with fixed σ, per state `[N, d]`:
+
+        min(c, ρ_t) ∇_φ log f(a_t|φ) (Q^opc − V) + [1 − c/ρ'_t]_+ (Q̃(x, a'_t) − V) ∇_φ log f(a'_t|φ)
+
+    with ∇_φ log f(a|φ) = (a − φ)/σ², ρ_t = f(a_t|φ)/μ(a_t|x), a'_t ~ π a fresh sample and ρ'_t its ratio; the
+    behaviour policy μ is N(behaviour_mean, σ²I). Inputs are constants. Returns (g, min(c, ρ_t), ρ_t)."""
+    mean, actions, behaviour_mean = mean.detach(), actions.detach(), behaviour_mean.detach()
+    var = std * std
+    rho = gaussian_ratio(actions, mean, behaviour_mean, std)
+    rho_sampled = gaussian_ratio(sampled_actions, mean, behaviour_mean, std)
+    rho_bar = rho.clamp(max=c)
+    g = (rho_bar * (q_opc - values))[:, None] * (actions - mean) / var
+    correction = (1 - c / rho_sampled).clamp(min=0) * (q_sampled - values)
+    g = g + correction[:, None] * (sampled_actions - mean) / var
+    return g, rho_bar, rho
+
+
+def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_mean, batch, args):
+    """Algorithm 3 on a replayed segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the update.
+
+    `mean [k+1, B, d]` and `values [k+1, B]` from the local network; `q_taken = Q̃(x_i, a_i)` `[k, B]` from the
+    stochastic dueling network (Eq. 13, differentiable), `q_sampled = Q̃(x_i, a'_i)` for fresh samples a'_i ~ π
+    (constants), `avg_mean` the average network's mean; `batch` has `action`, `mu` (the behaviour mean) `[k+1, B,
+    d]`, `reward`, `terminated`, `reset`. Q^ret uses the traces c_i = min(1, ρ_i^(1/d)) (Sec. 5.1), Q^opc traces of
+    1 (App. B); the policy back-propagates −z (Eq. 12 for ĝ of Eq. 16, k = (φ − φ_a)/σ²) through the mean; the
+    critic gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V (Algorithm 3), scaled by 2 value_coef. Summed over time,
+    averaged over the B environments. Returns (loss, stats)."""
+    T, B, d = mean[:-1].shape
+    std = args.policy_std
+    actions, reset = batch["action"][:-1], batch["reset"][:-1]
+    mask = (~reset).float()
+    with torch.no_grad():
+        m, v, qt = mean.detach(), values.detach(), q_taken.detach()
+        rho = gaussian_ratio(actions, m[:-1], batch["mu"][:-1], std)
+        traces = torch.where(reset, 0.0, rho.pow(1.0 / d).clamp(max=1.0))  # c_i; 0 cuts at a reset step
+        discounts = args.gamma * (~batch["terminated"][:-1]).float()
+        q_ret = retrace(batch["reward"][:-1], discounts, qt, v[:-1], traces, v[-1])
+        q_opc = retrace(batch["reward"][:-1], discounts, qt, v[:-1], mask, v[-1])
+        g, rho_bar, _ = gaussian_policy_gradient(m[:-1].reshape(-1, d), actions.reshape(-1, d),
+                                                 batch["mu"][:-1].reshape(-1, d), q_opc.reshape(-1),
+                                                 v[:-1].reshape(-1), sampled_actions.reshape(-1, d),
+                                                 q_sampled.reshape(-1), std, args.c)
+        k = (m[:-1] - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
+        z = trust_region_step(g, k, args.delta) if args.trust_region else g
+        z = z.view(T, B, d) * mask[..., None]
+        g = g.view(T, B, d) * mask[..., None]
+        n = mask.sum().clamp(min=1)
+        kl = 0.5 * ((m[:-1] - avg_mean[:-1]) ** 2).sum(-1) / (std * std)
+        stats = {"stats/rho_mean": (mask * rho_bar.view(T, B)).sum() / n,
+                 "stats/truncated_fraction": (mask * (rho > args.c).float()).sum() / n,
+                 "stats/trust_region_adjustment": (z - g).norm() / g.norm().clamp(min=1e-12),
+                 "stats/kl_avg": (mask * kl).sum() / n, "stats/value_mean": (mask * v[:-1]).sum() / n}
+    policy_loss = -(z * mean[:-1]).sum() / B
+    td = q_ret - q_taken
+    value_loss = (mask * (td ** 2 - 2 * rho.clamp(max=1.0) * td.detach() * values[:-1])).sum() / B
+    stats.update({"losses/policy_loss": policy_loss.detach(), "losses/value_loss": (mask * td ** 2).sum().detach() / B})
+    return policy_loss + args.value_coef * value_loss, stats
+
+
 @torch.no_grad()
 def update_average(avg_agent, agent, decay):
     """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ, after every update of θ."""
@@ -324,6 +403,58 @@ class Agent(nn.Module):
         return self.policy(x).view(T, B, -1), self.q(x).view(T, B, -1)
 
 
+class ContinuousAgent(nn.Module):
+    """Sec. 5-6: a Gaussian policy N(φ(x), σ²I) with a fixed σ, and a stochastic dueling network (Eq. 13): V(x) on
+    the same torso as the mean, and a small separate network A(x, a). `forward(obs)` takes `[T, B, D]` and returns
+    the mean `[T, B, d]` and V `[T, B]`; `q_tilde` gives Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i)."""
+
+    def __init__(self, obs_shape, action_dim, hidden=200, policy_std=0.3):
+        super().__init__()
+        self.config = dict(obs_shape=tuple(obs_shape), action_dim=action_dim, hidden=hidden, policy_std=policy_std)
+        self.action_dim, self.std = action_dim, policy_std
+        obs_dim = int(math.prod(obs_shape))
+        self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)
+        self.mean = nn.Linear(hidden, action_dim)
+        self.value = nn.Linear(hidden, 1)
+        self.advantage = nn.Sequential(nn.Linear(obs_dim + action_dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, obs):
+        T, B = obs.shape[:2]
+        x = self.torso(obs.reshape(T * B, -1))
+        return self.mean(x).view(T, B, -1), self.value(x).view(T, B)
+
+    def q_tilde(self, obs, actions, mean, values, n, generator=None):
+        """Eq. (13) for `[..., D]` observations and `[..., d]` actions, with n samples u_i ~ π(·|x) (no gradient
+        through the samples)."""
+        u = mean.detach().unsqueeze(-2) + self.std * torch.randn(*mean.shape[:-1], n, self.action_dim,
+                                                                 generator=generator)
+        a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
+        obs_all = obs.unsqueeze(-2).expand(*obs.shape[:-1], n + 1, obs.shape[-1])
+        adv = self.advantage(torch.cat([obs_all.float(), a_all], dim=-1)).squeeze(-1)
+        return values + adv[..., 0] - adv[..., 1:].mean(-1)
+
+
+def segment_loss(local, avg_agent, segment, args, generator=None):
+    """Runs the local and average networks over a segment and returns the ACER loss (Algorithm 2 or 3)."""
+    with torch.no_grad():
+        avg_out, _ = avg_agent(segment["obs"])
+    if isinstance(local, ContinuousAgent):
+        mean, values = local(segment["obs"])
+        obs = segment["obs"][:-1].float()
+        q_taken = local.q_tilde(obs, segment["action"][:-1], mean[:-1], values[:-1], args.sdn_samples, generator)
+        with torch.no_grad():
+            sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape, generator=generator)
+            q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples, generator)
+        return acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, avg_out, segment, args)
+    logits, q = local(segment["obs"])
+    return acer_loss(logits, q, avg_out, segment, args)
+
+
+def to_env_action(action, low, high):
+    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
+    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
+
+
 def obs_tensor(obs, pixels):
     """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
     return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
@@ -331,13 +462,19 @@ def obs_tensor(obs, pixels):
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`."""
-    agent = Agent(**checkpoint["agent_config"]).to(device)
+    config = checkpoint["agent_config"]
+    agent = (ContinuousAgent if "action_dim" in config else Agent)(**config).to(device)
     agent.load_state_dict(checkpoint["agent"])
     agent.eval()
     pixels = len(agent.config["obs_shape"]) == 3
 
     @torch.no_grad()
     def policy(obs, rewards, first):
+        if isinstance(agent, ContinuousAgent):
+            mean, _ = agent(obs_tensor(obs, pixels).to(device)[None])
+            action = mean[0] if greedy else mean[0] + agent.std * torch.randn_like(mean[0])
+            return to_env_action(action.cpu().numpy(), np.asarray(checkpoint["action_low"]),
+                                 np.asarray(checkpoint["action_high"]))
         logits, _ = agent(obs_tensor(obs, pixels).to(device)[None])
         if greedy:
             return logits[0].argmax(-1).cpu().numpy()
@@ -390,7 +527,11 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
     np.random.seed(args.seed + worker_id)
     generator = torch.Generator().manual_seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
-    local = Agent(**shared.config)
+    local = (ContinuousAgent if "action_dim" in shared.config else Agent)(**shared.config)
+    continuous = isinstance(local, ContinuousAgent)
+    if continuous:
+        low = envs.action_space.low.astype(np.float32)
+        high = envs.action_space.high.astype(np.float32)
     pixels = len(local.config["obs_shape"]) == 3
     replay = Replay(max(1, args.replay_size // (k * n)))
     tracker = EpisodeTracker(n)
@@ -404,10 +545,7 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
         with torch.no_grad():  # θ' ← θ
             for dst, src in zip(local_tensors, shared_tensors):
                 dst.copy_(src)
-        logits, q = local(segment["obs"])
-        with torch.no_grad():
-            avg_logits, _ = avg_agent(segment["obs"])
-        loss, stats = acer_loss(logits, q, avg_logits, segment, args)
+        loss, stats = segment_loss(local, avg_agent, segment, args, generator)
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
         update_average(avg_agent, shared, args.avg_decay)
         stats["stats/grad_norm"] = grad_norm
@@ -422,10 +560,15 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
         rows = {key: [] for key in ("obs", "action", "reward", "terminated", "reset", "mu")}
         with torch.no_grad():
             for _ in range(k):
-                logits, _ = local(obs[None])
-                mu = F.softmax(logits[0], dim=-1)
-                action = torch.multinomial(mu, 1, generator=generator).squeeze(-1)
-                next_obs, reward, term, trunc, info = envs.step(action.numpy())
+                if continuous:  # μ is stored as the behaviour mean (σ is fixed)
+                    mu = local(obs[None])[0][0]
+                    action = mu + local.std * torch.randn(mu.shape, generator=generator)
+                    env_action = to_env_action(action.numpy(), low, high)
+                else:  # μ is stored as the behaviour probabilities
+                    mu = F.softmax(local(obs[None])[0][0], dim=-1)
+                    action = torch.multinomial(mu, 1, generator=generator).squeeze(-1)
+                    env_action = action.numpy()
+                next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", worker_id, counter.value, score, length))
                 for key, v in (("obs", obs), ("action", action), ("reward", reward), ("terminated", term),
@@ -442,13 +585,14 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
         with counter.get_lock():
             step = counter.value
             counter.value += k * n
-        stats = learn(segment)
+        stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
         replay.add(segment)
         replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
         for _ in range(replays):
             replay_stats = learn(replay.sample(generator))
         now = time.time()
-        if worker_id == 0 and (now - last_report >= 1.0 or counter.value >= args.total_timesteps):
+        if worker_id == 0 and (stats or replays) and (now - last_report >= 1.0
+                                                      or counter.value >= args.total_timesteps):
             report = {f"on_policy/{key.split('/')[1]}" if key.startswith("stats/") else key: v
                       for key, v in stats.items()}
             if replays:
@@ -478,32 +622,53 @@ def stop_workers(procs):
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
     spec = env_spec(args.env_id)
-    if not hasattr(spec.action_space, "n"):
-        raise UsageError(f"{args.env_id} has continuous actions; acer.py covers discrete actions so far (e.g. "
-                         "Breakout-v5, CartPole-v1)")
+    discrete = hasattr(spec.action_space, "n")
     if args.cuda:
         raise UsageError("--cuda is not available in acer.py: its workers share parameters in CPU memory (the "
                          "paper's ACER runs on CPU threads); leave the flag out")
+    if not discrete:
+        if len(spec.action_space.shape) != 1:
+            raise UsageError(f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a "
+                             "vector or a discrete set")
+        if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
+            raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
+        if args.capture_video:
+            raise UsageError("--capture-video is not available for continuous control: envpool renders MuJoCo only "
+                             "with an OpenGL context, which it does not create; leave the flag out")
+    derived = dict(k=args.k or (20 if discrete else 50), replay_size=args.replay_size or (50_000 if discrete else 5_000),
+                   c=args.c or (10.0 if discrete else 5.0), avg_decay=args.avg_decay or (0.99 if discrete else 0.995),
+                   learning_rate=args.learning_rate or (1e-3 if discrete else 2.2e-4),
+                   num_workers=args.num_workers or os.cpu_count() or 1)
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be at least 1, or 0 for one per CPU core; got {args.num_workers}")
-    for name in ("num_envs", "k"):
+    for name in ("num_envs", "sdn_samples"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.total_timesteps < args.k * args.num_envs:
+    for name in ("k", "replay_size"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, or 0 for the paper's value; got "
+                             f"{getattr(args, name)}")
+    segment = derived["k"] * args.num_envs
+    if args.total_timesteps < segment:
         raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one segment "
-                         f"(k x num-envs = {args.k * args.num_envs} steps)")
+                         f"(k x num-envs = {segment} steps)")
     if args.replay_ratio < 0 or (not args.poisson_replay and args.replay_ratio != int(args.replay_ratio)):
         raise UsageError(f"--replay-ratio must be at least 0 (and a whole number with --no-poisson-replay); got "
                          f"{args.replay_ratio}")
-    if args.replay_size < args.k * args.num_envs and args.replay_ratio > 0:
-        raise UsageError(f"--replay-size {args.replay_size} cannot hold one segment of k x num-envs = "
-                         f"{args.k * args.num_envs} steps")
-    for name in ("c", "delta", "learning_rate", "rmsprop_eps"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not discrete and args.replay_ratio == 0:
+        raise UsageError("--replay-ratio must be positive for continuous actions: continuous ACER learns from replay "
+                         "only (Sec. 6)")
+    if derived["replay_size"] < segment and args.replay_ratio > 0:
+        raise UsageError(f"--replay-size {derived['replay_size']} cannot hold one segment of k x num-envs = "
+                         f"{segment} steps")
+    for name in ("c", "delta", "learning_rate", "rmsprop_eps", "policy_std"):
+        value = derived.get(name, getattr(args, name))
+        if not value > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("avg_decay", "rmsprop_alpha"):
-        if not 0 <= getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+        value = derived.get(name, getattr(args, name))
+        if not 0 <= value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
     if not 0 <= args.gamma <= 1:
         raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
     if args.value_coef < 0 or args.ent_coef < 0:
@@ -511,20 +676,24 @@ def check_args(args):
     if args.hidden < 1:
         raise UsageError(f"--hidden must be at least 1, got {args.hidden}")
     pixels = is_atari(args.env_id)
-    obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
-    max_grad_norm = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
-    return spec, dict(obs_shape=obs_shape, num_workers=args.num_workers or os.cpu_count() or 1,
-                      max_grad_norm=max_grad_norm)
+    derived["obs_shape"] = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
+    derived["max_grad_norm"] = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
+    return spec, derived
 
 
 def main(args: Args):
     spec, derived = check_args(args)
-    args = dataclasses.replace(args, num_workers=derived["num_workers"], max_grad_norm=derived["max_grad_norm"])
+    args = dataclasses.replace(args, **{key: v for key, v in derived.items() if key != "obs_shape"})
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    agent = Agent(derived["obs_shape"], spec.action_space.n, args.hidden)
-    avg_agent = Agent(derived["obs_shape"], spec.action_space.n, args.hidden)
+    if hasattr(spec.action_space, "n"):
+        config = dict(obs_shape=derived["obs_shape"], num_actions=int(spec.action_space.n), hidden=args.hidden)
+        agent, avg_agent = Agent(**config), Agent(**config)
+    else:
+        config = dict(obs_shape=derived["obs_shape"], action_dim=int(spec.action_space.shape[0]), hidden=args.hidden,
+                      policy_std=args.policy_std)
+        agent, avg_agent = ContinuousAgent(**config), ContinuousAgent(**config)
     avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ
     agent.share_memory()
     avg_agent.share_memory()
@@ -618,6 +787,9 @@ def main(args: Args):
                   "agent_config": agent.config, "agent": {key: v.detach().clone() for key, v in agent.state_dict().items()},
                   "avg_agent": {key: v.detach().clone() for key, v in avg_agent.state_dict().items()},
                   "global_step": global_step}
+    if not hasattr(spec.action_space, "n"):
+        checkpoint.update(action_low=spec.action_space.low.astype(np.float32).tolist(),
+                          action_high=spec.action_space.high.astype(np.float32).tolist())
     if args.save_model:
         torch.save(checkpoint, os.path.join(run_path, "model.pt"))
     eval_mean = None

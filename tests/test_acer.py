@@ -189,6 +189,90 @@ def test_no_trust_region_with_a_huge_delta():
     torch.testing.assert_close(grads[0], grads[1])
 
 
+# Continuous actions (Sec. 5, Algorithm 3).
+
+
+def test_gaussian_policy_gradient_matches_autograd_of_eq16():
+    """Eq. (16) with ∇_φ log f taken by autograd of torch's Normal log-density (not the closed form)."""
+    g_ = torch.Generator().manual_seed(0)
+    N, d, std, c = 40, 3, 0.3, 2.0
+    mean = torch.randn(N, d, generator=g_, dtype=torch.float64) * 0.5
+    behaviour = mean + torch.randn(N, d, generator=g_, dtype=torch.float64) * 0.3
+    actions = behaviour + std * torch.randn(N, d, generator=g_, dtype=torch.float64)
+    sampled = mean + std * torch.randn(N, d, generator=g_, dtype=torch.float64)
+    q_opc, values, q_sampled = (torch.randn(N, generator=g_, dtype=torch.float64) for _ in range(3))
+    g, rho_bar, rho = acer.gaussian_policy_gradient(mean, actions, behaviour, q_opc, values, sampled, q_sampled, std, c)
+    normal = lambda m: torch.distributions.Normal(m, std)  # noqa: E731
+    ref_rho = (normal(mean).log_prob(actions).sum(-1) - normal(behaviour).log_prob(actions).sum(-1)).exp()
+    ref_rho_s = (normal(mean).log_prob(sampled).sum(-1) - normal(behaviour).log_prob(sampled).sum(-1)).exp()
+    torch.testing.assert_close(rho, ref_rho)
+    assert (ref_rho > c).any() and (ref_rho_s > c).any() and (ref_rho < c).any()  # truncation bites both ways
+    phi = mean.clone().requires_grad_()
+    objective = (ref_rho.clamp(max=c) * normal(phi).log_prob(actions).sum(-1) * (q_opc - values)
+                 + (1 - c / ref_rho_s).clamp(min=0) * (q_sampled - values) * normal(phi).log_prob(sampled).sum(-1))
+    objective.sum().backward()
+    torch.testing.assert_close(g, phi.grad)
+    torch.testing.assert_close(rho_bar, ref_rho.clamp(max=c))
+
+
+def test_stochastic_dueling_network_is_consistent():
+    """Eq. (13): E_{a~π} E_{u~π} Q̃(x, a) = V(x): the advantage terms cancel in expectation (Monte Carlo)."""
+    torch.manual_seed(0)
+    agent = acer.ContinuousAgent((5,), 2, hidden=32)
+    obs = torch.randn(1, 3, 5)
+    mean, values = agent(obs)
+    g_ = torch.Generator().manual_seed(1)
+    M = 4000
+    a = mean.detach().expand(M, 3, 2) + 0.3 * torch.randn(M, 3, 2, generator=g_)
+    with torch.no_grad():
+        q = agent.q_tilde(obs.expand(M, 3, 5), a, mean.expand(M, 3, 2), values.expand(M, 3), 5, g_)
+    spread = q.std(0)
+    assert ((q.mean(0) - values[0]).abs() < 4 * spread / M ** 0.5).all()
+    assert (spread > 0).all()  # Q̃ does depend on the action
+
+
+def test_acer_loss_continuous_gradients_follow_algorithm_3():
+    """The critic gets (Q̃ − Q^ret) on Q̃ and −min(1, ρ)(Q^ret − Q̃) on V (Algorithm 3, value_coef 0.5, over B),
+    with Q^ret from Retrace with c_i = min(1, ρ^(1/d)); the mean gets −z/B, z the trust-region step (Eq. 12) of
+    Eq. (16)'s ĝ with Q^opc (traces 1) and k = (φ − φ_a)/σ²; a reset step gets nothing."""
+    g_ = torch.Generator().manual_seed(2)
+    T, B, d, std = 5, 3, 2, 0.3
+    mean = (torch.randn(T + 1, B, d, generator=g_, dtype=torch.float64) * 0.3).requires_grad_()
+    values = torch.randn(T + 1, B, generator=g_, dtype=torch.float64).requires_grad_()
+    q_taken = torch.randn(T, B, generator=g_, dtype=torch.float64).requires_grad_()
+    q_sampled = torch.randn(T, B, generator=g_, dtype=torch.float64)
+    sampled = mean.detach()[:-1] + std * torch.randn(T, B, d, generator=g_, dtype=torch.float64)
+    avg_mean = mean.detach() + 0.2 * torch.randn(T + 1, B, d, generator=g_, dtype=torch.float64)
+    reset = torch.zeros(T + 1, B, dtype=torch.bool)
+    reset[2, 0] = True
+    terminated = torch.zeros(T + 1, B, dtype=torch.bool)
+    terminated[1, 0] = True
+    behaviour = mean.detach() + 0.2 * torch.randn(T + 1, B, d, generator=g_, dtype=torch.float64)
+    batch = {"action": behaviour + std * torch.randn(T + 1, B, d, generator=g_, dtype=torch.float64), "mu": behaviour,
+             "reward": torch.randn(T + 1, B, generator=g_, dtype=torch.float64), "terminated": terminated,
+             "reset": reset}
+    args = SimpleNamespace(gamma=0.9, c=5.0, delta=0.5, trust_region=True, value_coef=0.5, policy_std=std)
+    loss, stats = acer.acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, avg_mean, batch, args)
+    loss.backward()
+    m, v, qt = mean.detach(), values.detach(), q_taken.detach()
+    normal = lambda loc: torch.distributions.Normal(loc, std)  # noqa: E731
+    rho = (normal(m[:-1]).log_prob(batch["action"][:-1]).sum(-1)
+           - normal(batch["mu"][:-1]).log_prob(batch["action"][:-1]).sum(-1)).exp()
+    keep = (~reset[:-1]).double()
+    discounts = 0.9 * (~terminated[:-1]).double()
+    q_ret = retrace_reference(batch["reward"][:-1], discounts, qt, v[:-1], keep * (rho ** (1 / d)).clamp(max=1), v[-1])
+    q_opc = retrace_reference(batch["reward"][:-1], discounts, qt, v[:-1], keep, v[-1])
+    torch.testing.assert_close(q_taken.grad, keep * (qt - q_ret) / B)
+    torch.testing.assert_close(values.grad[:-1], -keep * rho.clamp(max=1) * (q_ret - qt) / B)
+    assert (values.grad[-1] == 0).all()
+    g, _, _ = acer.gaussian_policy_gradient(m[:-1].reshape(-1, d), batch["action"][:-1].reshape(-1, d),
+                                            behaviour[:-1].reshape(-1, d), q_opc.reshape(-1), v[:-1].reshape(-1),
+                                            sampled.reshape(-1, d), q_sampled.reshape(-1), std, 5.0)
+    z = trust_region_step(g, ((m - avg_mean)[:-1] / std ** 2).reshape(-1, d), 0.5).view(T, B, d)
+    torch.testing.assert_close(mean.grad[:-1], -keep[..., None] * z / B, rtol=1e-5, atol=1e-6)
+    assert (mean.grad[2, 0] == 0).all() and stats["stats/trust_region_adjustment"] > 0
+
+
 def test_average_network_moves():
     """After an update θ_a = α θ_a_old + (1 − α) θ_new (Sec. 3.3)."""
     torch.manual_seed(0)
@@ -244,9 +328,10 @@ def test_smoke_breakout(tmp_path):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--env-id", "Breakout-v9"], "unknown env id"),
-    (["--env-id", "HalfCheetah-v4"], "continuous actions"),
+    (["--env-id", "HalfCheetah-v4", "--replay-ratio", "0"], "replay only"),
+    (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
     (["--env-id", "CartPole-v1", "--cuda"], "--cuda"),
-    (["--env-id", "CartPole-v1", "--k", "0"], "--k"),
+    (["--env-id", "CartPole-v1", "--k", "-1"], "--k"),
     (["--env-id", "CartPole-v1", "--no-poisson-replay", "--replay-ratio", "2.5"], "--replay-ratio"),
     (["--env-id", "CartPole-v1", "--delta", "0"], "--delta"),
     (["--env-id", "CartPole-v1", "--avg-decay", "1"], "--avg-decay"),
@@ -261,6 +346,19 @@ def test_killed_process_ends_the_run(tmp_path, victim):
     assert_killed_process_ends_the_run("acer.py", argv=["--env-id", "CartPole-v1", "--num-workers", "2",
                                                         "--total-timesteps", "100000000"],
                                        run_dir=tmp_path, victim=victim)
+
+
+def test_smoke_halfcheetah(tmp_path):
+    run = run_script("acer.py", ["--env-id", "HalfCheetah-v4", "--num-workers", "2", "--total-timesteps", "400",
+                                 "--eval-episodes", "1", "--save-model"], tmp_path)
+    saved = json.load(open(os.path.join(run, "args.json")))
+    assert (saved["k"], saved["replay_size"], saved["c"], saved["avg_decay"]) == (50, 5000, 5.0, 0.995)  # Sec. 6
+    checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
+    assert checkpoint["agent_config"]["action_dim"] == 6 and len(checkpoint["action_low"]) == 6
+    assert {"stats/rho_mean", "stats/kl_avg", "stats/trust_region_adjustment"} <= events_tags(run)
+    out = subprocess.run([sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2",
+                          "--greedy"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
 
 
 def test_learns_cartpole(tmp_path):
