@@ -363,9 +363,10 @@ def test_smoke_halfcheetah(tmp_path):
 
 def test_learns_cartpole(tmp_path):
     """CartPole-v1 with 2 workers of 4 envs and the paper's other settings (replay ratio 4, trust region): the
-    mean return over 20 episodes reaches 400 within 150k on-policy steps (README)."""
+    mean return over 20 episodes reaches 400 within 200k on-policy steps (seven runs got there between 53k and 99k
+    steps, README)."""
     run = run_script("acer.py", ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "4",
-                                 "--total-timesteps", "150000", "--eval-episodes", "0", "--seed", "1"], tmp_path,
+                                 "--total-timesteps", "200000", "--eval-episodes", "0", "--seed", "1"], tmp_path,
                      timeout=600)
     returns = events_tags(run, "charts/episodic_return")
     assert np.convolve(returns, np.ones(20) / 20, mode="valid").max() >= 400
@@ -373,10 +374,11 @@ def test_learns_cartpole(tmp_path):
 
 def test_learns_inverted_pendulum(tmp_path):
     """Continuous actions: InvertedPendulum-v4 with 2 workers of 4 envs and a learning rate of 1e-3 (the paper's
-    search range tops out at 5e-4) reaches a 20-episode mean of 300 within 300k steps; a random policy gets about
-    5-10. Four runs reached best means of 750, 788, 525, 502 (README): learning, but not yet reliably to 1000."""
+    search range tops out at 5e-4) reaches a 20-episode mean of 300 within 500k steps; a random policy gets about
+    5-10. In nine 300k-step runs the mean crossed 300 between 195k and 256k steps and peaked at 380-788 (README):
+    learning, but not yet reliably to 1000. The learning rate is constant, so a longer run only adds margin."""
     run = run_script("acer.py", ["--env-id", "InvertedPendulum-v4", "--num-workers", "2", "--num-envs", "4",
-                                 "--learning-rate", "1e-3", "--total-timesteps", "300000", "--eval-episodes", "0",
+                                 "--learning-rate", "1e-3", "--total-timesteps", "500000", "--eval-episodes", "0",
                                  "--seed", "1"], tmp_path, timeout=600)
     returns = events_tags(run, "charts/episodic_return")
     assert np.convolve(returns, np.ones(20) / 20, mode="valid").max() >= 300
