@@ -520,8 +520,9 @@ def worker_process(worker_id, args, shared, avg_agent, optimizer, counter, msg_q
 
 
 def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, parent_pid):
-    """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored), then Poisson(r)
-    segments replayed from this worker's memory; each update is Algorithm 2 followed by θ_a's soft update."""
+    """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions:
+    acted and stored only, Sec. 6), then Poisson(r) segments replayed from this worker's memory; each update is
+    Algorithm 2 (or 3) followed by θ_a's soft update."""
     n, k = args.num_envs, args.k
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
