@@ -89,7 +89,7 @@ def wait_for_actors(proc, timeout=120):
 
 
 def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
-    """Starts `script` for a long run; `victim` "actor" (or "worker") SIGKILLs one of its spawned processes (the
+    """Starts `script` for a long run; `victim` "actor" (or "worker", "learner") SIGKILLs one of its spawned processes (the
     run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must end); either way
     no spawned process may outlive the run."""
     import signal
@@ -99,7 +99,7 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
     try:
         actors = wait_for_actors(proc)
         time.sleep(3.0)
-        if victim in ("actor", "worker"):
+        if victim in ("actor", "worker", "learner"):
             os.kill(actors[0], signal.SIGKILL)
             assert proc.wait(timeout=30) != 0
             assert re.search(rf"{victim} \d+ died with exit code -9", proc.stderr.read())

@@ -1,0 +1,798 @@
+"""P3S-TD3: population-guided parallel policy search with TD3 learners, continuous actions (MuJoCo).
+
+Jung, Park, Sung (2020), "Population-Guided Parallel Policy Search for Reinforcement Learning" (ICLR 2020),
+on top of TD3: Fujimoto, van Hoof, Meger (2018), "Addressing Function Approximation Error in Actor-Critic
+Methods".
+
+N identical TD3 learners, each acting in its own copy of the environment, write their experience into one
+shared replay and learn from uniform minibatches of all of it. Every M time steps the learner with the best
+mean return over its last E_r training episodes becomes the best learner b; a frozen copy of its policy π_b
+guides the others for the next M steps through an extra term in their policy loss,
+β·E_s[½‖π_i(s) − π_b(s)‖²]. The weight β adapts so that the other learners stay about a search radius
+d_search = max(ρ·D_change, d_min) away from π_b: close enough to profit from the best policy, far enough to
+search around it. With one learner this is plain TD3, the paper's baseline.
+
+| paper                                                              | here                                   |
+|--------------------------------------------------------------------|----------------------------------------|
+| Alg. 1 lines 5-11: N learners act in their own env copies and      | `learner_process`, `SharedReplay`      |
+|   store into one shared replay D                                   |                                        |
+| Eqs. (80), (83): y = r + γ min_j Q'_j(s', π'(s') + clip(ε)),       | `smoothed_target_action`, `td3_target`,|
+|   L(θ_j) = E[(y − Q_j(s, a))²]                                     | `critic_loss`                          |
+| Eq. (84): L(φ_i) = E[−Q_1(s, π_i(s)) + 1{i≠b} β ½‖π_i(s) − π_b(s)‖²] | `p3s_actor_loss`, `policy_distance`  |
+| Eq. (82): target networks θ' ← (1 − τ)θ' + τθ every d updates      | `soft_update`, `Learner.update`        |
+| Alg. 1 lines 24-26: every M steps select b on the last E_r returns | `select_best`, `Learner.synchronise`   |
+| Eq. (6) = Eq. (76): β ← 2β or β/2 against max{ρ D_change, d_min}    | `adapt_beta`                           |
+| Sec. 3, D_spread and D_change averaged over the non-best learners   | `Learner.period_distances`             |
+| App. I: 400-300 ReLU networks, tanh policy, Adam 1e-3, τ, B, σ, c   | `Actor`, `TwinQ`, `Args` defaults       |
+| Sec. 4.2: delayed MuJoCo, rewards given every f_reward = 20 steps   | `DelayedReward`, `--reward-delay`      |
+
+Choices the paper leaves open, and what is done here:
+- D_spread and D_change are measured at the end of each period, on a minibatch of B states from the shared
+  replay, for every learner that was not the best during that period: D_spread against the π_b that guided
+  it, D_change against its own policy at the start of the period (π_old). Then the new best is selected and
+  its policy copied (frozen) as the next π_b. β is kept in [1e-3, 1e3] (`--beta-min`, `--beta-max`).
+- Before the first selection (the first M steps after the random phase), b is learner 0 and π_b the common
+  initial policy (Algorithm 1, line 1 initialises all learners and φ_b to the same parameters).
+- "Time step" is Algorithm 1's t: one step of every environment of every learner. Each learner makes one
+  gradient update per environment interaction (`--num-envs` per learner, 1 in the paper), so the total
+  number of updates equals the total number of environment steps, as in the paper's comparison with TD3.
+  `--total-timesteps` counts the environment steps of all learners together (the paper's x axis).
+- Actions live in [-1, 1]^d (the tanh policy, the noises, the distance) and are mapped to the env's box
+  only when sent to it. envpool's reset step (the step after an episode ended) is not a transition and is
+  not stored; time-limit truncation bootstraps (only termination has discount 0).
+- A learner that finishes a period waits for the others (a barrier), so selection, β and π_b are the same
+  for all, as in Algorithm 1; between barriers the learners run freely.
+
+Processes and the GPU: `main` starts one process per learner and only watches (console, TensorBoard, the end
+of the run, and the traceback or exit code of a learner that dies). The replay lives in shared CPU memory,
+every learner writing its own part of it and sampling from all of it. With a GPU (`--cuda`, on when there
+is one) each learner process puts its own networks on it and copies its minibatches there: the learners'
+small kernels interleave on the device while their environments and acting run on separate CPU cores.
+See the README for the measurements behind this choice.
+
+    python p3s_td3.py --env-id HalfCheetah-v4
+    python p3s_td3.py --env-id Hopper-v4 --reward-delay 20 --num-learners 1   # TD3 on delayed Hopper
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
+
+
+@dataclass
+class Args:
+    env_id: str = "HalfCheetah-v4"
+    """envpool task id with continuous actions (Hopper-v4, Walker2d-v4, HalfCheetah-v4, Ant-v4, Pendulum-v1, ...)"""
+    exp_name: str = "p3s_td3"
+    """name of this experiment, part of the run folder's name"""
+    seed: int = 1
+    """seed of the common initial weights; learner i seeds its noise and sampling with seed + i + 1"""
+    torch_deterministic: bool = True
+    """torch.backends.cudnn.deterministic"""
+    cuda: bool = True
+    """put each learner's networks on the GPU when there is one"""
+    total_timesteps: int = 1_000_000
+    """environment steps of all learners together (the x axis of the paper's Figs. 3-4: one million)"""
+    num_learners: int = 4
+    """N, learners, one process each (Sec. 4.1); 1 is plain TD3"""
+    num_envs: int = 1
+    """environment copies per learner (1 in the paper); a learner makes one update per interaction"""
+    t_initial: int = -1
+    """T_initial, time steps of uniform random actions without updates; negative: 250 for Hopper and Walker2d,
+    2500 for HalfCheetah, Ant and any other task (Sec. 4.1)"""
+    best_period: int = 250
+    """M, time steps between selections of the best learner and updates of β (Sec. 4.1)"""
+    recent_episodes: int = 10
+    """E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)"""
+    rho: float = 2.0
+    """ρ, the search radius as a multiple of D_change (Sec. 4.1)"""
+    d_min: float = -1.0
+    """d_min, minimum search radius; negative: App. I's value for the task (0.02 or 0.05)"""
+    beta_init: float = 1.0
+    """β at the start (Algorithm 1, line 2)"""
+    beta_min: float = 1e-3
+    """lower bound of β"""
+    beta_max: float = 1e3
+    """upper bound of β"""
+    buffer_size: int = 1_000_000
+    """size of the shared replay D, all learners together (App. I)"""
+    batch_size: int = 100
+    """B, minibatch size (App. I)"""
+    learning_rate: float = 1e-3
+    """Adam step size of the policies and the Q-functions (App. I)"""
+    gamma: float = 0.99
+    """γ, discount (App. I)"""
+    tau: float = 0.005
+    """τ, target smoothing factor (Eq. 82, App. I)"""
+    policy_delay: int = 2
+    """d, Q updates per policy and target update (App. G)"""
+    exploration_noise: float = 0.1
+    """σ of the Gaussian exploration noise (App. I)"""
+    policy_noise: float = 0.2
+    """σ of the target policy smoothing noise (Eq. 80, App. I)"""
+    noise_clip: float = 0.5
+    """c, clipping of the target policy smoothing noise (Eq. 80, App. I)"""
+    hidden: tuple[int, ...] = (400, 300)
+    """hidden layers of the policy and each Q-function, ReLU (App. I)"""
+    reward_delay: int = 0
+    """f_reward: rewards are accumulated and given every f_reward steps or at the episode's end (delayed MuJoCo,
+    Sec. 4.2: 20); 0: rewards as they come"""
+    save_model: bool = False
+    """write model.pt (every learner's policy, the best one first) in the run folder"""
+    capture_video: bool = False
+    """record the first evaluation episode as runs/<run>/videos/eval_episode_0.png (classic control only)"""
+    eval_episodes: int = 10
+    """evaluation episodes per learner at the end (deterministic policies); the run's score is the best
+    learner's mean (the paper's protocol, Sec. 4.1); 0: none"""
+    run_dir: str = "runs"
+    """folder of the run folders"""
+    log_interval: float = 5.0
+    """seconds between console progress lines"""
+
+
+# App. I: T_initial (Sec. 4.1) and d_min per task, keyed by the task's name without its version.
+T_INITIAL = {"Hopper": 250, "Walker2d": 250, "HalfCheetah": 2500, "Ant": 2500}
+D_MIN = {"Hopper": 0.05, "Walker2d": 0.02, "HalfCheetah": 0.05, "Ant": 0.02}
+D_MIN_DELAYED = {"Hopper": 0.02, "Walker2d": 0.02, "HalfCheetah": 0.02, "Ant": 0.05}
+
+
+def task_defaults(env_id: str, delayed: bool) -> tuple[int, float]:
+    """(T_initial, d_min) of App. I for `env_id`; other tasks get 2500 and 0.05 (the wider of the two radii)."""
+    name = env_id.split("-")[0]
+    d_min = (D_MIN_DELAYED if delayed else D_MIN).get(name, 0.05)
+    return T_INITIAL.get(name, 2500), d_min
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paper's math: pure functions of tensors `[B, ...]` (a minibatch).
+
+
+def adapt_beta(beta: float, d_spread: float, d_change: float, rho: float, d_min: float, beta_min: float = 1e-3,
+               beta_max: float = 1e3) -> float:
+    """Eq. (76) (= Eq. 6): with d_search = max{ρ D_change, d_min},
+
+        β ← 2β   if D_spread > 1.5 d_search     (the others drift too far from π_b: pull harder)
+        β ← β/2  if D_spread < d_search / 1.5   (they hug π_b: let them search)
+
+    and β unchanged in between; kept within [beta_min, beta_max]."""
+    d_search = max(rho * d_change, d_min)
+    if d_spread > d_search * 1.5:
+        beta = beta * 2.0
+    elif d_spread < d_search / 1.5:
+        beta = beta / 2.0
+    return float(min(max(beta, beta_min), beta_max))
+
+
+def select_best(recent_returns, previous_best: int) -> int:
+    """Algorithm 1, line 25: the learner whose last E_r training episodes (the lists given, already the last E_r)
+    have the highest mean return; a learner with no finished episode cannot be chosen; ties go to the lower
+    index; with no scores at all, the previous best stays."""
+    scores = [float(np.mean(r)) if len(r) else -math.inf for r in recent_returns]
+    if all(s == -math.inf for s in scores):
+        return previous_best
+    return int(np.argmax(scores))
+
+
+def policy_distance(actions, other_actions):
+    """D(π, π') = ½‖π(s) − π'(s)‖² (Sec. 3.2), summed over action dimensions, averaged over the minibatch."""
+    return 0.5 * ((actions - other_actions) ** 2).sum(-1).mean()
+
+
+def smoothed_target_action(target_actions, noise_std, noise_clip, generator=None):
+    """Eq. (80)'s target policy smoothing: π'(s') + ε with ε ~ clip(N(0, σ²), −c, c), then kept in [-1, 1]."""
+    noise = torch.randn(target_actions.shape, generator=generator, device=target_actions.device) * noise_std
+    return (target_actions + noise.clamp(-noise_clip, noise_clip)).clamp(-1.0, 1.0)
+
+
+def td3_target(rewards, terminated, next_q1, next_q2, gamma):
+    """Eq. (80): y = r + γ (1 − terminated) min_j Q'_j(s', ã'), no gradient. Truncated episodes bootstrap."""
+    return (rewards + gamma * (1.0 - terminated.float()) * torch.minimum(next_q1, next_q2)).detach()
+
+
+def critic_loss(q1, q2, targets):
+    """Eq. (83) for both Q-functions, summed: E[(y − Q_1)²] + E[(y − Q_2)²]."""
+    return ((q1 - targets) ** 2).mean() + ((q2 - targets) ** 2).mean()
+
+
+def p3s_actor_loss(q1_of_policy, policy_actions, best_actions, beta, guided: bool):
+    """Eq. (84): E_s[−Q_1(s, π_i(s))] + 1{i≠b} β E_s[½‖π_i(s) − π_b(s)‖²]. `best_actions` come from the frozen
+    copy of π_b (no gradient). The best learner (`guided=False`) has the plain TD3 loss (Eq. 81). Returns the
+    loss and the distance (logged for every learner)."""
+    distance = policy_distance(policy_actions, best_actions.detach())
+    loss = -q1_of_policy.mean()
+    if guided:
+        loss = loss + beta * distance
+    return loss, distance.detach()
+
+
+@torch.no_grad()
+def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
+    """Eq. (82): θ' ← (1 − τ) θ' + τ θ."""
+    for t, s in zip(target.parameters(), source.parameters()):
+        t.lerp_(s, tau)
+
+
+class DelayedReward:
+    """Delayed MuJoCo (Zheng et al. 2018, used in Sec. 4.2): the environment's rewards are accumulated while
+    the agent gets 0, and the sum is given every `delay` steps of an episode or at its end (termination or
+    truncation), so an episode's total is unchanged. `delay` 0 or 1 passes rewards through."""
+
+    def __init__(self, num_envs: int, delay: int):
+        self.delay = delay
+        self.acc = np.zeros(num_envs, np.float64)
+        self.count = np.zeros(num_envs, np.int64)
+
+    def __call__(self, rewards, episode_end, real):
+        """`rewards`, `episode_end` and `real` (False at envpool's reset steps, which count for nothing) per env."""
+        if self.delay <= 1:
+            return np.where(real, rewards, 0.0).astype(np.float32)
+        self.acc += np.where(real, rewards, 0.0)
+        self.count += real
+        give = real & ((self.count >= self.delay) | episode_end)
+        out = np.where(give, self.acc, 0.0).astype(np.float32)
+        self.acc[give], self.count[give] = 0.0, 0
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The networks (App. I): 400-300 ReLU, a tanh policy and two linear Q-functions of (s, a).
+
+
+def mlp(sizes, out_activation=None):
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    if out_activation is not None:
+        layers.append(out_activation)
+    return nn.Sequential(*layers)
+
+
+class Actor(nn.Module):
+    """Deterministic policy π_φ(s) in [-1, 1]^d."""
+
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300)):
+        super().__init__()
+        self.config = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden))
+        self.net = mlp([obs_dim, *hidden, action_dim], nn.Tanh())
+
+    def forward(self, obs):
+        return self.net(obs)
+
+
+class TwinQ(nn.Module):
+    """Q_θ1 and Q_θ2, each an MLP of the concatenated state and action."""
+
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300)):
+        super().__init__()
+        self.q1 = mlp([obs_dim + action_dim, *hidden, 1])
+        self.q2 = mlp([obs_dim + action_dim, *hidden, 1])
+
+    def forward(self, obs, actions):
+        x = torch.cat([obs, actions], -1)
+        return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
+
+    def q1_only(self, obs, actions):
+        return self.q1(torch.cat([obs, actions], -1)).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The shared replay and one learner.
+
+
+class SharedReplay:
+    """One experience replay D for all learners in shared CPU memory (created before the learner processes
+    start, so every process maps the same tensors). Learner i writes into its own part (a ring of
+    capacity // N rows), so writers never collide; `sample` draws uniformly from every row written by anyone."""
+
+    def __init__(self, capacity, num_learners, obs_dim, action_dim):
+        self.num_learners, self.part = num_learners, capacity // num_learners
+        n = self.part * num_learners
+        self.obs = torch.zeros(n, obs_dim)
+        self.next_obs = torch.zeros(n, obs_dim)
+        self.actions = torch.zeros(n, action_dim)
+        self.rewards = torch.zeros(n)
+        self.terminated = torch.zeros(n)
+        self.writes = torch.zeros(num_learners, dtype=torch.int64)  # rows ever written by each learner
+        for t in (self.obs, self.next_obs, self.actions, self.rewards, self.terminated, self.writes):
+            t.share_memory_()
+
+    def add(self, learner, obs, actions, rewards, next_obs, terminated):
+        k = len(rewards)
+        if k == 0:
+            return
+        start = int(self.writes[learner])
+        rows = learner * self.part + (start + torch.arange(k)) % self.part
+        self.obs[rows] = obs
+        self.next_obs[rows] = next_obs
+        self.actions[rows] = actions
+        self.rewards[rows] = rewards
+        self.terminated[rows] = terminated
+        self.writes[learner] = start + k  # published after the rows: a reader never sees unwritten rows
+
+    def sizes(self):
+        return self.writes.clamp(max=self.part)
+
+    def sample(self, batch_size, generator=None):
+        """A uniform minibatch over all rows written so far: (obs, actions, rewards, next_obs, terminated) and
+        the index of the learner that wrote each row."""
+        sizes = self.sizes()
+        ends = sizes.cumsum(0)
+        u = torch.randint(int(ends[-1]), (batch_size,), generator=generator)
+        writer = torch.searchsorted(ends, u, right=True)
+        rows = writer * self.part + u - (ends[writer] - sizes[writer])
+        return (self.obs[rows], self.actions[rows], self.rewards[rows], self.next_obs[rows],
+                self.terminated[rows]), writer
+
+
+class Learner:
+    """One TD3 learner of the population: its policy, two Q-functions, their targets and Adam optimisers, the
+    frozen copy of the best policy π_b that guides it, and its own policy at the start of the period (π_old)."""
+
+    def __init__(self, obs_dim, action_dim, args: Args, device="cpu", generator=None):
+        self.args, self.device, self.generator = args, torch.device(device), generator
+        self.actor = Actor(obs_dim, action_dim, args.hidden).to(self.device)
+        self.qf = TwinQ(obs_dim, action_dim, args.hidden).to(self.device)
+        self.actor_target = copy.deepcopy(self.actor)
+        self.qf_target = copy.deepcopy(self.qf)
+        self.best_actor = copy.deepcopy(self.actor)  # π_b, frozen: Algorithm 1, line 1 (φ_b = φ_i at start)
+        self.old_actor = copy.deepcopy(self.actor)  # π_old, the policy at the start of the period
+        for frozen in (self.actor_target, self.qf_target, self.best_actor, self.old_actor):
+            frozen.requires_grad_(False)
+        self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.learning_rate)
+        self.qf_opt = torch.optim.Adam(self.qf.parameters(), lr=args.learning_rate)
+        self.updates = 0
+
+    @torch.no_grad()
+    def act(self, obs, noise_std):
+        """π(s) + N(0, σ²), kept in [-1, 1] (Algorithm 1, line 9)."""
+        a = self.actor(obs.to(self.device))
+        if noise_std > 0:
+            a = a + noise_std * torch.randn(a.shape, generator=self.generator, device=self.device)
+        return a.clamp(-1.0, 1.0)
+
+    def update(self, batch, beta, guided):
+        """One gradient step of both Q-functions (Eq. 83) and, every d-th call, of the policy (Eq. 84) and the
+        targets (Eq. 82). Returns the statistics of this step (policy ones only on policy steps)."""
+        obs, actions, rewards, next_obs, terminated = (x.to(self.device, non_blocking=True) for x in batch)
+        a = self.args
+        with torch.no_grad():
+            next_actions = smoothed_target_action(self.actor_target(next_obs), a.policy_noise, a.noise_clip,
+                                                   self.generator)
+            y = td3_target(rewards, terminated, *self.qf_target(next_obs, next_actions), a.gamma)
+        q1, q2 = self.qf(obs, actions)
+        qf_loss = critic_loss(q1, q2, y)
+        self.qf_opt.zero_grad(set_to_none=True)
+        qf_loss.backward()
+        self.qf_opt.step()
+        self.updates += 1
+        stats = {"qf_loss": qf_loss.detach(), "q1_mean": q1.detach().mean()}
+        if self.updates % a.policy_delay == 0:
+            pi = self.actor(obs)
+            with torch.no_grad():
+                best = self.best_actor(obs)
+            actor_loss, distance = p3s_actor_loss(self.qf.q1_only(obs, pi), pi, best, beta, guided)
+            self.actor_opt.zero_grad(set_to_none=True)
+            actor_loss.backward()
+            self.actor_opt.step()
+            soft_update(self.qf_target, self.qf, a.tau)
+            soft_update(self.actor_target, self.actor, a.tau)
+            stats.update(actor_loss=actor_loss.detach(), guidance_distance=distance)
+        return stats
+
+    @torch.no_grad()
+    def period_distances(self, obs):
+        """(E_s D(π_new, π_b), E_s D(π_new, π_old)) on the states `obs`: this learner's terms of D_spread and
+        D_change (Sec. 3.2)."""
+        obs = obs.to(self.device)
+        pi = self.actor(obs)
+        return float(policy_distance(pi, self.best_actor(obs))), float(policy_distance(pi, self.old_actor(obs)))
+
+    def policy_vector(self):
+        return parameters_to_vector(self.actor.parameters()).detach()
+
+    @torch.no_grad()
+    def adopt(self, best_policy_vector):
+        """Start a period: π_b ← a frozen copy of the best learner's policy; π_old ← this learner's policy now."""
+        vector_to_parameters(best_policy_vector.to(self.device), self.best_actor.parameters())
+        self.old_actor.load_state_dict(self.actor.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Learner processes and the process that watches them.
+
+
+class Population:
+    """What the learner processes share besides the replay: every learner's policy (published at the end of
+    each period and of the run), its period statistics, a barrier, the environment steps of each learner."""
+
+    STATS = 3  # recent mean return (NaN: no episode yet), E_s D(π_new, π_b), E_s D(π_new, π_old)
+
+    def __init__(self, ctx, num_learners, policy_size):
+        self.policies = torch.zeros(num_learners, policy_size).share_memory_()
+        self.stats = torch.zeros(num_learners, self.STATS, dtype=torch.float64).share_memory_()
+        self.steps = torch.zeros(num_learners, dtype=torch.int64).share_memory_()
+        self.arrivals = ctx.Value("q", 0)
+
+    def barrier(self, generation, num_learners, parent_pid):
+        """The `generation`-th meeting point (1, 2, ...): returns once every learner has arrived at it. Polls, so
+        that a learner whose main process is gone exits instead of waiting for ever."""
+        with self.arrivals.get_lock():
+            self.arrivals.value += 1
+        target = generation * num_learners
+        value = self.arrivals.get_obj()
+        while value.value < target:
+            if os.getppid() != parent_pid:
+                sys.exit(0)
+            time.sleep(0.0005)
+
+
+def learner_process(index, args, replay, population, msg_q, parent_pid):
+    """Entry point of a learner process: runs `run_learner` and reports its traceback if it fails."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    try:
+        torch.set_num_threads(1)
+        run_learner(index, args, replay, population, msg_q, parent_pid)
+    except Exception:
+        msg_q.put(("error", index, traceback.format_exc()))
+        sys.exit(1)
+
+
+def run_learner(index, args, replay, population, msg_q, parent_pid):
+    """Algorithm 1 for learner `index`: act in its own envs, store into D, update, and every M steps meet the
+    others to select the best learner and adapt β."""
+    N, n = args.num_learners, args.num_envs
+    device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)  # the same initial weights for every learner (Algorithm 1, line 1)
+    envs = make_env(args.env_id, n, args.seed + index * n, num_threads=1)
+    obs_dim, action_dim = flat_obs_dim(envs.spec), int(envs.action_space.shape[0])
+    generator = torch.Generator(device=device).manual_seed(args.seed + index + 1)
+    cpu_generator = torch.Generator().manual_seed(args.seed + index + 1)
+    learner = Learner(obs_dim, action_dim, args, device, generator)
+    low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
+    tracker, delayed = EpisodeTracker(n), DelayedReward(n, args.reward_delay)
+    recent = deque(maxlen=args.recent_episodes)
+    steps_per_learner = args.total_timesteps // (N * n)  # time steps t of Algorithm 1
+    best, beta, generation = 0, args.beta_init, 0
+    foreign, sampled, stored, rewarded, last_report = 0, 0, 0, 0, 0.0
+    obs, _ = envs.reset()
+    obs = torch.from_numpy(flatten_obs(obs))
+    after_end = np.zeros(n, bool)  # the next step is envpool's reset step, not a transition
+    for t in range(1, steps_per_learner + 1):
+        if os.getppid() != parent_pid:
+            return
+        if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
+            actions = torch.rand(n, action_dim, generator=cpu_generator) * 2.0 - 1.0
+        else:
+            actions = learner.act(obs, args.exploration_noise).cpu()
+        next_obs, rewards, term, trunc, info = envs.step(np.clip(low + (actions.numpy() + 1.0) * 0.5 * (high - low),
+                                                                 low, high))
+        next_obs = torch.from_numpy(flatten_obs(next_obs))
+        real = ~after_end
+        agent_rewards = delayed(rewards, term | trunc, real)
+        keep = torch.from_numpy(real)
+        replay.add(index, obs[keep], actions[keep], torch.from_numpy(agent_rewards)[keep], next_obs[keep],
+                   torch.from_numpy(term.astype(np.float32))[keep])
+        stored += int(real.sum())
+        rewarded += int((agent_rewards[real] != 0).sum())
+        population.steps[index] = t * n
+        for _, score, length in tracker.step(info["env_id"], rewards, term, trunc, info):
+            recent.append(score)
+            msg_q.put(("episode", index, int(population.steps.sum()), score, length))
+        after_end = term | trunc
+        obs = next_obs
+        if t <= args.t_initial:  # Algorithm 1, lines 13-14: no updates during the random phase
+            continue
+        guided = N > 1 and index != best
+        for _ in range(n):  # one update per interaction (Sec. 4.1)
+            batch, writers = replay.sample(args.batch_size, cpu_generator)
+            foreign += int((writers != index).sum())
+            sampled += args.batch_size
+            stats = learner.update(batch, beta, guided)
+        if N > 1 and t % args.best_period == 0:
+            generation += 1
+            best, beta, sync = synchronise(index, learner, replay, population, recent, best, beta, generation, args,
+                                           parent_pid, cpu_generator)
+            if index == 0:
+                msg_q.put(("sync", int(population.steps.sum()), sync))
+        now = time.time()
+        if now - last_report >= 2.0 and "actor_loss" in stats:
+            stats = {k: float(v) for k, v in stats.items()}
+            stats.update(beta=beta, guided=float(guided), foreign_sample_fraction=foreign / max(sampled, 1))
+            msg_q.put(("stats", index, int(population.steps.sum()), stats))
+            last_report = now
+    population.policies[index] = learner.policy_vector().cpu()
+    msg_q.put(("done", index, {"foreign_sample_fraction": foreign / max(sampled, 1), "updates": learner.updates,
+                               "rewarded_fraction": rewarded / max(stored, 1)}))
+
+
+def synchronise(index, learner, replay, population, recent, best, beta, generation, args, parent_pid, generator):
+    """Algorithm 1, lines 24-26, done identically by every learner on the same shared numbers: publish this
+    learner's score, distances and policy; meet; D_spread and D_change over the period's non-best learners →
+    new β (Eq. 76); the new best b; copy π_b; meet again (so no policy is overwritten while being read)."""
+    N = args.num_learners
+    states = replay.sample(args.batch_size, generator)[0][0]
+    d_spread_i, d_change_i = learner.period_distances(states)
+    population.stats[index] = torch.tensor([np.mean(recent) if recent else math.nan, d_spread_i, d_change_i],
+                                           dtype=torch.float64)
+    population.policies[index] = learner.policy_vector().cpu()
+    population.barrier(2 * generation - 1, N, parent_pid)
+    table = population.stats.clone()
+    others = [i for i in range(N) if i != best]
+    d_spread, d_change = float(table[others, 1].mean()), float(table[others, 2].mean())
+    beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min, args.beta_min, args.beta_max)
+    scores = table[:, 0].tolist()
+    new_best = select_best([[] if math.isnan(s) else [s] for s in scores], best)
+    learner.adopt(population.policies[new_best].clone())
+    population.barrier(2 * generation, N, parent_pid)
+    return new_best, beta, {"best": new_best, "previous_best": best, "beta": beta, "d_spread": d_spread,
+                            "d_change": d_change, "d_search": max(args.rho * d_change, args.d_min), "scores": scores}
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: the deterministic policy
+    of `checkpoint["actor"]` (the best learner's; TD3 evaluates without noise, so `greedy` changes nothing)."""
+    actor = Actor(**checkpoint["actor_config"]).to(device)
+    actor.load_state_dict(checkpoint["actor"])
+    actor.eval()
+    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        a = actor(torch.from_numpy(flatten_obs(obs)).to(device)).cpu().numpy()
+        return np.clip(low + (a + 1.0) * 0.5 * (high - low), low, high)
+
+    return policy
+
+
+class LearnerError(RuntimeError):
+    pass
+
+
+def stop_learners(procs):
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
+    spec = env_spec(args.env_id, discrete=False)
+    if len(spec.action_space.shape) != 1:
+        raise UsageError(f"{args.env_id} does not have a vector of continuous actions; this script needs one "
+                         "(e.g. HalfCheetah-v4, Pendulum-v1)")
+    if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
+        raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
+    for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.hidden or min(args.hidden) < 1:
+        raise UsageError(f"--hidden needs one or more positive layer sizes, got {args.hidden}")
+    if args.buffer_size // args.num_learners < args.batch_size:
+        raise UsageError(f"--buffer-size {args.buffer_size} leaves each of the {args.num_learners} learners fewer "
+                         f"than --batch-size {args.batch_size} rows; use at least {args.batch_size * args.num_learners}")
+    for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not args.beta_min <= args.beta_init <= args.beta_max:
+        raise UsageError(f"--beta-init {args.beta_init} must lie in [--beta-min, --beta-max] = "
+                         f"[{args.beta_min}, {args.beta_max}]")
+    if not 0 < args.tau <= 1:
+        raise UsageError(f"--tau must be in (0, 1], got {args.tau}")
+    if not 0 <= args.gamma <= 1:
+        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+    for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    t_initial, d_min = task_defaults(args.env_id, args.reward_delay > 1)
+    t_initial = args.t_initial if args.t_initial >= 0 else t_initial
+    d_min = args.d_min if args.d_min >= 0 else d_min
+    per_step = args.num_learners * args.num_envs
+    if args.total_timesteps < per_step * (t_initial + 1):
+        raise UsageError(f"--total-timesteps {args.total_timesteps} ends before the first update: the random phase "
+                         f"takes {per_step * t_initial} steps (T_initial {t_initial} x {args.num_learners} learners x "
+                         f"{args.num_envs} envs); give more, or a smaller --t-initial")
+    if args.capture_video and not env_id_renders(args.env_id):
+        raise UsageError("--capture-video is available for classic control (e.g. Pendulum-v1) only: envpool renders "
+                         "MuJoCo only with an OpenGL context, which it does not create; leave the flag out")
+    return spec, dict(t_initial=t_initial, d_min=d_min, obs_dim=flat_obs_dim(spec),
+                      action_dim=int(spec.action_space.shape[0]))
+
+
+def env_id_renders(env_id):
+    return env_id.split("-")[0] in ("Pendulum", "MountainCarContinuous")
+
+
+def main(args: Args):
+    spec, derived = check_args(args)
+    args = dataclasses.replace(args, t_initial=derived["t_initial"], d_min=derived["d_min"])
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    N = args.num_learners
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_path = os.path.join(args.run_dir, run_name)
+    os.makedirs(run_path, exist_ok=True)
+    with open(os.path.join(run_path, "args.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=2)
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(run_path)
+    device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
+    print(f"run folder: {run_path}  ({'P3S-TD3 with ' + str(N) + ' learners' if N > 1 else 'TD3 (one learner)'} x "
+          f"{args.num_envs} env(s) on {device}; T_initial {args.t_initial}, d_min {args.d_min}"
+          f"{', rewards delayed by ' + str(args.reward_delay) if args.reward_delay > 1 else ''})", flush=True)
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    replay = SharedReplay(args.buffer_size, N, derived["obs_dim"], derived["action_dim"])
+    actor = Actor(derived["obs_dim"], derived["action_dim"], args.hidden)
+    population = Population(ctx, N, sum(p.numel() for p in actor.parameters()))
+    msg_q = ctx.Queue()
+    procs = [ctx.Process(target=learner_process, name=f"learner-{i}", daemon=True,
+                         args=(i, args, replay, population, msg_q, os.getpid())) for i in range(N)]
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    start = time.time()
+    returns, per_learner, done, last_log, first_step_time = [], [[] for _ in range(N)], {}, start, None
+    best, beta = 0, args.beta_init
+    selections = open(os.path.join(run_path, "population.jsonl"), "w", buffering=1)  # one line per selection
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < N:
+            try:
+                msg = msg_q.get(timeout=0.2)
+            except queue.Empty:
+                msg = None
+            if msg is not None:
+                kind = msg[0]
+                if kind == "episode":
+                    _, i, step, score, length = msg
+                    returns.append(score)
+                    per_learner[i].append(score)
+                    writer.add_scalar("charts/episodic_return", score, step)
+                    writer.add_scalar("charts/episodic_length", length, step)
+                    writer.add_scalar(f"charts/learner_{i}/episodic_return", score, step)
+                elif kind == "stats":
+                    _, i, step, stats = msg
+                    for k, v in stats.items():
+                        group = "losses" if k.endswith("loss") else "stats"
+                        writer.add_scalar(f"{group}/learner_{i}/{k}", v, step)
+                elif kind == "sync":
+                    _, step, sync = msg
+                    selections.write(json.dumps({"step": step, **sync}) + "\n")
+                    best, beta = sync["best"], sync["beta"]
+                    for k in ("beta", "d_spread", "d_change", "d_search"):
+                        writer.add_scalar(f"stats/{k}", sync[k], step)
+                    writer.add_scalar("stats/best_learner", best, step)
+                    scores = [s for s in sync["scores"] if not math.isnan(s)]
+                    if scores:
+                        writer.add_scalar("charts/best_recent_return", max(scores), step)
+                elif kind == "done":
+                    done[msg[1]] = msg[2]
+                else:
+                    raise LearnerError(f"learner {msg[1]} failed:\n{msg[2]}")
+            for i, p in enumerate(procs):
+                if not p.is_alive() and p.exitcode != 0:
+                    deadline = time.time() + 2.0  # a failing learner's traceback may still be in the queue
+                    while time.time() < deadline:
+                        try:
+                            late = msg_q.get(timeout=0.2)
+                        except queue.Empty:
+                            continue
+                        if late[0] == "error":
+                            raise LearnerError(f"learner {late[1]} failed:\n{late[2]}")
+                    raise LearnerError(f"learner {i} died with exit code {p.exitcode}")
+            now = time.time()
+            step = int(population.steps.sum())
+            if first_step_time is None and step > N * args.num_envs * args.t_initial:
+                first_step_time, first_step = now, step
+            if now - last_log >= args.log_interval:
+                sps = step / (now - start)
+                writer.add_scalar("charts/SPS", sps, step)
+                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
+                eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
+                pop = f" | best {best} | beta {beta:.3g}" if N > 1 else ""
+                print(f"step {step:>9d}/{args.total_timesteps} | SPS {sps:6.0f} | return(100) {recent:>8}{pop} "
+                      f"| episodes {len(returns)} | ETA {eta}", flush=True)
+                last_log = now
+    except LearnerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        stop_learners(procs)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted: stopping learners", file=sys.stderr, flush=True)
+        stop_learners(procs)
+        sys.exit(130)
+    for p in procs:
+        p.join()
+    selections.close()
+    wall = time.time() - start
+    global_step = int(population.steps.sum())
+    writer.add_scalar("charts/SPS", global_step / wall, global_step)
+
+    # The paper's evaluation (Sec. 4.1): each learner's deterministic policy for E episodes; the score is the best
+    # learner's mean. model.pt keeps every policy, the best one as `actor`.
+    actors = []
+    for i in range(N):
+        vector_to_parameters(population.policies[i], actor.parameters())
+        actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
+    checkpoint = {"script": "p3s_td3", "env_id": args.env_id, "args": dataclasses.asdict(args),
+                  "actor_config": actor.config, "actor": actors[0], "actors": actors, "best_learner": 0,
+                  "action_low": spec.action_space.low.astype(np.float32).tolist(),
+                  "action_high": spec.action_space.high.astype(np.float32).tolist(), "global_step": global_step}
+    eval_means = []
+    if args.eval_episodes > 0:
+        from common.evaluation import evaluate
+
+        for i in range(N):
+            scores = evaluate({**checkpoint, "actor": actors[i]}, args.eval_episodes, seed=args.seed + 10_000)
+            eval_means.append(float(np.mean(scores)))
+            writer.add_scalar(f"charts/learner_{i}/eval_return", eval_means[-1], global_step)
+        top = int(np.argmax(eval_means))
+        checkpoint.update(actor=actors[top], best_learner=top)
+        writer.add_scalar("charts/eval_return", eval_means[top], global_step)
+        print("evaluation over " f"{args.eval_episodes} episodes per learner: "
+              + ", ".join(f"learner {i} {m:.1f}" for i, m in enumerate(eval_means)) + f"; best {eval_means[top]:.1f}",
+              flush=True)
+        if args.capture_video:
+            evaluate(checkpoint, 1, num_envs=1, seed=args.seed + 10_000, video_dir=run_path)
+    if args.save_model:
+        torch.save(checkpoint, os.path.join(run_path, "model.pt"))
+    steady = None
+    if first_step_time is not None and start + wall > first_step_time:
+        steady = (global_step - first_step) / (start + wall - first_step_time)
+    summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
+               "sps": global_step / wall, "sps_after_random_phase": steady, "num_learners": N,
+               "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+               "eval_mean_return": max(eval_means) if eval_means else None,
+               "eval_mean_return_per_learner": eval_means,
+               "mean_episodic_return_last_10_per_learner": [float(np.mean(r[-10:])) if r else None
+                                                            for r in per_learner],
+               "best_learner": best, "beta": beta,
+               "foreign_sample_fraction": [done[i]["foreign_sample_fraction"] for i in range(N)],
+               "updates_per_learner": [done[i]["updates"] for i in range(N)],
+               "rewarded_fraction": [done[i]["rewarded_fraction"] for i in range(N)]}
+    with open(os.path.join(run_path, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    writer.close()
+
+
+def cli():
+    import tyro
+
+    try:
+        main(tyro.cli(Args))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,415 @@
+"""p3s_td3.py: β adaptation (Eq. 76), the best-learner choice, the TD3 losses and the guided policy loss
+(Eqs. 80-84) against plain loops, the shared replay across processes, delayed rewards, and the script end to
+end."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import p3s_td3  # noqa: E402
+from p3s_td3 import (Args, DelayedReward, Learner, SharedReplay, adapt_beta, critic_loss, p3s_actor_loss,  # noqa: E402
+                     policy_distance, select_best, smoothed_target_action, soft_update, td3_target)
+from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
+                           imported_envpool_modules, run_script, wait_for_actors, wait_gone)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Math: the paper's equations as plain code.
+
+
+def beta_reference(beta, d_spread, d_change, rho, d_min):
+    """Eq. (76) as printed: β ← 2β if D_spread > max{ρ D_change, d_min} × 1.5; β ← β/2 if D_spread <
+    max{ρ D_change, d_min} / 1.5; else β, then kept in [1e-3, 1e3]."""
+    radius = d_min if d_min > rho * d_change else rho * d_change
+    if d_spread > radius * 1.5:
+        new = 2 * beta
+    elif d_spread < radius / 1.5:
+        new = beta / 2
+    else:
+        new = beta
+    return min(max(new, 1e-3), 1e3)
+
+
+@pytest.mark.parametrize("beta, d_spread, d_change, d_min, expected", [
+    (1.0, 0.20, 0.05, 0.02, 2.0),      # ρ D_change = 0.1 is the radius; spread 0.2 > 0.15: pull harder
+    (1.0, 0.05, 0.05, 0.02, 0.5),      # 0.05 < 0.1 / 1.5: let them search
+    (1.0, 0.12, 0.05, 0.02, 1.0),      # inside [radius / 1.5, 1.5 radius]: unchanged
+    (1.0, 0.15, 0.05, 0.02, 1.0),      # exactly 1.5 radius: not greater, unchanged
+    (1.0, 0.20, 0.001, 0.05, 2.0),     # d_min dominates (ρ D_change = 0.002): 0.2 > 0.075
+    (1.0, 0.04, 0.001, 0.05, 1.0),     # d_min dominates: 0.04 within [0.0333, 0.075]
+    (1.0, 0.03, 0.001, 0.05, 0.5),     # d_min dominates: 0.03 < 0.0333
+    (800.0, 1.0, 0.0, 0.05, 1000.0),   # clipped at the upper bound
+    (0.0015, 0.0, 0.0, 0.05, 0.001),   # clipped at the lower bound
+])
+def test_adapt_beta_cases(beta, d_spread, d_change, d_min, expected):
+    got = adapt_beta(beta, d_spread, d_change, rho=2.0, d_min=d_min)
+    assert got == pytest.approx(expected)
+    assert got == pytest.approx(beta_reference(beta, d_spread, d_change, 2.0, d_min))
+
+
+def test_adapt_beta_random_against_reference():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        beta = float(10 ** rng.uniform(-3, 3))
+        d_spread, d_change = rng.exponential(0.05, 2)
+        rho, d_min = float(rng.uniform(0.5, 4)), float(rng.choice([0.0, 0.02, 0.05]))
+        assert adapt_beta(beta, d_spread, d_change, rho, d_min) == pytest.approx(
+            beta_reference(beta, d_spread, d_change, rho, d_min))
+
+
+def test_best_learner_is_chosen_on_its_last_episodes():
+    """Scripted training returns: learner 0 was best early but has declined, learner 2 improved lately. With E_r
+    = 10 the recent window decides (the mean over all episodes would pick learner 0)."""
+    e_r = 10
+    histories = [
+        [100.0] * 30 + [10.0] * 10,        # mean of all 40: 77.5, of the last 10: 10
+        [50.0] * 40,                       # 50 throughout
+        [0.0] * 30 + [60.0] * 10,          # mean of all 40: 15, of the last 10: 60
+        [],                                # no finished episode yet: never chosen
+    ]
+    windows = []
+    for h in histories:
+        window = deque(maxlen=e_r)  # what a learner keeps (run_learner)
+        for r in h:
+            window.append(r)
+        windows.append(list(window))
+    assert select_best(windows, previous_best=1) == 2
+    assert int(np.argmax([np.mean(h) if h else -np.inf for h in histories])) == 0  # the whole history would differ
+    assert select_best([[5.0], [5.0], [1.0]], previous_best=2) == 0  # ties: the lower index
+    assert select_best([[], [], []], previous_best=1) == 1  # nothing to compare: the best stays
+    assert select_best([[], [-3.0], []], previous_best=0) == 1
+
+
+def test_policy_distance_is_half_squared_norm_averaged_over_the_minibatch():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(7, 3, generator=g), torch.randn(7, 3, generator=g)
+    total = 0.0
+    for i in range(7):
+        total += 0.5 * sum((a[i, j] - b[i, j]) ** 2 for j in range(3))
+    assert float(policy_distance(a, b)) == pytest.approx(float(total) / 7, rel=1e-6)
+
+
+def test_td3_target_and_critic_loss_match_eqs_80_83():
+    g = torch.Generator().manual_seed(1)
+    B = 9
+    r, q1n, q2n, q1, q2 = (torch.randn(B, generator=g, dtype=torch.float64) for _ in range(5))
+    term = torch.tensor([0, 1, 0, 0, 1, 0, 0, 0, 0], dtype=torch.float64)
+    y = td3_target(r, term, q1n, q2n, 0.9)
+    for i in range(B):
+        boot = 0.0 if term[i] else 0.9 * min(float(q1n[i]), float(q2n[i]))
+        assert float(y[i]) == pytest.approx(float(r[i]) + boot)
+    assert not y.requires_grad
+    ref = sum((float(y[i]) - float(q1[i])) ** 2 for i in range(B)) / B + \
+        sum((float(y[i]) - float(q2[i])) ** 2 for i in range(B)) / B
+    assert float(critic_loss(q1, q2, y)) == pytest.approx(ref)
+
+
+def test_target_smoothing_noise_is_clipped_and_actions_stay_in_bounds():
+    target = torch.tensor([[0.0, 0.9, -0.95]]).repeat(20000, 1)
+    g = torch.Generator().manual_seed(2)
+    out = smoothed_target_action(target, noise_std=0.2, noise_clip=0.5, generator=g)
+    noise = out[:, 0]  # the first action has room on both sides: the noise itself
+    assert noise.abs().max() <= 0.5 + 1e-7 and (noise.abs() > 0.499).any()  # clipping bites at ±c
+    assert noise.std() == pytest.approx(0.19, abs=0.01)  # N(0, 0.2²) with 1.2% of the mass clipped
+    assert out.max() <= 1.0 and out.min() >= -1.0 and (out[:, 1] == 1.0).any()
+
+
+@pytest.mark.parametrize("guided", [True, False])
+def test_actor_loss_gradient_matches_eq_84(guided):
+    """∇φ of E_s[−Q_1(s, π_φ(s))] + 1{i≠b} β E_s[½‖π_φ(s) − π_b(s)‖²] written per sample, against the function."""
+    torch.manual_seed(3)
+    args = Args(hidden=(16, 16))
+    learner = Learner(5, 2, args)
+    with torch.no_grad():  # a π_b that differs from π_i
+        for p in learner.best_actor.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    obs = torch.randn(6, 5)
+    beta = 0.7
+    pi = learner.actor(obs)
+    loss, distance = p3s_actor_loss(learner.qf.q1_only(obs, pi), pi, learner.best_actor(obs), beta, guided)
+    grads = torch.autograd.grad(loss, list(learner.actor.parameters()))
+    ref_loss = 0.0
+    for i in range(6):  # a plain loop over the minibatch
+        a = learner.actor(obs[i:i + 1])
+        term = -learner.qf.q1_only(obs[i:i + 1], a)[0]
+        if guided:
+            term = term + beta * 0.5 * ((a[0] - learner.best_actor(obs[i:i + 1])[0].detach()) ** 2).sum()
+        ref_loss = ref_loss + term / 6
+    ref_grads = torch.autograd.grad(ref_loss, list(learner.actor.parameters()))
+    for got, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    assert float(distance) > 0  # logged for every learner, guided or not
+    assert all(p.grad is None for p in learner.best_actor.parameters())  # π_b gets nothing
+
+
+class SpyAdam(torch.optim.Adam):
+    """Adam that records the gradients it is asked to apply."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+def test_learner_update_applies_eq_83_and_84_with_delay_and_targets():
+    """`Learner.update`: the Q gradient of Eq. (83) with Eq. (80)'s target (same noise draw), the policy gradient of
+    Eq. (84) only on every d-th update, the targets moved by Eq. (82) only then; π_b unchanged."""
+    torch.manual_seed(4)
+    args = Args(hidden=(16, 16), policy_delay=2)
+    g = torch.Generator().manual_seed(5)
+    learner = Learner(4, 2, args, generator=g)
+    learner.qf_opt = SpyAdam(learner.qf.parameters(), lr=1e-3)
+    learner.actor_opt = SpyAdam(learner.actor.parameters(), lr=1e-3)
+    with torch.no_grad():
+        for p in learner.best_actor.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    best_before = [p.clone() for p in learner.best_actor.parameters()]
+    B = 8
+    for step in range(1, 5):
+        batch = (torch.randn(B, 4), torch.rand(B, 2) * 2 - 1, torch.randn(B), torch.randn(B, 4),
+                 (torch.rand(B) < 0.3).float())
+        obs, actions, rewards, next_obs, term = batch
+        targets_before = [p.clone() for p in list(learner.qf_target.parameters()) +
+                          list(learner.actor_target.parameters())]
+        online_q_before = [p.clone() for p in learner.qf.parameters()]
+        state = g.get_state()
+        # the reference, computed before the update from the same generator state
+        g_ref = torch.Generator().manual_seed(0)
+        g_ref.set_state(state)
+        with torch.no_grad():
+            na = (learner.actor_target(next_obs) + (torch.randn(B, 2, generator=g_ref) * 0.2).clamp(-0.5, 0.5))
+            na = na.clamp(-1, 1)
+            q1n, q2n = learner.qf_target(next_obs, na)
+            y = rewards + 0.99 * (1 - term) * torch.minimum(q1n, q2n)
+        q1, q2 = learner.qf(obs, actions)
+        ref_q = torch.autograd.grad(((y - q1) ** 2).mean() + ((y - q2) ** 2).mean(), list(learner.qf.parameters()))
+        g.set_state(state)
+        learner.update(batch, beta=0.5, guided=True)
+        for got, ref in zip(learner.qf_opt.seen[-1], ref_q):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+        policy_step = step % 2 == 0
+        assert len(learner.actor_opt.seen) == step // 2
+        moved = [not torch.equal(a, b) for a, b in zip(targets_before, list(learner.qf_target.parameters()) +
+                                                       list(learner.actor_target.parameters()))]
+        assert all(moved) if policy_step else not any(moved)
+        if policy_step:  # θ' ← (1 − τ) θ' + τ θ with the online Q after this update's step
+            for before, after, online in zip(targets_before, learner.qf_target.parameters(), learner.qf.parameters()):
+                torch.testing.assert_close(after, 0.995 * before + 0.005 * online)
+        del online_q_before
+    for before, after in zip(best_before, learner.best_actor.parameters()):
+        assert torch.equal(before, after)
+
+
+def test_soft_update_matches_eq_82():
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    wa, wb = a.weight.detach().clone(), b.weight.detach().clone()
+    soft_update(a, b, 0.1)
+    torch.testing.assert_close(a.weight.detach(), 0.9 * wa + 0.1 * wb)
+
+
+def test_adopt_makes_a_frozen_copy_of_the_best_policy():
+    """π_b is copied at selection time: later updates of the best learner do not move it; π_old is the learner's
+    own policy at that time."""
+    torch.manual_seed(6)
+    args = Args(hidden=(8,))
+    best, other = Learner(3, 1, args), Learner(3, 1, args)
+    with torch.no_grad():
+        for p in best.actor.parameters():
+            p.add_(1.0)
+    vector = best.policy_vector().clone()
+    other.adopt(vector)
+    torch.testing.assert_close(p3s_td3.parameters_to_vector(other.best_actor.parameters()), vector)
+    torch.testing.assert_close(p3s_td3.parameters_to_vector(other.old_actor.parameters()), other.policy_vector())
+    with torch.no_grad():
+        for p in best.actor.parameters():  # the best learner keeps learning
+            p.add_(5.0)
+    torch.testing.assert_close(p3s_td3.parameters_to_vector(other.best_actor.parameters()), vector)
+    obs = torch.randn(10, 3)
+    d_spread, d_change = other.period_distances(obs)
+    assert d_change == 0.0 and d_spread > 0  # π_new = π_old right after adopting
+    assert not any(p.requires_grad for p in other.best_actor.parameters())
+
+
+def test_shared_replay_samples_uniformly_over_every_learners_rows():
+    replay = SharedReplay(capacity=300, num_learners=3, obs_dim=1, action_dim=1)
+    for learner, k in ((0, 100), (1, 50), (2, 10)):
+        obs = torch.full((k, 1), float(learner))
+        replay.add(learner, obs, torch.zeros(k, 1), torch.arange(k).float(), obs, torch.zeros(k))
+    g = torch.Generator().manual_seed(7)
+    (obs, _, rewards, _, _), writers = replay.sample(32000, g)
+    assert torch.equal(obs[:, 0].long(), writers)  # each row comes from the part its writer owns
+    counts = torch.bincount(writers, minlength=3).float() / 32000
+    torch.testing.assert_close(counts, torch.tensor([100, 50, 10]) / 160.0, atol=0.01, rtol=0)  # ∝ rows written
+    assert rewards[writers == 2].max() == 9  # only rows written are sampled
+    # the ring: learner 2 overwrites its oldest rows once its part (100 rows) is full
+    replay.add(2, torch.full((120, 1), 2.0), torch.zeros(120, 1), 100 + torch.arange(120).float(),
+               torch.full((120, 1), 2.0), torch.zeros(120))
+    assert int(replay.sizes()[2]) == 100
+    (_, _, rewards, _, _), writers = replay.sample(20000, g)
+    assert rewards[writers == 2].min() >= 30  # rows 10..29 of the second batch overwrote everything older
+
+
+def _replay_child(replay):
+    """Another process writes 20 rows as learner 1 and samples: it must see the parent's rows too."""
+    replay.add(1, torch.full((20, 2), 1.0), torch.zeros(20, 1), torch.ones(20), torch.zeros(20, 2), torch.zeros(20))
+    _, writers = replay.sample(2000)
+    if not (writers == 0).any():
+        sys.exit(3)
+
+
+def test_replay_is_shared_between_processes():
+    ctx = torch.multiprocessing.get_context("spawn")
+    replay = SharedReplay(capacity=200, num_learners=2, obs_dim=2, action_dim=1)
+    replay.add(0, torch.zeros(30, 2), torch.zeros(30, 1), torch.zeros(30), torch.zeros(30, 2), torch.zeros(30))
+    proc = ctx.Process(target=_replay_child, args=(replay,))
+    proc.start()
+    proc.join(timeout=120)
+    assert proc.exitcode == 0  # the child sampled the parent's rows
+    (obs, _, _, _, _), writers = replay.sample(2000)
+    assert (writers == 1).any() and (obs[writers == 1] == 1.0).all()  # the parent samples the child's rows
+
+
+def test_delayed_reward_gives_the_sum_every_f_steps_or_at_the_end():
+    delayed = DelayedReward(num_envs=2, delay=3)
+    rewards = np.array([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 0.0], [5.0, 7.0], [6.0, 8.0]])
+    ends = np.array([[0, 0], [0, 1], [0, 0], [0, 0], [1, 0], [0, 0]], bool)
+    real = np.array([[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [0, 1]], bool)  # env 1 resets after its end
+    out = np.stack([delayed(r, e, m) for r, e, m in zip(rewards, ends, real)])
+    np.testing.assert_allclose(out[:, 0], [0, 0, 6, 0, 9, 0])  # every 3 steps, then at the episode's end
+    np.testing.assert_allclose(out[:, 1], [0, 30, 0, 0, 0, 15])  # at the end; the reset step counts for nothing
+    passthrough = DelayedReward(num_envs=2, delay=0)
+    np.testing.assert_allclose(passthrough(np.array([1.5, -2.0]), np.zeros(2, bool), np.array([True, False])),
+                               [1.5, 0.0])
+
+
+def test_task_defaults_follow_appendix_i():
+    assert p3s_td3.task_defaults("Hopper-v4", delayed=False) == (250, 0.05)
+    assert p3s_td3.task_defaults("Walker2d-v4", delayed=False) == (250, 0.02)
+    assert p3s_td3.task_defaults("HalfCheetah-v4", delayed=True) == (2500, 0.02)
+    assert p3s_td3.task_defaults("Ant-v4", delayed=True) == (2500, 0.05)
+
+
+def test_import_runs_nothing():
+    assert imported_envpool_modules("p3s_td3") == "[]"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The script end to end.
+
+
+def evaluate_cli(run):
+    out = subprocess.run([sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_selections(run, num_learners, rho, d_min):
+    """population.jsonl: every selection picked the best recent score, and β followed Eq. (76) from 1."""
+    lines = [json.loads(line) for line in open(os.path.join(run, "population.jsonl"))]
+    beta, best = 1.0, 0
+    for rec in lines:
+        assert rec["previous_best"] == best
+        beta = adapt_beta(beta, rec["d_spread"], rec["d_change"], rho, d_min)
+        assert rec["beta"] == pytest.approx(beta)
+        scores = [-math.inf if s is None or math.isnan(s) else s for s in rec["scores"]]
+        best = int(np.argmax(scores)) if max(scores) > -math.inf else best
+        assert rec["best"] == best and len(rec["scores"]) == num_learners
+    return lines
+
+
+@pytest.mark.parametrize("delay", [0, 20])
+def test_smoke_halfcheetah(tmp_path, delay):
+    """Two learners on HalfCheetah-v4 (1000-step episodes), with and without delayed rewards."""
+    run = run_script("p3s_td3.py", ["--env-id", "HalfCheetah-v4", "--num-learners", "2", "--total-timesteps", "2400",
+                                    "--t-initial", "300", "--best-period", "100", "--hidden", "32", "32",
+                                    "--buffer-size", "10000", "--eval-episodes", "1", "--save-model",
+                                    "--reward-delay", str(delay), "--log-interval", "1"], tmp_path)
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["total_timesteps"] == 2400 and summary["num_learners"] == 2
+    assert summary["updates_per_learner"] == [900, 900]  # one update per step after T_initial
+    for fraction in summary["foreign_sample_fraction"]:  # each learner learns from the other's experience
+        assert 0.35 < fraction < 0.65
+    for fraction in summary["rewarded_fraction"]:
+        assert (0.04 < fraction < 0.06) if delay else fraction > 0.99  # 1/20 of the stored rewards are non-zero
+    saved = json.load(open(os.path.join(run, "args.json")))
+    assert saved["d_min"] == (0.02 if delay else 0.05) and saved["t_initial"] == 300
+    lines = check_selections(run, 2, 2.0, saved["d_min"])
+    assert len(lines) == 9  # at t = 400, 500, ..., 1200
+    tags = events_tags(run)
+    assert {"charts/episodic_return", "charts/learner_0/episodic_return", "charts/learner_1/episodic_return",
+            "stats/beta", "stats/d_spread", "stats/d_change", "stats/best_learner", "charts/SPS",
+            "losses/learner_0/qf_loss", "losses/learner_1/actor_loss", "charts/eval_return"} <= tags
+    checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
+    assert len(checkpoint["actors"]) == 2 and checkpoint["actor_config"]["action_dim"] == 6
+    assert evaluate_cli(run)["episodes"] == 2
+
+
+def test_smoke_one_learner_is_td3_with_video(tmp_path):
+    """--num-learners 1: no selection, no guidance, no β; a classic-control task records its evaluation."""
+    run = run_script("p3s_td3.py", ["--env-id", "Pendulum-v1", "--num-learners", "1", "--total-timesteps", "700",
+                                    "--t-initial", "200", "--best-period", "100", "--hidden", "32",
+                                    "--eval-episodes", "1", "--capture-video"], tmp_path)
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["updates_per_learner"] == [500] and summary["foreign_sample_fraction"] == [0.0]
+    assert open(os.path.join(run, "population.jsonl")).read() == ""
+    tags = events_tags(run)
+    assert "stats/beta" not in tags and "charts/learner_0/episodic_return" in tags
+    assert os.path.getsize(os.path.join(run, "videos", "eval_episode_0.png")) > 1000
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--env-id", "HalfCheetah-v9"], "unknown env id"),
+    (["--env-id", "CartPole-v1"], "discrete actions"),
+    (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
+    (["--env-id", "Pendulum-v1", "--num-learners", "0"], "--num-learners"),
+    (["--env-id", "Pendulum-v1", "--buffer-size", "300"], "--buffer-size"),
+    (["--env-id", "Pendulum-v1", "--total-timesteps", "5000"], "before the first update"),
+    (["--env-id", "Pendulum-v1", "--beta-init", "5000"], "--beta-init"),
+    (["--env-id", "Pendulum-v1", "--tau", "2"], "--tau"),
+])
+def test_bad_input_one_clear_line(argv, needle, tmp_path):
+    assert_usage_error("p3s_td3.py", argv, tmp_path, needle)
+
+
+@pytest.mark.parametrize("victim", ["learner", "sigint"])
+def test_killed_process_ends_the_run(tmp_path, victim):
+    assert_killed_process_ends_the_run("p3s_td3.py", argv=["--env-id", "Pendulum-v1", "--num-learners", "2",
+                                                           "--t-initial", "100", "--best-period", "50",
+                                                           "--hidden", "32", "--total-timesteps", "100000000"],
+                                       run_dir=tmp_path, victim=victim)
+
+
+def test_learners_exit_when_the_main_process_is_killed(tmp_path):
+    """SIGKILL leaves the main process no chance to stop its learners: they notice and exit, even while one
+    waits for the other at a selection."""
+    proc = subprocess.Popen([sys.executable, "p3s_td3.py", "--env-id", "Pendulum-v1", "--num-learners", "2",
+                             "--t-initial", "100", "--best-period", "50", "--hidden", "32",
+                             "--total-timesteps", "100000000", "--run-dir", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        learners = wait_for_actors(proc)
+        time.sleep(3.0)
+        os.kill(learners[0], signal.SIGSTOP)  # the other learner soon waits for it at a barrier
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        os.kill(learners[0], signal.SIGCONT)
+        assert wait_gone(learners, timeout=20), "a learner outlived the killed main process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
