@@ -769,7 +769,7 @@ def main(args: Args):
     if first_step_time is not None and start + wall > first_step_time:
         steady = (global_step - first_step) / (start + wall - first_step_time)
     summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
-               "sps": global_step / wall, "sps_after_random_phase": steady, "num_learners": N,
+               "sps": global_step / wall, "sps_after_first_update": steady, "num_learners": N,
                "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                "eval_mean_return": max(eval_means) if eval_means else None,
                "eval_mean_return_per_learner": eval_means,

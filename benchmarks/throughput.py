@@ -22,6 +22,11 @@ A3C has no learner to batch: `--script a3c --workers 1 2 4` measures how its Hog
 instead, each count against raw envpool stepping the same number of environments (`--num-envs` per worker):
 
     python benchmarks/throughput.py --script a3c --env-id CartPole-v1 --num-envs 4 --workers 1 2 --timesteps 300000
+
+P3S-TD3 the same way, the whole population against `--num-learners 1` (plain TD3), `--timesteps` per learner:
+
+    python benchmarks/throughput.py --script p3s_td3 --env-id HalfCheetah-v4 --num-envs 1 --learners 1 2 4 \
+        --timesteps 6000 -- --t-initial 1000
 """
 
 from __future__ import annotations
@@ -178,33 +183,40 @@ def script_sps(script, env_id, num_envs, timesteps, network, extra):
         return summary["sps"], summary["sps_after_first_update"]
 
 
-def a3c_scaling(a):
-    """SPS of a3c.py against its number of workers, each next to raw envpool with as many environments."""
+def process_scaling(a):
+    """SPS of a3c.py against its number of workers, or of p3s_td3.py against its number of learners, each count
+    next to raw envpool stepping as many environments (`--num-envs` per process)."""
+    flag, unit, counts = (("--num-workers", "workers", a.workers) if a.script == "a3c"
+                          else ("--num-learners", "learners", a.learners))
     rows = []
-    for w in a.workers:
+    for w in counts:
         envs = w * a.num_envs
         raw = raw_envpool_sps(a.env_id, envs, max(1, envs // 2), a.seconds)
-        total, steady = script_sps("a3c", a.env_id, a.num_envs, a.timesteps * w, None,
-                                   ["--num-workers", str(w), *a.extra])
-        rows.append({"workers": w, "envs_per_worker": a.num_envs, "raw_envpool_sps": raw, "script_sps": steady,
+        total, steady = script_sps(a.script, a.env_id, a.num_envs, a.timesteps * w, None,
+                                   [flag, str(w), *a.extra] + ([] if a.cuda or a.script == "a3c" else ["--no-cuda"]))
+        rows.append({unit: w, "envs_per_process": a.num_envs, "raw_envpool_sps": raw, "script_sps": steady,
                      "script_sps_with_startup": total, "script_over_raw": steady / raw})
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    print(f"| workers | envs per worker | raw envpool (same envs) | a3c.py | a3c / raw | speed-up over 1 worker |\n"
-          f"|---|---|---|---|---|---|")
+    device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+               + (f", {torch.cuda.get_device_name()}" if device == "cuda" else ""))
+    print(f"| {unit} | envs per process | raw envpool (same envs) | {a.script}.py | script / raw | "
+          f"speed-up over {counts[0]} |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workers']} | {r['envs_per_worker']} | {r['raw_envpool_sps']:.0f} | {r['script_sps']:.0f} "
-              f"({r['script_sps_with_startup']:.0f} with start-up) | {r['script_over_raw']:.2f} | "
+        print(f"| {r[unit]} | {r['envs_per_process']} | {r['raw_envpool_sps']:.0f} | {r['script_sps']:.0f} "
+              f"({r['script_sps_with_startup']:.0f} with start-up) | {r['script_over_raw']:.3f} | "
               f"{r['script_sps'] / rows[0]['script_sps']:.2f} |")
-    out = a.out or os.path.join(ROOT, "benchmarks", f"throughput_a3c_{a.env_id}_{a.num_envs}envs_cpu.json")
+    out = a.out or os.path.join(ROOT, "benchmarks", f"throughput_{a.script}_{a.env_id}_{a.num_envs}envs_{device}.json")
     with open(out, "w") as f:
-        json.dump({"script": "a3c", "env_id": a.env_id, "machine": machine, "script_args": a.extra, "rows": rows},
+        json.dump({"script": a.script, "env_id": a.env_id, "machine": machine, "script_args": a.extra, "rows": rows},
                   f, indent=2)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--script", default="impala_vtrace", choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c"])
+    p.add_argument("--script", default="impala_vtrace",
+                   choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "p3s_td3"])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="a3c: worker counts to measure")
+    p.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4], help="p3s_td3: learner counts to measure")
     p.add_argument("--env-id", default="Breakout-v5")
     p.add_argument("--num-envs", type=int, default=32)
     p.add_argument("--network", default="shallow", help="Atari scripts' torso (vmpo_mujoco has its MLP)")
@@ -215,8 +227,8 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("extra", nargs="*", help="more arguments of the script, after --")
     a = p.parse_args()
-    if a.script == "a3c":
-        return a3c_scaling(a)
+    if a.script in ("a3c", "p3s_td3"):
+        return process_scaling(a)
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
     script_args = {}
     if "--no-use-lstm" in a.extra or "--use-lstm" in a.extra:
