@@ -443,8 +443,12 @@ class Population:
         value = self.arrivals.get_obj()
         while value.value < target:
             if os.getppid() != parent_pid:
-                sys.exit(0)
+                raise ParentGone
             time.sleep(0.0005)
+
+
+class ParentGone(Exception):
+    """The main process has died (it cannot be signalled if it was SIGKILLed): the learner exits by itself."""
 
 
 def learner_process(index, args, replay, population, msg_q, parent_pid):
@@ -453,6 +457,8 @@ def learner_process(index, args, replay, population, msg_q, parent_pid):
     try:
         torch.set_num_threads(1)
         run_learner(index, args, replay, population, msg_q, parent_pid)
+    except ParentGone:
+        msg_q.cancel_join_thread()  # nobody reads the queue any more: do not wait to flush it at exit
     except Exception:
         msg_q.put(("error", index, traceback.format_exc()))
         sys.exit(1)
@@ -480,7 +486,7 @@ def run_learner(index, args, replay, population, msg_q, parent_pid):
     after_end = np.zeros(n, bool)  # the next step is envpool's reset step, not a transition
     for t in range(1, steps_per_learner + 1):
         if os.getppid() != parent_pid:
-            return
+            raise ParentGone
         if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
             actions = torch.rand(n, action_dim, generator=cpu_generator) * 2.0 - 1.0
         else:
@@ -744,7 +750,7 @@ def main(args: Args):
         vector_to_parameters(population.policies[i], actor.parameters())
         actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
     checkpoint = {"script": "p3s_td3", "env_id": args.env_id, "args": dataclasses.asdict(args),
-                  "actor_config": actor.config, "actor": actors[0], "actors": actors, "best_learner": 0,
+                  "actor_config": actor.config, "actor": actors[best], "actors": actors, "best_learner": best,
                   "action_low": spec.action_space.low.astype(np.float32).tolist(),
                   "action_high": spec.action_space.high.astype(np.float32).tolist(), "global_step": global_step}
     eval_means = []
@@ -761,8 +767,10 @@ def main(args: Args):
         print("evaluation over " f"{args.eval_episodes} episodes per learner: "
               + ", ".join(f"learner {i} {m:.1f}" for i, m in enumerate(eval_means)) + f"; best {eval_means[top]:.1f}",
               flush=True)
-        if args.capture_video:
-            evaluate(checkpoint, 1, num_envs=1, seed=args.seed + 10_000, video_dir=run_path)
+    if args.capture_video:  # one episode of the best policy (the evaluated best, else the last selected)
+        from common.evaluation import evaluate
+
+        evaluate(checkpoint, 1, num_envs=1, seed=args.seed + 10_000, video_dir=run_path)
     if args.save_model:
         torch.save(checkpoint, os.path.join(run_path, "model.pt"))
     steady = None
