@@ -20,7 +20,7 @@ search around it. With one learner this is plain TD3, the paper's baseline.
 |   L(θ_j) = E[(y − Q_j(s, a))²]                                     | `critic_loss`                          |
 | Eq. (84): L(φ_i) = E[−Q_1(s, π_i(s)) + 1{i≠b} β ½‖π_i(s) − π_b(s)‖²] | `p3s_actor_loss`, `policy_distance`  |
 | Eq. (82): target networks θ' ← (1 − τ)θ' + τθ every d updates      | `soft_update`, `Learner.update`        |
-| Alg. 1 lines 24-26: every M steps select b on the last E_r returns | `select_best`, `Learner.synchronise`   |
+| Alg. 1 lines 24-26: every M steps select b on the last E_r returns | `synchronise`, `select_best`           |
 | Eq. (6) = Eq. (76): β ← 2β or β/2 against max{ρ D_change, d_min}    | `adapt_beta`                           |
 | Sec. 3, D_spread and D_change averaged over the non-best learners   | `Learner.period_distances`             |
 | App. I: 400-300 ReLU networks, tanh policy, Adam 1e-3, τ, B, σ, c   | `Actor`, `TwinQ`, `Args` defaults       |
