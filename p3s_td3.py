@@ -303,7 +303,9 @@ class TwinQ(nn.Module):
 class SharedReplay:
     """One experience replay D for all learners in shared CPU memory (created before the learner processes
     start, so every process maps the same tensors). Learner i writes into its own part (a ring of
-    capacity // N rows), so writers never collide; `sample` draws uniformly from every row written by anyone."""
+    capacity // N rows), so writers never collide; `sample` draws uniformly from every row written by anyone.
+    There are no locks: once a part is full, a row being overwritten can be sampled half-written, with a
+    probability of about one in capacity // N per sampled row; a rare stale transition is accepted for speed."""
 
     def __init__(self, capacity, num_learners, obs_dim, action_dim):
         self.num_learners, self.part = num_learners, capacity // num_learners
