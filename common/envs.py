@@ -64,7 +64,7 @@ def is_atari(env_id: str) -> bool:
 
 def make_env(env_id: str, num_envs: int, seed: int, batch_size: int | None = None, training: bool = True,
              render: bool = False, num_threads: int | None = None, episodic_life: bool | None = None,
-             reward_clip: bool | None = None):
+             reward_clip: bool | None = None, full_action_space: bool = False):
     """An envpool (gymnasium API) of `num_envs` copies; async when `batch_size < num_envs`.
 
     Atari (Espeholt et al. 2018, Table G.1; Mnih et al. 2015): 84x84 grey, 4 stacked frames, action repeat 4
@@ -73,6 +73,7 @@ def make_env(env_id: str, num_envs: int, seed: int, batch_size: int | None = Non
     and rewards are clipped to [-1, 1]; the raw reward stays in `info["reward"]` and `info["terminated"]`
     marks game over, so game scores are always the unclipped sum over all lives. `episodic_life` and
     `reward_clip` override these two training settings (V-MPO's single-task Atari uses neither).
+    `full_action_space` gives every Atari game all 18 actions (one policy for many games).
     """
     envpool = _envpool()
     batch_size = batch_size or num_envs
@@ -81,7 +82,7 @@ def make_env(env_id: str, num_envs: int, seed: int, batch_size: int | None = Non
     if is_atari(env_id):
         kwargs.update(episodic_life=training if episodic_life is None else episodic_life,
                       reward_clip=training if reward_clip is None else reward_clip, noop_max=30, stack_num=4, frame_skip=4,
-                      repeat_action_probability=0.0, max_episode_steps=27000)
+                      repeat_action_probability=0.0, max_episode_steps=27000, full_action_space=full_action_space)
     if render:
         kwargs["render_mode"] = "rgb_array"
     return envpool.make(env_id, **kwargs)

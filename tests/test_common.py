@@ -222,3 +222,70 @@ def test_flatten_obs_of_a_dm_control_dict():
     assert flat_obs_dim(spec) == 21 + 1 + 12 + 3 + 3 + 28 + 27 and flat_obs_dim(env_spec("HalfCheetah-v4")) == 17
     env = make_env("HumanoidRun-v1", 2, seed=0)
     assert flatten_obs(env.reset()[0]).shape == (2, flat_obs_dim(spec))
+
+
+def test_human_normalized_scores_on_known_values():
+    from common.evaluation import human_normalized_score
+
+    assert human_normalized_score("Breakout-v5", 30.5) == pytest.approx(100.0)  # the human reference
+    assert human_normalized_score("Breakout", 1.7) == pytest.approx(0.0)  # the random reference
+    assert human_normalized_score("Pong-v5", -3.05) == pytest.approx(50.0)  # halfway from -20.7 to 14.6
+    assert human_normalized_score("Pong-v5", 21.0) == pytest.approx(100 * 41.7 / 35.3)
+    assert human_normalized_score("Skiing-v5", -17098.1 + 0.25 * 12761.2) == pytest.approx(25.0)
+    assert math.isnan(human_normalized_score("CartPole-v1", 500.0))
+
+
+def test_score_table_median_and_mean_over_games():
+    from common.evaluation import score_table
+
+    table = score_table({"Breakout-v5": [30.5, 30.5], "Pong-v5": [-20.7], "Boxing-v5": [6.1, 6.1],
+                         "Enduro-v5": [860.5 * 3], "CartPole-v1": [500.0]})
+    hns = {r["env_id"]: r["human_normalized"] for r in table["games"]}
+    assert hns["Breakout-v5"] == pytest.approx(100) and hns["Pong-v5"] == pytest.approx(0)
+    assert hns["Boxing-v5"] == pytest.approx(50) and hns["Enduro-v5"] == pytest.approx(300)
+    assert table["median_human_normalized"] == pytest.approx(75.0)  # of 0, 50, 100, 300; CartPole has no reference
+    assert table["mean_human_normalized"] == pytest.approx(112.5)
+    assert [r["episodes"] for r in table["games"]] == [2, 1, 2, 1, 1]
+
+
+def test_atari_presets():
+    import envpool
+
+    from common.evaluation import ATARI_SCORES, PRESETS, expand_env_ids
+
+    known = set(envpool.list_all_envs())
+    assert len(PRESETS["atari57"]) == 57 == len(set(PRESETS["atari57"])) == len(ATARI_SCORES)
+    assert set(PRESETS["atari57"]) <= known
+    assert set(PRESETS["atari5"]) == {"BattleZone-v5", "DoubleDunk-v5", "NameThisGame-v5", "Phoenix-v5", "Qbert-v5"}
+    assert expand_env_ids(["Pong-v5", "atari5", "Qbert-v5"]) == ["Pong-v5", *PRESETS["atari5"]]
+
+
+def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
+    """A policy over the 18 actions evaluated on two games: per-game table on the console and in JSON/CSV, with
+    the human-normalised scores of its mean scores."""
+    import csv
+    import json
+    import subprocess
+
+    from common.evaluation import human_normalized_score
+
+    model = tmp_path / "model.pt"
+    torch.save({"script": "tests.random_policy", "env_id": "Pong-v5", "full_action_space": True, "num_actions": 18},
+               model)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "common.evaluation", str(model), "--env-ids", "Pong-v5", "Boxing-v5",
+                          "--episodes", "2"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "| Pong-v5 | 2 |" in out.stdout and "| Boxing-v5 | 2 |" in out.stdout
+    table = json.load(open(tmp_path / "evaluation.json"))
+    rows = {r["env_id"]: r for r in table["games"]}
+    assert set(rows) == {"Pong-v5", "Boxing-v5"}
+    for env_id, r in rows.items():
+        assert r["human_normalized"] == pytest.approx(human_normalized_score(env_id, r["mean"]))
+    assert -21 <= rows["Pong-v5"]["mean"] <= -15  # a random policy loses at Pong
+    assert table["median_human_normalized"] == pytest.approx(np.median([r["human_normalized"] for r in rows.values()]))
+    with open(tmp_path / "evaluation.csv") as f:
+        assert [r["env_id"] for r in csv.DictReader(f)] == ["Pong-v5", "Boxing-v5"]
+    bad = subprocess.run([sys.executable, "-m", "common.evaluation", str(model), "--env-ids", "Pongg-v5"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and bad.stderr.strip().startswith("error: unknown env id")
