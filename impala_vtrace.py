@@ -16,6 +16,7 @@ c_t = λ min(c̄, π/μ), and the policy gradient uses ρ_t (r_t + γ v_{t+1} �
 | Fig. 1, Sec. 3: actors send unrolls + μ, learner batches       | `actor_process`, `Learner.next_batch`     |
 | Fig. 3: shallow / deep (ResNet) agent, optional LSTM           | `Agent` (parts in common/networks.py)     |
 | Table G.1 Atari hyperparameters                                | `Args` defaults                           |
+| Sec. 5.3 multi-task Atari (one agent, 57 games); PopArt-IMPALA | `--env-ids`, `--popart` (common/popart.py) |
 
 Losses are *summed* over time and batch, as in the paper (Table D.1 note) and its reference code, with the
 value loss baseline_cost · ½ Σ (v_s − V(x_s))²; the learning rate, entropy and baseline costs are the
@@ -27,6 +28,17 @@ reward 0). Such a step is no transition: it gets no gradient, and V-trace gets d
 there, so that its target is exactly V(x_k) and nothing crosses from one episode into the next. A time-limit
 truncation therefore bootstraps from the value of the last observation; only termination (or, for Atari in
 training, a lost life) has discount 0.
+
+Multi-task (`--env-ids Pong-v5 Breakout-v5 ...`, or a preset: `atari57`, `atari5`): one agent, one set of weights,
+all games at once, as in Sec. 5.3. Actor a plays game a mod G (so `--num-actors` is a multiple of the number
+of games G: every game gets the same share of the actors and envs), every game with the full set of 18 Atari
+actions, and each unroll carries its game's task id. The policy does not see the task id; the value does:
+with PopArt (Hessel et al. 2019, "Multi-task deep reinforcement learning with PopArt"; on by default in
+multi-task mode, `--popart on|off`) the value head has one normalised output per game and per-game statistics
+μ, σ of the V-trace targets. V-trace runs on unnormalised values σ n + μ; the value loss is taken in normalised
+space, ½((v_s − μ)/σ − n(x_s))², and the policy-gradient advantage is divided by σ, so that every game weighs the
+same in the update whatever its reward scale. The statistics move after each gradient step toward the batch's
+V-trace targets (outputs preserved).
 
 Processes: each learner process (one, or K under torchrun with gradient averaging by DDP) starts
 `--num-actors` actor processes. Actors write unrolls into shared-memory slots and pass slot numbers
@@ -57,13 +69,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
+from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.networks import LSTMCore, PolicyValueHeads, make_torso
+from common.popart import PopArt
 
 
 @dataclass
 class Args:
     env_id: str = "Breakout-v5"
     """envpool task id (any discrete-action task: Atari *-v5, CartPole-v1, ...)"""
+    env_ids: tuple[str, ...] = ()
+    """several Atari games at once, one agent (Sec. 5.3), or a preset: atari57, atari5; replaces --env-id"""
+    popart: Literal["auto", "on", "off"] = "auto"
+    """PopArt value normalisation, one value output and statistics per game (PopArt-IMPALA, Hessel et al. 2019);
+    auto: on with --env-ids, off for one game"""
+    popart_beta: float = 3e-4
+    """PopArt statistics step size (Hessel et al. 2019)"""
     exp_name: str = "impala_vtrace"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
@@ -163,19 +184,28 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
     return vs, pg_rhos * (rewards + discounts * vs_tp1 - values)
 
 
-def learner_loss(logits, values, batch, args):
+def learner_loss(logits, values, batch, args, popart=None):
     """The V-trace actor-critic loss (Sec. 4.2), summed over time and batch.
 
     `logits [T+1, B, A]`, `values [T+1, B]` from the learner's network on rows 0..T of the unrolls; row T
-    only bootstraps. Transition k goes from row k to row k+1. Returns (loss, stats).
+    only bootstraps. Transition k goes from row k to row k+1. With `popart`, `values` are its normalised
+    outputs `[T+1, B, num_tasks]`: each row reads its task's output n, V = σ n + μ enters V-trace, the value
+    loss is ½((v_s − μ)/σ − n)² and the policy-gradient advantage is divided by σ (PopArt-IMPALA).
+    Returns (loss, stats, vs): vs are the unnormalised V-trace targets `[T, B]` (PopArt's update takes them).
     """
+    if popart is not None:
+        task = batch["task"]
+        values = values.gather(-1, task.unsqueeze(-1)).squeeze(-1)
+        mu, sigma = popart.mu[task], popart.sigma[task]
+    else:
+        mu, sigma = torch.zeros_like(values), torch.ones_like(values)
     logp_all = F.log_softmax(logits[:-1], dim=-1)
     actions = batch["action"][:-1].unsqueeze(-1)
     logp = logp_all.gather(-1, actions).squeeze(-1)
     behaviour_logp = F.log_softmax(batch["logits"][:-1], dim=-1).gather(-1, actions).squeeze(-1)
     log_rhos = logp.detach() - behaviour_logp
 
-    v = values.detach()
+    v = values.detach() * sigma + mu  # unnormalised values
     reset_step = batch["ended"][:-1]  # row k ended an episode: step k is envpool's reset step
     discounts = args.gamma * (~batch["terminated"][1:]).float()
     discounts = torch.where(reset_step, 0.0, discounts)
@@ -183,8 +213,8 @@ def learner_loss(logits, values, batch, args):
     vs, pg_adv = vtrace(log_rhos, discounts, rewards, v[:-1], v[-1], args.clip_rho_threshold,
                         args.clip_pg_rho_threshold, args.clip_c_threshold, args.vtrace_lambda)
     mask = (~reset_step).float()
-    pg_loss = -(mask * pg_adv * logp).sum()
-    baseline_loss = args.baseline_cost * 0.5 * (mask * (vs - values[:-1]) ** 2).sum()
+    pg_loss = -(mask * pg_adv / sigma[:-1] * logp).sum()
+    baseline_loss = args.baseline_cost * 0.5 * (mask * ((vs - mu[:-1]) / sigma[:-1] - values[:-1]) ** 2).sum()
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     entropy_loss = -args.entropy_cost * (mask * entropy).sum()
     n = mask.sum().clamp(min=1)
@@ -193,7 +223,7 @@ def learner_loss(logits, values, batch, args):
              "stats/entropy": (mask * entropy).sum() / n, "stats/rho_mean": (mask * rhos).sum() / n,
              "stats/rho_clipped_fraction": (mask * (rhos > args.clip_rho_threshold)).sum() / n,
              "stats/value_mean": (mask * v[:-1]).sum() / n}
-    return pg_loss + baseline_loss + entropy_loss, stats
+    return pg_loss + baseline_loss + entropy_loss, stats, vs
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -201,25 +231,37 @@ def learner_loss(logits, values, batch, args):
 
 
 class Agent(nn.Module):
+    """Torso, optional LSTM, a softmax policy and a value: one linear value, or with `popart` a PopArt layer with
+    one normalised output per task (`num_tasks`)."""
+
     def __init__(self, obs_shape, num_actions, network="shallow", channels=(), use_lstm=False, lstm_size=256,
-                 mlp_hidden=(64, 64)):
+                 mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, network=network,
                            channels=tuple(channels), use_lstm=use_lstm, lstm_size=lstm_size,
-                           mlp_hidden=tuple(mlp_hidden))
+                           mlp_hidden=tuple(mlp_hidden), num_tasks=num_tasks, popart=popart, popart_beta=popart_beta)
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
-        self.heads = PolicyValueHeads(self.core.out_features if use_lstm else self.torso.out_features, num_actions)
+        features = self.core.out_features if use_lstm else self.torso.out_features
+        if popart:
+            self.policy = nn.Linear(features, num_actions)
+            self.popart = PopArt(features, num_tasks, popart_beta)
+        else:
+            self.heads = PolicyValueHeads(features, num_actions)
+            self.popart = None
 
     def initial_state(self, batch_size, device=None):
         return self.core.initial_state(batch_size, device) if self.core is not None else ()
 
     def forward(self, obs, prev_action, prev_reward, first, state=()):
-        """Time-major inputs `[T, B, ...]`; returns logits `[T, B, A]`, values `[T, B]` and the core state."""
+        """Time-major inputs `[T, B, ...]`; returns logits `[T, B, A]`, values `[T, B]` (with PopArt: normalised,
+        `[T, B, num_tasks]`) and the core state."""
         T, B = first.shape
         x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
         if self.core is not None:
             x, state = self.core(x.view(T, B, -1), prev_action, prev_reward, first, state)
+        if self.popart is not None:
+            return self.policy(x).view(T, B, -1), self.popart(x).view(T, B, -1), state
         logits, values = self.heads(x)
         return logits.view(T, B, -1), values.view(T, B), state
 
@@ -259,7 +301,8 @@ def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
     specs = {"obs": ((T + 1, *obs_shape), obs_dtype), "reward": ((T + 1,), torch.float32),
              "ended": ((T + 1,), torch.bool), "terminated": ((T + 1,), torch.bool), "first": ((T + 1,), torch.bool),
              "action": ((T + 1,), torch.long), "prev_action": ((T + 1,), torch.long),
-             "logits": ((T + 1, num_actions), torch.float32), "version": ((T + 1,), torch.long)}
+             "logits": ((T + 1, num_actions), torch.float32), "version": ((T + 1,), torch.long),
+             "task": ((T + 1,), torch.long)}
     if use_lstm:
         specs.update(core_h=((lstm_size,), torch.float32), core_c=((lstm_size,), torch.float32))
     return specs
@@ -288,7 +331,7 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
                     sys.exit(0)
 
     envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True,
-                    num_threads=cfg["env_threads"])
+                    num_threads=cfg["env_threads"], full_action_space=cfg["full_action_space"])
     agent = Agent(**shared_agent.config).to(device)
     agent.load_state_dict(shared_agent.state_dict())
     seen = int(version.item())
@@ -326,7 +369,8 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
         done_now = term | trunc
         row = {"obs": obs_t, "reward": reward_t, "ended": torch.from_numpy(done_now),
                "terminated": torch.from_numpy(term), "first": first, "action": action_cpu, "prev_action": prev,
-               "logits": logits[0].cpu(), "version": torch.full((len(ids),), seen, dtype=torch.long)}
+               "logits": logits[0].cpu(), "version": torch.full((len(ids),), seen, dtype=torch.long),
+               "task": torch.full((len(ids),), cfg["task"], dtype=torch.long)}
         for k, v in row.items():
             buffers[k][sl, p] = v
         if use_lstm:
@@ -350,7 +394,7 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
             full_q.put(int(slot[e]))
             slot[e], pos[e] = new, 1
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            msg_q.put(("episode", score, length))
+            msg_q.put(("episode", score, length, cfg["task"]))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -387,8 +431,10 @@ class Learner:
         self.procs = []
         # the cores the learner leaves free step the envs
         env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
-        for a in range(args.num_actors):
-            cfg = dict(env_id=args.env_id, num_envs=envs_per_actor, unroll_length=args.unroll_length,
+        games = list(args.env_ids) or [args.env_id]
+        for a in range(args.num_actors):  # actor a plays game a mod G: every game the same share of the actors
+            cfg = dict(env_id=games[a % len(games)], task=a % len(games), full_action_space=len(args.env_ids) > 0,
+                       num_envs=envs_per_actor, unroll_length=args.unroll_length,
                        env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
                        seed=args.seed + 1000 * rank + a, device=str(device), env_threads=env_threads)
             p = ctx.Process(target=actor_process, daemon=True, name=f"actor-{a}",
@@ -460,8 +506,18 @@ def _world_size():
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError)."""
-    spec = env_spec(args.env_id, discrete=True)
+    """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
+    of a multi-task run (presets expanded; empty for one game)."""
+    games = expand_env_ids(args.env_ids)
+    for game in games:
+        env_spec(game, discrete=True)
+        if not is_atari(game):
+            raise UsageError(f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: "
+                             f"{', '.join(PRESETS)}); {game} is not one")
+    if games and args.num_actors % len(games):
+        raise UsageError(f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
+                         "that every game gets the same share of the actors")
+    spec = env_spec(games[0] if games else args.env_id, discrete=True)
     world = _world_size()
     if args.unroll_length < 1:
         raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
@@ -482,11 +538,16 @@ def check_args(args):
         raise UsageError(f"--channels for the deep network takes 3 values, got {args.channels}")
     if args.network == "shallow" and args.channels and len(args.channels) != 2:
         raise UsageError(f"--channels for the shallow network takes 2 values, got {args.channels}")
-    return spec
+    if not 0 < args.popart_beta <= 1:
+        raise UsageError(f"--popart-beta must be in (0, 1], got {args.popart_beta}")
+    return spec, games
 
 
 def main(args: Args):
-    spec = check_args(args)
+    spec, games = check_args(args)
+    multitask = len(games) > 0
+    use_popart = args.popart == "on" or (args.popart == "auto" and multitask)
+    args = dataclasses.replace(args, env_ids=tuple(games), popart="on" if use_popart else "off")
     rank, world = int(os.environ.get("RANK", "0")), _world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = args.cuda and torch.cuda.is_available()
@@ -502,10 +563,10 @@ def main(args: Args):
 
     obs_shape = spec.observation_space.shape
     obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
-    num_actions = int(spec.action_space.n)
-    atari = is_atari(args.env_id)
+    num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
+    atari = is_atari(games[0] if multitask else args.env_id)
     agent = Agent(obs_shape, num_actions, args.network, args.channels, args.use_lstm, args.lstm_size,
-                  args.mlp_hidden).to(device)
+                  args.mlp_hidden, max(1, len(games)), use_popart, args.popart_beta).to(device)
     if world > 1:  # same initial weights everywhere
         for p in agent.parameters():
             torch.distributed.broadcast(p.data, 0)
@@ -517,7 +578,8 @@ def main(args: Args):
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay,
                                     eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
 
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    task_name = f"{len(games)}games" if multitask else args.env_id
+    run_name = f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_path = os.path.join(args.run_dir, run_name)
     writer = None
     if rank == 0:
@@ -528,13 +590,16 @@ def main(args: Args):
             json.dump(dataclasses.asdict(args), f, indent=2)
         writer = SummaryWriter(run_path)
         print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
-              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs)", flush=True)
+              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
+              f"{', ' + str(len(games)) + ' games' if multitask else ''}{', PopArt' if use_popart else ''})",
+              flush=True)
 
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     learner = None
     start = time.time()
     global_step, returns, last_log = 0, [], start
+    game_returns = {g: [] for g in games}
     first_update_time = None  # steady-state SPS leaves out process start and the first batch
 
     def on_signal(signum, frame):
@@ -550,11 +615,14 @@ def main(args: Args):
             batch = learner.next_batch()
             state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
             logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
-            loss, stats = learner_loss(logits, values, batch, args)
+            loss, stats, vs = learner_loss(logits, values, batch, args, agent.popart)
             optimizer.zero_grad(set_to_none=True)
             (loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             optimizer.step()
+            if agent.popart is not None:  # toward this batch's targets, per game; outputs preserved
+                real = ~batch["ended"][:-1]
+                agent.popart.update(vs[real], batch["task"][:-1][real])
             policy_lag = (learner.version.item() - batch["version"][:-1].float().mean()).item()
             learner.publish(agent)
             global_step = update * steps_per_update
@@ -563,10 +631,13 @@ def main(args: Args):
             if rank != 0:
                 learner.episodes.clear()
                 continue
-            for score, length in learner.episodes:
+            for score, length, task in learner.episodes:
                 returns.append(score)
                 writer.add_scalar("charts/episodic_return", score, global_step)
                 writer.add_scalar("charts/episodic_length", length, global_step)
+                if multitask:
+                    game_returns[games[task]].append(score)
+                    writer.add_scalar(f"charts/{games[task]}/episodic_return", score, global_step)
             learner.episodes.clear()
             now = time.time()
             if now - last_log >= args.log_interval or update == num_updates:
@@ -577,6 +648,14 @@ def main(args: Args):
                 writer.add_scalar("stats/grad_norm", grad_norm.item(), global_step)
                 for k, v in stats.items():
                     writer.add_scalar(k, v.item(), global_step)
+                if multitask:  # the aggregate: median over games of the human-normalised last-10 mean
+                    hns = [human_normalized_score(g, np.mean(r[-10:])) for g, r in game_returns.items() if r]
+                    if len(hns) == len(games):
+                        writer.add_scalar("charts/median_human_normalized", float(np.median(hns)), global_step)
+                if agent.popart is not None:
+                    for k, g in enumerate(games or [args.env_id]):
+                        writer.add_scalar(f"stats/popart_sigma/{g}", agent.popart.sigma[k].item(), global_step)
+                        writer.add_scalar(f"stats/popart_mu/{g}", agent.popart.mu[k].item(), global_step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta = (args.total_timesteps - global_step) / max(sps, 1e-9)
                 print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
@@ -596,13 +675,26 @@ def main(args: Args):
     wall = time.time() - start
 
     if rank == 0:
-        checkpoint = {"script": "impala_vtrace", "env_id": args.env_id, "args": dataclasses.asdict(args),
+        checkpoint = {"script": "impala_vtrace", "env_id": games[0] if multitask else args.env_id,
+                      "env_ids": list(games), "full_action_space": multitask, "args": dataclasses.asdict(args),
                       "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
                       "reward_clip": atari, "global_step": global_step}
         if args.save_model:
             torch.save(checkpoint, os.path.join(run_path, "model.pt"))
-        eval_mean = None
-        if args.eval_episodes > 0:
+        eval_mean, table = None, None
+        if args.eval_episodes > 0 and multitask:  # every game, and the per-game table with human-normalised scores
+            from common.evaluation import evaluate, score_table, write_score_table
+
+            video = run_path if args.capture_video else None  # the first game's first episode
+            table = score_table({g: evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000,
+                                             device=str(device), env_id=g, video_dir=video if i == 0 else None)
+                                 for i, g in enumerate(games)})
+            print(write_score_table(table, os.path.join(run_path, "evaluation")), flush=True)
+            for row in table["games"]:
+                writer.add_scalar(f"charts/{row['env_id']}/eval_return", row["mean"], global_step)
+            eval_mean = float(np.mean([row["mean"] for row in table["games"]]))
+            writer.add_scalar("charts/eval_median_human_normalized", table["median_human_normalized"], global_step)
+        elif args.eval_episodes > 0:
             from common.evaluation import evaluate
 
             scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000, device=str(device),
@@ -610,12 +702,18 @@ def main(args: Args):
             eval_mean = float(np.mean(scores))
             writer.add_scalar("charts/eval_return", eval_mean, global_step)
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
-        summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
+        summary = {"env_id": task_name, "total_timesteps": global_step, "wall_time_s": wall,
                    "sps": global_step / wall,
                    "sps_after_first_update": (global_step - steps_per_update) / max(start + wall - first_update_time, 1e-9)
                    if num_updates > 1 else None,
                    "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                    "eval_mean_return": eval_mean}
+        if multitask:
+            summary.update(env_ids=list(games), mean_episodic_return_last_10_per_game={
+                g: float(np.mean(r[-10:])) if r else None for g, r in game_returns.items()})
+            if table is not None:
+                summary.update(eval_median_human_normalized=table["median_human_normalized"],
+                               eval_mean_human_normalized=table["mean_human_normalized"], eval_per_game=table["games"])
         with open(os.path.join(run_path, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         writer.close()

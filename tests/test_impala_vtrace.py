@@ -128,7 +128,7 @@ def test_learner_loss_handles_envpool_reset_steps():
     args = impala_vtrace.Args(gamma=0.9)
     logits = batch["logits"].clone().requires_grad_(True)  # on-policy: ρ = 1
     values = torch.randn(T + 1, B).requires_grad_(True)
-    loss, _ = impala_vtrace.learner_loss(logits, values, batch, args)
+    loss, _, _ = impala_vtrace.learner_loss(logits, values, batch, args)
     loss.backward()
     # reset steps (transition 2 of env 0, transition 4 of env 1) get no policy or value gradient
     assert logits.grad[2, 0].abs().max() == 0 and logits.grad[4, 1].abs().max() == 0
@@ -141,6 +141,41 @@ def test_learner_loss_handles_envpool_reset_steps():
     # env 0 at step 1 (termination at row 2): target r_2 only
     expected_grad = -0.5 * args.baseline_cost * 2 * (r[2, 0] - v[1, 0])
     torch.testing.assert_close(values.grad[1, 0], expected_grad)
+
+
+def test_popart_learner_loss_is_the_plain_loss_in_normalised_units():
+    """PopArt-IMPALA on a batch of two games: V-trace runs on σ n + μ (the same targets as the plain loss on those
+    values), the value gradient is that of ½((v_s − μ)/σ − n)² on each row's own task output only, and the policy
+    gradient is the plain one divided by σ of the row's game."""
+    from common.popart import PopArt
+
+    T, B, A = 6, 4, 5
+    batch = make_batch(T, B, A)
+    batch["task"] = torch.tensor([0, 1, 1, 0]).repeat(T + 1, 1)
+    args = impala_vtrace.Args(gamma=0.9, entropy_cost=0.0)
+    popart = PopArt(8, num_tasks=2)
+    popart.mu.copy_(torch.tensor([1.0, -2.0]))
+    popart.sigma.copy_(torch.tensor([2.0, 0.5]))
+    g = torch.Generator().manual_seed(3)
+    norm = torch.randn(T + 1, B, 2, generator=g).requires_grad_(True)
+    logits = (batch["logits"] + 0.3 * torch.randn(T + 1, B, A, generator=g)).requires_grad_(True)
+    loss, _, vs = impala_vtrace.learner_loss(logits, norm, batch, args, popart)
+    loss.backward()
+    sigma, mu = popart.sigma[batch["task"]], popart.mu[batch["task"]]
+    n_own = norm.detach().gather(-1, batch["task"].unsqueeze(-1)).squeeze(-1)
+    plain_values = (n_own * sigma + mu).requires_grad_(True)
+    plain_logits = logits.detach().clone().requires_grad_(True)
+    plain_loss, _, plain_vs = impala_vtrace.learner_loss(plain_logits, plain_values, batch, args)
+    plain_loss.backward()
+    torch.testing.assert_close(vs, plain_vs)
+    torch.testing.assert_close(logits.grad, plain_logits.grad / sigma.unsqueeze(-1))
+    own = norm.grad.gather(-1, batch["task"].unsqueeze(-1)).squeeze(-1)
+    other = norm.grad.gather(-1, (1 - batch["task"]).unsqueeze(-1)).squeeze(-1)
+    assert other.abs().max() == 0  # a row teaches only its own game's output
+    real = ~batch["ended"][:-1]
+    expected = torch.where(real, -args.baseline_cost * ((vs - mu[:-1]) / sigma[:-1] - n_own[:-1]), 0.0)
+    torch.testing.assert_close(own[:-1], expected)
+    torch.testing.assert_close(own[:-1], plain_values.grad[:-1] / sigma[:-1])  # the plain value gradient / σ
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -176,6 +211,35 @@ def test_smoke_breakout(tmp_path, extra):
     assert os.path.isfile(video) == ("--capture-video" in extra)
 
 
+def test_smoke_multitask_three_games(tmp_path):
+    """One agent on Pong, Breakout and Boxing (one actor each, the full 18 actions, PopArt by default): per-game
+    curves, per-game PopArt statistics, and the per-game evaluation table with human-normalised scores."""
+    games = ["Pong-v5", "Breakout-v5", "Boxing-v5"]
+    run_path = run_script("impala_vtrace.py", ["--env-ids", *games, "--num-actors", "3", "--num-envs", "6",
+                                               "--batch-size", "6", "--total-timesteps", "12000", "--save-model",
+                                               "--eval-episodes", "1", "--log-interval", "1"], tmp_path, timeout=600)
+    assert os.path.basename(run_path).startswith("3games__")
+    tags = events_tags(run_path)
+    for g in games:
+        assert {f"charts/{g}/episodic_return", f"stats/popart_sigma/{g}", f"charts/{g}/eval_return"} <= tags, tags
+    assert "charts/eval_median_human_normalized" in tags
+    checkpoint = torch.load(os.path.join(run_path, "model.pt"), weights_only=False)
+    assert checkpoint["full_action_space"] and checkpoint["env_ids"] == games
+    assert checkpoint["agent_config"]["num_actions"] == 18 and checkpoint["agent_config"]["popart"]
+    mu, sigma = checkpoint["agent"]["popart.mu"], checkpoint["agent"]["popart.sigma"]
+    assert mu.shape == (3,) and len(set(mu.tolist())) == 3 and len(set(sigma.tolist())) == 3  # one pair per game
+    assert (mu != 0).all() and (sigma != 1).all()  # every game's statistics moved
+    table = json.load(open(os.path.join(run_path, "evaluation.json")))
+    assert [r["env_id"] for r in table["games"]] == games and table["median_human_normalized"] is not None
+    summary = json.load(open(os.path.join(run_path, "summary.json")))
+    assert summary["env_ids"] == games and set(summary["mean_episodic_return_last_10_per_game"]) == set(games)
+    from common.evaluation import main as eval_main
+
+    scores = eval_main([os.path.join(run_path, "model.pt"), "--env-ids", "Pong-v5", "Qbert-v5", "--episodes", "1",
+                        "--out", str(tmp_path / "other")])  # any Atari game: the full action set
+    assert set(scores) == {"Pong-v5", "Qbert-v5"} and os.path.isfile(tmp_path / "other.csv")
+
+
 def test_smoke_torchrun_two_learners(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "impala_vtrace.py"]
@@ -190,6 +254,9 @@ def test_smoke_torchrun_two_learners(tmp_path):
     (["--env-id", "CartPole-v1", "--unroll-length", "0"], "--unroll-length"),
     (["--env-id", "CartPole-v1", "--num-envs", "6", "--num-actors", "4"], "--num-envs"),
     (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
+    (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
+    (["--env-ids", "Pong-v5", "Breakout-v5", "--num-actors", "3", "--num-envs", "6"], "multiple of the number of games"),
+    (["--env-ids", "atari58"], "unknown env id"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("impala_vtrace.py", argv, tmp_path, needle)
