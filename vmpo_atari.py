@@ -46,6 +46,13 @@ Choices the paper leaves open, and what is done here:
   the wide ResNet), or spread over the learner processes under torchrun. PopArt's statistics take one step of
   β / (minibatches per process) per minibatch (to first order one step of β per learning step).
 
+Multi-task (`--env-ids Pong-v5 Breakout-v5 ...`, or a preset: `atari57`, `atari5`; Table 4's one agent for all
+games): actor a plays game a mod G (`--num-actors` a multiple of the number of games G, so every game gets the
+same share of the actors), every game with the full set of 18 actions, and each unroll carries its game's task id.
+The policy does not see it; PopArt does, with one normalised value output and one pair of statistics μ, σ per
+game, so that the advantages (G − V)/σ of all games share one scale in the top-half selection and ψ. Table 6's
+multi-task settings are flags: `--reward-clip --episodic-life --gamma 0.99 --target-update-period 100`.
+
 envpool resets an environment on the step *after* an episode ends; that step is no transition and is masked
 out of every loss. Its n-step return is set to V(x_k), so that a time-limit truncation bootstraps from the value
 of the last observation; termination has discount 0.
@@ -74,6 +81,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
+from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.networks import LSTMCore, make_torso
 from common.popart import PopArt
 
@@ -82,6 +90,8 @@ from common.popart import PopArt
 class Args:
     env_id: str = "Breakout-v5"
     """envpool task id (any discrete-action task: Atari *-v5, CartPole-v1, ...)"""
+    env_ids: tuple[str, ...] = ()
+    """several Atari games at once, one agent (Table 4), or a preset: atari57, atari5; replaces --env-id"""
     exp_name: str = "vmpo_atari"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
@@ -227,9 +237,15 @@ def vmpo_loss(logits, value_features, batch, agent, multipliers, args, popart_be
     Returns (loss, stats).
     """
     popart = agent.popart
-    task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
+    task = batch.get("task")  # each row's game (multi-task); one task otherwise
+    if task is None:
+        task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
+
+    def own(outputs):  # each row's output for its own task
+        return outputs.gather(-1, task[:outputs.shape[0]].unsqueeze(-1)).squeeze(-1)
+
     with torch.no_grad():
-        values = popart.unnormalize(popart(value_features)[..., 0], task)  # online V, unnormalised
+        values = popart.unnormalize(own(popart(value_features)), task)  # online V, unnormalised
     reset_step = batch["ended"][:-1]  # row k ended an episode: step k is envpool's reset step
     mask = ~reset_step
     discounts = args.gamma * (~batch["terminated"][1:]).float()
@@ -238,7 +254,7 @@ def vmpo_loss(logits, value_features, batch, agent, multipliers, args, popart_be
     returns = nstep_returns(rewards, discounts, values[-1])
 
     popart.update(returns[mask], task[:-1][mask], popart_beta)  # new μ, σ; the layer is rescaled to keep V(s) unchanged
-    value_norm = popart(value_features[:-1])[..., 0]
+    value_norm = own(popart(value_features[:-1]))
     returns_norm = popart.normalize(returns, task[:-1])
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
@@ -360,7 +376,8 @@ def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
     specs = {"obs": ((T + 1, *obs_shape), obs_dtype), "reward": ((T + 1,), torch.float32),
              "ended": ((T + 1,), torch.bool), "terminated": ((T + 1,), torch.bool), "first": ((T + 1,), torch.bool),
              "action": ((T + 1,), torch.long), "prev_action": ((T + 1,), torch.long),
-             "logits": ((T + 1, num_actions), torch.float32), "version": ((T + 1,), torch.long)}
+             "logits": ((T + 1, num_actions), torch.float32), "version": ((T + 1,), torch.long),
+             "task": ((T + 1,), torch.long)}
     if use_lstm:
         specs.update(core_h=((lstm_size,), torch.float32), core_c=((lstm_size,), torch.float32))
     return specs
@@ -390,7 +407,8 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
                     sys.exit(0)
 
     envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True,
-                    num_threads=cfg["env_threads"], episodic_life=cfg["episodic_life"], reward_clip=cfg["reward_clip"])
+                    num_threads=cfg["env_threads"], episodic_life=cfg["episodic_life"], reward_clip=cfg["reward_clip"],
+                    full_action_space=cfg["full_action_space"])
     agent = Agent(**target_agent.config).to(device)
     agent.load_state_dict(target_agent.state_dict())
     seen = int(version.item())
@@ -428,7 +446,8 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
         done_now = term | trunc
         row = {"obs": obs_t, "reward": reward_t, "ended": torch.from_numpy(done_now),
                "terminated": torch.from_numpy(term), "first": first, "action": action_cpu, "prev_action": prev,
-               "logits": logits[0].cpu(), "version": torch.full((len(ids),), seen, dtype=torch.long)}
+               "logits": logits[0].cpu(), "version": torch.full((len(ids),), seen, dtype=torch.long),
+               "task": torch.full((len(ids),), cfg["task"], dtype=torch.long)}
         for k, v in row.items():
             buffers[k][sl, p] = v
         if use_lstm:
@@ -452,7 +471,7 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
             full_q.put(int(slot[e]))
             slot[e], pos[e] = new, 1
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            msg_q.put(("episode", score, length))
+            msg_q.put(("episode", score, length, cfg["task"]))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -490,8 +509,10 @@ class Learner:
         self.procs = []
         # the cores the learner leaves free step the envs
         env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
-        for a in range(args.num_actors):
-            cfg = dict(env_id=args.env_id, num_envs=envs_per_actor, unroll_length=args.unroll_length,
+        games = list(args.env_ids) or [args.env_id]
+        for a in range(args.num_actors):  # actor a plays game a mod G: every game the same share of the actors
+            cfg = dict(env_id=games[a % len(games)], task=a % len(games), full_action_space=len(args.env_ids) > 0,
+                       num_envs=envs_per_actor, unroll_length=args.unroll_length,
                        env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
                        seed=args.seed + 1000 * rank + a, device=str(device), env_threads=env_threads,
                        episodic_life=args.episodic_life, reward_clip=args.reward_clip)
@@ -578,8 +599,18 @@ def average_gradients(params, world):
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError)."""
-    spec = env_spec(args.env_id, discrete=True)
+    """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
+    of a multi-task run (presets expanded; empty for one game)."""
+    games = expand_env_ids(args.env_ids)
+    for game in games:
+        env_spec(game, discrete=True)
+        if not is_atari(game):
+            raise UsageError(f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: "
+                             f"{', '.join(PRESETS)}); {game} is not one")
+    if games and args.num_actors % len(games):
+        raise UsageError(f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
+                         "that every game gets the same share of the actors")
+    spec = env_spec(games[0] if games else args.env_id, discrete=True)
     world = _world_size()
     if args.unroll_length < 1:
         raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
@@ -613,11 +644,13 @@ def check_args(args):
         raise UsageError(f"--channels for the deep network takes 3 values, got {args.channels}")
     if pixels and args.network == "shallow" and len(args.channels) not in (0, 2):
         raise UsageError(f"--channels for the shallow network takes 2 values, got {args.channels}")
-    return spec
+    return spec, games
 
 
 def main(args: Args):
-    spec = check_args(args)
+    spec, games = check_args(args)
+    multitask = len(games) > 0
+    args = dataclasses.replace(args, env_ids=tuple(games))
     rank, world = int(os.environ.get("RANK", "0")), _world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = args.cuda and torch.cuda.is_available()
@@ -633,11 +666,12 @@ def main(args: Args):
 
     obs_shape = spec.observation_space.shape
     obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
-    num_actions = int(spec.action_space.n)
-    atari = is_atari(args.env_id)
+    num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
+    atari = is_atari(games[0] if multitask else args.env_id)
     channels = args.channels if len(obs_shape) == 3 else ()
     agent = Agent(obs_shape, num_actions, args.network, channels, args.use_lstm, args.lstm_size, args.head_hidden,
-                  args.mlp_hidden, 1, args.popart_beta, args.popart_scale_lower, args.popart_scale_upper).to(device)
+                  args.mlp_hidden, max(1, len(games)), args.popart_beta, args.popart_scale_lower,
+                  args.popart_scale_upper).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
     if world > 1:  # same initial weights everywhere
@@ -645,7 +679,8 @@ def main(args: Args):
             torch.distributed.broadcast(p.data, 0)
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
 
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    task_name = f"{len(games)}games" if multitask else args.env_id
+    run_name = f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_path = os.path.join(args.run_dir, run_name)
     writer = None
     if rank == 0:
@@ -656,7 +691,8 @@ def main(args: Args):
             json.dump(dataclasses.asdict(args), f, indent=2)
         writer = SummaryWriter(run_path)
         print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
-              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs)", flush=True)
+              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
+              f"{', ' + str(len(games)) + ' games' if multitask else ''})", flush=True)
 
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
@@ -664,6 +700,7 @@ def main(args: Args):
     learner = None
     start = time.time()
     global_step, returns, last_log = 0, [], start
+    game_returns = {g: [] for g in games}
     first_update_time = None  # steady-state SPS leaves out process start and the first batch
 
     def on_signal(signum, frame):
@@ -700,10 +737,13 @@ def main(args: Args):
             if rank != 0:
                 learner.episodes.clear()
                 continue
-            for score, length in learner.episodes:
+            for score, length, task in learner.episodes:
                 returns.append(score)
                 writer.add_scalar("charts/episodic_return", score, global_step)
                 writer.add_scalar("charts/episodic_length", length, global_step)
+                if multitask:
+                    game_returns[games[task]].append(score)
+                    writer.add_scalar(f"charts/{games[task]}/episodic_return", score, global_step)
             learner.episodes.clear()
             now = time.time()
             if now - last_log >= args.log_interval or update == num_updates:
@@ -714,6 +754,13 @@ def main(args: Args):
                 writer.add_scalar("stats/target_version", learner.version.item(), global_step)
                 for k, v in stats.items():
                     writer.add_scalar(k, v.item(), global_step)
+                if multitask:  # the aggregate: median over games of the human-normalised last-10 mean
+                    hns = [human_normalized_score(g, np.mean(r[-10:])) for g, r in game_returns.items() if r]
+                    if len(hns) == len(games):
+                        writer.add_scalar("charts/median_human_normalized", float(np.median(hns)), global_step)
+                    for k, g in enumerate(games):
+                        writer.add_scalar(f"stats/popart_sigma/{g}", agent.popart.sigma[k].item(), global_step)
+                        writer.add_scalar(f"stats/popart_mu/{g}", agent.popart.mu[k].item(), global_step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta_min = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
                 print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
@@ -734,14 +781,27 @@ def main(args: Args):
     wall = time.time() - start
 
     if rank == 0:
-        checkpoint = {"script": "vmpo_atari", "env_id": args.env_id, "args": dataclasses.asdict(args),
+        checkpoint = {"script": "vmpo_atari", "env_id": games[0] if multitask else args.env_id,
+                      "env_ids": list(games), "full_action_space": multitask, "args": dataclasses.asdict(args),
                       "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
                       "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
                       "reward_clip": atari and args.reward_clip, "global_step": global_step}
         if args.save_model:
             torch.save(checkpoint, os.path.join(run_path, "model.pt"))
-        eval_mean = None
-        if args.eval_episodes > 0:
+        eval_mean, table = None, None
+        if args.eval_episodes > 0 and multitask:  # every game, and the per-game table with human-normalised scores
+            from common.evaluation import evaluate, score_table, write_score_table
+
+            video = run_path if args.capture_video else None  # the first game's first episode
+            table = score_table({g: evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000,
+                                             device=str(device), env_id=g, video_dir=video if i == 0 else None)
+                                 for i, g in enumerate(games)})
+            print(write_score_table(table, os.path.join(run_path, "evaluation")), flush=True)
+            for row in table["games"]:
+                writer.add_scalar(f"charts/{row['env_id']}/eval_return", row["mean"], global_step)
+            eval_mean = float(np.mean([row["mean"] for row in table["games"]]))
+            writer.add_scalar("charts/eval_median_human_normalized", table["median_human_normalized"], global_step)
+        elif args.eval_episodes > 0:
             from common.evaluation import evaluate
 
             scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000, device=str(device),
@@ -749,12 +809,18 @@ def main(args: Args):
             eval_mean = float(np.mean(scores))
             writer.add_scalar("charts/eval_return", eval_mean, global_step)
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
-        summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
+        summary = {"env_id": task_name, "total_timesteps": global_step, "wall_time_s": wall,
                    "sps": global_step / wall,
                    "sps_after_first_update": (global_step - steps_per_update) / max(start + wall - first_update_time, 1e-9)
                    if num_updates > 1 else None,
                    "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                    "eval_mean_return": eval_mean}
+        if multitask:
+            summary.update(env_ids=list(games), mean_episodic_return_last_10_per_game={
+                g: float(np.mean(r[-10:])) if r else None for g, r in game_returns.items()})
+            if table is not None:
+                summary.update(eval_median_human_normalized=table["median_human_normalized"],
+                               eval_mean_human_normalized=table["mean_human_normalized"], eval_per_game=table["games"])
         with open(os.path.join(run_path, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         writer.close()

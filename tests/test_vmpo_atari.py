@@ -230,6 +230,48 @@ def test_vmpo_loss_reset_steps_and_truncation():
         (float(batch["reward"][1, 1]) - float(v_before[0, 1])) / sigma, rel=1e-4)
 
 
+def test_vmpo_loss_multitask_popart_per_game():
+    """Two games in one batch: each row's value comes from its own game's PopArt output, each game's statistics
+    move toward its own returns only, and the advantages are (G − V)/σ with that game's σ."""
+    torch.manual_seed(1)
+    T, B, A, H = 4, 4, 3, 8
+    agent = vmpo_atari.Agent((6,), A, use_lstm=False, head_hidden=H, mlp_hidden=(16,), num_tasks=2, popart_beta=0.5)
+    m = vmpo_atari.LagrangeMultipliers()
+    task = torch.tensor([0, 1, 0, 1]).repeat(T + 1, 1)
+    scale = torch.tensor([1.0, 100.0])[task]  # game 1 pays 100x more
+    batch = {"obs": torch.randn(T + 1, B, 6), "prev_action": torch.zeros(T + 1, B, dtype=torch.long),
+             "reward": torch.rand(T + 1, B) * scale, "first": torch.zeros(T + 1, B, dtype=torch.bool),
+             "ended": torch.zeros(T + 1, B, dtype=torch.bool), "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
+             "action": torch.randint(0, A, (T + 1, B)), "logits": torch.zeros(T + 1, B, A), "task": task}
+    logits, feats, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"])
+    with torch.no_grad():
+        out = agent.popart(feats)
+        v_before = agent.popart.unnormalize(out.gather(-1, task.unsqueeze(-1)).squeeze(-1), task)
+    captured = {}
+    original = vmpo_atari.vmpo_weights
+
+    def spy(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
+        captured["advantages"] = advantages
+        return original(advantages, eta, eps_eta, mask, top_fraction)
+
+    vmpo_atari.vmpo_weights = spy
+    try:
+        loss, _ = vmpo_atari.vmpo_loss(logits, feats, batch, agent, m, _args())
+    finally:
+        vmpo_atari.vmpo_weights = original
+    returns = vmpo_atari.nstep_returns(batch["reward"][1:], torch.full((T, B), 0.9), v_before[-1])
+    for k in (0, 1):  # statistics: one step of β = 0.5 from (μ, ν) = (0, 1) toward game k's return moments
+        cols = task[0] == k
+        mu = 0.5 * returns[:, cols].mean()
+        assert float(agent.popart.mu[k]) == pytest.approx(float(mu), rel=1e-4)
+    assert float(agent.popart.sigma[1]) > 10 * float(agent.popart.sigma[0])  # separate scales
+    sigma = agent.popart.sigma[task[:-1]]
+    torch.testing.assert_close(captured["advantages"], (returns - v_before[:-1]) / sigma, rtol=1e-4, atol=1e-5)
+    loss.backward()
+    other_rows = agent.popart.linear.weight.grad  # both games' outputs were trained, each by its own rows
+    assert (other_rows.abs().sum(-1) > 0).all()
+
+
 # --------------------------------------------------------------------------------------------------------
 # The script end to end.
 
@@ -274,6 +316,28 @@ def test_smoke_breakout(tmp_path, extra):
         assert events_tags(run_path, values_of="stats/target_version")[-1] == 4
 
 
+def test_smoke_multitask_three_games(tmp_path):
+    """One agent on Pong, Breakout and Boxing (one actor each, the full 18 actions): per-game curves, per-game
+    PopArt statistics, and the per-game evaluation table."""
+    games = ["Pong-v5", "Breakout-v5", "Boxing-v5"]
+    run_path = run_script("vmpo_atari.py", ["--env-ids", *games, "--num-actors", "3", "--num-envs", "6",
+                                            "--batch-size", "6", "--num-minibatches", "1", "--unroll-length", "20",
+                                            "--no-use-lstm", "--network", "shallow", "--channels", "8", "16",
+                                            "--head-hidden", "32", "--total-timesteps", "12000", "--save-model",
+                                            "--eval-episodes", "1", "--log-interval", "1"], tmp_path, timeout=600)
+    assert os.path.basename(run_path).startswith("3games__")
+    tags = events_tags(run_path)
+    for g in games:
+        assert {f"charts/{g}/episodic_return", f"stats/popart_sigma/{g}", f"charts/{g}/eval_return"} <= tags, tags
+    checkpoint = torch.load(os.path.join(run_path, "model.pt"), weights_only=False)
+    assert checkpoint["full_action_space"] and checkpoint["env_ids"] == games
+    assert checkpoint["agent_config"]["num_actions"] == 18 and checkpoint["agent_config"]["num_tasks"] == 3
+    mu = checkpoint["agent"]["popart.mu"]
+    assert mu.shape == (3,) and len(set(mu.tolist())) == 3 and (mu != 0).all()  # one pair per game, all moved
+    table = json.load(open(os.path.join(run_path, "evaluation.json")))
+    assert [r["env_id"] for r in table["games"]] == games and table["median_human_normalized"] is not None
+
+
 def test_smoke_torchrun_two_learners(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "vmpo_atari.py"]
     run_path = run_script(cmd, ["--env-id", "CartPole-v1", "--total-timesteps", "3200", "--num-envs", "4",
@@ -291,6 +355,8 @@ def test_smoke_torchrun_two_learners(tmp_path):
     (["--env-id", "Breakout-v5", "--channels", "16", "32"], "--channels"),
     (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
     (["--env-id", "CartPole-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
+    (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
+    (["--env-ids", "atari5", "--num-actors", "4", "--num-envs", "8"], "multiple of the number of games (5)"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("vmpo_atari.py", argv, tmp_path, needle)
