@@ -68,6 +68,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.checkpoint import load_checkpoint, save_checkpoint
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.networks import LSTMCore, PolicyValueHeads, make_torso
@@ -153,6 +154,11 @@ class Args:
     """seconds between console progress lines"""
     learner_threads: int = 0
     """torch threads of a learner process; 0: half the CPU cores (the other half steps the envs)"""
+    checkpoint_interval: float = 300.0
+    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights, optimiser, PopArt, counters; written
+    atomically); also written at the end and on Ctrl-C; 0: only then"""
+    resume: str = ""
+    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -544,6 +550,11 @@ def check_args(args):
 
 
 def main(args: Args):
+    resumed = None
+    if args.resume:  # the run's own arguments; the checkpoint's state is loaded once the objects exist
+        resumed = load_checkpoint(args.resume)
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+        args = dataclasses.replace(Args(**saved), resume=args.resume)
     spec, games = check_args(args)
     multitask = len(games) > 0
     use_popart = args.popart == "on" or (args.popart == "auto" and multitask)
@@ -580,7 +591,14 @@ def main(args: Args):
 
     task_name = f"{len(games)}games" if multitask else args.env_id
     run_name = f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = os.path.join(args.run_dir, run_name)
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    start_update, global_step, returns, previous_wall = 0, 0, [], 0.0
+    game_returns = {g: [] for g in games}
+    if resumed is not None:
+        agent.load_state_dict(resumed["agent"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        start_update, global_step, previous_wall = resumed["update"], resumed["global_step"], resumed["wall_time_s"]
+        returns, game_returns = resumed["returns"], resumed["game_returns"]
     writer = None
     if rank == 0:
         from torch.utils.tensorboard import SummaryWriter
@@ -588,7 +606,8 @@ def main(args: Args):
         os.makedirs(run_path, exist_ok=True)
         with open(os.path.join(run_path, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=2)
-        writer = SummaryWriter(run_path)
+        # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
+        writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
         print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
               f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
               f"{', ' + str(len(games)) + ' games' if multitask else ''}{', PopArt' if use_popart else ''})",
@@ -598,17 +617,29 @@ def main(args: Args):
     num_updates = args.total_timesteps // steps_per_update
     learner = None
     start = time.time()
-    global_step, returns, last_log = 0, [], start
-    game_returns = {g: [] for g in games}
+    last_log = last_checkpoint = start
     first_update_time = None  # steady-state SPS leaves out process start and the first batch
+    first_step = global_step
+    stop = []  # Ctrl-C or SIGTERM: finish the update, save a checkpoint, stop
+
+    def checkpoint(update):
+        if rank == 0:
+            save_checkpoint({"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "update": update,
+                             "global_step": global_step, "wall_time_s": previous_wall + time.time() - start,
+                             "returns": returns[-100:], "game_returns": {g: r[-10:] for g, r in game_returns.items()},
+                             "args": dataclasses.asdict(args)}, run_path)
 
     def on_signal(signum, frame):
-        raise KeyboardInterrupt
+        stop.append(signum)
+        if len(stop) > 1 or learner is None:  # a second Ctrl-C, or nothing to save yet: stop now
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    update = done_update = start_update
     try:
         learner = Learner(args, agent, obs_shape, obs_dtype, num_actions, device, rank)
-        for update in range(1, num_updates + 1):
+        for update in range(start_update + 1, num_updates + 1):
             lr = args.learning_rate * (1 - (update - 1) / num_updates) if args.anneal_lr else args.learning_rate
             for g in optimizer.param_groups:
                 g["lr"] = lr
@@ -623,11 +654,17 @@ def main(args: Args):
             if agent.popart is not None:  # toward this batch's targets, per game; outputs preserved
                 real = ~batch["ended"][:-1]
                 agent.popart.update(vs[real], batch["task"][:-1][real])
+            done_update = update
             policy_lag = (learner.version.item() - batch["version"][:-1].float().mean()).item()
             learner.publish(agent)
             global_step = update * steps_per_update
             if first_update_time is None:
                 first_update_time = time.time()
+            if stop:
+                raise KeyboardInterrupt
+            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
+                checkpoint(update)
+                last_checkpoint = time.time()
             if rank != 0:
                 learner.episodes.clear()
                 continue
@@ -641,7 +678,7 @@ def main(args: Args):
             learner.episodes.clear()
             now = time.time()
             if now - last_log >= args.log_interval or update == num_updates:
-                sps = global_step / (now - start)
+                sps = (global_step - first_step) / (now - start)
                 writer.add_scalar("charts/SPS", sps, global_step)
                 writer.add_scalar("charts/learning_rate", lr, global_step)
                 writer.add_scalar("stats/policy_lag", policy_lag, global_step)
@@ -670,9 +707,15 @@ def main(args: Args):
         print("interrupted: stopping actors", file=sys.stderr, flush=True)
         if learner is not None:
             learner.close()
+            if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
+                checkpoint(done_update)
+                print(f"checkpoint at step {global_step}: continue with --resume {run_path}", file=sys.stderr,
+                      flush=True)
         sys.exit(130)
     learner.close()
-    wall = time.time() - start
+    end_time = time.time()
+    checkpoint(num_updates)
+    wall = previous_wall + end_time - start
 
     if rank == 0:
         checkpoint = {"script": "impala_vtrace", "env_id": games[0] if multitask else args.env_id,
@@ -704,8 +747,8 @@ def main(args: Args):
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
         summary = {"env_id": task_name, "total_timesteps": global_step, "wall_time_s": wall,
                    "sps": global_step / wall,
-                   "sps_after_first_update": (global_step - steps_per_update) / max(start + wall - first_update_time, 1e-9)
-                   if num_updates > 1 else None,
+                   "sps_after_first_update": (global_step - first_step - steps_per_update)
+                   / max(end_time - first_update_time, 1e-9) if num_updates > start_update + 1 else None,
                    "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                    "eval_mean_return": eval_mean}
         if multitask:

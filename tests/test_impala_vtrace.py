@@ -1,5 +1,6 @@
 """impala_vtrace.py: V-trace against the paper, the learner's loss, and the script end to end."""
 
+import glob
 import json
 import math
 import os
@@ -257,6 +258,7 @@ def test_smoke_torchrun_two_learners(tmp_path):
     (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
     (["--env-ids", "Pong-v5", "Breakout-v5", "--num-actors", "3", "--num-envs", "6"], "multiple of the number of games"),
     (["--env-ids", "atari58"], "unknown env id"),
+    (["--resume", "runs/no-such-run"], "--resume"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("impala_vtrace.py", argv, tmp_path, needle)
@@ -310,3 +312,50 @@ def test_learns_cartpole(tmp_path):
 
 
 CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "8", "--learning-rate", "3e-3", "--baseline-cost", "0.1"]
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    """A run SIGKILLed after a checkpoint continues with --resume: same folder, its own arguments, the update
+    counter, weights and optimiser from the checkpoint, curves continuing from the checkpoint's step, and the
+    requested budget reached in the end."""
+    argv = ["--env-id", "CartPole-v1", "--total-timesteps", "120000", "--num-envs", "4", "--batch-size", "4",
+            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    proc = subprocess.Popen([sys.executable, "impala_vtrace.py", *argv, "--run-dir", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        actors = wait_for_actors(proc)
+        deadline = time.time() + 120
+        ckpt = None
+        while time.time() < deadline and ckpt is None:
+            time.sleep(0.2)
+            found = [os.path.join(r, "checkpoint.pt") for r in glob.glob(str(tmp_path / "*"))]
+            if found and os.path.isfile(found[0]):
+                time.sleep(1.0)  # let it run past the checkpoint
+                ckpt = found[0]
+        assert ckpt is not None, "no checkpoint written"
+        proc.kill()
+        proc.wait(timeout=30)
+        assert wait_gone(actors, timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run = os.path.dirname(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert 0 < saved["update"] < 1500 and saved["global_step"] == saved["update"] * 80
+    assert not os.path.exists(os.path.join(run, "summary.json"))  # it did not finish
+    resumed = run_script("impala_vtrace.py", ["--resume", run], tmp_path, timeout=600)
+    assert resumed == run  # the same folder, no new one
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["total_timesteps"] == 120000
+    final = torch.load(ckpt, weights_only=False)
+    assert final["update"] == 1500 and final["args"]["seed"] == 3  # the run's own arguments
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run, size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("charts/learning_rate")]
+    assert steps == sorted(steps) and steps[-1] == 120000  # after purging, one continuing curve
+    assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
+    lr = {e.step: e.value for e in acc.Scalars("charts/learning_rate")}
+    for step, value in lr.items():  # annealed on the same schedule across the restart
+        assert value == pytest.approx(6e-4 * (1 - (step / 80 - 1) / 1500), rel=1e-5)
