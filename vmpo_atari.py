@@ -80,6 +80,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.checkpoint import load_checkpoint, save_checkpoint
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.networks import LSTMCore, make_torso
@@ -171,6 +172,11 @@ class Args:
     """seconds between console progress lines"""
     learner_threads: int = 0
     """torch threads of a learner process; 0: half the CPU cores (the other half steps the envs)"""
+    checkpoint_interval: float = 300.0
+    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights, target network version, optimiser, η and
+    α, PopArt, counters; written atomically); also written at the end and on Ctrl-C; 0: only then"""
+    resume: str = ""
+    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -648,6 +654,11 @@ def check_args(args):
 
 
 def main(args: Args):
+    resumed = None
+    if args.resume:  # the run's own arguments; the checkpoint's state is loaded once the objects exist
+        resumed = load_checkpoint(args.resume)
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+        args = dataclasses.replace(Args(**saved), resume=args.resume)
     spec, games = check_args(args)
     multitask = len(games) > 0
     args = dataclasses.replace(args, env_ids=tuple(games))
@@ -681,7 +692,17 @@ def main(args: Args):
 
     task_name = f"{len(games)}games" if multitask else args.env_id
     run_name = f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = os.path.join(args.run_dir, run_name)
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    start_update, global_step, returns, previous_wall = 0, 0, [], 0.0
+    game_returns = {g: [] for g in games}
+    target_state = None
+    if resumed is not None:
+        agent.load_state_dict(resumed["agent"])
+        multipliers.load_state_dict(resumed["multipliers"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        target_state = resumed["target_agent"]
+        start_update, global_step, previous_wall = resumed["update"], resumed["global_step"], resumed["wall_time_s"]
+        returns, game_returns = resumed["returns"], resumed["game_returns"]
     writer = None
     if rank == 0:
         from torch.utils.tensorboard import SummaryWriter
@@ -689,7 +710,8 @@ def main(args: Args):
         os.makedirs(run_path, exist_ok=True)
         with open(os.path.join(run_path, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=2)
-        writer = SummaryWriter(run_path)
+        # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
+        writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
         print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
               f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
               f"{', ' + str(len(games)) + ' games' if multitask else ''})", flush=True)
@@ -699,17 +721,34 @@ def main(args: Args):
     chunks = args.num_minibatches // world  # minibatches of this learner process, one after the other
     learner = None
     start = time.time()
-    global_step, returns, last_log = 0, [], start
-    game_returns = {g: [] for g in games}
+    last_log = last_checkpoint = start
     first_update_time = None  # steady-state SPS leaves out process start and the first batch
+    first_step = global_step
+    stop = []  # Ctrl-C or SIGTERM: finish the update, save a checkpoint, stop
+
+    def checkpoint(update):
+        if rank == 0:
+            save_checkpoint({"agent": agent.state_dict(), "target_agent": learner.target_agent.state_dict(),
+                             "multipliers": multipliers.state_dict(), "optimizer": optimizer.state_dict(),
+                             "update": update, "global_step": global_step,
+                             "wall_time_s": previous_wall + time.time() - start, "returns": returns[-100:],
+                             "game_returns": {g: r[-10:] for g, r in game_returns.items()},
+                             "args": dataclasses.asdict(args)}, run_path)
 
     def on_signal(signum, frame):
-        raise KeyboardInterrupt
+        stop.append(signum)
+        if len(stop) > 1 or learner is None:  # a second Ctrl-C, or nothing to save yet: stop now
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    update = done_update = start_update
     try:
         learner = Learner(args, agent, obs_shape, obs_dtype, num_actions, device, rank)
-        for update in range(1, num_updates + 1):
+        if target_state is not None:  # the target network the run was acting with
+            learner.target_agent.load_state_dict(target_state)  # in place: the shared memory stays shared
+            learner.version += 1  # the actors reload it at their next step
+        for update in range(start_update + 1, num_updates + 1):
             batch = learner.next_batch()
             optimizer.zero_grad(set_to_none=False)
             stats = {}
@@ -734,6 +773,12 @@ def main(args: Args):
             global_step = update * steps_per_update
             if first_update_time is None:
                 first_update_time = time.time()
+            done_update = update
+            if stop:
+                raise KeyboardInterrupt
+            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
+                checkpoint(update)
+                last_checkpoint = time.time()
             if rank != 0:
                 learner.episodes.clear()
                 continue
@@ -747,7 +792,7 @@ def main(args: Args):
             learner.episodes.clear()
             now = time.time()
             if now - last_log >= args.log_interval or update == num_updates:
-                sps = global_step / (now - start)
+                sps = (global_step - first_step) / (now - start)
                 writer.add_scalar("charts/SPS", sps, global_step)
                 writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
                 writer.add_scalar("stats/stale_fraction", stale.item(), global_step)
@@ -776,9 +821,15 @@ def main(args: Args):
         print("interrupted: stopping actors", file=sys.stderr, flush=True)
         if learner is not None:
             learner.close()
+            if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
+                checkpoint(done_update)
+                print(f"checkpoint at step {global_step}: continue with --resume {run_path}", file=sys.stderr,
+                      flush=True)
         sys.exit(130)
     learner.close()
-    wall = time.time() - start
+    end_time = time.time()
+    checkpoint(num_updates)
+    wall = previous_wall + end_time - start
 
     if rank == 0:
         checkpoint = {"script": "vmpo_atari", "env_id": games[0] if multitask else args.env_id,
@@ -811,8 +862,8 @@ def main(args: Args):
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
         summary = {"env_id": task_name, "total_timesteps": global_step, "wall_time_s": wall,
                    "sps": global_step / wall,
-                   "sps_after_first_update": (global_step - steps_per_update) / max(start + wall - first_update_time, 1e-9)
-                   if num_updates > 1 else None,
+                   "sps_after_first_update": (global_step - first_step - steps_per_update)
+                   / max(end_time - first_update_time, 1e-9) if num_updates > start_update + 1 else None,
                    "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                    "eval_mean_return": eval_mean}
         if multitask:

@@ -1,10 +1,13 @@
 """vmpo_atari.py: the E-step, the M-step's KL term and n-step returns against the paper, and the script end to end.
 PopArt's own tests are in test_common.py."""
 
+import glob
 import json
 import math
 import os
+import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +16,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, nstep_returns, vmpo_weights  # noqa: E402
-from tests.helpers import (assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
-                           imported_envpool_modules, run_script)
+from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
+                           imported_envpool_modules, run_script, wait_for_actors, wait_gone)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -357,6 +360,7 @@ def test_smoke_torchrun_two_learners(tmp_path):
     (["--env-id", "CartPole-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
     (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
     (["--env-ids", "atari5", "--num-actors", "4", "--num-envs", "8"], "multiple of the number of games (5)"),
+    (["--resume", "runs/no-such-run"], "--resume"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("vmpo_atari.py", argv, tmp_path, needle)
@@ -385,3 +389,46 @@ def test_learns_cartpole(tmp_path):
     assert len(returns) >= 20
     last20 = sum(returns[-20:]) / 20
     assert last20 >= 400, f"mean return of the last 20 episodes {last20:.1f} < 400"
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, η, α, PopArt,
+    the target network and the counters from the checkpoint, curves continuing from its step."""
+    argv = ["--env-id", "CartPole-v1", "--total-timesteps", "64000", "--num-envs", "4", "--batch-size", "4",
+            "--num-minibatches", "1", "--unroll-length", "20", "--no-use-lstm", "--target-update-period", "10",
+            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    proc = subprocess.Popen([sys.executable, "vmpo_atari.py", *argv, "--run-dir", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        actors = wait_for_actors(proc)
+        deadline = time.time() + 120
+        ckpt = None
+        while time.time() < deadline and ckpt is None:
+            time.sleep(0.2)
+            found = [os.path.join(r, "checkpoint.pt") for r in glob.glob(str(tmp_path / "*"))]
+            if found and os.path.isfile(found[0]):
+                time.sleep(1.0)  # let it run past the checkpoint
+                ckpt = found[0]
+        assert ckpt is not None, "no checkpoint written"
+        proc.kill()
+        proc.wait(timeout=30)
+        assert wait_gone(actors, timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run = os.path.dirname(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert 0 < saved["update"] < 800 and saved["global_step"] == saved["update"] * 80
+    assert {"eta", "alpha"} <= set(saved["multipliers"]) and "popart.sigma" in saved["agent"]
+    assert run_script("vmpo_atari.py", ["--resume", run], tmp_path, timeout=600) == run
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["total_timesteps"] == 64000
+    final = torch.load(ckpt, weights_only=False)
+    assert final["update"] == 800 and final["args"]["target_update_period"] == 10
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run, size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("stats/eta")]
+    assert steps == sorted(steps) and steps[-1] == 64000
+    assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
