@@ -110,3 +110,27 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def kill_after_first_checkpoint(script, argv, run_dir):
+    """Starts `script` for a run, SIGKILLs it a second after its first checkpoint.pt appeared (its actors must then
+    exit by themselves) and returns that checkpoint's path."""
+    proc = subprocess.Popen([sys.executable, script, *argv, "--run-dir", str(run_dir)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        actors = wait_for_actors(proc)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            time.sleep(0.2)
+            found = glob.glob(os.path.join(str(run_dir), "*", "checkpoint.pt"))
+            if found:
+                time.sleep(1.0)  # let it run past the checkpoint
+                break
+        assert found, "no checkpoint written"
+        proc.kill()
+        proc.wait(timeout=30)
+        assert wait_gone(actors, timeout=20), "an actor outlived its killed learner"
+        return found[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

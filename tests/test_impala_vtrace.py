@@ -1,6 +1,5 @@
 """impala_vtrace.py: V-trace against the paper, the learner's loss, and the script end to end."""
 
-import glob
 import json
 import math
 import os
@@ -15,8 +14,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import impala_vtrace  # noqa: E402
 from impala_vtrace import vtrace  # noqa: E402
-from tests.helpers import (ROOT, assert_usage_error, events_tags, imported_envpool_modules, run_script,  # noqa: E402
-                           wait_for_actors, wait_gone)
+from tests.helpers import (ROOT, assert_usage_error, events_tags, imported_envpool_modules,  # noqa: E402
+                           kill_after_first_checkpoint, run_script, wait_for_actors, wait_gone)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -320,25 +319,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     requested budget reached in the end."""
     argv = ["--env-id", "CartPole-v1", "--total-timesteps", "120000", "--num-envs", "4", "--batch-size", "4",
             "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
-    proc = subprocess.Popen([sys.executable, "impala_vtrace.py", *argv, "--run-dir", str(tmp_path)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        actors = wait_for_actors(proc)
-        deadline = time.time() + 120
-        ckpt = None
-        while time.time() < deadline and ckpt is None:
-            time.sleep(0.2)
-            found = [os.path.join(r, "checkpoint.pt") for r in glob.glob(str(tmp_path / "*"))]
-            if found and os.path.isfile(found[0]):
-                time.sleep(1.0)  # let it run past the checkpoint
-                ckpt = found[0]
-        assert ckpt is not None, "no checkpoint written"
-        proc.kill()
-        proc.wait(timeout=30)
-        assert wait_gone(actors, timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    ckpt = kill_after_first_checkpoint("impala_vtrace.py", argv, tmp_path)
     run = os.path.dirname(ckpt)
     saved = torch.load(ckpt, weights_only=False)
     assert 0 < saved["update"] < 1500 and saved["global_step"] == saved["update"] * 80

@@ -1,13 +1,10 @@
 """vmpo_atari.py: the E-step, the M-step's KL term and n-step returns against the paper, and the script end to end.
 PopArt's own tests are in test_common.py."""
 
-import glob
 import json
 import math
 import os
-import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +13,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, nstep_returns, vmpo_weights  # noqa: E402
-from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
-                           imported_envpool_modules, run_script, wait_for_actors, wait_gone)
+from tests.helpers import (assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
+                           imported_envpool_modules, kill_after_first_checkpoint, run_script)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -397,25 +394,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     argv = ["--env-id", "CartPole-v1", "--total-timesteps", "64000", "--num-envs", "4", "--batch-size", "4",
             "--num-minibatches", "1", "--unroll-length", "20", "--no-use-lstm", "--target-update-period", "10",
             "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
-    proc = subprocess.Popen([sys.executable, "vmpo_atari.py", *argv, "--run-dir", str(tmp_path)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        actors = wait_for_actors(proc)
-        deadline = time.time() + 120
-        ckpt = None
-        while time.time() < deadline and ckpt is None:
-            time.sleep(0.2)
-            found = [os.path.join(r, "checkpoint.pt") for r in glob.glob(str(tmp_path / "*"))]
-            if found and os.path.isfile(found[0]):
-                time.sleep(1.0)  # let it run past the checkpoint
-                ckpt = found[0]
-        assert ckpt is not None, "no checkpoint written"
-        proc.kill()
-        proc.wait(timeout=30)
-        assert wait_gone(actors, timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    ckpt = kill_after_first_checkpoint("vmpo_atari.py", argv, tmp_path)
     run = os.path.dirname(ckpt)
     saved = torch.load(ckpt, weights_only=False)
     assert 0 < saved["update"] < 800 and saved["global_step"] == saved["update"] * 80
