@@ -1,6 +1,7 @@
 """Shared by the tests: run a script as a subprocess, read its TensorBoard events, wait for processes."""
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -134,3 +135,11 @@ def kill_after_first_checkpoint(script, argv, run_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def evaluate_cli(run, episodes=2):
+    """Plays a run's model.pt through `python -m common.evaluation` and returns its JSON report."""
+    out = subprocess.run([sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes",
+                          str(episodes)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])

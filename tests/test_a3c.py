@@ -17,8 +17,8 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import a3c  # noqa: E402
 from a3c import SharedRMSprop, a3c_loss, hogwild_update, n_step_returns  # noqa: E402
-from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
-                           imported_envpool_modules, run_script, wait_for_actors, wait_gone)
+from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, evaluate_cli,  # noqa: E402
+                           events_tags, imported_envpool_modules, run_script, wait_for_actors, wait_gone)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -297,13 +297,6 @@ def test_import_runs_nothing():
 
 # --------------------------------------------------------------------------------------------------------
 # The script end to end.
-
-
-def evaluate_cli(run):
-    out = subprocess.run([sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("extra", [[], ["--lstm"]])

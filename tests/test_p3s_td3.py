@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import p3s_td3  # noqa: E402
 from p3s_td3 import (Args, DelayedReward, Learner, SharedReplay, adapt_beta, critic_loss, p3s_actor_loss,  # noqa: E402
                      policy_distance, select_best, smoothed_target_action, soft_update, td3_target)
-from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
-                           imported_envpool_modules, run_script, wait_for_actors, wait_gone)
+from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, evaluate_cli,  # noqa: E402
+                           events_tags, imported_envpool_modules, run_script, wait_for_actors, wait_gone)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -316,13 +316,6 @@ def test_import_runs_nothing():
 
 # --------------------------------------------------------------------------------------------------------
 # The script end to end.
-
-
-def evaluate_cli(run):
-    out = subprocess.run([sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def check_selections(run, num_learners, rho, d_min):
