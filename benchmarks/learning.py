@@ -1,0 +1,302 @@
+"""Learning curves of the six scripts over seeds: run a preset, then a plot and a Markdown table from the logs.
+
+    python benchmarks/learning.py --preset cpu                     # under an hour on 2 CPU cores (3 seeds)
+    python benchmarks/learning.py --preset gpu --parallel 4 --time-limit 500 --seeds 1
+    python benchmarks/learning.py --preset cpu --report-only       # redraw from the runs already there
+
+Every (script, env, budget, arguments) of the preset is run once per seed, each run in its own folder under
+`<out>/runs/`, one after another (`--parallel N`: N at a time). The curve of a run is the mean return of its
+last 20 training episodes (`charts/episodic_return` in its TensorBoard log) against environment steps; the
+plot shows the mean over seeds and the min-max spread, one panel per (script, env). The table gives, per
+entry: seeds, the steps each run reached, the final 20-episode mean (mean ± std over seeds), the evaluation
+return from `summary.json` (deterministic or greedy policy, `--eval-episodes` episodes) and the wall time.
+
+`--time-limit S` stops each run after S seconds with Ctrl-C (the scripts finish the update in progress,
+write their checkpoint and stop); such a run has no evaluation, and the table says how far it got. This
+makes a fixed-time comparison on a machine whose speed is not known in advance. The plot needs matplotlib;
+without it the table is still written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WINDOW = 20  # episodes in the running mean
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    script: str
+    env_id: str
+    steps: int
+    args: tuple[str, ...] = ()
+
+    @property
+    def name(self):
+        return f"{self.script}__{self.env_id}"
+
+
+# The learning tests' settings (tests/test_*.py), which the README's CPU results come from.
+CARTPOLE_IMPALA = ("--num-envs", "16", "--batch-size", "8", "--learning-rate", "3e-3", "--baseline-cost", "0.1")
+CARTPOLE_VMPO = ("--num-envs", "16", "--batch-size", "16", "--num-minibatches", "1", "--unroll-length", "20",
+                 "--no-use-lstm", "--gamma", "0.99", "--target-update-period", "10", "--learning-rate", "1e-3")
+PENDULUM_VMPO = ("--num-envs", "16", "--batch-size", "16", "--num-minibatches", "1", "--unroll-length", "10",
+                 "--target-update-period", "10", "--learning-rate", "1e-3", "--popart-beta", "0.1")
+TWO_WORKERS = ("--num-workers", "2", "--num-envs", "4")
+
+PRESETS = {
+    # about 15 minutes per seed on 2 CPU cores
+    "cpu": [
+        Entry("impala_vtrace", "CartPole-v1", 300_000, CARTPOLE_IMPALA),
+        Entry("vmpo_atari", "CartPole-v1", 300_000, CARTPOLE_VMPO),
+        Entry("a3c", "CartPole-v1", 300_000, TWO_WORKERS),
+        Entry("acer", "CartPole-v1", 200_000, TWO_WORKERS),
+        Entry("vmpo_mujoco", "InvertedPendulum-v4", 300_000, PENDULUM_VMPO),
+        Entry("a3c", "InvertedPendulum-v4", 500_000, TWO_WORKERS),
+        Entry("acer", "InvertedPendulum-v4", 300_000, TWO_WORKERS + ("--learning-rate", "1e-3")),
+        Entry("p3s_td3", "Pendulum-v1", 24_000, ("--num-learners", "2", "--t-initial", "1000")),
+        Entry("vmpo_mujoco", "Hopper-v4", 400_000, PENDULUM_VMPO),
+    ],
+    # the papers' kind of task, at their settings, for a GPU machine with 16 cores (use --time-limit)
+    "gpu": [
+        Entry("impala_vtrace", "Pong-v5", 20_000_000, ("--num-actors", "2", "--num-envs", "64")),
+        Entry("vmpo_atari", "Breakout-v5", 20_000_000, ("--num-actors", "2", "--num-envs", "64")),
+        Entry("vmpo_mujoco", "HalfCheetah-v4", 20_000_000, ()),
+        Entry("p3s_td3", "Hopper-v4", 1_000_000, ()),
+    ],
+}
+
+
+def run_folder(out, entry, seed):
+    return os.path.join(out, "runs", f"{entry.name}__s{seed}")
+
+
+def launch(entry, seed, out, extra):
+    folder = run_folder(out, entry, seed)
+    os.makedirs(folder, exist_ok=True)
+    cmd = [sys.executable, os.path.join(ROOT, f"{entry.script}.py"), "--env-id", entry.env_id, "--seed", str(seed),
+           "--total-timesteps", str(entry.steps), "--run-dir", folder, *entry.args, *extra]
+    log = open(os.path.join(folder, "console.log"), "w")
+    print("$ " + " ".join(cmd[1:]), flush=True)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log
+
+
+def run_all(jobs, out, parallel, time_limit, extra):
+    """Runs (entry, seed) jobs, `parallel` at a time; a run past `time_limit` seconds gets SIGINT."""
+    pending, running, failed = list(jobs), [], []
+    while pending or running:
+        while pending and len(running) < parallel:
+            entry, seed = pending.pop(0)
+            proc, log = launch(entry, seed, out, extra)
+            running.append((entry, seed, proc, log, time.time(), False))
+        time.sleep(1.0)
+        still = []
+        for entry, seed, proc, log, t0, stopped in running:
+            if proc.poll() is None:
+                if time_limit and not stopped and time.time() - t0 > time_limit:
+                    proc.send_signal(signal.SIGINT)
+                    stopped = True
+                elif stopped and time.time() - t0 > time_limit + 120:
+                    proc.kill()
+                still.append((entry, seed, proc, log, t0, stopped))
+                continue
+            log.close()
+            ok = proc.returncode == 0 or (stopped and proc.returncode == 130)
+            print(f"{entry.name} seed {seed}: exit {proc.returncode} after {time.time() - t0:.0f} s"
+                  + ("" if ok else f" (see {run_folder(out, entry, seed)}/console.log)"), flush=True)
+            if not ok:
+                failed.append((entry, seed))
+        running = still
+    return failed
+
+
+def episode_returns(run_path):
+    """(steps, returns) of `charts/episodic_return` in a run folder's TensorBoard log, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
+    acc.Reload()
+    if "charts/episodic_return" not in acc.Tags()["scalars"]:
+        return np.zeros(0), np.zeros(0)
+    events = sorted(acc.Scalars("charts/episodic_return"), key=lambda e: e.step)
+    return np.array([e.step for e in events], float), np.array([e.value for e in events], float)
+
+
+def running_mean(values, window=WINDOW):
+    """Mean of the last `window` values at each position (fewer at the start)."""
+    c = np.cumsum(np.insert(values, 0, 0.0))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def curve_on_grid(steps, returns, grid):
+    """The running mean as a step function of environment steps, read at `grid` (NaN before the first episode)."""
+    if len(steps) == 0:
+        return np.full(len(grid), np.nan)
+    mean = running_mean(returns)
+    pos = np.searchsorted(steps, grid, side="right") - 1
+    return np.where(pos >= 0, mean[np.maximum(pos, 0)], np.nan)
+
+
+def collect(out, entry, seeds):
+    """Per seed: the run's folder, its curve and its summary (None when it has no log)."""
+    runs = []
+    for seed in seeds:
+        folders = [os.path.dirname(p) for p in glob.glob(os.path.join(run_folder(out, entry, seed), "*", "events.*"))]
+        if not folders:
+            continue
+        path = sorted(folders)[-1]
+        steps, returns = episode_returns(path)
+        summary_file = os.path.join(path, "summary.json")
+        summary = json.load(open(summary_file)) if os.path.exists(summary_file) else None
+        runs.append(dict(seed=seed, path=path, steps=steps, returns=returns, summary=summary))
+    return runs
+
+
+def fmt(values):
+    values = [v for v in values if v is not None and np.isfinite(v)]
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{np.mean(values):.1f} ± {np.std(values):.1f}"
+
+
+def report(out, preset, entries, seeds, settings):
+    machine, rows, panels = settings["machine"], [], []
+    for entry in entries:
+        runs = collect(out, entry, seeds)
+        if not runs:
+            continue
+        reached = [int(r["summary"]["total_timesteps"]) if r["summary"] else int(r["steps"][-1]) if len(r["steps"])
+                   else 0 for r in runs]
+        final = [float(running_mean(r["returns"])[-1]) if len(r["returns"]) else None for r in runs]
+        evals = [r["summary"].get("eval_mean_return") if r["summary"] else None for r in runs]
+        walls = [r["summary"]["wall_time_s"] for r in runs if r["summary"] and "wall_time_s" in r["summary"]]
+        rows.append(dict(script=entry.script, env_id=entry.env_id, budget=entry.steps, args=list(entry.args),
+                         seeds=[r["seed"] for r in runs], steps_reached=reached, final_mean_20=final,
+                         eval_mean_return=evals, wall_time_s=walls))
+        grid = np.linspace(0, max(reached), 101)[1:]
+        curves = np.stack([curve_on_grid(r["steps"], r["returns"], grid) for r in runs])
+        panels.append((entry, grid, curves))
+    how = (f"{settings['parallel']} runs at a time" if settings["parallel"] > 1 else "one run at a time") + (
+        f", each stopped after {settings['time_limit']:.0f} s" if settings["time_limit"] else "")
+    extra = f"; every run also got `{' '.join(settings['extra'])}`" if settings["extra"] else ""
+    lines = [f"Preset `{preset}` on {machine}, {how}{extra}. Final: mean return of the last {WINDOW} training "
+             "episodes; eval: the script's end-of-run evaluation (mean ± std over seeds).", "",
+             "| script | env | budget | seeds | steps reached | final (last 20) | eval | wall time per run |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        reached = f"{min(r['steps_reached']):,}" + ("" if min(r["steps_reached"]) == max(r["steps_reached"])
+                                                    else f"–{max(r['steps_reached']):,}")
+        wall = f"{np.mean(r['wall_time_s']):.0f} s" if r["wall_time_s"] else "–"
+        lines.append(f"| {r['script']} | {r['env_id']} | {r['budget']:,} | {len(r['seeds'])} | {reached} | "
+                     f"{fmt(r['final_mean_20'])} | {fmt(r['eval_mean_return'])} | {wall} |")
+    table = "\n".join(lines) + "\n"
+    base = os.path.join(out, f"learning_{preset}")
+    with open(base + ".md", "w") as f:
+        f.write(table)
+    with open(base + ".json", "w") as f:
+        json.dump({"preset": preset, **settings, "rows": rows}, f, indent=2)
+    print(table)
+    if panels:
+        plot(panels, base + ".png", f"{preset} preset: mean and min-max over seeds, {machine}")
+    return rows
+
+
+def plot(panels, path, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        return
+    cols = min(3, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (entry, grid, curves) in zip(axes.flat, panels):
+        with np.errstate(all="ignore"):
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean, lo, hi = np.nanmean(curves, 0), np.nanmin(curves, 0), np.nanmax(curves, 0)
+        ax.plot(grid, mean, lw=1.5)
+        ax.fill_between(grid, lo, hi, alpha=0.25)
+        ax.set_title(f"{entry.script}: {entry.env_id} ({len(curves)} seeds)", fontsize=9)
+        ax.set_xlabel("environment steps", fontsize=8)
+        ax.set_ylabel(f"return (last {WINDOW} episodes)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def machine_line():
+    line = f"{platform.machine()}, {os.cpu_count()} cores"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            line += f", {torch.cuda.get_device_name(0)}"
+        else:
+            line += ", no GPU"
+    except ImportError:
+        pass
+    return line
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--only", nargs="+", default=[], help="entries whose script or env id is one of these")
+    p.add_argument("--parallel", type=int, default=1, help="runs at a time")
+    p.add_argument("--time-limit", type=float, default=0.0, help="seconds per run, then Ctrl-C (0: none)")
+    p.add_argument("--out", default=None, help="folder of the runs and the results (default benchmarks/learning_<preset>)")
+    p.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
+    p.add_argument("extra", nargs="*", help="more arguments for every run, after --")
+    a = p.parse_args()
+    if a.parallel < 1:
+        p.error("--parallel must be at least 1")
+    entries = [e for e in PRESETS[a.preset] if not a.only or e.script in a.only or e.env_id in a.only]
+    if not entries:
+        p.error(f"--only {' '.join(a.only)} matches nothing in preset {a.preset}")
+    out = a.out or os.path.join(ROOT, "benchmarks", f"learning_{a.preset}")
+    machine = machine_line()
+    failed = []
+    if not a.report_only:
+        jobs = [(e, s) for s in a.seeds for e in entries]
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "settings.json"), "w") as f:
+            json.dump({"machine": machine, "extra": a.extra, "time_limit": a.time_limit, "parallel": a.parallel}, f)
+        failed = run_all(jobs, out, a.parallel, a.time_limit, a.extra)
+    settings = {"machine": machine, "extra": a.extra, "time_limit": a.time_limit, "parallel": a.parallel}
+    if os.path.exists(os.path.join(out, "settings.json")):
+        settings = json.load(open(os.path.join(out, "settings.json")))
+    report(out, a.preset, entries, a.seeds, settings)
+    if failed:
+        sys.exit(f"{len(failed)} run(s) failed: " + ", ".join(f"{e.name} seed {s}" for e, s in failed))
+
+
+if __name__ == "__main__":
+    main()
