@@ -74,6 +74,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
+                               non_finite_advice, save_checkpoint)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
@@ -159,6 +161,11 @@ class Args:
     """seconds between console progress lines"""
     learner_threads: int = 0
     """torch threads of a learner process; 0: half the CPU cores (the other half steps the envs)"""
+    checkpoint_interval: float = 300.0
+    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights with the observation statistics and
+    PopArt, target network, optimiser, η and α, counters; written atomically); also at the end and on Ctrl-C"""
+    resume: str = ""
+    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
 
 
 # Table 7's columns. `--preset humanoid-state` starts from these values; flags given on the command line win.
@@ -616,6 +623,11 @@ def check_args(args):
 
 
 def main(args: Args):
+    resumed = None
+    if args.resume:  # the run's own arguments; the checkpoint's state is loaded once the objects exist
+        resumed = load_checkpoint(args.resume)
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+        args = dataclasses.replace(Args(**saved), resume=args.resume)
     spec = check_args(args)
     rank, world = int(os.environ.get("RANK", "0")), _world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -641,7 +653,15 @@ def main(args: Args):
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
 
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = os.path.join(args.run_dir, run_name)
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    start_update, global_step, returns, previous_wall, target_state = 0, 0, [], 0.0, None
+    if resumed is not None:
+        agent.load_state_dict(resumed["agent"])
+        multipliers.load_state_dict(resumed["multipliers"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        target_state = resumed["target_agent"]
+        start_update, global_step, previous_wall = resumed["update"], resumed["global_step"], resumed["wall_time_s"]
+        returns = resumed["returns"]
     writer = None
     if rank == 0:
         from torch.utils.tensorboard import SummaryWriter
@@ -649,7 +669,8 @@ def main(args: Args):
         os.makedirs(run_path, exist_ok=True)
         with open(os.path.join(run_path, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=2)
-        writer = SummaryWriter(run_path)
+        # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
+        writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
         print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
               f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs)", flush=True)
 
@@ -658,16 +679,34 @@ def main(args: Args):
     groups = args.num_minibatches // world  # E-step minibatches of this learner process
     learner = None
     start = time.time()
-    global_step, returns, last_log = 0, [], start
+    last_log = last_checkpoint = start
     first_update_time = None  # steady-state SPS leaves out process start and the first batch
+    first_step = global_step
+    stop = []  # Ctrl-C or SIGTERM: finish the update, save a checkpoint, stop
+
+    def checkpoint(update):
+        if rank == 0:
+            check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
+            save_checkpoint({"agent": agent.state_dict(), "target_agent": learner.target_agent.state_dict(),
+                             "multipliers": multipliers.state_dict(), "optimizer": optimizer.state_dict(),
+                             "update": update, "global_step": global_step,
+                             "wall_time_s": previous_wall + time.time() - start, "returns": returns[-100:],
+                             "args": dataclasses.asdict(args)}, run_path)
 
     def on_signal(signum, frame):
-        raise KeyboardInterrupt
+        stop.append(signum)
+        if len(stop) > 1 or learner is None:  # a second Ctrl-C, or nothing to save yet: stop now
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    done_update = start_update
     try:
         learner = Learner(args, agent, obs_dim, action_dim, device, rank)
-        for update in range(1, num_updates + 1):
+        if target_state is not None:  # the target network the run was acting with
+            learner.target_agent.load_state_dict(target_state)  # in place: the shared memory stays shared
+            learner.version += 1  # the actors reload it at their next step
+        for update in range(start_update + 1, num_updates + 1):
             batch = learner.next_batch()
             agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
             mean, std, value_features = agent(batch["obs"])
@@ -676,8 +715,10 @@ def main(args: Args):
             loss.backward()
             if world > 1:
                 average_gradients(params, world)
-            if args.max_grad_norm > 0:
-                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0
+                                                 else float("inf"))
+            check_finite(f"at update {update} (step {update * steps_per_update})", loss=loss, gradient=grad_norm,
+                         **{k.split("/")[-1]: v for k, v in stats.items()})
             optimizer.step()
             multipliers.project(args.min_multiplier)
             stale = (batch["version"][:-1] != learner.version.item()).float().mean()
@@ -686,6 +727,12 @@ def main(args: Args):
             global_step = update * steps_per_update
             if first_update_time is None:
                 first_update_time = time.time()
+            done_update = update
+            if stop:
+                raise KeyboardInterrupt
+            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
+                checkpoint(update)
+                last_checkpoint = time.time()
             if rank != 0:
                 learner.episodes.clear()
                 continue
@@ -696,7 +743,7 @@ def main(args: Args):
             learner.episodes.clear()
             now = time.time()
             if now - last_log >= args.log_interval or update == num_updates:
-                sps = global_step / (now - start)
+                sps = (global_step - first_step) / (now - start)
                 writer.add_scalar("charts/SPS", sps, global_step)
                 writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
                 writer.add_scalar("stats/stale_fraction", stale.item(), global_step)
@@ -710,8 +757,10 @@ def main(args: Args):
                       f"α_μ {stats['stats/alpha_mu'].item():.3f} α_Σ {stats['stats/alpha_sigma'].item():.3f} "
                       f"σ {stats['stats/policy_std'].item():.3f} | ETA {eta_min:.1f} min", flush=True)
                 last_log = now
-    except WorkerError as e:
+    except (WorkerError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, NonFiniteError):
+            print(non_finite_advice(run_path), file=sys.stderr, flush=True)
         if learner is not None:
             learner.close()
         os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun
@@ -719,9 +768,15 @@ def main(args: Args):
         print("interrupted: stopping actors", file=sys.stderr, flush=True)
         if learner is not None:
             learner.close()
+            if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
+                checkpoint(done_update)
+                print(f"checkpoint at step {global_step}: continue with --resume {run_path}", file=sys.stderr,
+                      flush=True)
         sys.exit(130)
     learner.close()
-    wall = time.time() - start
+    end_time = time.time()
+    checkpoint(num_updates)
+    wall = previous_wall + end_time - start
 
     if rank == 0:
         checkpoint = {"script": "vmpo_mujoco", "env_id": args.env_id, "args": dataclasses.asdict(args),
@@ -741,8 +796,8 @@ def main(args: Args):
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
         summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
                    "sps": global_step / wall,
-                   "sps_after_first_update": (global_step - steps_per_update) / max(start + wall - first_update_time, 1e-9)
-                   if num_updates > 1 else None,
+                   "sps_after_first_update": (global_step - first_step - steps_per_update)
+                   / max(end_time - first_update_time, 1e-9) if num_updates > start_update + 1 else None,
                    "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                    "eval_mean_return": eval_mean}
         with open(os.path.join(run_path, "summary.json"), "w") as f:

@@ -143,3 +143,43 @@ def evaluate_cli(run, episodes=2):
                           str(episodes)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def assert_non_finite_stops_the_run(script, argv, run_dir):
+    """A learning rate of 1e30 blows the weights up within a few updates: the run must stop with exit code 1
+    and a line naming the non-finite quantity, keep a checkpoint of finite weights from before, and leave no
+    process behind."""
+    import torch
+
+    proc = subprocess.Popen([sys.executable, script, *argv, "--learning-rate", "1e30", "--checkpoint-interval",
+                             "1e-6", "--eval-episodes", "0", "--run-dir", str(run_dir)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(str(run_dir), "stderr.txt"), "w"))
+    workers, deadline = set(), time.time() + 240
+    try:
+        while proc.poll() is None and time.time() < deadline:  # note the workers while it runs
+            for c in children(proc.pid):
+                try:
+                    if "spawn_main" in open(f"/proc/{c}/cmdline").read():
+                        workers.add(c)
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = open(os.path.join(str(run_dir), "stderr.txt")).read()
+    assert workers, "no worker process seen"
+    assert proc.returncode == 1, err[-2000:]
+    line = next((x for x in err.splitlines() if "non-finite" in x), None)
+    assert line is not None, err[-2000:]
+    assert re.search(r"non-finite \S+", line), line
+    assert "last good checkpoint" in err, err[-2000:]
+    assert wait_gone(workers, timeout=20), "a worker outlived the stopped run"
+    ckpt = glob.glob(os.path.join(str(run_dir), "*", "checkpoint.pt"))
+    assert len(ckpt) == 1
+    state = torch.load(ckpt[0], map_location="cpu", weights_only=False)
+    tensors = [v for part in state.values() if isinstance(part, dict) for v in part.values()
+               if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert tensors and all(bool(torch.isfinite(v).all()) for v in tensors)
+    return line, state

@@ -15,8 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_mujoco  # noqa: E402
 from vmpo_mujoco import (gaussian_kl_parts, gaussian_log_prob, kl_constraint_loss, nstep_returns,  # noqa: E402
                          vmpo_weights)
-from tests.helpers import (assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
-                           imported_envpool_modules, run_script)
+from tests.helpers import (assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,  # noqa: E402
+                           assert_usage_error, events_tags, imported_envpool_modules, kill_after_first_checkpoint,
+                           run_script)
 from tests.test_vmpo_atari import weights_reference  # noqa: E402
 
 
@@ -325,6 +326,7 @@ def test_smoke_torchrun_two_learners(tmp_path):
     (["--env-id", "Pendulum-v1", "--eps-alpha-sigma", "0"], "--eps-alpha-sigma"),
     (["--env-id", "Pendulum-v1", "--total-timesteps", "10"], "less than one batch"),
     (["--preset", "humanoid-pixels"], "--preset"),
+    (["--resume", "runs/no-such-run"], "--resume"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("vmpo_mujoco.py", argv, tmp_path, needle)
@@ -355,3 +357,40 @@ def test_learns_inverted_pendulum(tmp_path):
     assert len(returns) >= 20
     best20 = max(sum(returns[i:i + 20]) / 20 for i in range(len(returns) - 19))
     assert best20 >= 950, f"best mean return over 20 consecutive episodes {best20:.1f} < 950"
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, η, α_μ, α_Σ,
+    the observation statistics, PopArt, the target network and the counters from the checkpoint, curves
+    continuing from its step."""
+    argv = ["--env-id", "Pendulum-v1", "--total-timesteps", "40000", "--num-envs", "4", "--batch-size", "4",
+            "--num-minibatches", "1", "--unroll-length", "10", "--target-update-period", "10",
+            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    ckpt = kill_after_first_checkpoint("vmpo_mujoco.py", argv, tmp_path)
+    run = os.path.dirname(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert 0 < saved["update"] < 1000 and saved["global_step"] == saved["update"] * 40
+    assert set(saved["multipliers"]) == {"eta", "alpha_mu", "alpha_sigma"}
+    assert any("obs_norm" in k for k in saved["agent"]) and any("popart" in k for k in saved["agent"])
+    assert run_script("vmpo_mujoco.py", ["--resume", run], tmp_path, timeout=600) == run
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["total_timesteps"] == 40000
+    final = torch.load(ckpt, weights_only=False)
+    assert final["update"] == 1000 and final["args"]["target_update_period"] == 10
+    # the observation statistics went on from the saved ones: their count only grew
+    count = next(k for k in saved["agent"] if "obs_norm" in k and "count" in k)
+    assert final["agent"][count] > saved["agent"][count]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run, size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("stats/eta")]
+    assert steps == sorted(steps) and steps[-1] == 40000
+    assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    line, state = assert_non_finite_stops_the_run("vmpo_mujoco.py", ["--env-id", "Pendulum-v1", "--num-envs", "4",
+                                                                     "--batch-size", "4", "--num-minibatches", "1",
+                                                                     "--unroll-length", "10"], tmp_path)
+    assert "at update" in line and state["update"] >= 1
