@@ -68,7 +68,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import load_checkpoint, save_checkpoint
+from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
+                               non_finite_advice, save_checkpoint)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.networks import LSTMCore, PolicyValueHeads, make_torso
@@ -624,6 +625,7 @@ def main(args: Args):
 
     def checkpoint(update):
         if rank == 0:
+            check_finite_parameters(f"at update {update}", agent=agent)
             save_checkpoint({"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "update": update,
                              "global_step": global_step, "wall_time_s": previous_wall + time.time() - start,
                              "returns": returns[-100:], "game_returns": {g: r[-10:] for g, r in game_returns.items()},
@@ -650,6 +652,8 @@ def main(args: Args):
             optimizer.zero_grad(set_to_none=True)
             (loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            check_finite(f"at update {update} (step {update * steps_per_update})", loss=loss, gradient=grad_norm,
+                         **{k.split("/")[-1]: v for k, v in stats.items()})
             optimizer.step()
             if agent.popart is not None:  # toward this batch's targets, per game; outputs preserved
                 real = ~batch["ended"][:-1]
@@ -698,8 +702,10 @@ def main(args: Args):
                 print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
                       f"| episodes {len(returns)} | lag {policy_lag:.1f} | ETA {eta / 60:.1f} min", flush=True)
                 last_log = now
-    except WorkerError as e:
+    except (WorkerError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, NonFiniteError):
+            print(non_finite_advice(run_path), file=sys.stderr, flush=True)
         if learner is not None:
             learner.close()
         os._exit(1)  # skip DDP teardown: the other learners are stopped by torchrun

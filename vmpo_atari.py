@@ -80,7 +80,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import load_checkpoint, save_checkpoint
+from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
+                               non_finite_advice, save_checkpoint)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.networks import LSTMCore, make_torso
@@ -728,6 +729,7 @@ def main(args: Args):
 
     def checkpoint(update):
         if rank == 0:
+            check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
             save_checkpoint({"agent": agent.state_dict(), "target_agent": learner.target_agent.state_dict(),
                              "multipliers": multipliers.state_dict(), "optimizer": optimizer.state_dict(),
                              "update": update, "global_step": global_step,
@@ -763,8 +765,10 @@ def main(args: Args):
                     stats[k] = stats.get(k, 0) + v / chunks
             if world > 1:
                 average_gradients(params, world)
-            if args.max_grad_norm > 0:
-                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0
+                                                 else float("inf"))
+            check_finite(f"at update {update} (step {update * steps_per_update})", gradient=grad_norm,
+                         **{k.split("/")[-1]: v for k, v in stats.items()})
             optimizer.step()
             multipliers.project(args.min_multiplier)
             stale = (batch["version"][:-1] != learner.version.item()).float().mean()
@@ -812,8 +816,10 @@ def main(args: Args):
                       f"| episodes {len(returns)} | η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
                       f"KL {stats['stats/kl'].item():.4f} | ETA {eta_min:.1f} min", flush=True)
                 last_log = now
-    except WorkerError as e:
+    except (WorkerError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, NonFiniteError):
+            print(non_finite_advice(run_path), file=sys.stderr, flush=True)
         if learner is not None:
             learner.close()
         os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun

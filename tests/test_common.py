@@ -84,7 +84,7 @@ def test_episode_tracker_on_real_breakout_with_episodic_life():
     env = make_env("Breakout-v5", 2, seed=3, training=True)
     tr = EpisodeTracker(2)
     obs, info = env.reset()
-    life_losses, games, raw_sum = 0, [], 0.0
+    life_losses, games = 0, []
     while len(games) < 2:
         obs, r, term, trunc, info = env.step(np.random.randint(0, 4, 2), info["env_id"])
         assert set(np.unique(r)) <= {-1.0, 0.0, 1.0}  # training rewards are clipped

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import impala_vtrace  # noqa: E402
 from impala_vtrace import vtrace  # noqa: E402
-from tests.helpers import (ROOT, assert_usage_error, events_tags, imported_envpool_modules,  # noqa: E402
+from tests.helpers import (ROOT, assert_non_finite_stops_the_run, assert_usage_error, events_tags, imported_envpool_modules,  # noqa: E402
                            kill_after_first_checkpoint, run_script, wait_for_actors, wait_gone)
 
 
@@ -340,3 +340,9 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     lr = {e.step: e.value for e in acc.Scalars("charts/learning_rate")}
     for step, value in lr.items():  # annealed on the same schedule across the restart
         assert value == pytest.approx(6e-4 * (1 - (step / 80 - 1) / 1500), rel=1e-5)
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    line, state = assert_non_finite_stops_the_run("impala_vtrace.py", ["--env-id", "CartPole-v1", "--num-envs", "4",
+                                                                       "--batch-size", "4"], tmp_path)
+    assert "at update" in line and state["update"] >= 1

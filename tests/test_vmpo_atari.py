@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, nstep_returns, vmpo_weights  # noqa: E402
-from tests.helpers import (assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
+from tests.helpers import (assert_killed_process_ends_the_run, assert_non_finite_stops_the_run, assert_usage_error, events_tags,  # noqa: E402
                            imported_envpool_modules, kill_after_first_checkpoint, run_script)
 
 
@@ -411,3 +411,10 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     steps = [e.step for e in acc.Scalars("stats/eta")]
     assert steps == sorted(steps) and steps[-1] == 64000
     assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    line, state = assert_non_finite_stops_the_run("vmpo_atari.py", ["--env-id", "CartPole-v1", "--num-envs", "4",
+                                                                    "--batch-size", "4", "--num-minibatches", "1",
+                                                                    "--no-use-lstm"], tmp_path)
+    assert "at update" in line and state["update"] >= 1
