@@ -74,6 +74,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
+                               non_finite_advice, save_checkpoint)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
 from common.networks import MLPTorso
 
@@ -143,6 +145,11 @@ class Args:
     """folder of the run folders"""
     log_interval: float = 5.0
     """seconds between console progress lines"""
+    checkpoint_interval: float = 300.0
+    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights, average network, shared RMSProp statistics, step counter; not the replay; written atomically); also at the end
+    and on Ctrl-C; 0: only then"""
+    resume: str = ""
+    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -354,6 +361,7 @@ def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
         norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
     else:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    check_finite("in a worker's update (nothing applied)", loss=loss, gradient=norm)
     for shared_p, local_p in zip(shared.parameters(), local.parameters()):
         shared_p.grad = local_p.grad
     optimizer.step()
@@ -567,8 +575,10 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
                     env_action = to_env_action(action.numpy(), low, high)
                 else:  # μ is stored as the behaviour probabilities
                     mu = F.softmax(local(obs[None])[0][0], dim=-1)
+                    check_finite(f"while acting at step {counter.value}", policy=mu)
                     action = torch.multinomial(mu, 1, generator=generator).squeeze(-1)
                     env_action = action.numpy()
+                check_finite(f"while acting at step {counter.value}", policy=mu)
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", worker_id, counter.value, score, length))
@@ -683,6 +693,11 @@ def check_args(args):
 
 
 def main(args: Args):
+    resumed = None
+    if args.resume:  # the run's own arguments; the checkpoint's state is loaded once the objects exist
+        resumed = load_checkpoint(args.resume)
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+        args = dataclasses.replace(Args(**saved), resume=args.resume)
     spec, derived = check_args(args)
     args = dataclasses.replace(args, **{key: v for key, v in derived.items() if key != "obs_shape"})
     torch.manual_seed(args.seed)
@@ -702,29 +717,47 @@ def main(args: Args):
     optimizer.share_memory()
 
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = os.path.join(args.run_dir, run_name)
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    start_step, returns, previous_wall = 0, [], 0.0
+    if resumed is not None:  # in place: the tensors stay in shared memory
+        agent.load_state_dict(resumed["agent"])
+        avg_agent.load_state_dict(resumed["avg_agent"])
+        for p, g in zip(agent.parameters(), resumed["square_avg"]):
+            optimizer.state[p]["square_avg"].copy_(g)
+        start_step, returns, previous_wall = resumed["global_step"], resumed["returns"], resumed["wall_time_s"]
     os.makedirs(run_path, exist_ok=True)
     with open(os.path.join(run_path, "args.json"), "w") as f:
         json.dump(dataclasses.asdict(args), f, indent=2)
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(run_path)
+    # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
+    writer = SummaryWriter(run_path, purge_step=start_step + 1 if resumed is not None else None)
     print(f"run folder: {run_path}  ({args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio "
           f"{args.replay_ratio}, {'trust region' if args.trust_region else 'no trust region'})", flush=True)
 
     ctx = torch.multiprocessing.get_context("spawn")
-    counter, msg_q = ctx.Value("q", 0), ctx.Queue()
+    counter, msg_q = ctx.Value("q", start_step), ctx.Queue()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
     procs = [ctx.Process(target=worker_process, name=f"worker-{w}", daemon=True,
                          args=(w, args, agent, avg_agent, optimizer, counter, msg_q, os.getpid()))
              for w in range(args.num_workers)]
+
+    def checkpoint():
+        """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
+        step = steps.value
+        check_finite_parameters(f"at step {step}", agent=agent, avg_agent=avg_agent)
+        save_checkpoint({"agent": agent.state_dict(), "avg_agent": avg_agent.state_dict(),
+                         "square_avg": [optimizer.state[p]["square_avg"] for p in agent.parameters()],
+                         "global_step": step, "returns": returns[-100:], "wall_time_s": previous_wall + time.time() - start,
+                         "args": dataclasses.asdict(args)}, run_path)
+        return step
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     start = time.time()
-    returns, done, last_log, first_step_time = [], set(), start, None
+    done, last_log, last_checkpoint, first_step_time = set(), start, start, None
     try:
         for p in procs:
             p.start()
@@ -762,27 +795,36 @@ def main(args: Args):
             step = steps.value
             if first_step_time is None and step > 0:
                 first_step_time, first_step = now, step
+            if args.checkpoint_interval > 0 and now - last_checkpoint >= args.checkpoint_interval and step > start_step:
+                checkpoint()
+                last_checkpoint = now
             if now - last_log >= args.log_interval:
-                sps = step / (now - start)
+                sps = (step - start_step) / (now - start)
                 writer.add_scalar("charts/SPS", sps, step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
                 print(f"step {step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
                       f"| episodes {len(returns)} | ETA {eta}", flush=True)
                 last_log = now
-    except WorkerError as e:
+    except (WorkerError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         stop_workers(procs)
+        if isinstance(e, NonFiniteError) or "NonFiniteError" in str(e):
+            print(non_finite_advice(run_path), file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted: stopping workers", file=sys.stderr, flush=True)
         stop_workers(procs)
+        if steps.value > start_step:
+            print(f"checkpoint at step {checkpoint()}: continue with --resume {run_path}", file=sys.stderr, flush=True)
         sys.exit(130)
     for p in procs:
         p.join()
-    wall = time.time() - start
+    end_time = time.time()
+    checkpoint()
+    wall = previous_wall + end_time - start
     global_step = steps.value
-    writer.add_scalar("charts/SPS", global_step / wall, global_step)
+    writer.add_scalar("charts/SPS", (global_step - start_step) / (end_time - start), global_step)
 
     checkpoint = {"script": "acer", "env_id": args.env_id, "args": dataclasses.asdict(args),
                   "agent_config": agent.config, "agent": {key: v.detach().clone() for key, v in agent.state_dict().items()},
@@ -803,10 +845,10 @@ def main(args: Args):
         writer.add_scalar("charts/eval_return", eval_mean, global_step)
         print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
     steady = None
-    if first_step_time is not None and start + wall > first_step_time:
-        steady = (global_step - first_step) / (start + wall - first_step_time)
+    if first_step_time is not None and end_time > first_step_time:
+        steady = (global_step - first_step) / (end_time - first_step_time)
     summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
-               "sps": global_step / wall, "sps_after_first_update": steady, "num_workers": args.num_workers,
+               "sps": (global_step - start_step) / (end_time - start), "sps_after_first_update": steady, "num_workers": args.num_workers,
                "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                "eval_mean_return": eval_mean}
     with open(os.path.join(run_path, "summary.json"), "w") as f:

@@ -17,7 +17,8 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import a3c  # noqa: E402
 from a3c import SharedRMSprop, a3c_loss, hogwild_update, n_step_returns  # noqa: E402
-from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, evaluate_cli,  # noqa: E402
+from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,
+                           assert_usage_error, kill_after_first_checkpoint, evaluate_cli,  # noqa: E402
                            events_tags, imported_envpool_modules, run_script, wait_for_actors, wait_gone)
 
 
@@ -344,6 +345,7 @@ def test_smoke_halfcheetah(tmp_path):
     (["--env-id", "CartPole-v1", "--rmsprop-alpha", "1"], "--rmsprop-alpha"),
     (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
     (["--env-id", "CartPole-v1", "--hidden", "0"], "--hidden"),
+    (["--resume", "runs/no-such-run"], "--resume"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("a3c.py", argv, tmp_path, needle)
@@ -395,3 +397,36 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, the shared
+    weights and RMSProp statistics, the step counter (so the learning-rate schedule goes on where
+    it was) and the curves from the checkpoint's step."""
+    argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2", "--total-timesteps", "150000",
+            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    ckpt = kill_after_first_checkpoint("a3c.py", argv, tmp_path)
+    run = os.path.dirname(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert 0 < saved["global_step"] < 150000
+    assert any(g.abs().sum() > 0 for g in saved["square_avg"])  # the shared statistics, not fresh zeros
+    assert run_script("a3c.py", ["--resume", run], tmp_path, timeout=600) == run
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["total_timesteps"] >= 150000
+    final = torch.load(ckpt, weights_only=False)
+    assert final["global_step"] == summary["total_timesteps"] and final["args"]["num_envs"] == 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run, size_guidance={"scalars": 0})
+    acc.Reload()
+    lr = acc.Scalars("charts/learning_rate")
+    after = [e for e in lr if e.step > saved["global_step"] + 1000]
+    assert any(e.step <= saved["global_step"] for e in lr) and after
+    for e in after:  # the linear annealing of the whole run, not restarted from the resumed step
+        assert abs(e.value - 1e-3 * (1 - (e.step - 5 * 2) / 150000)) < 1e-7, (e.step, e.value)  # step + t_max x envs
+
+
+def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
+    line, _ = assert_non_finite_stops_the_run("a3c.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path,
+                                              checkpoint_expected=False)
+    assert "policy" in line or "loss" in line or "gradient" in line

@@ -14,7 +14,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import acer  # noqa: E402
 from acer import acer_loss, acer_policy_gradient, kl_gradient, retrace, trust_region_step  # noqa: E402
-from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, events_tags,  # noqa: E402
+from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,
+                           assert_usage_error, kill_after_first_checkpoint, events_tags,  # noqa: E402
                            imported_envpool_modules, run_script)
 
 
@@ -335,6 +336,7 @@ def test_smoke_breakout(tmp_path):
     (["--env-id", "CartPole-v1", "--delta", "0"], "--delta"),
     (["--env-id", "CartPole-v1", "--avg-decay", "1"], "--avg-decay"),
     (["--env-id", "CartPole-v1", "--replay-size", "10"], "--replay-size"),
+    (["--resume", "runs/no-such-run"], "--resume"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("acer.py", argv, tmp_path, needle)
@@ -381,3 +383,35 @@ def test_learns_inverted_pendulum(tmp_path):
                                  "--seed", "1"], tmp_path, timeout=600)
     returns = events_tags(run, "charts/episodic_return")
     assert np.convolve(returns, np.ones(20) / 20, mode="valid").max() >= 300
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, the shared
+    weights, the average network and RMSProp statistics, the step counter and the curves from the checkpoint's
+    step. The replay is not kept: it refills from the resumed policy."""
+    argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2", "--total-timesteps", "150000",
+            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    ckpt = kill_after_first_checkpoint("acer.py", argv, tmp_path)
+    run = os.path.dirname(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert "avg_agent" in saved and 0 < saved["global_step"] < 150000
+    assert any(g.abs().sum() > 0 for g in saved["square_avg"])  # the shared statistics, not fresh zeros
+    assert run_script("acer.py", ["--resume", run], tmp_path, timeout=600) == run
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["total_timesteps"] >= 150000
+    final = torch.load(ckpt, weights_only=False)
+    assert final["global_step"] == summary["total_timesteps"] and final["args"]["num_envs"] == 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run, size_guidance={"scalars": 0})
+    acc.Reload()
+    lr = acc.Scalars("charts/learning_rate")
+    after = [e for e in lr if e.step > saved["global_step"] + 1000]
+    assert any(e.step <= saved["global_step"] for e in lr) and after
+    assert all(abs(e.value - 1e-3) < 1e-9 for e in lr)  # ACER's learning rate is constant
+
+
+def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
+    line, _ = assert_non_finite_stops_the_run("acer.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path,
+                                              checkpoint_expected=False)
+    assert "policy" in line or "loss" in line or "gradient" in line
