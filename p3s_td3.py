@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -74,6 +75,8 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from common.checkpoint import (check_finite, check_finite_parameters, load_checkpoint,
+                               non_finite_advice, save_checkpoint)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
 
 
@@ -146,6 +149,12 @@ class Args:
     """folder of the run folders"""
     log_interval: float = 5.0
     """seconds between console progress lines"""
+    checkpoint_interval: float = 300.0
+    """seconds between checkpoints, taken at the next selection (every M steps), when all learners are at the
+    same step: runs/<run>/checkpoint.pt (counters, β, best learner) and learner_<i>.pt per learner (networks,
+    Adam states, π_b, π_old, its part of the replay); written atomically; also at the end and on Ctrl-C"""
+    resume: str = ""
+    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
 
 
 # App. I: T_initial (Sec. 4.1) and d_min per task, keyed by the task's name without its version.
@@ -334,6 +343,19 @@ class SharedReplay:
     def sizes(self):
         return self.writes.clamp(max=self.part)
 
+    def part_state(self, learner):
+        """Learner `learner`'s part (the rows it wrote) and its write count, for a checkpoint."""
+        rows = slice(learner * self.part, learner * self.part + int(self.sizes()[learner]))
+        return {"writes": int(self.writes[learner]), **{k: getattr(self, k)[rows].clone() for k in self.FIELDS}}
+
+    def load_part(self, learner, state):
+        k = len(state["rewards"])
+        for name in self.FIELDS:
+            getattr(self, name)[learner * self.part: learner * self.part + k] = state[name]
+        self.writes[learner] = state["writes"]
+
+    FIELDS = ("obs", "next_obs", "actions", "rewards", "terminated")
+
     def sample(self, batch_size, generator=None):
         """A uniform minibatch over all rows written so far: (obs, actions, rewards, next_obs, terminated) and
         the index of the learner that wrote each row."""
@@ -383,6 +405,7 @@ class Learner:
             y = td3_target(rewards, terminated, *self.qf_target(next_obs, next_actions), a.gamma)
         q1, q2 = self.qf(obs, actions)
         qf_loss = critic_loss(q1, q2, y)
+        check_finite(f"at update {self.updates + 1} (nothing applied)", critic_loss=qf_loss)
         self.qf_opt.zero_grad(set_to_none=True)
         qf_loss.backward()
         self.qf_opt.step()
@@ -393,6 +416,7 @@ class Learner:
             with torch.no_grad():
                 best = self.best_actor(obs)
             actor_loss, distance = p3s_actor_loss(self.qf.q1_only(obs, pi), pi, best, beta, guided)
+            check_finite(f"at update {self.updates} (policy step not applied)", actor_loss=actor_loss)
             self.actor_opt.zero_grad(set_to_none=True)
             actor_loss.backward()
             self.actor_opt.step()
@@ -408,6 +432,17 @@ class Learner:
         obs = obs.to(self.device)
         pi = self.actor(obs)
         return float(policy_distance(pi, self.best_actor(obs))), float(policy_distance(pi, self.old_actor(obs)))
+
+    def state_dict(self):
+        nets = ("actor", "qf", "actor_target", "qf_target", "best_actor", "old_actor", "actor_opt", "qf_opt")
+        return {**{k: getattr(self, k).state_dict() for k in nets}, "updates": self.updates}
+
+    def load_state_dict(self, state):
+        for k, v in state.items():
+            if k == "updates":
+                self.updates = v
+            else:
+                getattr(self, k).load_state_dict(v)
 
     def policy_vector(self):
         return parameters_to_vector(self.actor.parameters()).detach()
@@ -434,6 +469,10 @@ class Population:
         self.stats = torch.zeros(num_learners, self.STATS, dtype=torch.float64).share_memory_()
         self.steps = torch.zeros(num_learners, dtype=torch.int64).share_memory_()
         self.arrivals = ctx.Value("q", 0)
+        # checkpoints: the main process raises `save_request`; learner 0 turns it into `save_at` (the period at
+        # which every learner saves) before the selection's first barrier, so that all read the same value
+        self.save_request = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.save_at = torch.full((1,), -1, dtype=torch.int64).share_memory_()
 
     def barrier(self, generation, num_learners, parent_pid):
         """The `generation`-th meeting point (1, 2, ...): returns once every learner has arrived at it. Polls, so
@@ -452,12 +491,12 @@ class ParentGone(Exception):
     """The main process has died (it cannot be signalled if it was SIGKILLed): the learner exits by itself."""
 
 
-def learner_process(index, args, replay, population, msg_q, parent_pid):
+def learner_process(index, args, replay, population, msg_q, parent_pid, run_path, resume_file=None):
     """Entry point of a learner process: runs `run_learner` and reports its traceback if it fails."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     try:
         torch.set_num_threads(1)
-        run_learner(index, args, replay, population, msg_q, parent_pid)
+        run_learner(index, args, replay, population, msg_q, parent_pid, run_path, resume_file)
     except ParentGone:
         msg_q.cancel_join_thread()  # nobody reads the queue any more: do not wait to flush it at exit
     except Exception:
@@ -465,7 +504,12 @@ def learner_process(index, args, replay, population, msg_q, parent_pid):
         sys.exit(1)
 
 
-def run_learner(index, args, replay, population, msg_q, parent_pid):
+def learner_file(run_path, index, t):
+    """Learner `index`'s part of the checkpoint taken at its time step `t` (the same for every learner)."""
+    return os.path.join(run_path, f"learner_{index}.{t}.pt")
+
+
+def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=None, resume_file=None):
     """Algorithm 1 for learner `index`: act in its own envs, store into D, update, and every M steps meet the
     others to select the best learner and adapt β."""
     N, n = args.num_learners, args.num_envs
@@ -482,10 +526,34 @@ def run_learner(index, args, replay, population, msg_q, parent_pid):
     steps_per_learner = args.total_timesteps // (N * n)  # time steps t of Algorithm 1
     best, beta, generation = 0, args.beta_init, 0
     foreign, sampled, stored, rewarded, last_report = 0, 0, 0, 0, 0.0
+    start_t = 0
+    if resume_file is not None:  # this learner's state at the checkpoint; its envs start new episodes
+        saved = torch.load(resume_file, map_location="cpu", weights_only=False)
+        learner.load_state_dict(saved["learner"])
+        replay.load_part(index, saved["replay"])
+        start_t, best, beta, generation = saved["t"], saved["best"], saved["beta"], saved["generation"]
+        foreign, sampled, stored, rewarded = saved["counts"]
+        recent.extend(saved["recent"])
+        generator.set_state(saved["generator"])
+        cpu_generator.set_state(saved["cpu_generator"])
+        population.steps[index] = start_t * n
+
+    def save(t):
+        """This learner's part of a checkpoint, then a note to the main process, which writes checkpoint.pt once
+        every learner has saved the same period."""
+        check_finite_parameters(f"in learner {index} at its step {t * n}", actor=learner.actor, qf=learner.qf)
+        state = {"learner": learner.state_dict(), "replay": replay.part_state(index), "t": t, "best": best,
+                 "beta": beta, "generation": generation, "counts": (foreign, sampled, stored, rewarded),
+                 "recent": list(recent), "generator": generator.get_state(), "cpu_generator": cpu_generator.get_state()}
+        path = learner_file(run_path, index, t)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        msg_q.put(("saved", index, t, generation))
+
     obs, _ = envs.reset()
     obs = torch.from_numpy(flatten_obs(obs))
     after_end = np.zeros(n, bool)  # the next step is envpool's reset step, not a transition
-    for t in range(1, steps_per_learner + 1):
+    for t in range(start_t + 1, steps_per_learner + 1):
         if os.getppid() != parent_pid:
             raise ParentGone
         if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
@@ -516,12 +584,19 @@ def run_learner(index, args, replay, population, msg_q, parent_pid):
             foreign += int((writers != index).sum())
             sampled += args.batch_size
             stats = learner.update(batch, beta, guided)
-        if N > 1 and t % args.best_period == 0:
-            generation += 1
-            best, beta, sync = synchronise(index, learner, replay, population, recent, best, beta, generation, args,
-                                           parent_pid, cpu_generator)
-            if index == 0:
-                msg_q.put(("sync", int(population.steps.sum()), sync))
+        if t % args.best_period == 0:
+            period = t // args.best_period
+            if index == 0 and int(population.save_request[0]):  # decided before the barrier: all see the same
+                population.save_request[0] = 0
+                population.save_at[0] = period
+            if N > 1:
+                generation += 1
+                best, beta, sync = synchronise(index, learner, replay, population, recent, best, beta, generation,
+                                               args, parent_pid, cpu_generator)
+                if index == 0:
+                    msg_q.put(("sync", int(population.steps.sum()), sync))
+            if int(population.save_at[0]) == period and run_path is not None:
+                save(t)
         now = time.time()
         if now - last_report >= 2.0 and "actor_loss" in stats:
             stats = {k: float(v) for k, v in stats.items()}
@@ -529,6 +604,9 @@ def run_learner(index, args, replay, population, msg_q, parent_pid):
             msg_q.put(("stats", index, int(population.steps.sum()), stats))
             last_report = now
     population.policies[index] = learner.policy_vector().cpu()
+    if run_path is not None and (steps_per_learner % args.best_period or int(population.save_at[0]) !=
+                                 steps_per_learner // args.best_period):
+        save(steps_per_learner)  # the end of the run (unless just saved at this very step)
     msg_q.put(("done", index, {"foreign_sample_fraction": foreign / max(sampled, 1), "updates": learner.updates,
                                "rewarded_fraction": rewarded / max(stored, 1)}))
 
@@ -636,18 +714,30 @@ def env_id_renders(env_id):
 
 
 def main(args: Args):
+    resumed = None
+    if args.resume:  # the run's own arguments; the learners load their own parts of the checkpoint
+        resumed = load_checkpoint(args.resume)
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+        args = dataclasses.replace(Args(**saved), resume=args.resume)
     spec, derived = check_args(args)
     args = dataclasses.replace(args, t_initial=derived["t_initial"], d_min=derived["d_min"])
     torch.backends.cudnn.deterministic = args.torch_deterministic
     N = args.num_learners
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = os.path.join(args.run_dir, run_name)
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
     os.makedirs(run_path, exist_ok=True)
     with open(os.path.join(run_path, "args.json"), "w") as f:
         json.dump(dataclasses.asdict(args), f, indent=2)
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(run_path)
+    returns, per_learner, best, beta, start_step, previous_wall = [], [[] for _ in range(N)], 0, args.beta_init, 0, 0.0
+    resume_files = [None] * N
+    if resumed is not None:
+        returns, per_learner, best, beta = resumed["returns"], resumed["per_learner"], resumed["best"], resumed["beta"]
+        start_step, previous_wall = resumed["global_step"], resumed["wall_time_s"]
+        resume_files = [learner_file(run_path, i, resumed["t"]) for i in range(N)]
+    # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
+    writer = SummaryWriter(run_path, purge_step=start_step + 1 if resumed is not None else None)
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
     print(f"run folder: {run_path}  ({'P3S-TD3 with ' + str(N) + ' learners' if N > 1 else 'TD3 (one learner)'} x "
           f"{args.num_envs} env(s) on {device}; T_initial {args.t_initial}, d_min {args.d_min}"
@@ -657,18 +747,37 @@ def main(args: Args):
     replay = SharedReplay(args.buffer_size, N, derived["obs_dim"], derived["action_dim"])
     actor = Actor(derived["obs_dim"], derived["action_dim"], args.hidden)
     population = Population(ctx, N, sum(p.numel() for p in actor.parameters()))
+    if resumed is not None:  # the barrier counts on from the selections already made
+        population.arrivals.value = 2 * resumed["generation"] * N
     msg_q = ctx.Queue()
     procs = [ctx.Process(target=learner_process, name=f"learner-{i}", daemon=True,
-                         args=(i, args, replay, population, msg_q, os.getpid())) for i in range(N)]
+                         args=(i, args, replay, population, msg_q, os.getpid(), run_path, resume_files[i]))
+             for i in range(N)]
+    saved_by = {}  # learner time step → learners that saved their part there
+    stop = []  # Ctrl-C or SIGTERM: a checkpoint at the next selection, then stop
+
+    def checkpoint(t, generation):
+        """checkpoint.pt names the time step whose learner files make up the checkpoint; older ones go."""
+        save_checkpoint({"t": t, "generation": generation, "global_step": t * N * args.num_envs, "returns": returns[-100:],
+                         "per_learner": [r[-args.recent_episodes:] for r in per_learner], "best": best, "beta": beta,
+                         "wall_time_s": previous_wall + time.time() - start, "args": dataclasses.asdict(args)},
+                        run_path)
+        for old in glob.glob(os.path.join(run_path, "learner_*.pt")):
+            if not old.endswith(f".{t}.pt"):
+                os.remove(old)
 
     def on_signal(signum, frame):
-        raise KeyboardInterrupt
+        stop.append(signum)
+        if len(stop) > 1:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        population.save_request[0] = 1
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     start = time.time()
-    returns, per_learner, done, last_log, first_step_time = [], [[] for _ in range(N)], {}, start, None
-    best, beta = 0, args.beta_init
-    selections = open(os.path.join(run_path, "population.jsonl"), "w", buffering=1)  # one line per selection
+    done, last_log, last_checkpoint, first_step_time = {}, start, start, None
+    stop_deadline = None
+    selections = open(os.path.join(run_path, "population.jsonl"), "a" if resumed else "w", buffering=1)
     try:
         for p in procs:
             p.start()
@@ -701,6 +810,14 @@ def main(args: Args):
                     scores = [s for s in sync["scores"] if not math.isnan(s)]
                     if scores:
                         writer.add_scalar("charts/best_recent_return", max(scores), step)
+                elif kind == "saved":
+                    saved_by.setdefault(msg[2], set()).add(msg[1])
+                    if len(saved_by[msg[2]]) == N:
+                        checkpoint(msg[2], msg[3])
+                        if stop:
+                            print(f"checkpoint at step {msg[2] * N * args.num_envs}: continue with --resume "
+                                  f"{run_path}", file=sys.stderr, flush=True)
+                            raise KeyboardInterrupt
                 elif kind == "done":
                     done[msg[1]] = msg[2]
                 else:
@@ -718,10 +835,19 @@ def main(args: Args):
                     raise LearnerError(f"learner {i} died with exit code {p.exitcode}")
             now = time.time()
             step = int(population.steps.sum())
-            if first_step_time is None and step > N * args.num_envs * args.t_initial:
+            if stop and stop_deadline is None:
+                stop_deadline = now + 120.0
+                print(f"interrupted: a checkpoint at the next selection (every {args.best_period} steps), then stop "
+                      "(Ctrl-C again: stop now)", file=sys.stderr, flush=True)
+            if stop_deadline is not None and now > stop_deadline:
+                raise KeyboardInterrupt
+            if args.checkpoint_interval > 0 and now - last_checkpoint >= args.checkpoint_interval:
+                population.save_request[0] = 1
+                last_checkpoint = now
+            if first_step_time is None and step > max(N * args.num_envs * args.t_initial, start_step):
                 first_step_time, first_step = now, step
             if now - last_log >= args.log_interval:
-                sps = step / (now - start)
+                sps = (step - start_step) / (now - start)
                 writer.add_scalar("charts/SPS", sps, step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
@@ -732,6 +858,8 @@ def main(args: Args):
     except LearnerError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         stop_learners(procs)
+        if "NonFiniteError" in str(e):
+            print(non_finite_advice(run_path), file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted: stopping learners", file=sys.stderr, flush=True)
@@ -740,9 +868,10 @@ def main(args: Args):
     for p in procs:
         p.join()
     selections.close()
-    wall = time.time() - start
+    end_time = time.time()
+    wall = previous_wall + end_time - start
     global_step = int(population.steps.sum())
-    writer.add_scalar("charts/SPS", global_step / wall, global_step)
+    writer.add_scalar("charts/SPS", (global_step - start_step) / (end_time - start), global_step)
 
     # The paper's evaluation (Sec. 4.1): each learner's deterministic policy for E episodes; the score is the best
     # learner's mean. model.pt keeps every policy, the best one as `actor`.
@@ -775,10 +904,10 @@ def main(args: Args):
     if args.save_model:
         torch.save(checkpoint, os.path.join(run_path, "model.pt"))
     steady = None
-    if first_step_time is not None and start + wall > first_step_time:
-        steady = (global_step - first_step) / (start + wall - first_step_time)
+    if first_step_time is not None and end_time > first_step_time:
+        steady = (global_step - first_step) / (end_time - first_step_time)
     summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
-               "sps": global_step / wall, "sps_after_first_update": steady, "num_learners": N,
+               "sps": (global_step - start_step) / (end_time - start), "sps_after_first_update": steady, "num_learners": N,
                "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
                "eval_mean_return": max(eval_means) if eval_means else None,
                "eval_mean_return_per_learner": eval_means,

@@ -2,6 +2,7 @@
 (Eqs. 80-84) against plain loops, the shared replay across processes, delayed rewards, and the script end to
 end."""
 
+import glob
 import json
 import math
 import os
@@ -19,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import p3s_td3  # noqa: E402
 from p3s_td3 import (Args, DelayedReward, Learner, SharedReplay, adapt_beta, critic_loss, p3s_actor_loss,  # noqa: E402
                      policy_distance, select_best, smoothed_target_action, soft_update, td3_target)
-from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_usage_error, evaluate_cli,  # noqa: E402
+from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,
+                           assert_usage_error, kill_after_first_checkpoint, evaluate_cli,  # noqa: E402
                            events_tags, imported_envpool_modules, run_script, wait_for_actors, wait_gone)
 
 
@@ -381,6 +383,7 @@ def test_smoke_one_learner_is_td3_with_video(tmp_path):
     (["--env-id", "Pendulum-v1", "--total-timesteps", "5000"], "before the first update"),
     (["--env-id", "Pendulum-v1", "--beta-init", "5000"], "--beta-init"),
     (["--env-id", "Pendulum-v1", "--tau", "2"], "--tau"),
+    (["--resume", "runs/no-such-run"], "--resume"),
 ])
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("p3s_td3.py", argv, tmp_path, needle)
@@ -426,3 +429,66 @@ def test_learns_pendulum(tmp_path):
     assert summary["eval_mean_return"] >= -400
     returns = events_tags(run, "charts/episodic_return")
     assert np.mean(returns[:10]) < -900  # it started from random behaviour
+
+
+SMALL = ["--env-id", "Pendulum-v1", "--num-learners", "2", "--t-initial", "100", "--best-period", "50", "--hidden", "32",
+         "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    """A run SIGKILLed after a checkpoint continues with --resume: each learner's networks, Adam states, π_b,
+    π_old and replay part as saved at the same selection, β and the best learner, the step counters; curves go
+    on from the checkpoint's step and population.jsonl is appended to."""
+    ckpt = kill_after_first_checkpoint("p3s_td3.py", [*SMALL, "--total-timesteps", "12000",
+                                                      "--checkpoint-interval", "0.5"], tmp_path)
+    run = os.path.dirname(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    t = saved["t"]
+    assert t % 50 == 0 and 100 < t < 6000 and saved["global_step"] == 2 * t
+    parts = [torch.load(os.path.join(run, f"learner_{i}.{t}.pt"), weights_only=False) for i in range(2)]
+    for part in parts:
+        assert part["t"] == t and 0 < part["replay"]["writes"] <= t  # reset steps are not stored
+        assert len(part["replay"]["rewards"]) == min(part["replay"]["writes"], 1_000_000 // 2)
+        assert part["learner"]["updates"] > 0 and part["beta"] == saved["beta"] and part["best"] == saved["best"]
+    selections_before = open(os.path.join(run, "population.jsonl")).read().splitlines()
+    assert run_script("p3s_td3.py", ["--resume", run], tmp_path, timeout=600) == run
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["total_timesteps"] == 12000
+    # the updates went on from the saved count: (steps after T_initial) x envs, across both sessions
+    assert summary["updates_per_learner"] == [6000 - 100] * 2
+    final = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
+    assert final["t"] == 6000 and sorted(glob.glob(os.path.join(run, "learner_*.pt"))) == [
+        os.path.join(run, f"learner_{i}.6000.pt") for i in range(2)]
+    selections = open(os.path.join(run, "population.jsonl")).read().splitlines()
+    assert selections[:len(selections_before)] == selections_before and len(selections) > len(selections_before)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run, size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("stats/beta")]
+    assert steps == sorted(steps) and steps[-1] == 12000
+    assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
+
+
+def test_ctrl_c_leaves_a_checkpoint_at_the_next_selection(tmp_path):
+    proc = subprocess.Popen([sys.executable, "p3s_td3.py", *SMALL, "--total-timesteps", "100000000",
+                             "--run-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        learners = wait_for_actors(proc)
+        time.sleep(4.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "continue with --resume" in err, err[-2000:]
+        assert wait_gone(learners, timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    saved = torch.load(glob.glob(os.path.join(str(tmp_path), "*", "checkpoint.pt"))[0], weights_only=False)
+    assert saved["t"] % 50 == 0 and saved["t"] > 100
+
+
+def test_non_finite_loss_stops_the_run(tmp_path):
+    line, _ = assert_non_finite_stops_the_run("p3s_td3.py", SMALL[:-6] + ["--total-timesteps", "100000"], tmp_path,
+                                              checkpoint_expected=False)
+    assert "loss" in line
