@@ -18,7 +18,8 @@ Four figures, in environment steps per second (SPS; frames are 4x that on Atari)
 The script's network arguments after `--` (`--network`, `--no-use-lstm`, `--channels`) are given to the
 synchronous loops too. Prints a Markdown table and writes it as JSON next to this file (or to --out).
 
-A3C has no learner to batch: `--script a3c --workers 1 2 4` measures how its Hogwild workers scale with cores
+A3C and ACER have no learner to batch: `--script a3c --workers 1 2 4` (or `--script acer`) measures how their
+Hogwild workers scale with cores
 instead, each count against raw envpool stepping the same number of environments (`--num-envs` per worker):
 
     python benchmarks/throughput.py --script a3c --env-id CartPole-v1 --num-envs 4 --workers 1 2 --timesteps 300000
@@ -186,14 +187,14 @@ def script_sps(script, env_id, num_envs, timesteps, network, extra):
 def process_scaling(a):
     """SPS of a3c.py against its number of workers, or of p3s_td3.py against its number of learners, each count
     next to raw envpool stepping as many environments (`--num-envs` per process)."""
-    flag, unit, counts = (("--num-workers", "workers", a.workers) if a.script == "a3c"
+    flag, unit, counts = (("--num-workers", "workers", a.workers) if a.script in ("a3c", "acer")
                           else ("--num-learners", "learners", a.learners))
     rows = []
     for w in counts:
         envs = w * a.num_envs
         raw = raw_envpool_sps(a.env_id, envs, max(1, envs // 2), a.seconds)
         total, steady = script_sps(a.script, a.env_id, a.num_envs, a.timesteps * w, None,
-                                   [flag, str(w), *a.extra] + ([] if a.cuda or a.script == "a3c" else ["--no-cuda"]))
+                                   [flag, str(w), *a.extra] + ([] if a.cuda or a.script in ("a3c", "acer") else ["--no-cuda"]))
         rows.append({unit: w, "envs_per_process": a.num_envs, "raw_envpool_sps": raw, "script_sps": steady,
                      "script_sps_with_startup": total, "script_over_raw": steady / raw})
     device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
@@ -214,8 +215,8 @@ def process_scaling(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--script", default="impala_vtrace",
-                   choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "p3s_td3"])
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="a3c: worker counts to measure")
+                   choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="a3c, acer: worker counts to measure")
     p.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4], help="p3s_td3: learner counts to measure")
     p.add_argument("--env-id", default="Breakout-v5")
     p.add_argument("--num-envs", type=int, default=32)
@@ -227,7 +228,7 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("extra", nargs="*", help="more arguments of the script, after --")
     a = p.parse_args()
-    if a.script in ("a3c", "p3s_td3"):
+    if a.script in ("a3c", "acer", "p3s_td3"):
         return process_scaling(a)
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
     script_args = {}

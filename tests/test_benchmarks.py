@@ -1,0 +1,69 @@
+"""benchmarks/learning.py: the curves and the table it draws from TensorBoard logs, and its time limit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import learning  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
+
+
+def test_running_mean_and_curve_on_grid_match_loops():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=57)
+    expected = [values[max(0, i + 1 - 20):i + 1].mean() for i in range(len(values))]
+    np.testing.assert_allclose(learning.running_mean(values), expected)
+    steps = np.sort(rng.choice(10_000, size=57, replace=False)).astype(float)
+    grid = np.array([0.0, steps[0] - 1, steps[0], steps[10] + 0.5, 20_000.0])
+    curve = learning.curve_on_grid(steps, values, grid)
+    assert np.isnan(curve[0]) and np.isnan(curve[1])  # before the first episode
+    np.testing.assert_allclose(curve[2:], [expected[0], expected[10], expected[-1]])
+
+
+def fake_run(out, seed, returns):
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder = os.path.join(out, "runs", f"a3c__CartPole-v1__s{seed}", f"CartPole-v1__a3c__{seed}__1")
+    writer = SummaryWriter(folder)
+    for i, r in enumerate(returns):
+        writer.add_scalar("charts/episodic_return", r, 100 * (i + 1))
+    writer.close()
+    with open(os.path.join(folder, "summary.json"), "w") as f:
+        json.dump({"total_timesteps": 100 * len(returns), "wall_time_s": 10.0 * seed, "eval_mean_return": 50.0 * seed}, f)
+
+
+def test_report_from_logs(tmp_path):
+    out = str(tmp_path)
+    fake_run(out, 1, np.arange(40.0))  # last 20: 20..39, mean 29.5
+    fake_run(out, 2, np.arange(40.0) + 10)  # mean 39.5
+    res = subprocess.run([sys.executable, "benchmarks/learning.py", "--preset", "cpu", "--only", "a3c", "--seeds", "1",
+                          "2", "--report-only", "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    table = open(os.path.join(out, "learning_cpu.md")).read()
+    row = next(line for line in table.splitlines() if "CartPole-v1" in line)
+    assert "| a3c | CartPole-v1 | 300,000 | 2 | 4,000 | 34.5 ± 5.0 | 75.0 ± 25.0 | 15 s |" == row
+    assert "InvertedPendulum" not in table  # no runs there: no row
+    assert os.path.getsize(os.path.join(out, "learning_cpu.png")) > 10_000
+    saved = json.load(open(os.path.join(out, "learning_cpu.json")))
+    assert saved["rows"][0]["final_mean_20"] == [29.5, 39.5]
+
+
+def test_time_limit_stops_a_run_with_ctrl_c(tmp_path):
+    """A run past --time-limit gets Ctrl-C: it saves a checkpoint and stops, and the table says how far it got."""
+    res = subprocess.run([sys.executable, "benchmarks/learning.py", "--preset", "cpu", "--only", "a3c", "--seeds", "1",
+                          "--time-limit", "8", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "exit 130" in res.stdout
+    saved = json.load(open(os.path.join(str(tmp_path), "learning_cpu.json")))
+    reached = {r["env_id"]: r["steps_reached"][0] for r in saved["rows"]}
+    assert 0 < reached["CartPole-v1"] < 300_000 and 0 < reached["InvertedPendulum-v4"] < 500_000
+    assert len([p for p in os.listdir(os.path.join(str(tmp_path), "runs"))]) == 2
+    assert all(os.path.exists(p) for p in [os.path.join(str(tmp_path), "runs", d, f, "checkpoint.pt")
+                                           for d in os.listdir(os.path.join(str(tmp_path), "runs"))
+                                           for f in os.listdir(os.path.join(str(tmp_path), "runs", d)) if "__" in f])
