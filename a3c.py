@@ -638,7 +638,8 @@ def main(args: Args):
         print("interrupted: stopping workers", file=sys.stderr, flush=True)
         stop_workers(procs)
         if steps.value > start_step:
-            print(f"checkpoint at step {checkpoint()}: continue with --resume {run_path}", file=sys.stderr, flush=True)
+            print(f"checkpoint at step {checkpoint()}: continue with python {os.path.basename(__file__)} --resume "
+                  f"{run_path}", file=sys.stderr, flush=True)
         sys.exit(130)
     for p in procs:
         p.join()

@@ -715,8 +715,11 @@ def main(args: Args):
             learner.close()
             if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
                 checkpoint(done_update)
-                print(f"checkpoint at step {global_step}: continue with --resume {run_path}", file=sys.stderr,
-                      flush=True)
+                again = (f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}" if world > 1
+                         else f"python {os.path.basename(__file__)}")
+                if rank == 0:
+                    print(f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
+                          file=sys.stderr, flush=True)
         sys.exit(130)
     learner.close()
     end_time = time.time()

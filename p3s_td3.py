@@ -815,8 +815,8 @@ def main(args: Args):
                     if len(saved_by[msg[2]]) == N:
                         checkpoint(msg[2], msg[3])
                         if stop:
-                            print(f"checkpoint at step {msg[2] * N * args.num_envs}: continue with --resume "
-                                  f"{run_path}", file=sys.stderr, flush=True)
+                            print(f"checkpoint at step {msg[2] * N * args.num_envs}: continue with python "
+                                  f"p3s_td3.py --resume {run_path}", file=sys.stderr, flush=True)
                             raise KeyboardInterrupt
                 elif kind == "done":
                     done[msg[1]] = msg[2]

@@ -479,7 +479,7 @@ def test_ctrl_c_leaves_a_checkpoint_at_the_next_selection(tmp_path):
         time.sleep(4.0)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 130 and "continue with --resume" in err, err[-2000:]
+        assert proc.returncode == 130 and "p3s_td3.py --resume" in err, err[-2000:]
         assert wait_gone(learners, timeout=15)
     finally:
         if proc.poll() is None:
