@@ -72,7 +72,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               non_finite_advice, save_checkpoint)
+                               non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
 from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso
 
@@ -563,10 +563,22 @@ def main(args: Args):
                          args=(w, args, agent, optimizer, counter, obs_lock, msg_q, os.getpid()))
              for w in range(args.num_workers)]
 
+    def saved_model(global_step):
+        """What model.pt holds (common/evaluation.py plays it)."""
+        model = {"script": "a3c", "env_id": args.env_id, "args": dataclasses.asdict(args),
+                 "agent_config": agent.config, "agent": {k: v.detach().clone() for k, v in agent.state_dict().items()},
+                 "global_step": global_step}
+        if not discrete:
+            model.update(action_low=spec.action_space.low.astype(np.float32).tolist(),
+                         action_high=spec.action_space.high.astype(np.float32).tolist())
+        return model
+
     def checkpoint():
         """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
         step = steps.value
         check_finite_parameters(f"at step {step}", agent=agent)
+        if args.save_model:  # a run stopped early can be evaluated too
+            save_model(saved_model(step), run_path)
         save_checkpoint({"agent": agent.state_dict(),
                          "square_avg": None if optimizer is None
                          else [optimizer.state[p]["square_avg"] for p in agent.parameters()],
@@ -578,6 +590,7 @@ def main(args: Args):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # also where the shell started this process with Ctrl-C ignored
     start = time.time()
     done, last_log, last_checkpoint, first_step_time = set(), start, start, None
     try:
@@ -649,12 +662,7 @@ def main(args: Args):
     global_step = steps.value
     writer.add_scalar("charts/SPS", (global_step - start_step) / (end_time - start), global_step)
 
-    checkpoint = {"script": "a3c", "env_id": args.env_id, "args": dataclasses.asdict(args),
-                  "agent_config": agent.config, "agent": {k: v.detach().clone() for k, v in agent.state_dict().items()},
-                  "global_step": global_step}
-    if not discrete:
-        checkpoint.update(action_low=spec.action_space.low.astype(np.float32).tolist(),
-                          action_high=spec.action_space.high.astype(np.float32).tolist())
+    checkpoint = saved_model(global_step)
     if args.save_model:
         torch.save(checkpoint, os.path.join(run_path, "model.pt"))
     eval_mean = None

@@ -75,8 +75,8 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from common.checkpoint import (check_finite, check_finite_parameters, load_checkpoint,
-                               non_finite_advice, save_checkpoint)
+from common.checkpoint import (check_finite, check_finite_parameters, load_checkpoint, non_finite_advice,
+                               save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
 
 
@@ -545,6 +545,7 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
         state = {"learner": learner.state_dict(), "replay": replay.part_state(index), "t": t, "best": best,
                  "beta": beta, "generation": generation, "counts": (foreign, sampled, stored, rewarded),
                  "recent": list(recent), "generator": generator.get_state(), "cpu_generator": cpu_generator.get_state()}
+        population.policies[index] = learner.policy_vector().cpu()  # for model.pt
         path = learner_file(run_path, index, t)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -756,12 +757,25 @@ def main(args: Args):
     saved_by = {}  # learner time step → learners that saved their part there
     stop = []  # Ctrl-C or SIGTERM: a checkpoint at the next selection, then stop
 
+    def saved_model(global_step):
+        """What model.pt holds (common/evaluation.py plays `actor`): every learner's published policy."""
+        actors = []
+        for i in range(N):
+            vector_to_parameters(population.policies[i], actor.parameters())
+            actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
+        return {"script": "p3s_td3", "env_id": args.env_id, "args": dataclasses.asdict(args),
+                "actor_config": actor.config, "actor": actors[best], "actors": actors, "best_learner": best,
+                "action_low": spec.action_space.low.astype(np.float32).tolist(),
+                "action_high": spec.action_space.high.astype(np.float32).tolist(), "global_step": global_step}
+
     def checkpoint(t, generation):
         """checkpoint.pt names the time step whose learner files make up the checkpoint; older ones go."""
         save_checkpoint({"t": t, "generation": generation, "global_step": t * N * args.num_envs, "returns": returns[-100:],
                          "per_learner": [r[-args.recent_episodes:] for r in per_learner], "best": best, "beta": beta,
                          "wall_time_s": previous_wall + time.time() - start, "args": dataclasses.asdict(args)},
                         run_path)
+        if args.save_model:  # a run stopped early can be evaluated too
+            save_model(saved_model(t * N * args.num_envs), run_path)
         for old in glob.glob(os.path.join(run_path, "learner_*.pt")):
             if not old.endswith(f".{t}.pt"):
                 os.remove(old)
@@ -875,14 +889,8 @@ def main(args: Args):
 
     # The paper's evaluation (Sec. 4.1): each learner's deterministic policy for E episodes; the score is the best
     # learner's mean. model.pt keeps every policy, the best one as `actor`.
-    actors = []
-    for i in range(N):
-        vector_to_parameters(population.policies[i], actor.parameters())
-        actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
-    checkpoint = {"script": "p3s_td3", "env_id": args.env_id, "args": dataclasses.asdict(args),
-                  "actor_config": actor.config, "actor": actors[best], "actors": actors, "best_learner": best,
-                  "action_low": spec.action_space.low.astype(np.float32).tolist(),
-                  "action_high": spec.action_space.high.astype(np.float32).tolist(), "global_step": global_step}
+    checkpoint = saved_model(global_step)
+    actors = checkpoint["actors"]
     eval_means = []
     if args.eval_episodes > 0:
         from common.evaluation import evaluate

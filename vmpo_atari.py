@@ -81,7 +81,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               non_finite_advice, save_checkpoint)
+                               non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.networks import LSTMCore, make_torso
@@ -727,9 +727,20 @@ def main(args: Args):
     first_step = global_step
     stop = []  # Ctrl-C or SIGTERM: finish the update, save a checkpoint, stop
 
+    def saved_model(global_step):
+        """What model.pt holds (common/evaluation.py plays it)."""
+        model = {"script": "vmpo_atari", "env_id": games[0] if multitask else args.env_id,
+                 "env_ids": list(games), "full_action_space": multitask, "args": dataclasses.asdict(args),
+                 "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+                 "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
+                 "reward_clip": atari and args.reward_clip, "global_step": global_step}
+        return model
+
     def checkpoint(update):
         if rank == 0:
             check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
+            if args.save_model:  # a run stopped early can be evaluated too
+                save_model(saved_model(global_step), run_path)
             save_checkpoint({"agent": agent.state_dict(), "target_agent": learner.target_agent.state_dict(),
                              "multipliers": multipliers.state_dict(), "optimizer": optimizer.state_dict(),
                              "update": update, "global_step": global_step,
@@ -841,11 +852,7 @@ def main(args: Args):
     wall = previous_wall + end_time - start
 
     if rank == 0:
-        checkpoint = {"script": "vmpo_atari", "env_id": games[0] if multitask else args.env_id,
-                      "env_ids": list(games), "full_action_space": multitask, "args": dataclasses.asdict(args),
-                      "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-                      "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
-                      "reward_clip": atari and args.reward_clip, "global_step": global_step}
+        checkpoint = saved_model(global_step)
         if args.save_model:
             torch.save(checkpoint, os.path.join(run_path, "model.pt"))
         eval_mean, table = None, None

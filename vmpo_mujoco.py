@@ -75,7 +75,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               non_finite_advice, save_checkpoint)
+                               non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
@@ -684,9 +684,20 @@ def main(args: Args):
     first_step = global_step
     stop = []  # Ctrl-C or SIGTERM: finish the update, save a checkpoint, stop
 
+    def saved_model(global_step):
+        """What model.pt holds (common/evaluation.py plays it)."""
+        model = {"script": "vmpo_mujoco", "env_id": args.env_id, "args": dataclasses.asdict(args),
+                 "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+                 "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
+                 "action_low": spec.action_space.low.astype(np.float32).tolist(),
+                 "action_high": spec.action_space.high.astype(np.float32).tolist(), "global_step": global_step}
+        return model
+
     def checkpoint(update):
         if rank == 0:
             check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
+            if args.save_model:  # a run stopped early can be evaluated too
+                save_model(saved_model(global_step), run_path)
             save_checkpoint({"agent": agent.state_dict(), "target_agent": learner.target_agent.state_dict(),
                              "multipliers": multipliers.state_dict(), "optimizer": optimizer.state_dict(),
                              "update": update, "global_step": global_step,
@@ -782,11 +793,7 @@ def main(args: Args):
     wall = previous_wall + end_time - start
 
     if rank == 0:
-        checkpoint = {"script": "vmpo_mujoco", "env_id": args.env_id, "args": dataclasses.asdict(args),
-                      "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-                      "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
-                      "action_low": spec.action_space.low.astype(np.float32).tolist(),
-                      "action_high": spec.action_space.high.astype(np.float32).tolist(), "global_step": global_step}
+        checkpoint = saved_model(global_step)
         if args.save_model:
             torch.save(checkpoint, os.path.join(run_path, "model.pt"))
         eval_mean = None

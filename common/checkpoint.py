@@ -64,3 +64,13 @@ def non_finite_advice(run_path: str) -> str:
     step = torch.load(path, map_location="cpu", weights_only=False).get("global_step")
     return (f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again "
             "with a lower --learning-rate")
+
+
+def save_model(model: dict, run_path: str) -> str:
+    """model.pt (what common/evaluation.py plays), written like the checkpoint: a stopped run can be evaluated."""
+    import torch
+
+    path = os.path.join(run_path, "model.pt")
+    torch.save(model, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path

@@ -405,8 +405,9 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     it was) and the curves from the checkpoint's step."""
     argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2", "--total-timesteps", "150000",
             "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
-    ckpt = kill_after_first_checkpoint("a3c.py", argv, tmp_path)
+    ckpt = kill_after_first_checkpoint("a3c.py", argv + ["--save-model"], tmp_path)
     run = os.path.dirname(ckpt)
+    assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
     saved = torch.load(ckpt, weights_only=False)
     assert 0 < saved["global_step"] < 150000
     assert any(g.abs().sum() > 0 for g in saved["square_avg"])  # the shared statistics, not fresh zeros

@@ -440,8 +440,9 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     π_old and replay part as saved at the same selection, β and the best learner, the step counters; curves go
     on from the checkpoint's step and population.jsonl is appended to."""
     ckpt = kill_after_first_checkpoint("p3s_td3.py", [*SMALL, "--total-timesteps", "12000",
-                                                      "--checkpoint-interval", "0.5"], tmp_path)
+                                                      "--checkpoint-interval", "0.5", "--save-model"], tmp_path)
     run = os.path.dirname(ckpt)
+    assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
     saved = torch.load(ckpt, weights_only=False)
     t = saved["t"]
     assert t % 50 == 0 and 100 < t < 6000 and saved["global_step"] == 2 * t

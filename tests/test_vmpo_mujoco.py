@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_mujoco  # noqa: E402
 from vmpo_mujoco import (gaussian_kl_parts, gaussian_log_prob, kl_constraint_loss, nstep_returns,  # noqa: E402
                          vmpo_weights)
-from tests.helpers import (assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,  # noqa: E402
+from tests.helpers import (evaluate_cli, assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,  # noqa: E402
                            assert_usage_error, events_tags, imported_envpool_modules, kill_after_first_checkpoint,
                            run_script)
 from tests.test_vmpo_atari import weights_reference  # noqa: E402
@@ -366,8 +366,9 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     argv = ["--env-id", "Pendulum-v1", "--total-timesteps", "40000", "--num-envs", "4", "--batch-size", "4",
             "--num-minibatches", "1", "--unroll-length", "10", "--target-update-period", "10",
             "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
-    ckpt = kill_after_first_checkpoint("vmpo_mujoco.py", argv, tmp_path)
+    ckpt = kill_after_first_checkpoint("vmpo_mujoco.py", argv + ["--save-model"], tmp_path)
     run = os.path.dirname(ckpt)
+    assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
     saved = torch.load(ckpt, weights_only=False)
     assert 0 < saved["update"] < 1000 and saved["global_step"] == saved["update"] * 40
     assert set(saved["multipliers"]) == {"eta", "alpha_mu", "alpha_sigma"}
