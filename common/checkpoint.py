@@ -40,10 +40,13 @@ def check_finite(where: str, **named) -> None:
     before each checkpoint, so that the checkpoint on disk is always the last good state."""
     import torch
 
+    flags = {}  # per device: one host synchronisation for all its quantities, not one per quantity
     for name, value in named.items():
         t = torch.as_tensor(value).detach()
-        if not bool(torch.isfinite(t).all()):
-            raise NonFiniteError(f"non-finite {name} {where}")
+        flags.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
+    for items in flags.values():
+        if not bool(torch.stack([ok for _, ok in items]).all()):
+            raise NonFiniteError(f"non-finite {next(name for name, ok in items if not bool(ok))} {where}")
 
 
 def check_finite_parameters(where: str, **modules) -> None:

@@ -289,3 +289,20 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "common.evaluation", str(model), "--env-ids", "Pongg-v5"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: unknown env id")
+
+
+def test_check_finite_names_the_first_non_finite_quantity():
+    from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters
+
+    check_finite("here", loss=torch.tensor(1.0), gradient=3.0, stats=torch.zeros(4))  # all finite: no error
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(NonFiniteError, match=r"^non-finite gradient at update 7$"):
+            check_finite("at update 7", loss=torch.tensor(1.0), gradient=torch.tensor([0.0, bad]), other=2.0)
+    with pytest.raises(NonFiniteError, match="non-finite value"):
+        check_finite("x", loss=1.0, value=float("nan"), policy=float("inf"))  # the first one in order
+    net = torch.nn.Linear(2, 2)
+    check_finite_parameters("x", net=net)
+    with torch.no_grad():
+        net.bias[1] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"non-finite net\.bias x"):
+        check_finite_parameters("x", net=net)
