@@ -38,6 +38,10 @@ Choices the paper leaves open, and what is done here:
   like Atari. Vector observations are normalised by running statistics (not in the paper), kept in shared
   memory, updated by the workers under a lock and saved in `model.pt`.
 - The LSTM sees only the torso's features (no previous action or reward): `--lstm` makes t_max 20.
+- Initialisation (not in the paper): the pixel torso is orthogonal with gain √2 and zero biases, the policy readout
+  orthogonal with gain 0.01 and the value readout gain 1 (CleanRL's). With PyTorch's default the torso's features
+  barely differ between Breakout frames (spread across states 9e-4 against 1.4e-2), so the first policy is
+  state-blind. Vector tasks keep PyTorch's default, under which their learning tests were measured.
 
 envpool resets an environment on the step *after* an episode ends; that step ignores the action and gives
 reward 0. It is no transition: it gets no gradient, and its return is set to V(x_k), so a time-limit
@@ -74,7 +78,7 @@ import torch.nn.functional as F
 from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
                                non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
-from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso
+from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, init_output_, init_weights_
 
 
 @dataclass
@@ -248,8 +252,8 @@ class Body(nn.Module):
 
     def __init__(self, obs_shape, hidden=200, lstm_size=0):
         super().__init__()
-        if len(obs_shape) == 3:
-            self.torso = ShallowTorso(obs_shape)
+        if len(obs_shape) == 3:  # orthogonal init: with PyTorch's default the torso starts nearly state-blind on Atari
+            self.torso = init_weights_(ShallowTorso(obs_shape), "orthogonal")
         else:
             self.torso = MLPTorso(int(math.prod(obs_shape)), (hidden,), activation=nn.ReLU)
         self.core = LSTMCore(self.torso.out_features, 0, lstm_size, action_reward_inputs=False) if lstm_size else None
@@ -284,6 +288,9 @@ class Agent(nn.Module):
         n = self.body.out_features
         self.policy = nn.Linear(n, action_dim + 1 if action_dim else num_actions)
         self.value = nn.Linear(n, 1)
+        if len(obs_shape) == 3:  # pixels: CleanRL's readouts (near-uniform first policy); vectors keep PyTorch's
+            init_output_(self.policy, 0.01)
+            init_output_(self.value, 1.0)
 
     def bodies(self):
         return [self.body] + ([self.value_body] if self.value_body is not None else [])

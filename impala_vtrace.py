@@ -20,8 +20,17 @@ c_t = λ min(c̄, π/μ), and the policy gradient uses ρ_t (r_t + γ v_{t+1} �
 
 Losses are *summed* over time and batch, as in the paper (Table D.1 note) and its reference code, with the
 value loss baseline_cost · ½ Σ (v_s − V(x_s))²; the learning rate, entropy and baseline costs are the
-paper's for that choice. The optimiser is PyTorch's RMSProp, which adds ε outside the square root (the
-paper's TensorFlow RMSProp adds it inside); with summed losses the gradients are large and ε barely matters.
+paper's for that choice.
+
+Two choices outside the paper, both measured on Breakout-v5 (README, "Atari on two cores"):
+- Initialisation (`--init`): orthogonal with gain √2 and zero biases, policy readout gain 0.01, value readout 1
+  (CleanRL, Cleanba). With PyTorch's default the shallow torso's features barely differ between Atari frames
+  (logits spread across states ~7e-4), whatever the policy first learns is a per-action bias, and the entropy
+  cost pulls it back: the policy stays at ln |A|. `stats/logits_std_across_states` and `stats/dead_units` show it.
+- Optimiser (`--optimizer`): PyTorch's RMSProp (mean square from 0, ε outside the square root), as Cleanba runs
+  IMPALA. The paper's code ran TensorFlow's (mean square from 1, ε inside the root: `RMSpropTF`, kept as an
+  option); its first few hundred steps are about lr·g, a warm-up that left the policy state-blind for 200k steps
+  of a 400k-step run.
 
 envpool resets an environment on the step *after* an episode ends (that step ignores the action and gives
 reward 0). Such a step is no transition: it gets no gradient, and V-trace gets discount 0 and reward V(x_k)
@@ -72,7 +81,8 @@ from common.checkpoint import (NonFiniteError, check_finite, check_finite_parame
                                non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
-from common.networks import LSTMCore, PolicyValueHeads, make_torso
+from common.networks import (LSTMCore, PolicyValueHeads, dead_units, init_output_, init_weights_,
+                             logits_std_across_states, make_torso)
 from common.popart import PopArt
 
 
@@ -111,6 +121,11 @@ class Args:
     """learning rate (Table G.1)"""
     anneal_lr: bool = True
     """anneal the learning rate linearly to 0 over training (Table G.1)"""
+    optimizer: Literal["rmsprop_torch", "rmsprop_tf"] = "rmsprop_torch"
+    """rmsprop_tf: RMSProp with ε inside the square root, as TensorFlow (the paper's code) and optax compute it;
+    rmsprop_torch: torch.optim.RMSprop (mean square starting at 0, ε outside the root)"""
+    rmsprop_initial_scale: float = 1.0
+    """rmsprop_tf's initial mean square: 1 as in TensorFlow (the paper's code), 0 as in optax"""
     rmsprop_decay: float = 0.99
     """RMSProp decay (the paper's code default; Table G.1 gives momentum and ε)"""
     rmsprop_eps: float = 0.01
@@ -143,6 +158,9 @@ class Args:
     """LSTM hidden units (Fig. 3)"""
     mlp_hidden: tuple[int, ...] = (64, 64)
     """hidden layers of the MLP torso for vector observations"""
+    init: Literal["orthogonal", "sonnet", "torch"] = "orthogonal"
+    """weight initialisation (the paper gives none): orthogonal, gain √2 with a 0.01 policy readout (CleanRL);
+    sonnet, truncated normal σ = 1/√fan_in and zero biases as in the paper's code; torch, PyTorch's defaults"""
     save_model: bool = False
     """write model.pt (weights and what evaluation needs) in the run folder"""
     capture_video: bool = False
@@ -233,6 +251,38 @@ def learner_loss(logits, values, batch, args, popart=None):
     return pg_loss + baseline_loss + entropy_loss, stats, vs
 
 
+class RMSpropTF(torch.optim.Optimizer):
+    """RMSProp as TensorFlow computes it, which the paper's code used (Table G.1's decay, ε and momentum):
+
+        ms  ← ρ ms + (1 − ρ) g²          ms starts at `initial_scale` (TensorFlow: 1; optax: 0)
+        mom ← μ mom + lr g / √(ms + ε)   ε inside the square root
+        θ   ← θ − mom
+
+    torch.optim.RMSprop starts ms at 0 and adds ε outside the root, so its first steps are about lr/√(1 − ρ) =
+    10·lr on every weight whose gradient is well above ε, however small. With ε inside the root a step is at
+    most lr·g/√ε = 10·lr·g. Starting ms at 1 makes the first steps about lr·g, growing to the usual lr·g/√E[g²] as
+    ms forgets its start (a warm-up over a few times 1/(1 − ρ) = 100 updates).
+    """
+
+    def __init__(self, params, lr=6e-4, alpha=0.99, eps=0.01, momentum=0.0, initial_scale=1.0):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, momentum=momentum, initial_scale=initial_scale))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["square_avg"] = torch.full_like(p, group["initial_scale"])
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                ms, mom = state["square_avg"], state["momentum_buffer"]
+                ms.mul_(group["alpha"]).addcmul_(p.grad, p.grad, value=1 - group["alpha"])
+                mom.mul_(group["momentum"]).addcdiv_(p.grad, (ms + group["eps"]).sqrt_(), value=group["lr"])
+                p.sub_(mom)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The agent (Fig. 3).
 
@@ -242,11 +292,12 @@ class Agent(nn.Module):
     one normalised output per task (`num_tasks`)."""
 
     def __init__(self, obs_shape, num_actions, network="shallow", channels=(), use_lstm=False, lstm_size=256,
-                 mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4):
+                 mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4, init="orthogonal"):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, network=network,
                            channels=tuple(channels), use_lstm=use_lstm, lstm_size=lstm_size,
-                           mlp_hidden=tuple(mlp_hidden), num_tasks=num_tasks, popart=popart, popart_beta=popart_beta)
+                           mlp_hidden=tuple(mlp_hidden), num_tasks=num_tasks, popart=popart, popart_beta=popart_beta,
+                           init=init)
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
         features = self.core.out_features if use_lstm else self.torso.out_features
@@ -256,6 +307,10 @@ class Agent(nn.Module):
         else:
             self.heads = PolicyValueHeads(features, num_actions)
             self.popart = None
+        init_weights_(self, init)
+        if init == "orthogonal":
+            init_output_(self.heads.policy if self.popart is None else self.policy, 0.01)
+            init_output_(self.heads.value if self.popart is None else self.popart.linear, 1.0)
 
     def initial_state(self, batch_size, device=None):
         return self.core.initial_state(batch_size, device) if self.core is not None else ()
@@ -578,7 +633,7 @@ def main(args: Args):
     num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
     atari = is_atari(games[0] if multitask else args.env_id)
     agent = Agent(obs_shape, num_actions, args.network, args.channels, args.use_lstm, args.lstm_size,
-                  args.mlp_hidden, max(1, len(games)), use_popart, args.popart_beta).to(device)
+                  args.mlp_hidden, max(1, len(games)), use_popart, args.popart_beta, args.init).to(device)
     if world > 1:  # same initial weights everywhere
         for p in agent.parameters():
             torch.distributed.broadcast(p.data, 0)
@@ -587,8 +642,12 @@ def main(args: Args):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(agent, device_ids=[local_rank] if use_cuda else None)
-    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay,
-                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
+    if args.optimizer == "rmsprop_tf":
+        optimizer = RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay, eps=args.rmsprop_eps,
+                              momentum=args.rmsprop_momentum, initial_scale=args.rmsprop_initial_scale)
+    else:
+        optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay,
+                                        eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
 
     task_name = f"{len(games)}games" if multitask else args.env_id
     run_name = f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -699,6 +758,11 @@ def main(args: Args):
                 writer.add_scalar("stats/grad_norm", grad_norm.item(), global_step)
                 for k, v in stats.items():
                     writer.add_scalar(k, v.item(), global_step)
+                with torch.no_grad():  # does the policy depend on the state yet? are torso units dying?
+                    writer.add_scalar("stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(),
+                                      global_step)
+                    features = agent.torso(batch["obs"][:-1].flatten(0, 1))
+                    writer.add_scalar("stats/dead_units", dead_units(features).item(), global_step)
                 if multitask:  # the aggregate: median over games of the human-normalised last-10 mean
                     hns = [human_normalized_score(g, np.mean(r[-10:])) for g, r in game_returns.items() if r]
                     if len(hns) == len(games):
@@ -710,7 +774,7 @@ def main(args: Args):
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta = (args.total_timesteps - global_step) / max(sps, 1e-9)
                 print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
-                      f"| episodes {len(returns)} | lag {policy_lag:.1f} | ETA {eta / 60:.1f} min", flush=True)
+                      f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} | lag {policy_lag:.1f} | ETA {eta / 60:.1f} min", flush=True)
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

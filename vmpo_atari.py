@@ -84,7 +84,8 @@ from common.checkpoint import (NonFiniteError, check_finite, check_finite_parame
                                non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
-from common.networks import LSTMCore, make_torso
+from common.networks import (LSTMCore, dead_units, init_output_, init_weights_, logits_std_across_states,
+                             make_torso)
 from common.popart import PopArt
 
 
@@ -159,6 +160,9 @@ class Args:
     """LSTM hidden units (App. F)"""
     head_hidden: int = 256
     """hidden units of the policy and value MLP heads (App. F)"""
+    init: Literal["orthogonal", "sonnet", "torch"] = "orthogonal"
+    """weight initialisation (the paper gives only the zero policy readout, App. F): orthogonal, gain √2 and zero
+    biases (CleanRL); sonnet, truncated normal σ = 1/√fan_in; torch, PyTorch's defaults (state-blind on Atari)"""
     mlp_hidden: tuple[int, ...] = (64, 64)
     """hidden layers of the MLP torso for vector observations"""
     save_model: bool = False
@@ -315,12 +319,12 @@ class Agent(nn.Module):
 
     def __init__(self, obs_shape, num_actions, network="deep", channels=(), use_lstm=True,
                  lstm_size=256, head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4,
-                 popart_scale_lower=1e-2, popart_scale_upper=1e6):
+                 popart_scale_lower=1e-2, popart_scale_upper=1e6, init="orthogonal"):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, network=network,
                            channels=tuple(channels), use_lstm=use_lstm, lstm_size=lstm_size, head_hidden=head_hidden,
                            mlp_hidden=tuple(mlp_hidden), num_tasks=num_tasks, popart_beta=popart_beta,
-                           popart_scale_lower=popart_scale_lower, popart_scale_upper=popart_scale_upper)
+                           popart_scale_lower=popart_scale_lower, popart_scale_upper=popart_scale_upper, init=init)
         if network == "deep" and not channels and len(obs_shape) == 3:
             channels = (64, 128, 128)  # four times IMPALA's channels (App. F)
         self.config["channels"] = tuple(channels)
@@ -329,10 +333,12 @@ class Agent(nn.Module):
         n = self.core.out_features if use_lstm else self.torso.out_features
         self.policy_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
         self.policy = nn.Linear(head_hidden, num_actions)
-        nn.init.zeros_(self.policy.weight)
-        nn.init.zeros_(self.policy.bias)
         self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
         self.popart = PopArt(head_hidden, num_tasks, popart_beta, popart_scale_lower, popart_scale_upper)
+        init_weights_(self, init)
+        if init == "orthogonal":
+            init_output_(self.popart.linear, 1.0)
+        init_output_(self.policy, 0.0)  # a uniform policy at the start (App. F)
 
     def initial_state(self, batch_size, device=None):
         return self.core.initial_state(batch_size, device) if self.core is not None else ()
@@ -683,7 +689,7 @@ def main(args: Args):
     channels = args.channels if len(obs_shape) == 3 else ()
     agent = Agent(obs_shape, num_actions, args.network, channels, args.use_lstm, args.lstm_size, args.head_hidden,
                   args.mlp_hidden, max(1, len(games)), args.popart_beta, args.popart_scale_lower,
-                  args.popart_scale_upper).to(device)
+                  args.popart_scale_upper, args.init).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
     if world > 1:  # same initial weights everywhere
@@ -814,6 +820,11 @@ def main(args: Args):
                 writer.add_scalar("stats/target_version", learner.version.item(), global_step)
                 for k, v in stats.items():
                     writer.add_scalar(k, v.item(), global_step)
+                with torch.no_grad():  # does the policy depend on the state yet? are torso units dying?
+                    writer.add_scalar("stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(),
+                                      global_step)
+                    writer.add_scalar("stats/dead_units", dead_units(agent.torso(mb["obs"][:-1].flatten(0, 1))).item(),
+                                      global_step)
                 if multitask:  # the aggregate: median over games of the human-normalised last-10 mean
                     hns = [human_normalized_score(g, np.mean(r[-10:])) for g, r in game_returns.items() if r]
                     if len(hns) == len(games):
@@ -824,7 +835,7 @@ def main(args: Args):
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta_min = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
                 print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
-                      f"| episodes {len(returns)} | η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
+                      f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} | η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
                       f"KL {stats['stats/kl'].item():.4f} | ETA {eta_min:.1f} min", flush=True)
                 last_log = now
     except (WorkerError, NonFiniteError) as e:

@@ -46,11 +46,13 @@ def test_report_from_logs(tmp_path):
     assert res.returncode == 0, res.stderr
     table = open(os.path.join(out, "learning_cpu.md")).read()
     row = next(line for line in table.splitlines() if "CartPole-v1" in line)
-    assert "| a3c | CartPole-v1 | 300,000 | 2 | 4,000 | 34.5 ± 5.0 | 75.0 ± 25.0 | 15 s |" == row
+    # last 100 (all 40): means 19.5 and 29.5
+    assert "| a3c | CartPole-v1 | 300,000 | 2 | 4,000 | 34.5 ± 5.0 | 24.5 ± 5.0 | 75.0 ± 25.0 | 15 s |" == row
     assert "InvertedPendulum" not in table  # no runs there: no row
     assert os.path.getsize(os.path.join(out, "learning_cpu.png")) > 10_000
     saved = json.load(open(os.path.join(out, "learning_cpu.json")))
     assert saved["rows"][0]["final_mean_20"] == [29.5, 39.5]
+    assert saved["rows"][0]["final_mean_100"] == [19.5, 29.5]
 
 
 def test_time_limit_stops_a_run_with_ctrl_c(tmp_path):

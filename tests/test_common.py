@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env  # noqa: E402
 from common.evaluation import write_apng  # noqa: E402
 from common.networks import (LSTMCore, PolicyValueHeads, ResNetTorso, RunningNorm, ShallowTorso,  # noqa: E402
-                             make_torso)
+                             dead_units, init_output_, init_weights_, logits_std_across_states, make_torso)
 
 
 def test_torsos_shapes_and_layer_counts():
@@ -306,3 +306,63 @@ def test_check_finite_names_the_first_non_finite_quantity():
         net.bias[1] = float("nan")
     with pytest.raises(NonFiniteError, match=r"non-finite net\.bias x"):
         check_finite_parameters("x", net=net)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Initialisation and the learning diagnostics.
+
+
+def test_sonnet_init_is_a_truncated_normal_of_std_one_over_root_fan_in():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 64, 8, stride=4), torch.nn.Linear(2000, 300))
+    init_weights_(net, "sonnet")
+    for layer, fan_in in ((net[0], 4 * 8 * 8), (net[1], 2000)):
+        w, sigma = layer.weight.detach().flatten().double(), 1 / math.sqrt(fan_in)
+        assert w.abs().max() <= 2 * sigma + 1e-7  # truncated at 2σ
+        # the standard deviation of N(0, σ²) cut at ±2σ is 0.8796 σ
+        assert abs(w.std().item() / sigma - 0.8796) < 0.03
+        assert abs(w.mean().item()) < 0.05 * sigma
+        assert torch.all(layer.bias == 0)
+
+
+def test_orthogonal_init_and_output_layers():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.LSTMCell(200, 50))
+    init_weights_(net, "orthogonal")
+    w = net[0].weight.detach().double()
+    assert torch.allclose(w @ w.T, 2 * torch.eye(200, dtype=torch.float64), atol=1e-5)  # gain √2
+    assert torch.all(net[0].bias == 0) and torch.all(net[1].bias_ih == 0) and torch.all(net[1].bias_hh == 0)
+    head = init_output_(torch.nn.Linear(256, 6), 0.01)
+    h = head.weight.detach().double()
+    assert torch.allclose(h @ h.T, 1e-4 * torch.eye(6, dtype=torch.float64), atol=1e-9)
+    assert torch.all(init_output_(torch.nn.Linear(8, 3), 0.0).weight == 0)
+    before = torch.nn.Linear(5, 5)
+    kept = before.weight.detach().clone()
+    assert torch.equal(init_weights_(before, "torch").weight, kept)
+    with pytest.raises(ValueError):
+        init_weights_(before, "xavier")
+
+
+def test_logits_std_across_states_and_dead_units_against_loops():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 5, 6, generator=g, dtype=torch.float64)
+    rows = [list(map(float, r)) for r in logits.reshape(-1, 6)]
+    centred = [[x - sum(r) / len(r) for x in r] for r in rows]
+    stds = []
+    for a in range(6):
+        col = [r[a] for r in centred]
+        m = sum(col) / len(col)
+        stds.append(math.sqrt(sum((x - m) ** 2 for x in col) / len(col)))
+    assert abs(logits_std_across_states(logits).item() - sum(stds) / 6) < 1e-6
+    # a per-action bias is no dependence on the state, nor is a shift of all logits of a state
+    blind = torch.tensor([1.0, -2.0, 0.5]).expand(10, 3) + torch.arange(10.0).unsqueeze(1)
+    assert logits_std_across_states(blind).item() < 1e-6
+
+    features = torch.relu(torch.randn(4, 8, 10, generator=g))
+    features[..., 3] = 0.0
+    features[..., 7] = -1.0  # not a ReLU output, but off all the same
+    features[0, 0, 9] = 0.0
+    flat = features.reshape(-1, 10)
+    dead = sum(all(float(flat[n, u]) <= 0 for n in range(flat.shape[0])) for u in range(10)) / 10
+    assert dead_units(features).item() == pytest.approx(dead)
+    assert dead_units(features).item() == pytest.approx(0.2)
