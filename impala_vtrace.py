@@ -81,8 +81,8 @@ from common.checkpoint import (NonFiniteError, check_finite, check_finite_parame
                                non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
-from common.networks import (LSTMCore, PolicyValueHeads, dead_units, init_output_, init_weights_,
-                             logits_std_across_states, make_torso)
+from common.networks import (LSTMCore, PolicyValueHeads, dead_units, grad_norms_by_layer, init_output_,
+                             init_weights_, logits_std_across_states, make_torso)
 from common.popart import PopArt
 
 
@@ -720,6 +720,7 @@ def main(args: Args):
             loss, stats, vs = learner_loss(logits, values, batch, args, agent.popart)
             optimizer.zero_grad(set_to_none=True)
             (loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
+            layer_norms = grad_norms_by_layer(agent)  # before clipping
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             check_finite(f"at update {update} (step {update * steps_per_update})", loss=loss, gradient=grad_norm,
                          **{k.split("/")[-1]: v for k, v in stats.items()})
@@ -759,6 +760,8 @@ def main(args: Args):
                 for k, v in stats.items():
                     writer.add_scalar(k, v.item(), global_step)
                 with torch.no_grad():  # does the policy depend on the state yet? are torso units dying?
+                    for name, v in layer_norms.items():
+                        writer.add_scalar(f"grad_norm/{name}", v.item(), global_step)
                     writer.add_scalar("stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(),
                                       global_step)
                     features = agent.torso(batch["obs"][:-1].flatten(0, 1))

@@ -36,6 +36,10 @@ Choices the paper leaves open, and what is done here:
   just after it (a fraction of about lag/T_target, logged as `stats/stale_fraction`) use the previous
   target's logits, the policy that actually produced them.
 - η and α are plain parameters projected to at least 1e-8 after every Adam step, as in the paper.
+- Initialisation (`--init`; the paper gives only the zero policy readout): orthogonal with gain √2 and zero
+  biases, the PopArt readout gain 1 (CleanRL's). With PyTorch's default the torso's features barely differ between
+  Atari frames (spread across states about 8e-4 on Breakout against 1.2e-2), so the policy learns per-action biases
+  first. `stats/logits_std_across_states` and `stats/dead_units` (torso units off on the whole minibatch) show it.
 - For single-task Atari the paper uses a Transformer-XL core; this script has the multi-task agent's LSTM
   (Appendix F) or no core (`--no-use-lstm`). Table 6's single-task settings are the defaults: γ = 0.997, no
   reward clipping, no end-of-life episodes; `--reward-clip --episodic-life --gamma 0.99 --target-update-period
@@ -84,8 +88,8 @@ from common.checkpoint import (NonFiniteError, check_finite, check_finite_parame
                                non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
-from common.networks import (LSTMCore, dead_units, init_output_, init_weights_, logits_std_across_states,
-                             make_torso)
+from common.networks import (LSTMCore, dead_units, grad_norms_by_layer, init_output_, init_weights_,
+                             logits_std_across_states, make_torso)
 from common.popart import PopArt
 
 
@@ -782,6 +786,7 @@ def main(args: Args):
                     stats[k] = stats.get(k, 0) + v / chunks
             if world > 1:
                 average_gradients(params, world)
+            layer_norms = grad_norms_by_layer(agent)  # before clipping
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0
                                                  else float("inf"))
             check_finite(f"at update {update} (step {update * steps_per_update})", gradient=grad_norm,
@@ -821,6 +826,8 @@ def main(args: Args):
                 for k, v in stats.items():
                     writer.add_scalar(k, v.item(), global_step)
                 with torch.no_grad():  # does the policy depend on the state yet? are torso units dying?
+                    for name, v in layer_norms.items():
+                        writer.add_scalar(f"grad_norm/{name}", v.item(), global_step)
                     writer.add_scalar("stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(),
                                       global_step)
                     writer.add_scalar("stats/dead_units", dead_units(agent.torso(mb["obs"][:-1].flatten(0, 1))).item(),

@@ -249,3 +249,15 @@ def dead_units(features: torch.Tensor) -> torch.Tensor:
     """Fraction of ReLU units `[..., F]` that are zero on every state of the batch."""
     f = features.reshape(-1, features.shape[-1])
     return (f <= 0).all(0).float().mean()
+
+
+@torch.no_grad()
+def grad_norms_by_layer(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The gradient norm of each layer (the parameters of one Linear, Conv2d or LSTMCell), named by its path."""
+    norms = {}
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d, nn.LSTMCell)):
+            grads = [p.grad for p in m.parameters(recurse=False) if p.grad is not None]
+            if grads:
+                norms[name] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return norms

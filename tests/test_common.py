@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env  # noqa: E402
 from common.evaluation import write_apng  # noqa: E402
 from common.networks import (LSTMCore, PolicyValueHeads, ResNetTorso, RunningNorm, ShallowTorso,  # noqa: E402
-                             dead_units, init_output_, init_weights_, logits_std_across_states, make_torso)
+                             dead_units, grad_norms_by_layer, init_output_, init_weights_, logits_std_across_states,
+                             make_torso)
 
 
 def test_torsos_shapes_and_layer_counts():
@@ -366,3 +367,14 @@ def test_logits_std_across_states_and_dead_units_against_loops():
     dead = sum(all(float(flat[n, u]) <= 0 for n in range(flat.shape[0])) for u in range(10)) / 10
     assert dead_units(features).item() == pytest.approx(dead)
     assert dead_units(features).item() == pytest.approx(0.2)
+
+
+def test_grad_norms_by_layer():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2, bias=False))
+    net(torch.randn(5, 3)).square().sum().backward()
+    norms = grad_norms_by_layer(net)
+    assert set(norms) == {"0", "2"}
+    w, b = net[0].weight.grad, net[0].bias.grad
+    assert norms["0"].item() == pytest.approx(math.sqrt(float((w ** 2).sum() + (b ** 2).sum())), rel=1e-6)
+    assert norms["2"].item() == pytest.approx(float(net[2].weight.grad.norm()), rel=1e-6)

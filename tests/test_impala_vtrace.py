@@ -339,6 +339,23 @@ def test_learns_cartpole(tmp_path):
     assert last20 >= 400, f"mean return of the last 20 episodes {last20:.1f} < 400"
 
 
+def test_breakout_policy_comes_to_depend_on_the_state(tmp_path):
+    """Default flags, Breakout-v5, 250k steps (about 6 minutes on 2 CPU cores): the policy's logits must come to
+    differ between states and its entropy must leave the uniform ln 4. With PyTorch's default initialisation the
+    shallow torso starts nearly state-blind and the run stays at the uniform policy (README, "Atari on two cores")."""
+    run_path = run_script("impala_vtrace.py", ["--env-id", "Breakout-v5", "--total-timesteps", "250000",
+                                               "--eval-episodes", "0", "--log-interval", "2"], tmp_path, timeout=1500)
+    spread = events_tags(run_path, values_of="stats/logits_std_across_states")
+    entropy = events_tags(run_path, values_of="stats/entropy")
+    dead = events_tags(run_path, values_of="stats/dead_units")
+    assert len(spread) >= 10
+    assert spread[0] < 0.01  # a near-uniform start (policy readout gain 0.01)
+    late = len(spread) * 3 // 4  # the last quarter of the run
+    assert max(spread[late:]) >= SPREAD_AFTER_250K, f"logits spread across states {spread[late:]}"
+    assert min(entropy[late:]) <= math.log(4) - ENTROPY_DROP, f"entropy {entropy[late:]} (ln 4 = {math.log(4):.4f})"
+    assert min(dead[late:]) < 0.5, f"dead torso units {dead[late:]}"
+
+
 CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "8", "--learning-rate", "3e-3", "--baseline-cost", "0.1"]
 
 
