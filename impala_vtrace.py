@@ -31,6 +31,9 @@ Two choices outside the paper, both measured on Breakout-v5 (README, "Atari on t
   IMPALA. The paper's code ran TensorFlow's (mean square from 1, ε inside the root: `RMSpropTF`, kept as an
   option); its first few hundred steps are about lr·g, a warm-up that left the policy state-blind for 200k steps
   of a 400k-step run.
+The learning rate anneals linearly to 0 over the paper's 200M frames (50M steps) on Atari whatever the run's
+length (`--lr-anneal-steps`), so that a short run has the paper's learning rate at every step: annealed over its
+own 1M steps instead, a Breakout run had half the average learning rate and half the return at 750k steps.
 
 envpool resets an environment on the step *after* an episode ends (that step ignores the action and gives
 reward 0). Such a step is no transition: it gets no gradient, and V-trace gets discount 0 and reward V(x_k)
@@ -121,6 +124,9 @@ class Args:
     """learning rate (Table G.1)"""
     anneal_lr: bool = True
     """anneal the learning rate linearly to 0 over training (Table G.1)"""
+    lr_anneal_steps: int = 0
+    """steps over which the learning rate anneals to 0; 0: Atari 50M (the paper's 200M frames, Table G.1, so that a
+    shorter run has the paper's learning rate at every step), other tasks the run's own length; at least the run"""
     optimizer: Literal["rmsprop_torch", "rmsprop_tf"] = "rmsprop_torch"
     """rmsprop_tf: RMSProp with ε inside the square root, as TensorFlow (the paper's code) and optax compute it;
     rmsprop_torch: torch.optim.RMSprop (mean square starting at 0, ε outside the root)"""
@@ -583,6 +589,8 @@ def check_args(args):
     world = _world_size()
     if args.unroll_length < 1:
         raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
+    if args.lr_anneal_steps < 0:
+        raise UsageError(f"--lr-anneal-steps must be 0 (automatic) or a number of steps, got {args.lr_anneal_steps}")
     if args.batch_size < 1 or args.batch_size % world:
         raise UsageError(f"--batch-size {args.batch_size} must be a positive multiple of the number of learner "
                          f"processes ({world})")
@@ -675,6 +683,8 @@ def main(args: Args):
 
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
+    anneal_steps = args.lr_anneal_steps or (50_000_000 if atari else args.total_timesteps)
+    anneal_updates = max(num_updates, anneal_steps // steps_per_update)
     learner = None
     start = time.time()
     last_log = last_checkpoint = start
@@ -711,7 +721,7 @@ def main(args: Args):
     try:
         learner = Learner(args, agent, obs_shape, obs_dtype, num_actions, device, rank)
         for update in range(start_update + 1, num_updates + 1):
-            lr = args.learning_rate * (1 - (update - 1) / num_updates) if args.anneal_lr else args.learning_rate
+            lr = args.learning_rate * (1 - (update - 1) / anneal_updates) if args.anneal_lr else args.learning_rate
             for g in optimizer.param_groups:
                 g["lr"] = lr
             batch = learner.next_batch()
