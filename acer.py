@@ -609,8 +609,8 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
         for _ in range(replays):
             replay_stats = learn(replay.sample(generator))
         now = time.time()
-        if worker_id == 0 and (stats or replays) and (now - last_report >= 1.0
-                                                      or counter.value >= args.total_timesteps):
+        last = counter.value >= args.total_timesteps  # whichever worker ends the run reports its last update too
+        if (stats or replays) and ((worker_id == 0 and now - last_report >= 1.0) or last):
             report = {f"on_policy/{key.split('/')[1]}" if key.startswith("stats/") else key: v
                       for key, v in stats.items()}
             if replays:

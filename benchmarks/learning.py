@@ -3,6 +3,7 @@
     python benchmarks/learning.py --preset cpu                     # under an hour on 2 CPU cores (3 seeds)
     python benchmarks/learning.py --preset gpu --parallel 4 --time-limit 500 --seeds 1
     python benchmarks/learning.py --preset cpu --report-only       # redraw from the runs already there
+    python benchmarks/learning.py --preset atari-cpu --seeds 1     # Breakout, IMPALA and V-MPO, 1M steps each
 
 Every (script, env, budget, arguments) of the preset is run once per seed, each run in its own folder under
 `<out>/runs/`, one after another (`--parallel N`: N at a time). The curve of a run is the mean return of its
@@ -74,7 +75,7 @@ PRESETS = {
         Entry("p3s_td3", "Pendulum-v1", 24_000, ("--num-learners", "2", "--t-initial", "1000")),
         Entry("vmpo_mujoco", "Hopper-v4", 400_000, PENDULUM_VMPO),
     ],
-    # Atari on 2 CPU cores, 1M steps each (about 25 minutes for IMPALA): the scripts' defaults, V-MPO with its CPU flags
+    # Atari on 2 CPU cores, 1M steps each (about 25 minutes for IMPALA alone, 45 for V-MPO): the scripts' defaults, V-MPO with its CPU flags
     "atari-cpu": [
         Entry("impala_vtrace", "Breakout-v5", 1_000_000, ()),
         Entry("vmpo_atari", "Breakout-v5", 1_000_000, VMPO_ATARI_CPU),
