@@ -130,8 +130,6 @@ class Args:
     optimizer: Literal["rmsprop_torch", "rmsprop_tf"] = "rmsprop_torch"
     """rmsprop_tf: RMSProp with ε inside the square root, as TensorFlow (the paper's code) and optax compute it;
     rmsprop_torch: torch.optim.RMSprop (mean square starting at 0, ε outside the root)"""
-    rmsprop_initial_scale: float = 1.0
-    """rmsprop_tf's initial mean square: 1 as in TensorFlow (the paper's code), 0 as in optax"""
     rmsprop_decay: float = 0.99
     """RMSProp decay (the paper's code default; Table G.1 gives momentum and ε)"""
     rmsprop_eps: float = 0.01
@@ -652,7 +650,7 @@ def main(args: Args):
         model = DDP(agent, device_ids=[local_rank] if use_cuda else None)
     if args.optimizer == "rmsprop_tf":
         optimizer = RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay, eps=args.rmsprop_eps,
-                              momentum=args.rmsprop_momentum, initial_scale=args.rmsprop_initial_scale)
+                              momentum=args.rmsprop_momentum)
     else:
         optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay,
                                         eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
@@ -730,7 +728,8 @@ def main(args: Args):
             loss, stats, vs = learner_loss(logits, values, batch, args, agent.popart)
             optimizer.zero_grad(set_to_none=True)
             (loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
-            layer_norms = grad_norms_by_layer(agent)  # before clipping
+            log_due = rank == 0 and (time.time() - last_log >= args.log_interval or update == num_updates)
+            layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             check_finite(f"at update {update} (step {update * steps_per_update})", loss=loss, gradient=grad_norm,
                          **{k.split("/")[-1]: v for k, v in stats.items()})
@@ -761,7 +760,7 @@ def main(args: Args):
                     writer.add_scalar(f"charts/{games[task]}/episodic_return", score, global_step)
             learner.episodes.clear()
             now = time.time()
-            if now - last_log >= args.log_interval or update == num_updates:
+            if log_due:
                 sps = (global_step - first_step) / (now - start)
                 writer.add_scalar("charts/SPS", sps, global_step)
                 writer.add_scalar("charts/learning_rate", lr, global_step)
@@ -787,7 +786,8 @@ def main(args: Args):
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta = (args.total_timesteps - global_step) / max(sps, 1e-9)
                 print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
-                      f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} | lag {policy_lag:.1f} | ETA {eta / 60:.1f} min", flush=True)
+                      f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} | lag {policy_lag:.1f} "
+                      f"| ETA {eta / 60:.1f} min", flush=True)
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -786,7 +786,8 @@ def main(args: Args):
                     stats[k] = stats.get(k, 0) + v / chunks
             if world > 1:
                 average_gradients(params, world)
-            layer_norms = grad_norms_by_layer(agent)  # before clipping
+            log_due = rank == 0 and (time.time() - last_log >= args.log_interval or update == num_updates)
+            layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0
                                                  else float("inf"))
             check_finite(f"at update {update} (step {update * steps_per_update})", gradient=grad_norm,
@@ -817,7 +818,7 @@ def main(args: Args):
                     writer.add_scalar(f"charts/{games[task]}/episodic_return", score, global_step)
             learner.episodes.clear()
             now = time.time()
-            if now - last_log >= args.log_interval or update == num_updates:
+            if log_due:
                 sps = (global_step - first_step) / (now - start)
                 writer.add_scalar("charts/SPS", sps, global_step)
                 writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
@@ -842,7 +843,8 @@ def main(args: Args):
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta_min = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
                 print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
-                      f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} | η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
+                      f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} "
+                      f"| η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
                       f"KL {stats['stats/kl'].item():.4f} | ETA {eta_min:.1f} min", flush=True)
                 last_log = now
     except (WorkerError, NonFiniteError) as e:

@@ -75,7 +75,8 @@ PRESETS = {
         Entry("p3s_td3", "Pendulum-v1", 24_000, ("--num-learners", "2", "--t-initial", "1000")),
         Entry("vmpo_mujoco", "Hopper-v4", 400_000, PENDULUM_VMPO),
     ],
-    # Atari on 2 CPU cores, 1M steps each (about 25 minutes for IMPALA alone, 45 for V-MPO): the scripts' defaults, V-MPO with its CPU flags
+    # Atari on 2 CPU cores, 1M steps each (about 25 minutes for IMPALA alone, 45 for V-MPO): IMPALA's defaults,
+    # V-MPO with its CPU flags
     "atari-cpu": [
         Entry("impala_vtrace", "Breakout-v5", 1_000_000, ()),
         Entry("vmpo_atari", "Breakout-v5", 1_000_000, VMPO_ATARI_CPU),
@@ -199,7 +200,8 @@ def report(out, preset, entries, seeds, settings):
         evals = [r["summary"].get("eval_mean_return") if r["summary"] else None for r in runs]
         walls = [r["summary"]["wall_time_s"] for r in runs if r["summary"] and "wall_time_s" in r["summary"]]
         rows.append(dict(script=entry.script, env_id=entry.env_id, budget=entry.steps, args=list(entry.args),
-                         seeds=[r["seed"] for r in runs], steps_reached=reached, final_mean_20=final, final_mean_100=final100,
+                         seeds=[r["seed"] for r in runs], steps_reached=reached, final_mean_20=final,
+                         final_mean_100=final100,
                          eval_mean_return=evals, wall_time_s=walls))
         grid = np.linspace(0, max(reached), 101)[1:]
         curves = np.stack([curve_on_grid(r["steps"], r["returns"], grid) for r in runs])
@@ -209,14 +211,16 @@ def report(out, preset, entries, seeds, settings):
     extra = f"; every run also got `{' '.join(settings['extra'])}`" if settings["extra"] else ""
     lines = [f"Preset `{preset}` on {machine}, {how}{extra}. Final: mean return of the last {WINDOW} training "
              "episodes; eval: the script's end-of-run evaluation (mean ± std over seeds).", "",
-             "| script | env | budget | seeds | steps reached | final (last 20) | final (last 100) | eval | wall time per run |",
+             "| script | env | budget | seeds | steps reached | final (last 20) | final (last 100) | eval "
+             "| wall time per run |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         reached = f"{min(r['steps_reached']):,}" + ("" if min(r["steps_reached"]) == max(r["steps_reached"])
                                                     else f"–{max(r['steps_reached']):,}")
         wall = f"{np.mean(r['wall_time_s']):.0f} s" if r["wall_time_s"] else "–"
         lines.append(f"| {r['script']} | {r['env_id']} | {r['budget']:,} | {len(r['seeds'])} | {reached} | "
-                     f"{fmt(r['final_mean_20'])} | {fmt(r['final_mean_100'])} | {fmt(r['eval_mean_return'])} | {wall} |")
+                     f"{fmt(r['final_mean_20'])} | {fmt(r['final_mean_100'])} | {fmt(r['eval_mean_return'])} "
+                     f"| {wall} |")
     table = "\n".join(lines) + "\n"
     base = os.path.join(out, f"learning_{preset}")
     with open(base + ".md", "w") as f:

@@ -187,7 +187,7 @@ class PolicyValueHeads(nn.Module):
 INIT_SCHEMES = ("sonnet", "orthogonal", "torch")
 
 
-def init_weights_(module: nn.Module, scheme: str = "sonnet") -> nn.Module:
+def init_weights_(module: nn.Module, scheme: str = "orthogonal") -> nn.Module:
     """Re-initialise every Linear, Conv2d and LSTMCell weight of `module` in place, biases to zero.
 
     - `sonnet`: truncated normal (cut at 2σ) with σ = 1/√fan_in, the Sonnet/TensorFlow default that the IMPALA
