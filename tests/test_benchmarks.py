@@ -56,15 +56,18 @@ def test_report_from_logs(tmp_path):
 
 
 def test_time_limit_stops_a_run_with_ctrl_c(tmp_path):
-    """A run past --time-limit gets Ctrl-C: it saves a checkpoint and stops, and the table says how far it got."""
+    """A run past --time-limit gets Ctrl-C: it saves a checkpoint and stops, and the table says how far it got.
+
+    The budget is raised far past what 20 s can reach, and 20 s leaves room for a cold start (the first import of
+    torch in three processes on a fresh machine took most of 8 s)."""
     res = subprocess.run([sys.executable, "benchmarks/learning.py", "--preset", "cpu", "--only", "a3c", "--seeds", "1",
-                          "--time-limit", "8", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                          "--time-limit", "20", "--out", str(tmp_path), "--", "--total-timesteps", "100000000"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "exit 130" in res.stdout
     saved = json.load(open(os.path.join(str(tmp_path), "learning_cpu.json")))
     reached = {r["env_id"]: r["steps_reached"][0] for r in saved["rows"]}
-    assert 0 < reached["CartPole-v1"] < 300_000 and 0 < reached["InvertedPendulum-v4"] < 500_000
+    assert 0 < reached["CartPole-v1"] < 100_000_000 and 0 < reached["InvertedPendulum-v4"] < 100_000_000
     assert len([p for p in os.listdir(os.path.join(str(tmp_path), "runs"))]) == 2
     assert all(os.path.exists(p) for p in [os.path.join(str(tmp_path), "runs", d, f, "checkpoint.pt")
                                            for d in os.listdir(os.path.join(str(tmp_path), "runs"))
