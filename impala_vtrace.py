@@ -84,6 +84,7 @@ from common.checkpoint import (NonFiniteError, check_finite, check_finite_parame
                                non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
+from common.families import FAMILY_NAMES, describe_defaults, with_family_defaults
 from common.networks import (LSTMCore, PolicyValueHeads, dead_units, grad_norms_by_layer, init_output_,
                              init_weights_, logits_std_across_states, make_torso)
 from common.popart import PopArt
@@ -95,6 +96,9 @@ class Args:
     """envpool task id (any discrete-action task: Atari *-v5, CartPole-v1, ...)"""
     env_ids: tuple[str, ...] = ()
     """several Atari games at once, one agent (Sec. 5.3), or a preset: atari57, atari5; replaces --env-id"""
+    preset: Literal["family", "paper"] = "family"
+    """family: the defaults of the env id's task family (FAMILY_DEFAULTS; Atari: the paper's); paper: the paper's
+    settings (the defaults below) for every task"""
     popart: Literal["auto", "on", "off"] = "auto"
     """PopArt value normalisation, one value output and statistics per game (PopArt-IMPALA, Hessel et al. 2019);
     auto: on with --env-ids, off for one game"""
@@ -127,9 +131,10 @@ class Args:
     lr_anneal_steps: int = 0
     """steps over which the learning rate anneals to 0; 0: Atari 50M (the paper's 200M frames, Table G.1, so that a
     shorter run has the paper's learning rate at every step), other tasks the run's own length; at least the run"""
-    optimizer: Literal["rmsprop_torch", "rmsprop_tf"] = "rmsprop_torch"
-    """rmsprop_tf: RMSProp with ε inside the square root, as TensorFlow (the paper's code) and optax compute it;
-    rmsprop_torch: torch.optim.RMSprop (mean square starting at 0, ε outside the root)"""
+    optimizer: Literal["rmsprop_torch", "rmsprop_tf", "rmsprop_optax"] = "rmsprop_torch"
+    """rmsprop_tf: RMSProp with ε inside the square root and the mean square starting at 1, as TensorFlow (the
+    paper's code) computes it; rmsprop_optax: ε inside the root, mean square from 0 (optax, as Cleanba runs it);
+    rmsprop_torch: torch.optim.RMSprop (mean square from 0, ε outside the root)"""
     rmsprop_decay: float = 0.99
     """RMSProp decay (the paper's code default; Table G.1 gives momentum and ε)"""
     rmsprop_eps: float = 0.01
@@ -182,6 +187,16 @@ class Args:
     atomically); also written at the end and on Ctrl-C; 0: only then"""
     resume: str = ""
     """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
+
+
+# Defaults by task family (common/families.py); a flag on the command line wins. Atari runs the paper's settings
+# (the Args defaults above). Classic control: measured on CartPole-v1, seeds 1-3 (README, "Defaults by task
+# family"); with the paper's settings there a 300k-step run reaches about 50.
+FAMILY_DEFAULTS = {
+    "atari": ("the paper's Atari settings (Table G.1)", {}),
+    "classic": ("settings measured on CartPole-v1 (README)",
+                dict(total_timesteps=300_000, num_envs=16, batch_size=8, learning_rate=3e-3, baseline_cost=0.1)),
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -648,9 +663,9 @@ def main(args: Args):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(agent, device_ids=[local_rank] if use_cuda else None)
-    if args.optimizer == "rmsprop_tf":
+    if args.optimizer in ("rmsprop_tf", "rmsprop_optax"):
         optimizer = RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay, eps=args.rmsprop_eps,
-                              momentum=args.rmsprop_momentum)
+                              momentum=args.rmsprop_momentum, initial_scale=1.0 if args.optimizer == "rmsprop_tf" else 0.0)
     else:
         optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay,
                                         eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
@@ -670,8 +685,10 @@ def main(args: Args):
         from torch.utils.tensorboard import SummaryWriter
 
         os.makedirs(run_path, exist_ok=True)
+        family, source = describe_defaults(args, FAMILY_DEFAULTS)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
         with open(os.path.join(run_path, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
+            json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
         # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
         writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
         print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
@@ -862,7 +879,7 @@ def cli():
 
     args = tyro.cli(Args)
     try:
-        main(args)
+        main(with_family_defaults(args, FAMILY_DEFAULTS))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -88,6 +88,7 @@ from common.checkpoint import (NonFiniteError, check_finite, check_finite_parame
                                non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
+from common.families import FAMILY_NAMES, describe_defaults, with_family_defaults
 from common.networks import (LSTMCore, dead_units, grad_norms_by_layer, init_output_, init_weights_,
                              logits_std_across_states, make_torso)
 from common.popart import PopArt
@@ -99,6 +100,9 @@ class Args:
     """envpool task id (any discrete-action task: Atari *-v5, CartPole-v1, ...)"""
     env_ids: tuple[str, ...] = ()
     """several Atari games at once, one agent (Table 4), or a preset: atari57, atari5; replaces --env-id"""
+    preset: Literal["family", "paper"] = "family"
+    """family: the defaults of the env id's task family (FAMILY_DEFAULTS; Atari: the paper's); paper: the paper's
+    settings (the defaults below) for every task"""
     exp_name: str = "vmpo_atari"
     """name of this experiment, part of the run folder's name"""
     seed: int = 1
@@ -186,6 +190,17 @@ class Args:
     α, PopArt, counters; written atomically); also written at the end and on Ctrl-C; 0: only then"""
     resume: str = ""
     """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
+
+
+# Defaults by task family (common/families.py); a flag on the command line wins. Atari runs the paper's settings
+# (the Args defaults above). Classic control: measured on CartPole-v1, seeds 1-3 (README, "Defaults by task
+# family"); with the paper's Atari settings a 500k-step CartPole run stays at random level.
+FAMILY_DEFAULTS = {
+    "atari": ("the paper's Atari settings (Appendix F, Tables 1 and 6)", {}),
+    "classic": ("settings measured on CartPole-v1 (README)",
+                dict(total_timesteps=300_000, num_envs=16, batch_size=16, num_minibatches=1, unroll_length=20,
+                     use_lstm=False, gamma=0.99, target_update_period=10, learning_rate=1e-3)),
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -719,8 +734,10 @@ def main(args: Args):
         from torch.utils.tensorboard import SummaryWriter
 
         os.makedirs(run_path, exist_ok=True)
+        family, source = describe_defaults(args, FAMILY_DEFAULTS)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
         with open(os.path.join(run_path, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
+            json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
         # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
         writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
         print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
@@ -920,7 +937,7 @@ def cli():
 
     args = tyro.cli(Args)
     try:
-        main(args)
+        main(with_family_defaults(args, FAMILY_DEFAULTS))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -378,3 +378,49 @@ def test_grad_norms_by_layer():
     w, b = net[0].weight.grad, net[0].bias.grad
     assert norms["0"].item() == pytest.approx(math.sqrt(float((w ** 2).sum() + (b ** 2).sum())), rel=1e-6)
     assert norms["2"].item() == pytest.approx(float(net[2].weight.grad.norm()), rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Defaults by task family.
+
+
+def test_task_family_of_env_ids():
+    from common.families import task_family
+
+    assert [task_family(e) for e in ["Breakout-v5", "Pong-v5", "Hopper-v4", "HumanoidRun-v1", "CartPole-v1",
+                                     "Pendulum-v1", "Acrobot-v1"]] == ["atari", "atari", "mujoco", "mujoco",
+                                                                      "classic", "classic", "classic"]
+    with pytest.raises(UsageError, match="CartPole-v1"):
+        task_family("CartPol-v1")
+
+
+def test_given_flags_reads_every_form_tyro_accepts():
+    from common.families import given_flags
+
+    argv = ["--env-id", "CartPole-v1", "--num-envs=4", "--no-use-lstm", "--channels", "8", "16", "-h", "--"]
+    assert given_flags(argv) == {"env_id", "num_envs", "no_use_lstm", "use_lstm", "channels"}
+
+
+def test_family_defaults_fill_what_the_user_did_not_give():
+    import dataclasses
+
+    from common.families import describe_defaults, with_family_defaults
+
+    @dataclasses.dataclass
+    class A:
+        env_id: str = "CartPole-v1"
+        preset: str = "family"
+        lr: float = 1e-4
+        use_lstm: bool = True
+        resume: str = ""
+
+    table = {"classic": ("measured", dict(lr=1e-3, use_lstm=False)), "atari": ("the paper's", {})}
+    assert with_family_defaults(A(), table, argv=[]) == A(lr=1e-3, use_lstm=False)
+    assert with_family_defaults(A(lr=5e-3), table, argv=["--lr", "5e-3"]) == A(lr=5e-3, use_lstm=False)
+    assert with_family_defaults(A(), table, argv=["--use-lstm"]) == A(lr=1e-3, use_lstm=True)
+    assert with_family_defaults(A(preset="paper"), table, argv=[]) == A(preset="paper")  # the paper's everywhere
+    assert with_family_defaults(A(resume="runs/x"), table, argv=[]) == A(resume="runs/x")  # its own arguments
+    assert with_family_defaults(A(env_id="Pong-v5"), table, argv=[]) == A(env_id="Pong-v5")
+    assert with_family_defaults(A(env_id="Hopper-v4"), table, argv=[]) == A(env_id="Hopper-v4")  # not in the table
+    assert describe_defaults(A(), table) == ("classic", "measured: lr 0.001, use-lstm False")
+    assert describe_defaults(A(preset="paper"), table)[1].endswith("forced by --preset paper")

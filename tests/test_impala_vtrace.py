@@ -333,14 +333,18 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 # Learning.
 
 
-def test_learns_cartpole(tmp_path):
-    """CartPole-v1: mean return of the last 20 episodes at least 400 within 300k steps, on 2 CPU cores."""
-    run_path = run_script("impala_vtrace.py", ["--env-id", "CartPole-v1", "--total-timesteps", "300000",
-                                               *CARTPOLE_ARGS, "--eval-episodes", "0"], tmp_path, timeout=600)
+def test_learns_cartpole_with_its_family_defaults(tmp_path):
+    """`--env-id CartPole-v1` alone (the classic-control family's defaults, 300k steps): the mean return of the last
+    100 episodes reaches 400 on 2 CPU cores. Measured (README): 479.6, 480.7, 466.4 for seeds 1-3, with two Atari
+    runs sharing the cores."""
+    run_path = run_script("impala_vtrace.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path,
+                          timeout=900)
+    saved = json.load(open(os.path.join(run_path, "args.json")))
+    assert saved["task_family"] == "classic" and saved["total_timesteps"] == 300_000 and saved["batch_size"] == 8
     returns = events_tags(run_path, values_of="charts/episodic_return")
-    assert len(returns) >= 20
-    last20 = sum(returns[-20:]) / 20
-    assert last20 >= 400, f"mean return of the last 20 episodes {last20:.1f} < 400"
+    assert len(returns) >= 100
+    last100 = sum(returns[-100:]) / 100
+    assert last100 >= 400, f"mean return of the last 100 episodes {last100:.1f} < 400"
 
 
 def test_breakout_policy_comes_to_depend_on_the_state(tmp_path):
@@ -359,7 +363,6 @@ def test_breakout_policy_comes_to_depend_on_the_state(tmp_path):
     assert min(dead[late:]) < 0.6, f"fraction of dead torso units {dead[late:]}"
 
 
-CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "8", "--learning-rate", "3e-3", "--baseline-cost", "0.1"]
 
 
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
@@ -395,3 +398,16 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     line, state = assert_non_finite_stops_the_run("impala_vtrace.py", ["--env-id", "CartPole-v1", "--num-envs", "4",
                                                                        "--batch-size", "4"], tmp_path)
     assert "at update" in line and state["update"] >= 1
+
+
+def test_preset_paper_and_given_flags_win_over_the_family_defaults(tmp_path):
+    """`--preset paper` runs CartPole with Table G.1's settings; a flag the user gives beats the family's value."""
+    run_path = run_script("impala_vtrace.py", ["--env-id", "CartPole-v1", "--preset", "paper", "--total-timesteps",
+                                               "640", "--eval-episodes", "0"], tmp_path / "paper")
+    saved = json.load(open(os.path.join(run_path, "args.json")))
+    assert (saved["batch_size"], saved["learning_rate"], saved["num_envs"]) == (32, 6e-4, 32)
+    assert "forced by --preset paper" in saved["defaults_from"]
+    run_path = run_script("impala_vtrace.py", ["--env-id", "CartPole-v1", "--learning-rate", "1e-3",
+                                               "--total-timesteps", "640", "--eval-episodes", "0"], tmp_path / "family")
+    saved = json.load(open(os.path.join(run_path, "args.json")))
+    assert (saved["batch_size"], saved["learning_rate"], saved["num_envs"]) == (8, 1e-3, 16)

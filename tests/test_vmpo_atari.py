@@ -373,21 +373,19 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 # --------------------------------------------------------------------------------------------------------
 # Learning.
 
-CARTPOLE_ARGS = ["--num-envs", "16", "--batch-size", "16", "--num-minibatches", "1", "--unroll-length", "20",
-                 "--no-use-lstm",
-                 "--gamma", "0.99", "--target-update-period", "10", "--learning-rate", "1e-3"]
-
-
-def test_learns_cartpole(tmp_path):
-    """CartPole-v1: the mean return over 20 consecutive episodes reaches 400 within 400k steps, on 2 CPU cores. In
-    the README's runs (seeds 1-3, 300k steps) the last 20 episodes averaged 498 ± 1; V-MPO climbs steadily and the
-    actors run asynchronously, so a loaded machine can be 50-100k steps later: the budget leaves room for that."""
-    run_path = run_script("vmpo_atari.py", ["--env-id", "CartPole-v1", "--total-timesteps", "400000",
-                                            *CARTPOLE_ARGS, "--eval-episodes", "0"], tmp_path, timeout=600)
+def test_learns_cartpole_with_its_family_defaults(tmp_path):
+    """`--env-id CartPole-v1` alone (the classic-control family's defaults, 300k steps): the mean return over 100
+    consecutive episodes reaches 400 on 2 CPU cores. Measured (README): last 100 episodes 491.4, 500.0, 500.0 for
+    seeds 1-3 with two Atari runs sharing the cores; the actors run asynchronously and one CI run under load was
+    50-100k steps later than that, hence the best window rather than the last."""
+    run_path = run_script("vmpo_atari.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path,
+                          timeout=900)
+    saved = json.load(open(os.path.join(run_path, "args.json")))
+    assert saved["task_family"] == "classic" and saved["total_timesteps"] == 300_000 and not saved["use_lstm"]
     returns = events_tags(run_path, values_of="charts/episodic_return")
-    assert len(returns) >= 20
-    best20 = max(sum(returns[i:i + 20]) / 20 for i in range(len(returns) - 19))
-    assert best20 >= 400, f"best mean return over 20 consecutive episodes {best20:.1f} < 400"
+    assert len(returns) >= 100
+    best100 = max(sum(returns[i:i + 100]) / 100 for i in range(len(returns) - 99))
+    assert best100 >= 400, f"best mean return over 100 consecutive episodes {best100:.1f} < 400"
 
 
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):

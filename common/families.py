@@ -1,0 +1,77 @@
+"""Defaults by task family: `--env-id` alone picks the settings of its family, a flag the user gives wins.
+
+Each script keeps its own table next to its `Args`:
+
+    FAMILY_DEFAULTS = {
+        "atari": ("the paper's Atari settings (Table G.1)", {}),
+        "classic": ("settings measured on CartPole-v1 (README)", {"learning_rate": 3e-3, ...}),
+    }
+
+A family missing from the table, and every family under `--preset paper`, runs with the `Args` defaults,
+which are the paper's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+FAMILY_NAMES = {"atari": "Atari", "mujoco": "MuJoCo / dm_control", "classic": "classic control"}
+PAPER = "the paper's settings (the Args defaults)"
+
+
+def task_family(env_id: str) -> str:
+    """'atari', 'mujoco' (Gym MuJoCo and dm_control) or 'classic' (classic control, Box2D and other small tasks),
+    from envpool's spec of `env_id`."""
+    from common.envs import env_spec
+
+    kind = type(env_spec(env_id)).__name__  # an unknown id: a UsageError saying what would be right
+    if kind.startswith("Atari"):
+        return "atari"
+    if kind.startswith(("Gym", "Dmc")):
+        return "mujoco"
+    return "classic"
+
+
+def family_of(args) -> str:
+    """The family of a run's task; several games at once (`--env-ids`) are Atari."""
+    return "atari" if getattr(args, "env_ids", ()) else task_family(args.env_id)
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The `Args` field names that a command line sets (`--num-envs 4`, `--num-envs=4`, `--no-use-lstm`)."""
+    names = set()
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            names.add(name)
+            if name.startswith("no_"):
+                names.add(name[3:])
+    return names
+
+
+def with_family_defaults(args, table: dict, argv: list[str] | None = None):
+    """`args` with its family's defaults for every field the command line did not set.
+
+    Nothing changes under `--preset paper`, on `--resume` (the run keeps its own arguments) or for a family the
+    table does not list. Returns the new args."""
+    if args.preset == "paper" or getattr(args, "resume", ""):
+        return args
+    _, overrides = table.get(family_of(args), (PAPER, {}))
+    given = given_flags(sys.argv[1:] if argv is None else argv)
+    return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
+
+
+def describe_defaults(args, table: dict) -> tuple[str, str]:
+    """(family, where the defaults came from) for the start-up line and args.json."""
+    family = family_of(args)
+    if args.preset == "paper":
+        return family, PAPER + ", forced by --preset paper"
+    source, overrides = table.get(family, (PAPER, {}))
+    if overrides:
+        source += ": " + ", ".join(f"{k.replace('_', '-')} {_show(v)}" for k, v in overrides.items())
+    return family, source
+
+
+def _show(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
