@@ -752,7 +752,10 @@ def main(args: Args):
     last_log = last_checkpoint = start
     first_update_time = None  # steady-state SPS leaves out process start and the first batch
     first_step = global_step
-    stop = []  # Ctrl-C or SIGTERM: finish the update, save a checkpoint, stop
+    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (on a CPU one update of the default ResNet
+    # + LSTM takes minutes), and save the last completed update's state. Only the few lines that change the
+    # training state (the optimiser step to the target refresh) finish first.
+    stop, committing = [], [False]
 
     def saved_model(global_step):
         """What model.pt holds (common/evaluation.py plays it)."""
@@ -777,12 +780,13 @@ def main(args: Args):
 
     def on_signal(signum, frame):
         stop.append(signum)
-        if len(stop) > 1 or learner is None:  # a second Ctrl-C, or nothing to save yet: stop now
+        if len(stop) > 1 or not committing[0]:  # a second Ctrl-C, or not inside the commit: stop now
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     update = done_update = start_update
+    popart_before = None
     try:
         learner = Learner(args, agent, obs_shape, obs_dtype, num_actions, device, rank)
         if target_state is not None:  # the target network the run was acting with
@@ -790,6 +794,7 @@ def main(args: Args):
             learner.version += 1  # the actors reload it at their next step
         for update in range(start_update + 1, num_updates + 1):
             batch = learner.next_batch()
+            popart_before = {k: v.clone() for k, v in agent.popart.state_dict().items()}  # the loss moves PopArt
             optimizer.zero_grad(set_to_none=False)
             stats = {}
             for cols in torch.arange(learner.local_batch, device=device).chunk(chunks):
@@ -809,6 +814,7 @@ def main(args: Args):
                                                  else float("inf"))
             check_finite(f"at update {update} (step {update * steps_per_update})", gradient=grad_norm,
                          **{k.split("/")[-1]: v for k, v in stats.items()})
+            committing[0] = True  # from here to done_update a signal waits
             optimizer.step()
             multipliers.project(args.min_multiplier)
             stale = (batch["version"][:-1] != learner.version.item()).float().mean()
@@ -817,7 +823,8 @@ def main(args: Args):
             global_step = update * steps_per_update
             if first_update_time is None:
                 first_update_time = time.time()
-            done_update = update
+            done_update, popart_before = update, None
+            committing[0] = False
             if stop:
                 raise KeyboardInterrupt
             if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
@@ -873,6 +880,8 @@ def main(args: Args):
         os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun
     except KeyboardInterrupt:
         print("interrupted: stopping actors", file=sys.stderr, flush=True)
+        if popart_before is not None:  # the update in progress is dropped, with what its loss did to PopArt
+            agent.popart.load_state_dict(popart_before)
         if learner is not None:
             learner.close()
             if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save

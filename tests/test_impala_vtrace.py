@@ -382,6 +382,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert summary["total_timesteps"] == 120000
     final = torch.load(ckpt, weights_only=False)
     assert final["update"] == 1500 and final["args"]["seed"] == 3  # the run's own arguments
+    assert final["args"]["learning_rate"] == 3e-3  # the classic-control family's, kept on resume
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run, size_guidance={"scalars": 0})
@@ -391,7 +392,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
     lr = {e.step: e.value for e in acc.Scalars("charts/learning_rate")}
     for step, value in lr.items():  # annealed on the same schedule across the restart
-        assert value == pytest.approx(6e-4 * (1 - (step / 80 - 1) / 1500), rel=1e-5)
+        assert value == pytest.approx(3e-3 * (1 - (step / 80 - 1) / 1500), rel=1e-5)
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
