@@ -362,15 +362,15 @@ def test_smoke_halfcheetah(tmp_path):
     assert out.returncode == 0, out.stderr
 
 
-def test_learns_cartpole(tmp_path):
-    """CartPole-v1 with 2 workers of 4 envs and the paper's other settings (replay ratio 4, trust region): the
-    mean return over 20 episodes reaches 400 within 200k on-policy steps (seven runs got there between 53k and 99k
-    steps, README)."""
-    run = run_script("acer.py", ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "4",
-                                 "--total-timesteps", "200000", "--eval-episodes", "0", "--seed", "1"], tmp_path,
-                     timeout=600)
+def test_learns_cartpole_with_its_family_defaults(tmp_path):
+    """`--env-id CartPole-v1` alone (the classic-control family: 4 envs per worker, 300k steps, the paper's other
+    settings): the mean return of the last 100 episodes reaches 400 on 2 CPU cores (seeds 1-3 measured 500.0 each,
+    README)."""
+    run = run_script("acer.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path, timeout=900)
+    saved = json.load(open(os.path.join(run, "args.json")))
+    assert saved["task_family"] == "classic" and saved["num_envs"] == 4 and saved["total_timesteps"] == 300_000
     returns = events_tags(run, "charts/episodic_return")
-    assert np.convolve(returns, np.ones(20) / 20, mode="valid").max() >= 400
+    assert len(returns) >= 100 and np.mean(returns[-100:]) >= 400
 
 
 def test_learns_inverted_pendulum(tmp_path):
