@@ -64,12 +64,12 @@ PRESETS = {
     "cpu": [
         Entry("impala_vtrace", "CartPole-v1", 300_000),  # the classic-control family's defaults
         Entry("vmpo_atari", "CartPole-v1", 300_000),
-        Entry("a3c", "CartPole-v1", 300_000, TWO_WORKERS),
-        Entry("acer", "CartPole-v1", 200_000, TWO_WORKERS),
+        Entry("a3c", "CartPole-v1", 300_000),
+        Entry("acer", "CartPole-v1", 300_000),
         Entry("vmpo_mujoco", "InvertedPendulum-v4", 300_000, PENDULUM_VMPO),
         Entry("a3c", "InvertedPendulum-v4", 500_000, TWO_WORKERS),
         Entry("acer", "InvertedPendulum-v4", 300_000, TWO_WORKERS + ("--learning-rate", "1e-3")),
-        Entry("p3s_td3", "Pendulum-v1", 24_000, ("--num-learners", "2", "--t-initial", "1000")),
+        Entry("p3s_td3", "Pendulum-v1", 20_000),
         Entry("vmpo_mujoco", "Hopper-v4", 400_000, PENDULUM_VMPO),
     ],
     # Atari on 2 CPU cores, 1M steps each (about 25 minutes for IMPALA alone, 45 for V-MPO): IMPALA's defaults,

@@ -363,13 +363,15 @@ def best_20_episode_mean(run):
     return np.convolve(returns, np.ones(20) / 20, mode="valid").max()
 
 
-def test_learns_cartpole(tmp_path):
-    """CartPole-v1 with 2 workers of 4 envs, otherwise the defaults: the mean return over 20 episodes reaches 400
-    within 300k steps (about 25 s on 2 CPU cores; seeds 1-5 got there between 129k and 206k steps)."""
-    run = run_script("a3c.py", ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "4",
-                                "--total-timesteps", "300000", "--eval-episodes", "0", "--seed", "1"], tmp_path,
-                     timeout=600)
-    assert best_20_episode_mean(run) >= 400
+def test_learns_cartpole_with_its_family_defaults(tmp_path):
+    """`--env-id CartPole-v1` alone (the classic-control family: the paper's settings, one env per worker, a
+    300k-step budget): the mean return of the last 100 episodes reaches 400 on 2 CPU cores (seeds 1-3 measured
+    500.0 each, README)."""
+    run = run_script("a3c.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path, timeout=900)
+    saved = json.load(open(os.path.join(run, "args.json")))
+    assert saved["task_family"] == "classic" and saved["total_timesteps"] == 300_000
+    returns = events_tags(run, "charts/episodic_return")
+    assert len(returns) >= 100 and np.mean(returns[-100:]) >= 400
 
 
 def test_learns_inverted_pendulum(tmp_path):
