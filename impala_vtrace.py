@@ -705,7 +705,10 @@ def main(args: Args):
     last_log = last_checkpoint = start
     first_update_time = None  # steady-state SPS leaves out process start and the first batch
     first_step = global_step
-    stop = []  # Ctrl-C or SIGTERM: finish the update, save a checkpoint, stop
+    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (the deep network's update on a CPU takes
+    # seconds), and save the last completed update's state; only the lines that change the training state (the
+    # optimiser step to the weights' publication) finish first.
+    stop, committing = [], [False]
 
     def saved_model(global_step):
         """What model.pt holds (common/evaluation.py plays it)."""
@@ -727,7 +730,7 @@ def main(args: Args):
 
     def on_signal(signum, frame):
         stop.append(signum)
-        if len(stop) > 1 or learner is None:  # a second Ctrl-C, or nothing to save yet: stop now
+        if len(stop) > 1 or not committing[0]:  # a second Ctrl-C, or not inside the commit: stop now
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -750,6 +753,7 @@ def main(args: Args):
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             check_finite(f"at update {update} (step {update * steps_per_update})", loss=loss, gradient=grad_norm,
                          **{k.split("/")[-1]: v for k, v in stats.items()})
+            committing[0] = True  # from here to the new global step a signal waits
             optimizer.step()
             if agent.popart is not None:  # toward this batch's targets, per game; outputs preserved
                 real = ~batch["ended"][:-1]
@@ -758,6 +762,7 @@ def main(args: Args):
             policy_lag = (learner.version.item() - batch["version"][:-1].float().mean()).item()
             learner.publish(agent)
             global_step = update * steps_per_update
+            committing[0] = False
             if first_update_time is None:
                 first_update_time = time.time()
             if stop:
