@@ -113,9 +113,9 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
             proc.kill()
 
 
-def kill_after_first_checkpoint(script, argv, run_dir):
-    """Starts `script` for a run, SIGKILLs it a second after its first checkpoint.pt appeared (its actors must then
-    exit by themselves) and returns that checkpoint's path."""
+def kill_after_first_checkpoint(script, argv, run_dir, settle=1.0):
+    """Starts `script` for a run, SIGKILLs it `settle` seconds after its first checkpoint.pt appeared (its actors
+    must then exit by themselves) and returns that checkpoint's path."""
     proc = subprocess.Popen([sys.executable, script, *argv, "--run-dir", str(run_dir)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -125,7 +125,7 @@ def kill_after_first_checkpoint(script, argv, run_dir):
             time.sleep(0.2)
             found = glob.glob(os.path.join(str(run_dir), "*", "checkpoint.pt"))
             if found:
-                time.sleep(1.0)  # let it run past the checkpoint
+                time.sleep(settle)  # let it run past the checkpoint
                 break
         assert found, "no checkpoint written"
         proc.kill()

@@ -407,7 +407,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     it was) and the curves from the checkpoint's step."""
     argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2", "--total-timesteps", "150000",
             "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
-    ckpt = kill_after_first_checkpoint("a3c.py", argv + ["--save-model"], tmp_path)
+    ckpt = kill_after_first_checkpoint("a3c.py", argv + ["--save-model"], tmp_path, settle=4.0)
     run = os.path.dirname(ckpt)
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
     saved = torch.load(ckpt, weights_only=False)

@@ -391,7 +391,9 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     step. The replay is not kept: it refills from the resumed policy."""
     argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2", "--total-timesteps", "150000",
             "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
-    ckpt = kill_after_first_checkpoint("acer.py", argv, tmp_path)
+    # a few seconds of checkpoints every 0.5 s: the last one lies past worker 0's first report (its first update),
+    # even when worker 0 starts late, so the curves have a point before the checkpoint's step
+    ckpt = kill_after_first_checkpoint("acer.py", argv, tmp_path, settle=4.0)
     run = os.path.dirname(ckpt)
     saved = torch.load(ckpt, weights_only=False)
     assert "avg_agent" in saved and 0 < saved["global_step"] < 150000
