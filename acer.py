@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
                                non_finite_advice, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
-from common.families import FAMILY_NAMES, describe_defaults, with_family_defaults
+from common.families import with_family_defaults, write_args
 from common.networks import MLPTorso, init_output_, init_weights_
 
 
@@ -747,10 +747,7 @@ def main(args: Args):
             optimizer.state[p]["square_avg"].copy_(g)
         start_step, returns, previous_wall = resumed["global_step"], resumed["returns"], resumed["wall_time_s"]
     os.makedirs(run_path, exist_ok=True)
-    family, source = describe_defaults(args, FAMILY_DEFAULTS)
-    print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
-    with open(os.path.join(run_path, "args.json"), "w") as f:
-        json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+    write_args(run_path, args, FAMILY_DEFAULTS)
     from torch.utils.tensorboard import SummaryWriter
 
     # on resume, what was logged after the checkpoint is hidden: the curves continue from its step

@@ -79,7 +79,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from common.checkpoint import (check_finite, check_finite_parameters, load_checkpoint, non_finite_advice,
                                save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
-from common.families import FAMILY_NAMES, describe_defaults, with_family_defaults
+from common.families import with_family_defaults, write_args
 
 
 @dataclass
@@ -743,10 +743,7 @@ def main(args: Args):
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_path = args.resume or os.path.join(args.run_dir, run_name)
     os.makedirs(run_path, exist_ok=True)
-    family, source = describe_defaults(args, FAMILY_DEFAULTS)
-    print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
-    with open(os.path.join(run_path, "args.json"), "w") as f:
-        json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+    write_args(run_path, args, FAMILY_DEFAULTS)
     from torch.utils.tensorboard import SummaryWriter
 
     returns, per_learner, best, beta, start_step, previous_wall = [], [[] for _ in range(N)], 0, args.beta_init, 0, 0.0

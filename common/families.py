@@ -14,6 +14,8 @@ which are the paper's.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
 
 FAMILY_NAMES = {"atari": "Atari", "mujoco": "MuJoCo / dm_control", "classic": "classic control"}
@@ -71,6 +73,15 @@ def describe_defaults(args, table: dict) -> tuple[str, str]:
     if overrides:
         source += ": " + ", ".join(f"{k.replace('_', '-')} {_show(v)}" for k, v in overrides.items())
     return family, source
+
+
+def write_args(run_path: str, args, table: dict) -> None:
+    """Prints the run's task family and where its defaults came from, and writes args.json (every argument, plus
+    `task_family` and `defaults_from`) in the run folder."""
+    family, source = describe_defaults(args, table)
+    print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
+    with open(os.path.join(run_path, "args.json"), "w") as f:
+        json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
 
 
 def _show(value) -> str:

@@ -187,3 +187,33 @@ def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=T
                if isinstance(v, torch.Tensor) and v.is_floating_point()]
     assert tensors and all(bool(torch.isfinite(v).all()) for v in tensors)
     return line, state
+
+
+def ctrl_c_during_second_update(script, argv, run_dir, deadline_s=900):
+    """Runs `script` with `--log-interval 0` (one progress line per update), sends Ctrl-C once the first update
+    is done, and returns (exit status, seconds from Ctrl-C to exit, updates done, console text, run folder)."""
+    import signal
+
+    def updates_done(text):
+        return sum(line.startswith("step ") for line in text.splitlines())
+
+    log = os.path.join(str(run_dir), "console.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, script, *argv, "--log-interval", "0", "--checkpoint-interval", "0",
+                                 "--eval-episodes", "0", "--run-dir", os.path.join(str(run_dir), "runs")], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + deadline_s
+        while time.time() < deadline and proc.poll() is None and not updates_done(open(log).read()):
+            time.sleep(0.2)
+        assert updates_done(open(log).read()) == 1, open(log).read()[-3000:]  # the first update is done
+        t0 = time.time()
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+        waited = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = open(log).read()
+    runs = glob.glob(os.path.join(str(run_dir), "runs", "*"))
+    return proc.returncode, waited, updates_done(text), text, runs[0] if runs else None

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, nstep_returns, vmpo_weights  # noqa: E402
-from tests.helpers import (assert_killed_process_ends_the_run, assert_non_finite_stops_the_run, assert_usage_error, events_tags,  # noqa: E402
+from tests.helpers import (assert_killed_process_ends_the_run, ctrl_c_during_second_update, assert_non_finite_stops_the_run, assert_usage_error, events_tags,  # noqa: E402
                            imported_envpool_modules, kill_after_first_checkpoint, run_script)
 
 
@@ -424,36 +424,10 @@ def test_ctrl_c_with_the_default_network_stops_within_seconds(tmp_path):
     """The default ResNet + LSTM on a CPU, where one update takes long: Ctrl-C while an update is in progress ends
     the run within 10 s with exit 130, and the checkpoint holds the last completed update; the update in progress
     is dropped rather than waited for."""
-    import signal
-    import subprocess
-    import time
-
-    from tests.helpers import ROOT
-
-    def updates_done(text):  # --log-interval 0: one progress line per update
-        return sum(line.startswith("step ") for line in text.splitlines())
-
-    log = tmp_path / "console.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "vmpo_atari.py", "--env-id", "Breakout-v5", "--num-envs", "8",
-                                 "--batch-size", "8", "--num-minibatches", "1", "--log-interval", "0",
-                                 "--checkpoint-interval", "0", "--eval-episodes", "0",
-                                 "--run-dir", str(tmp_path / "runs")], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 900
-        while time.time() < deadline and proc.poll() is None and not updates_done(log.read_text()):
-            time.sleep(0.2)
-        assert updates_done(log.read_text()) == 1, log.read_text()[-3000:]  # the first update is done, the second begins
-        t0 = time.time()
-        os.kill(proc.pid, signal.SIGINT)
-        proc.wait(timeout=120)
-        waited = time.time() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert proc.returncode == 130, text[-3000:]
+    argv = ["--env-id", "Breakout-v5", "--num-envs", "8", "--batch-size", "8", "--num-minibatches", "1"]
+    rc, waited, updates, text, run = ctrl_c_during_second_update("vmpo_atari.py", argv, tmp_path)
+    assert rc == 130, text[-3000:]
     assert waited <= 10, f"Ctrl-C took {waited:.1f} s"
-    assert updates_done(text) == 1, text[-3000:]  # no second update was completed after Ctrl-C
-    ckpt = torch.load(next((tmp_path / "runs").glob("*/checkpoint.pt")), weights_only=False)
+    assert updates == 1, text[-3000:]  # no second update was completed after Ctrl-C
+    ckpt = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
     assert ckpt["update"] == 1 and ckpt["global_step"] == 8 * 63
