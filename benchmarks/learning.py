@@ -50,8 +50,6 @@ class Entry:
 
 
 # The learning tests' settings (tests/test_*.py), which the README's CPU results come from.
-PENDULUM_VMPO = ("--num-envs", "16", "--batch-size", "16", "--num-minibatches", "1", "--unroll-length", "10",
-                 "--target-update-period", "10", "--learning-rate", "1e-3", "--popart-beta", "0.1")
 TWO_WORKERS = ("--num-workers", "2", "--num-envs", "4")
 # V-MPO's Atari agent on 2 CPU cores: the shallow torso without LSTM, 32 x 20-step batches in one minibatch and a
 # target refreshed every 10 learning steps (the paper's T_target of 1000 is for 128 x 63-step batches over billions
@@ -66,11 +64,11 @@ PRESETS = {
         Entry("vmpo_atari", "CartPole-v1", 300_000),
         Entry("a3c", "CartPole-v1", 300_000),
         Entry("acer", "CartPole-v1", 300_000),
-        Entry("vmpo_mujoco", "InvertedPendulum-v4", 300_000, PENDULUM_VMPO),
+        Entry("vmpo_mujoco", "InvertedPendulum-v4", 300_000),  # the MuJoCo family's defaults
         Entry("a3c", "InvertedPendulum-v4", 500_000, TWO_WORKERS),
         Entry("acer", "InvertedPendulum-v4", 300_000, TWO_WORKERS + ("--learning-rate", "1e-3")),
         Entry("p3s_td3", "Pendulum-v1", 20_000),
-        Entry("vmpo_mujoco", "Hopper-v4", 400_000, PENDULUM_VMPO),
+        Entry("vmpo_mujoco", "Hopper-v4", 400_000),
     ],
     # Atari on 2 CPU cores, 1M steps each (about 25 minutes for IMPALA alone, 45 for V-MPO): IMPALA's defaults,
     # V-MPO with its CPU flags

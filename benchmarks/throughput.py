@@ -5,7 +5,7 @@
     python benchmarks/throughput.py --script vmpo_atari --env-id Breakout-v5 --num-envs 32 --timesteps 100000 \
         -- --network shallow --no-use-lstm --batch-size 32 --unroll-length 20
     python benchmarks/throughput.py --script vmpo_mujoco --env-id HalfCheetah-v4 --num-envs 64 --unroll-length 39 \
-        --timesteps 500000 -- --batch-size 64
+        --timesteps 500000 -- --batch-size 64 --preset paper
 
 Four figures, in environment steps per second (SPS; frames are 4x that on Atari):
 1. raw envpool: random actions, the same env, number of envs and async batch as the training run;
