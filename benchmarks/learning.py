@@ -65,7 +65,7 @@ PRESETS = {
         Entry("a3c", "CartPole-v1", 300_000),
         Entry("acer", "CartPole-v1", 300_000),
         Entry("vmpo_mujoco", "InvertedPendulum-v4", 300_000),  # the MuJoCo family's defaults
-        Entry("a3c", "InvertedPendulum-v4", 500_000, TWO_WORKERS),
+        Entry("a3c", "InvertedPendulum-v4", 300_000),
         Entry("acer", "InvertedPendulum-v4", 300_000, TWO_WORKERS + ("--learning-rate", "1e-3")),
         Entry("p3s_td3", "Pendulum-v1", 20_000),
         Entry("vmpo_mujoco", "Hopper-v4", 400_000),

@@ -375,13 +375,14 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 
 
 def test_learns_inverted_pendulum(tmp_path):
-    """Continuous actions: InvertedPendulum-v4 with 2 workers of 4 envs and the paper's settings balances the pole
-    for 100 steps on average over 20 episodes within 500k steps (about 45 s on 2 CPU cores; a random policy lasts
-    5-10). Most runs reach 1000, but about one in six lets σ collapse early and stays near 200 (README), so the
-    test asserts learning, not mastery."""
-    run = run_script("a3c.py", ["--env-id", "InvertedPendulum-v4", "--num-workers", "2", "--num-envs", "4",
-                                "--total-timesteps", "500000", "--eval-episodes", "0", "--seed", "1"], tmp_path,
-                     timeout=600)
+    """Continuous actions: InvertedPendulum-v4 with `--env-id` and a budget alone (the MuJoCo family: the paper's
+    settings with 4 envs per worker) balances the pole for 100 steps on average over 20 episodes within 500k steps
+    (a random policy lasts 5-10). Most runs reach 1000, but some let σ collapse early and stay near 200 (README),
+    so the test asserts learning, not mastery."""
+    run = run_script("a3c.py", ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "500000", "--eval-episodes",
+                                "0"], tmp_path, timeout=600)
+    saved = json.load(open(os.path.join(run, "args.json")))
+    assert saved["task_family"] == "mujoco" and saved["num_envs"] == 4
     assert best_20_episode_mean(run) >= 100
 
 
