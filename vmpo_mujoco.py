@@ -186,7 +186,7 @@ ONE_MACHINE = dict(num_envs=16, batch_size=16, num_minibatches=1, unroll_length=
                    learning_rate=1e-3, popart_beta=0.1)
 FAMILY_DEFAULTS = {
     "mujoco": ("settings measured on InvertedPendulum-v4 and Hopper-v4 (README)", ONE_MACHINE),
-    "classic": ("settings measured on InvertedPendulum-v4 and Hopper-v4 (README)", ONE_MACHINE),
+    "classic": ("the MuJoCo family's settings, measured on Pendulum-v1 too (README)", ONE_MACHINE),
 }
 
 
@@ -843,10 +843,10 @@ def parse_args(argv=None):
     import tyro
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    for i, a in enumerate(argv):  # one clear line rather than tyro's box
-        value = argv[i + 1] if a == "--preset" and i + 1 < len(argv) else a.split("=", 1)[1] \
-            if a.startswith("--preset=") else None
-        if value is not None and value not in ("family", "paper"):
+    values = [b for a, b in zip(argv, argv[1:]) if a == "--preset"] + \
+        [a.split("=", 1)[1] for a in argv if a.startswith("--preset=")]
+    for value in values:  # one clear line rather than tyro's box
+        if value not in ("family", "paper"):
             raise UsageError(f"--preset {value!r} is not one of family, paper")
     args = tyro.cli(Args, args=argv)
     if args.resume:

@@ -189,9 +189,10 @@ def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=T
     return line, state
 
 
-def ctrl_c_during_second_update(script, argv, run_dir, deadline_s=900):
-    """Runs `script` with `--log-interval 0` (one progress line per update), sends Ctrl-C once the first update
-    is done, and returns (exit status, seconds from Ctrl-C to exit, updates done, console text, run folder)."""
+def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadline_s=900):
+    """Runs `script` with `--log-interval 0` (one progress line per update) and sends Ctrl-C once the first update
+    is done, while the second is in progress. Asserts that the run exits with 130 within 10 s, completed no second
+    update, and checkpointed the first (update 1 at `steps_per_update` steps)."""
     import signal
 
     def updates_done(text):
@@ -215,5 +216,11 @@ def ctrl_c_during_second_update(script, argv, run_dir, deadline_s=900):
         if proc.poll() is None:
             proc.kill()
     text = open(log).read()
-    runs = glob.glob(os.path.join(str(run_dir), "runs", "*"))
-    return proc.returncode, waited, updates_done(text), text, runs[0] if runs else None
+    assert proc.returncode == 130, text[-3000:]
+    assert waited <= 10, f"Ctrl-C took {waited:.1f} s"
+    assert updates_done(text) == 1, text[-3000:]  # no second update was completed after Ctrl-C
+    import torch
+
+    (run,) = glob.glob(os.path.join(str(run_dir), "runs", "*"))
+    ckpt = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
+    assert ckpt["update"] == 1 and ckpt["global_step"] == steps_per_update

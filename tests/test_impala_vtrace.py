@@ -420,9 +420,4 @@ def test_ctrl_c_with_a_large_network_stops_within_seconds(tmp_path):
     completed update; the update in progress is dropped rather than waited for."""
     argv = ["--env-id", "Breakout-v5", "--network", "deep", "--channels", "64", "128", "128", "--use-lstm",
             "--num-envs", "8", "--batch-size", "8"]
-    rc, waited, updates, text, run = ctrl_c_during_second_update("impala_vtrace.py", argv, tmp_path)
-    assert rc == 130, text[-3000:]
-    assert waited <= 10, f"Ctrl-C took {waited:.1f} s"
-    assert updates == 1, text[-3000:]  # no second update was completed after Ctrl-C
-    ckpt = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
-    assert ckpt["update"] == 1 and ckpt["global_step"] == 8 * 20
+    ctrl_c_during_second_update("impala_vtrace.py", argv, tmp_path, steps_per_update=8 * 20)

@@ -425,9 +425,4 @@ def test_ctrl_c_with_the_default_network_stops_within_seconds(tmp_path):
     the run within 10 s with exit 130, and the checkpoint holds the last completed update; the update in progress
     is dropped rather than waited for."""
     argv = ["--env-id", "Breakout-v5", "--num-envs", "8", "--batch-size", "8", "--num-minibatches", "1"]
-    rc, waited, updates, text, run = ctrl_c_during_second_update("vmpo_atari.py", argv, tmp_path)
-    assert rc == 130, text[-3000:]
-    assert waited <= 10, f"Ctrl-C took {waited:.1f} s"
-    assert updates == 1, text[-3000:]  # no second update was completed after Ctrl-C
-    ckpt = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
-    assert ckpt["update"] == 1 and ckpt["global_step"] == 8 * 63
+    ctrl_c_during_second_update("vmpo_atari.py", argv, tmp_path, steps_per_update=8 * 63)
