@@ -359,17 +359,16 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 
 def test_learns_inverted_pendulum(tmp_path):
     """InvertedPendulum-v4 with `--env-id` and a budget alone (the MuJoCo family's defaults): within 300k steps
-    (under a minute on 2 CPU cores) the mean return over 20 consecutive training episodes reaches 950 (the best
-    is 1000; a random policy scores under 10). The criterion is the peak of the 20-episode mean: runs can fall
-    back for a while after reaching 1000 (README)."""
+    (about a minute on 2 CPU cores) the mean return over 100 consecutive training episodes reaches 950 (the best
+    is 1000; a random policy scores under 10), the target the README's seeds 1-3 meet."""
     run_path = run_script("vmpo_mujoco.py", ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "300000",
                                              "--eval-episodes", "0"], tmp_path, timeout=600)
     saved = json.load(open(os.path.join(run_path, "args.json")))
-    assert saved["task_family"] == "mujoco" and saved["target_update_period"] == 10
+    assert saved["task_family"] == "mujoco" and saved["num_envs"] == 32 and saved["target_update_period"] == 10
     returns = events_tags(run_path, values_of="charts/episodic_return")
-    assert len(returns) >= 20
-    best20 = max(sum(returns[i:i + 20]) / 20 for i in range(len(returns) - 19))
-    assert best20 >= 950, f"best mean return over 20 consecutive episodes {best20:.1f} < 950"
+    assert len(returns) >= 100
+    best100 = max(sum(returns[i:i + 100]) / 100 for i in range(len(returns) - 99))
+    assert best100 >= 950, f"best mean return over 100 consecutive episodes {best100:.1f} < 950"
 
 
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
