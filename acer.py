@@ -847,6 +847,7 @@ def main(args: Args):
             print(non_finite_advice(run_path), file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown and checkpoint short
         print("interrupted: stopping workers", file=sys.stderr, flush=True)
         stop_workers(procs)
         if steps.value > start_step:

@@ -816,6 +816,7 @@ def main(args: Args):
             learner.close()
         os._exit(1)  # skip DDP teardown: the other learners are stopped by torchrun
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown and checkpoint short
         print("interrupted: stopping actors", file=sys.stderr, flush=True)
         if learner is not None:
             learner.close()

@@ -876,6 +876,7 @@ def main(args: Args):
             learner.close()
         os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown and checkpoint short
         print("interrupted: stopping actors", file=sys.stderr, flush=True)
         if popart_before is not None:  # the update in progress is dropped, with what its loss did to PopArt
             agent.popart.load_state_dict(popart_before)

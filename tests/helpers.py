@@ -91,8 +91,9 @@ def wait_for_actors(proc, timeout=120):
 
 def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
     """Starts `script` for a long run; `victim` "actor" (or "worker", "learner") SIGKILLs one of its spawned processes (the
-    run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must end); either way
-    no spawned process may outlive the run."""
+    run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must end), "sigint-twice"
+    sends it twice 0.3 s apart (the run must end with 130 and no traceback); either way no spawned process may
+    outlive the run."""
     import signal
 
     proc = subprocess.Popen([sys.executable, script, *argv, "--run-dir", str(run_dir)], cwd=ROOT,
@@ -104,6 +105,13 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
             os.kill(actors[0], signal.SIGKILL)
             assert proc.wait(timeout=30) != 0
             assert re.search(rf"{victim} \d+ died with exit code -9", proc.stderr.read())
+        elif victim == "sigint-twice":  # an impatient user: the second Ctrl-C must not cut the shutdown short
+            os.kill(proc.pid, signal.SIGINT)
+            time.sleep(0.3)
+            os.kill(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=30) == 130
+            err = proc.stderr.read()
+            assert "Traceback" not in err, err[-3000:]
         else:
             os.kill(proc.pid, signal.SIGINT)
             assert proc.wait(timeout=30) != 0

@@ -342,7 +342,7 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("acer.py", argv, tmp_path, needle)
 
 
-@pytest.mark.parametrize("victim", ["worker", "sigint"])
+@pytest.mark.parametrize("victim", ["worker", "sigint", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     assert_killed_process_ends_the_run("acer.py", argv=["--env-id", "CartPole-v1", "--num-workers", "2",
                                                         "--total-timesteps", "100000000"],

@@ -303,7 +303,7 @@ def test_batch_must_divide_over_learners(tmp_path):
     assert out.returncode == 2 and "--batch-size 5" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("victim", ["actor", "learner", "sigint", "sigterm"])
+@pytest.mark.parametrize("victim", ["actor", "learner", "sigint", "sigterm", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     proc = subprocess.Popen([sys.executable, "impala_vtrace.py", "--env-id", "CartPole-v1", "--total-timesteps",
                              "100000000", "--num-envs", "4", "--batch-size", "4", "--eval-episodes", "0",
@@ -320,6 +320,13 @@ def test_killed_process_ends_the_run(tmp_path, victim):
         elif victim == "learner":
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+        elif victim == "sigint-twice":  # an impatient user: the second Ctrl-C must not cut the shutdown short
+            os.kill(proc.pid, signal.SIGINT)
+            time.sleep(0.3)
+            os.kill(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=30) == 130
+            err = proc.stderr.read()
+            assert "Traceback" not in err, err[-3000:]
         else:  # Ctrl-C or a polite kill: the run stops and takes its actors with it
             os.kill(proc.pid, signal.SIGINT if victim == "sigint" else signal.SIGTERM)
             assert proc.wait(timeout=30) != 0

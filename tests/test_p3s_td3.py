@@ -389,7 +389,7 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("p3s_td3.py", argv, tmp_path, needle)
 
 
-@pytest.mark.parametrize("victim", ["learner", "sigint"])
+@pytest.mark.parametrize("victim", ["learner", "sigint", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     assert_killed_process_ends_the_run("p3s_td3.py", argv=["--env-id", "Pendulum-v1", "--num-learners", "2",
                                                            "--t-initial", "100", "--best-period", "50",

@@ -347,7 +347,7 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("vmpo_mujoco.py", argv, tmp_path, needle)
 
 
-@pytest.mark.parametrize("victim", ["actor", "sigint"])
+@pytest.mark.parametrize("victim", ["actor", "sigint", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     argv = ["--env-id", "Pendulum-v1", "--total-timesteps", "100000000", "--num-envs", "4", "--batch-size", "4",
             "--num-minibatches", "1", "--unroll-length", "10", "--eval-episodes", "0"]
