@@ -89,6 +89,19 @@ def wait_for_actors(proc, timeout=120):
     return actors
 
 
+def assert_two_ctrl_cs_end_cleanly(proc):
+    """An impatient user: Ctrl-C twice, 0.3 s apart; the second must not cut the shutdown short (exit 130, no
+    traceback). `proc` has its stderr piped as text."""
+    import signal
+
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    err = proc.stderr.read()
+    assert "Traceback" not in err, err[-3000:]
+
+
 def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
     """Starts `script` for a long run; `victim` "actor" (or "worker", "learner") SIGKILLs one of its spawned processes (the
     run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must end), "sigint-twice"
@@ -105,13 +118,8 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
             os.kill(actors[0], signal.SIGKILL)
             assert proc.wait(timeout=30) != 0
             assert re.search(rf"{victim} \d+ died with exit code -9", proc.stderr.read())
-        elif victim == "sigint-twice":  # an impatient user: the second Ctrl-C must not cut the shutdown short
-            os.kill(proc.pid, signal.SIGINT)
-            time.sleep(0.3)
-            os.kill(proc.pid, signal.SIGINT)
-            assert proc.wait(timeout=30) == 130
-            err = proc.stderr.read()
-            assert "Traceback" not in err, err[-3000:]
+        elif victim == "sigint-twice":
+            assert_two_ctrl_cs_end_cleanly(proc)
         else:
             os.kill(proc.pid, signal.SIGINT)
             assert proc.wait(timeout=30) != 0
