@@ -66,10 +66,8 @@ import json
 import math
 import os
 import queue
-import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,10 +77,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               non_finite_advice, save_checkpoint, save_model)
+                               save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
 from common.families import with_family_defaults, write_args
 from common.networks import MLPTorso, init_output_, init_weights_
+from common.processes import (WorkerError, check_workers, exit_if_orphaned, ignore_further_interrupts,
+                              interrupt_on_signals, raise_worker_error, report_failure, stop_workers, worker_entry)
 
 
 @dataclass
@@ -537,17 +537,6 @@ class Replay:
         return len(self.segments)
 
 
-def worker_process(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, parent_pid):
-    """Entry point of a worker process: runs `train_worker` and reports its traceback if it fails."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    try:
-        torch.set_num_threads(1)
-        train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, parent_pid)
-    except Exception:
-        msg_q.put(("error", worker_id, traceback.format_exc()))
-        sys.exit(1)
-
-
 def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, parent_pid):
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions:
     acted and stored only, Sec. 6), then Poisson(r) segments replayed from this worker's memory; each update is
@@ -582,8 +571,7 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
         return stats
 
     while counter.value < args.total_timesteps:
-        if os.getppid() != parent_pid:
-            return
+        exit_if_orphaned(parent_pid)
         with torch.no_grad():
             for dst, src in zip(local_tensors, shared_tensors):
                 dst.copy_(src)
@@ -634,21 +622,6 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
             msg_q.put(("stats", worker_id, step + k * n, {key: float(v) for key, v in report.items()}))
             last_report = now
     msg_q.put(("done", worker_id))
-
-
-class WorkerError(RuntimeError):
-    pass
-
-
-def stop_workers(procs):
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
 
 
 def check_args(args):
@@ -758,8 +731,9 @@ def main(args: Args):
     ctx = torch.multiprocessing.get_context("spawn")
     counter, msg_q = ctx.Value("q", start_step), ctx.Queue()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    procs = [ctx.Process(target=worker_process, name=f"worker-{w}", daemon=True,
-                         args=(w, args, agent, avg_agent, optimizer, counter, msg_q, os.getpid()))
+    procs = [ctx.Process(target=worker_entry, name=f"worker-{w}", daemon=True,
+                         args=(train_worker, w, msg_q, w, args, agent, avg_agent, optimizer, counter, msg_q,
+                               os.getpid()))
              for w in range(args.num_workers)]
 
     def saved_model(global_step):
@@ -785,11 +759,7 @@ def main(args: Args):
                          "args": dataclasses.asdict(args)}, run_path)
         return step
 
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)  # also where the shell started this process with Ctrl-C ignored
+    interrupt_on_signals()
     start = time.time()
     done, last_log, last_checkpoint, first_step_time = set(), start, start, None
     try:
@@ -813,18 +783,8 @@ def main(args: Args):
                 elif kind == "done":
                     done.add(msg[1])
                 else:
-                    raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
-            for w, p in enumerate(procs):
-                if not p.is_alive() and p.exitcode != 0:
-                    deadline = time.time() + 2.0  # a failing worker's traceback may still be in the queue
-                    while time.time() < deadline:
-                        try:
-                            late = msg_q.get(timeout=0.2)
-                        except queue.Empty:
-                            continue
-                        if late[0] == "error":
-                            raise WorkerError(f"worker {late[1]} failed:\n{late[2]}")
-                    raise WorkerError(f"worker {w} died with exit code {p.exitcode}")
+                    raise_worker_error(msg)
+            check_workers(procs, msg_q)
             now = time.time()
             step = steps.value
             if first_step_time is None and step > 0:
@@ -841,13 +801,11 @@ def main(args: Args):
                       f"| episodes {len(returns)} | ETA {eta}", flush=True)
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report_failure(e, run_path)
         stop_workers(procs)
-        if isinstance(e, NonFiniteError) or "NonFiniteError" in str(e):
-            print(non_finite_advice(run_path), file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown and checkpoint short
+        ignore_further_interrupts()
         print("interrupted: stopping workers", file=sys.stderr, flush=True)
         stop_workers(procs)
         if steps.value > start_step:

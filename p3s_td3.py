@@ -14,7 +14,7 @@ search around it. With one learner this is plain TD3, the paper's baseline.
 
 | paper                                                              | here                                   |
 |--------------------------------------------------------------------|----------------------------------------|
-| Alg. 1 lines 5-11: N learners act in their own env copies and      | `learner_process`, `SharedReplay`      |
+| Alg. 1 lines 5-11: N learners act in their own env copies and      | `run_learner`, `SharedReplay`          |
 |   store into one shared replay D                                   |                                        |
 | Eqs. (80), (83): y = r + γ min_j Q'_j(s', π'(s') + clip(ε)),       | `smoothed_target_action`, `td3_target`,|
 |   L(θ_j) = E[(y − Q_j(s, a))²]                                     | `critic_loss`                          |
@@ -63,10 +63,8 @@ import json
 import math
 import os
 import queue
-import signal
 import sys
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
@@ -76,10 +74,11 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from common.checkpoint import (check_finite, check_finite_parameters, load_checkpoint, non_finite_advice,
-                               save_checkpoint, save_model)
+from common.checkpoint import (check_finite, check_finite_parameters, load_checkpoint, save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
 from common.families import with_family_defaults, write_args
+from common.processes import (WorkerError, check_workers, exit_if_orphaned, ignore_further_interrupts,
+                              interrupt_on_signals, raise_worker_error, report_failure, stop_workers, worker_entry)
 
 
 @dataclass
@@ -498,26 +497,8 @@ class Population:
         target = generation * num_learners
         value = self.arrivals.get_obj()
         while value.value < target:
-            if os.getppid() != parent_pid:
-                raise ParentGone
+            exit_if_orphaned(parent_pid)
             time.sleep(0.0005)
-
-
-class ParentGone(Exception):
-    """The main process has died (it cannot be signalled if it was SIGKILLed): the learner exits by itself."""
-
-
-def learner_process(index, args, replay, population, msg_q, parent_pid, run_path, resume_file=None):
-    """Entry point of a learner process: runs `run_learner` and reports its traceback if it fails."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    try:
-        torch.set_num_threads(1)
-        run_learner(index, args, replay, population, msg_q, parent_pid, run_path, resume_file)
-    except ParentGone:
-        msg_q.cancel_join_thread()  # nobody reads the queue any more: do not wait to flush it at exit
-    except Exception:
-        msg_q.put(("error", index, traceback.format_exc()))
-        sys.exit(1)
 
 
 def learner_file(run_path, index, t):
@@ -571,8 +552,7 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
     obs = torch.from_numpy(flatten_obs(obs))
     after_end = np.zeros(n, bool)  # the next step is envpool's reset step, not a transition
     for t in range(start_t + 1, steps_per_learner + 1):
-        if os.getppid() != parent_pid:
-            raise ParentGone
+        exit_if_orphaned(parent_pid)
         if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
             actions = torch.rand(n, action_dim, generator=cpu_generator) * 2.0 - 1.0
         else:
@@ -667,21 +647,6 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
     return policy
 
 
-class LearnerError(RuntimeError):
-    pass
-
-
-def stop_learners(procs):
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
-
-
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
     spec = env_spec(args.env_id, discrete=False)
@@ -766,8 +731,9 @@ def main(args: Args):
     if resumed is not None:  # the barrier counts on from the selections already made
         population.arrivals.value = 2 * resumed["generation"] * N
     msg_q = ctx.Queue()
-    procs = [ctx.Process(target=learner_process, name=f"learner-{i}", daemon=True,
-                         args=(i, args, replay, population, msg_q, os.getpid(), run_path, resume_files[i]))
+    procs = [ctx.Process(target=worker_entry, name=f"learner-{i}", daemon=True,
+                         args=(run_learner, i, msg_q, i, args, replay, population, msg_q, os.getpid(), run_path,
+                               resume_files[i]))
              for i in range(N)]
     saved_by = {}  # learner time step → learners that saved their part there
     stop = []  # Ctrl-C or SIGTERM: a checkpoint at the next selection, then stop
@@ -801,8 +767,7 @@ def main(args: Args):
             raise KeyboardInterrupt
         population.save_request[0] = 1
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    interrupt_on_signals(on_signal)
     start = time.time()
     done, last_log, last_checkpoint, first_step_time = {}, start, start, None
     stop_deadline = None
@@ -850,18 +815,8 @@ def main(args: Args):
                 elif kind == "done":
                     done[msg[1]] = msg[2]
                 else:
-                    raise LearnerError(f"learner {msg[1]} failed:\n{msg[2]}")
-            for i, p in enumerate(procs):
-                if not p.is_alive() and p.exitcode != 0:
-                    deadline = time.time() + 2.0  # a failing learner's traceback may still be in the queue
-                    while time.time() < deadline:
-                        try:
-                            late = msg_q.get(timeout=0.2)
-                        except queue.Empty:
-                            continue
-                        if late[0] == "error":
-                            raise LearnerError(f"learner {late[1]} failed:\n{late[2]}")
-                    raise LearnerError(f"learner {i} died with exit code {p.exitcode}")
+                    raise_worker_error(msg, "learner")
+            check_workers(procs, msg_q, "learner")
             now = time.time()
             step = int(population.steps.sum())
             if stop and stop_deadline is None:
@@ -884,16 +839,14 @@ def main(args: Args):
                 print(f"step {step:>9d}/{args.total_timesteps} | SPS {sps:6.0f} | return(100) {recent:>8}{pop} "
                       f"| episodes {len(returns)} | ETA {eta}", flush=True)
                 last_log = now
-    except LearnerError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        stop_learners(procs)
-        if "NonFiniteError" in str(e):
-            print(non_finite_advice(run_path), file=sys.stderr, flush=True)
+    except WorkerError as e:
+        report_failure(e, run_path)
+        stop_workers(procs)
         sys.exit(1)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown and checkpoint short
+        ignore_further_interrupts()
         print("interrupted: stopping learners", file=sys.stderr, flush=True)
-        stop_learners(procs)
+        stop_workers(procs)
         sys.exit(130)
     for p in procs:
         p.join()

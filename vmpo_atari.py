@@ -75,7 +75,6 @@ import queue
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Literal
 
@@ -85,13 +84,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               non_finite_advice, save_checkpoint, save_model)
+                               save_checkpoint, save_model)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.families import with_family_defaults, write_args
 from common.networks import (LSTMCore, dead_units, grad_norms_by_layer, init_output_, init_weights_,
                              logits_std_across_states, make_torso)
 from common.popart import PopArt
+from common.processes import (WorkerError, check_workers, exit_if_orphaned, ignore_further_interrupts,
+                              raise_worker_error, report_failure, stop_workers, worker_entry)
 
 
 @dataclass
@@ -415,17 +416,6 @@ def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
     return specs
 
 
-def actor_process(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
-    """Entry point of an actor process: runs `act` and reports its traceback if it fails."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle
-    try:
-        torch.set_num_threads(1)
-        act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid)
-    except Exception:
-        msg_q.put(("error", actor_id, traceback.format_exc()))
-        sys.exit(1)
-
-
 def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
     """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls."""
     T, n, device = cfg["unroll_length"], cfg["num_envs"], torch.device(cfg["device"])
@@ -435,8 +425,7 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
             try:
                 return free_q.get(timeout=1.0)
             except queue.Empty:
-                if os.getppid() != parent_pid:
-                    sys.exit(0)
+                exit_if_orphaned(parent_pid)
 
     envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True,
                     num_threads=cfg["env_threads"], episodic_life=cfg["episodic_life"], reward_clip=cfg["reward_clip"],
@@ -455,8 +444,7 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
     while True:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
-        if os.getppid() != parent_pid:
-            return
+        exit_if_orphaned(parent_pid)
         latest = int(version.item())
         if latest != seen:  # θ_target ← θ_online happened in the learner
             seen = latest
@@ -510,10 +498,6 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
 # Learning and process plumbing.
 
 
-class WorkerError(RuntimeError):
-    pass
-
-
 class Learner:
     """Owns the actor processes of one learner process, the target network they act with (in shared memory),
     and hands out batches of their unrolls."""
@@ -548,9 +532,9 @@ class Learner:
                        env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
                        seed=args.seed + 1000 * rank + a, device=str(device), env_threads=env_threads,
                        episodic_life=args.episodic_life, reward_clip=args.reward_clip)
-            p = ctx.Process(target=actor_process, daemon=True, name=f"actor-{a}",
-                            args=(a, cfg, self.target_agent, self.version, self.buffers, self.free_q,
-                                  self.full_q, self.msg_q, os.getpid()))
+            p = ctx.Process(target=worker_entry, daemon=True, name=f"actor-{a}",
+                            args=(act, a, self.msg_q, a, cfg, self.target_agent, self.version, self.buffers,
+                                  self.free_q, self.full_q, self.msg_q, os.getpid()))
             p.start()
             self.procs.append(p)
 
@@ -564,17 +548,8 @@ class Learner:
             if msg[0] == "episode":
                 self.episodes.append(msg[1:])
             else:
-                raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
-        for a, p in enumerate(self.procs):
-            if not p.is_alive():
-                time.sleep(0.5)  # give a failing actor's traceback time to arrive
-                try:
-                    msg = self.msg_q.get(timeout=1.0)
-                    if msg[0] == "error":
-                        raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
-                except queue.Empty:
-                    pass
-                raise WorkerError(f"actor {a} died with exit code {p.exitcode}")
+                raise_worker_error(msg, "actor")
+        check_workers(self.procs, self.msg_q, "actor", must_live=True)
 
     def next_batch(self):
         """`local_batch` unrolls, time-major `[T+1, B, ...]`, on the learner's device."""
@@ -604,13 +579,7 @@ class Learner:
         self.version += 1
 
     def close(self):
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+        stop_workers(self.procs)
 
 
 def _world_size():
@@ -869,14 +838,12 @@ def main(args: Args):
                       f"KL {stats['stats/kl'].item():.4f} | ETA {eta_min:.1f} min", flush=True)
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if isinstance(e, NonFiniteError):
-            print(non_finite_advice(run_path), file=sys.stderr, flush=True)
+        report_failure(e, run_path)
         if learner is not None:
             learner.close()
         os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown and checkpoint short
+        ignore_further_interrupts()
         print("interrupted: stopping actors", file=sys.stderr, flush=True)
         if popart_before is not None:  # the update in progress is dropped, with what its loss did to PopArt
             agent.popart.load_state_dict(popart_before)
