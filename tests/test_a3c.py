@@ -310,6 +310,7 @@ def test_smoke_breakout(tmp_path, extra):
     assert summary["num_workers"] == 2 and summary["eval_mean_return"] is not None
     saved = json.load(open(os.path.join(run, "args.json")))
     assert saved["t_max"] == t_max and saved["max_grad_norm"] == 40.0  # the defaults for pixels, as run
+    assert saved["task_family"] == "atari" and saved["rmsprop_eps"] == 1e-5
     tags = events_tags(run)
     assert {"charts/SPS", "charts/learning_rate", "losses/value_loss", "losses/policy_loss", "losses/entropy",
             "stats/grad_norm", "stats/policy_lag"} <= tags
