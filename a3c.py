@@ -75,13 +75,28 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               save_checkpoint, save_model)
+from common.checkpoint import (
+    NonFiniteError,
+    check_finite,
+    check_finite_parameters,
+    load_checkpoint,
+    save_checkpoint,
+    save_model,
+)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
 from common.families import with_family_defaults, write_args
 from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, init_output_, init_weights_
-from common.processes import (WorkerError, check_workers, exit_if_orphaned, ignore_further_interrupts,
-                              interrupt_on_signals, raise_worker_error, report_failure, stop_workers, worker_entry)
+from common.processes import (
+    WorkerError,
+    check_workers,
+    exit_if_orphaned,
+    ignore_further_interrupts,
+    interrupt_on_signals,
+    raise_worker_error,
+    report_failure,
+    stop_workers,
+    worker_entry,
+)
 
 
 @dataclass
@@ -144,8 +159,8 @@ class Args:
     log_interval: float = 5.0
     """seconds between console progress lines"""
     checkpoint_interval: float = 300.0
-    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights with the observation statistics, shared RMSProp statistics, step counter; written atomically); also at the end
-    and on Ctrl-C; 0: only then"""
+    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights with the observation statistics, shared
+    RMSProp statistics, step counter; written atomically); also at the end and on Ctrl-C; 0: only then"""
     resume: str = ""
     """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
 
@@ -159,12 +174,16 @@ class Args:
 # steps), with four all three seeds balanced it (README, "Defaults by task family"). Classic control: the paper's
 # settings learn CartPole-v1; the family gives the run a budget of its size.
 FAMILY_DEFAULTS = {
-    "atari": ("the paper's Atari settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5 (README)",
-              dict(rmsprop_eps=1e-5)),
-    "mujoco": ("the paper's continuous-control settings (Supp. 9) with 4 envs per worker, measured on "
-               "InvertedPendulum-v4 (README)", dict(num_envs=4)),
-    "classic": ("the paper's settings, with a budget measured on CartPole-v1 (README)",
-                dict(total_timesteps=300_000)),
+    "atari": (
+        "the paper's Atari settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5 (README)",
+        dict(rmsprop_eps=1e-5),
+    ),
+    "mujoco": (
+        "the paper's continuous-control settings (Supp. 9) with 4 envs per worker, measured on "
+        "InvertedPendulum-v4 (README)",
+        dict(num_envs=4),
+    ),
+    "classic": ("the paper's settings, with a budget measured on CartPole-v1 (README)", dict(total_timesteps=300_000)),
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -184,8 +203,7 @@ def n_step_returns(rewards, discounts, bootstrap_value):
     return torch.stack(out[::-1])
 
 
-def a3c_loss(log_probs, entropies, values, rewards, terminated, reset, bootstrap_value, gamma, ent_coef,
-             value_coef):
+def a3c_loss(log_probs, entropies, values, rewards, terminated, reset, bootstrap_value, gamma, ent_coef, value_coef):
     """Algorithm S3's accumulated gradients as one loss on a rollout `[T, B]`:
 
         L = Σ_t [ −log π(a_t|s_t) (R_t − V(s_t)) − β H(π(·|s_t)) + value_coef (R_t − V(s_t))² ]
@@ -204,9 +222,13 @@ def a3c_loss(log_probs, entropies, values, rewards, terminated, reset, bootstrap
     value_loss = (mask * (returns - values) ** 2).sum() / B
     loss = policy_loss - ent_coef * entropy + value_coef * value_loss
     n = mask.sum().clamp(min=1)
-    stats = {"losses/policy_loss": policy_loss.detach(), "losses/value_loss": value_loss.detach(),
-             "losses/entropy": (entropy * B / n).detach(), "stats/advantage_mean": (mask * advantages).sum() / n,
-             "stats/value_mean": (mask * values_sg).sum() / n}
+    stats = {
+        "losses/policy_loss": policy_loss.detach(),
+        "losses/value_loss": value_loss.detach(),
+        "losses/entropy": (entropy * B / n).detach(),
+        "stats/advantage_mean": (mask * advantages).sum() / n,
+        "stats/value_mean": (mask * values_sg).sum() / n,
+    }
     return loss, stats
 
 
@@ -303,8 +325,13 @@ class Agent(nn.Module):
 
     def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0):
         super().__init__()
-        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim,
-                           hidden=hidden, lstm_size=lstm_size)
+        self.config = dict(
+            obs_shape=tuple(obs_shape),
+            num_actions=num_actions,
+            action_dim=action_dim,
+            hidden=hidden,
+            lstm_size=lstm_size,
+        )
         self.num_actions, self.action_dim = num_actions, action_dim
         self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
         self.body = Body(obs_shape, hidden, lstm_size)
@@ -439,8 +466,14 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, p
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", worker_id, counter.value, score, length))
-                for k, v in (("obs", obs), ("first", first), ("action", action), ("reward", reward),
-                             ("terminated", term), ("reset", ended)):
+                for k, v in (
+                    ("obs", obs),
+                    ("first", first),
+                    ("action", action),
+                    ("reward", reward),
+                    ("terminated", term),
+                    ("reset", ended),
+                ):
                     rows[k].append(torch.as_tensor(v))
                 first, ended = ended, torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
@@ -448,14 +481,22 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, p
         pi, values, _ = local(torch.stack(rows["obs"] + [obs]), torch.stack(rows["first"] + [first]), start_state)
         log_probs, entropies = local.log_prob_entropy(pi[:-1], torch.stack(rows["action"]))
         ent_coef = args.ent_coef if args.ent_coef >= 0 else (1e-4 if continuous else 0.01)
-        loss, stats = a3c_loss(log_probs, entropies, values[:-1], torch.stack(rows["reward"]).float(),
-                               torch.stack(rows["terminated"]), torch.stack(rows["reset"]), values[-1].detach(),
-                               args.gamma, ent_coef, args.value_coef)
+        loss, stats = a3c_loss(
+            log_probs,
+            entropies,
+            values[:-1],
+            torch.stack(rows["reward"]).float(),
+            torch.stack(rows["terminated"]),
+            torch.stack(rows["reset"]),
+            values[-1].detach(),
+            args.gamma,
+            ent_coef,
+            args.value_coef,
+        )
         with counter.get_lock():
             step = counter.value
             counter.value += T * n
-        lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps) if args.anneal_lr \
-            else args.learning_rate
+        lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps) if args.anneal_lr else args.learning_rate
         for group in optimizer.param_groups:
             group["lr"] = lr
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
@@ -464,8 +505,13 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, p
                 shared.obs_norm.update(torch.stack(rows["obs"]))
         now = time.time()
         if worker_id == 0 and (now - last_report >= 1.0 or counter.value >= args.total_timesteps):  # or the last
-            stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm,
-                          "stats/policy_lag": (step - synced_at) / (T * n)})  # other workers' updates meanwhile
+            stats.update(
+                {
+                    "charts/learning_rate": lr,
+                    "stats/grad_norm": grad_norm,
+                    "stats/policy_lag": (step - synced_at) / (T * n),
+                }
+            )  # other workers' updates meanwhile
             if continuous:
                 stats["stats/policy_std"] = pi[:-1, :, -1].detach().mean()
             msg_q.put(("stats", worker_id, step + T * n, {k: float(v) for k, v in stats.items()}))
@@ -478,8 +524,10 @@ def check_args(args):
     spec = env_spec(args.env_id)
     discrete = hasattr(spec.action_space, "n")
     if args.cuda:
-        raise UsageError("--cuda is not available in a3c.py: its Hogwild workers share parameters in CPU memory "
-                         "(the paper's A3C runs on CPU cores); leave the flag out")
+        raise UsageError(
+            "--cuda is not available in a3c.py: its Hogwild workers share parameters in CPU memory "
+            "(the paper's A3C runs on CPU cores); leave the flag out"
+        )
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be at least 1, or 0 for one per CPU core; got {args.num_workers}")
     if args.num_envs < 1:
@@ -488,8 +536,10 @@ def check_args(args):
         raise UsageError(f"--t-max must be at least 1, or 0 for the paper's 5 (20 with --lstm); got {args.t_max}")
     t_max = args.t_max or (20 if args.lstm else 5)
     if args.total_timesteps < t_max * args.num_envs:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one rollout "
-                         f"(t-max x num-envs = {t_max * args.num_envs} steps)")
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} is less than one rollout "
+            f"(t-max x num-envs = {t_max * args.num_envs} steps)"
+        )
     for name in ("learning_rate", "rmsprop_eps"):
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -504,19 +554,29 @@ def check_args(args):
         raise UsageError(f"--hidden must be at least 1, got {args.hidden}")
     if not discrete:
         if len(spec.action_space.shape) != 1:
-            raise UsageError(f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a "
-                             "vector or a discrete set")
+            raise UsageError(
+                f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a "
+                "vector or a discrete set"
+            )
         if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
             raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
         if args.capture_video:
-            raise UsageError("--capture-video is not available for continuous control: envpool renders MuJoCo only "
-                             "with an OpenGL context, which it does not create; leave the flag out")
+            raise UsageError(
+                "--capture-video is not available for continuous control: envpool renders MuJoCo only "
+                "with an OpenGL context, which it does not create; leave the flag out"
+            )
     pixels = is_atari(args.env_id)
     obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     lstm_size = (args.lstm_size or (256 if pixels else 128)) if args.lstm else 0
     max_grad_norm = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
-    return spec, dict(t_max=t_max, discrete=discrete, obs_shape=obs_shape, lstm_size=lstm_size,
-                      num_workers=args.num_workers or os.cpu_count() or 1, max_grad_norm=max_grad_norm)
+    return spec, dict(
+        t_max=t_max,
+        discrete=discrete,
+        obs_shape=obs_shape,
+        lstm_size=lstm_size,
+        num_workers=args.num_workers or os.cpu_count() or 1,
+        max_grad_norm=max_grad_norm,
+    )
 
 
 def main(args: Args):
@@ -526,19 +586,30 @@ def main(args: Args):
         saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
         args = dataclasses.replace(Args(**saved), resume=args.resume)
     spec, derived = check_args(args)
-    args = dataclasses.replace(args, t_max=derived["t_max"], num_workers=derived["num_workers"],
-                               lstm_size=derived["lstm_size"], max_grad_norm=derived["max_grad_norm"])
+    args = dataclasses.replace(
+        args,
+        t_max=derived["t_max"],
+        num_workers=derived["num_workers"],
+        lstm_size=derived["lstm_size"],
+        max_grad_norm=derived["max_grad_norm"],
+    )
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     discrete = derived["discrete"]
-    agent = Agent(derived["obs_shape"], spec.action_space.n if discrete else 0,
-                  0 if discrete else int(spec.action_space.shape[0]), args.hidden, args.lstm_size)
+    agent = Agent(
+        derived["obs_shape"],
+        spec.action_space.n if discrete else 0,
+        0 if discrete else int(spec.action_space.shape[0]),
+        args.hidden,
+        args.lstm_size,
+    )
     agent.share_memory()  # θ (and the observation statistics) in shared memory, written by every worker
     optimizer = None
     if args.shared_statistics:
-        optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha,
-                                  args.rmsprop_eps).share_memory()
+        optimizer = SharedRMSprop(
+            agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps
+        ).share_memory()
 
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_path = args.resume or os.path.join(args.run_dir, run_name)
@@ -555,26 +626,41 @@ def main(args: Args):
 
     # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
     writer = SummaryWriter(run_path, purge_step=start_step + 1 if resumed is not None else None)
-    print(f"run folder: {run_path}  ({args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
-          f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
-          "RMSProp statistics)", flush=True)
+    print(
+        f"run folder: {run_path}  ({args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
+        f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
+        "RMSProp statistics)",
+        flush=True,
+    )
 
     ctx = torch.multiprocessing.get_context("spawn")
     counter, obs_lock, msg_q = ctx.Value("q", start_step), ctx.Lock(), ctx.Queue()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    procs = [ctx.Process(target=worker_entry, name=f"worker-{w}", daemon=True,
-                         args=(train_worker, w, msg_q, w, args, agent, optimizer, counter, obs_lock, msg_q,
-                               os.getpid()))
-             for w in range(args.num_workers)]
+    procs = [
+        ctx.Process(
+            target=worker_entry,
+            name=f"worker-{w}",
+            daemon=True,
+            args=(train_worker, w, msg_q, w, args, agent, optimizer, counter, obs_lock, msg_q, os.getpid()),
+        )
+        for w in range(args.num_workers)
+    ]
 
     def saved_model(global_step):
         """What model.pt holds (common/evaluation.py plays it)."""
-        model = {"script": "a3c", "env_id": args.env_id, "args": dataclasses.asdict(args),
-                 "agent_config": agent.config, "agent": {k: v.detach().clone() for k, v in agent.state_dict().items()},
-                 "global_step": global_step}
+        model = {
+            "script": "a3c",
+            "env_id": args.env_id,
+            "args": dataclasses.asdict(args),
+            "agent_config": agent.config,
+            "agent": {k: v.detach().clone() for k, v in agent.state_dict().items()},
+            "global_step": global_step,
+        }
         if not discrete:
-            model.update(action_low=spec.action_space.low.astype(np.float32).tolist(),
-                         action_high=spec.action_space.high.astype(np.float32).tolist())
+            model.update(
+                action_low=spec.action_space.low.astype(np.float32).tolist(),
+                action_high=spec.action_space.high.astype(np.float32).tolist(),
+            )
         return model
 
     def checkpoint():
@@ -583,11 +669,19 @@ def main(args: Args):
         check_finite_parameters(f"at step {step}", agent=agent)
         if args.save_model:  # a run stopped early can be evaluated too
             save_model(saved_model(step), run_path)
-        save_checkpoint({"agent": agent.state_dict(),
-                         "square_avg": None if optimizer is None
-                         else [optimizer.state[p]["square_avg"] for p in agent.parameters()],
-                         "global_step": step, "returns": returns[-100:], "wall_time_s": previous_wall + time.time() - start,
-                         "args": dataclasses.asdict(args)}, run_path)
+        save_checkpoint(
+            {
+                "agent": agent.state_dict(),
+                "square_avg": None
+                if optimizer is None
+                else [optimizer.state[p]["square_avg"] for p in agent.parameters()],
+                "global_step": step,
+                "returns": returns[-100:],
+                "wall_time_s": previous_wall + time.time() - start,
+                "args": dataclasses.asdict(args),
+            },
+            run_path,
+        )
         return step
 
     interrupt_on_signals()
@@ -628,8 +722,11 @@ def main(args: Args):
                 writer.add_scalar("charts/SPS", sps, step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-                print(f"step {step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-                      f"| episodes {len(returns)} | ETA {eta}", flush=True)
+                print(
+                    f"step {step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+                    f"| episodes {len(returns)} | ETA {eta}",
+                    flush=True,
+                )
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
         report_failure(e, run_path)
@@ -640,8 +737,12 @@ def main(args: Args):
         print("interrupted: stopping workers", file=sys.stderr, flush=True)
         stop_workers(procs)
         if steps.value > start_step:
-            print(f"checkpoint at step {checkpoint()}: continue with python {os.path.basename(__file__)} --resume "
-                  f"{run_path}", file=sys.stderr, flush=True)
+            print(
+                f"checkpoint at step {checkpoint()}: continue with python {os.path.basename(__file__)} --resume "
+                f"{run_path}",
+                file=sys.stderr,
+                flush=True,
+            )
         sys.exit(130)
     for p in procs:
         p.join()
@@ -658,18 +759,25 @@ def main(args: Args):
     if args.eval_episodes > 0:
         from common.evaluation import evaluate
 
-        scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000,
-                          video_dir=run_path if args.capture_video else None)
+        scores = evaluate(
+            checkpoint, args.eval_episodes, seed=args.seed + 10_000, video_dir=run_path if args.capture_video else None
+        )
         eval_mean = float(np.mean(scores))
         writer.add_scalar("charts/eval_return", eval_mean, global_step)
         print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
     steady = None
     if first_step_time is not None and end_time > first_step_time:
         steady = (global_step - first_step) / (end_time - first_step_time)
-    summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
-               "sps": (global_step - start_step) / (end_time - start), "sps_after_first_update": steady, "num_workers": args.num_workers,
-               "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-               "eval_mean_return": eval_mean}
+    summary = {
+        "env_id": args.env_id,
+        "total_timesteps": global_step,
+        "wall_time_s": wall,
+        "sps": (global_step - start_step) / (end_time - start),
+        "sps_after_first_update": steady,
+        "num_workers": args.num_workers,
+        "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+        "eval_mean_return": eval_mean,
+    }
     with open(os.path.join(run_path, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     writer.close()

@@ -76,13 +76,28 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               save_checkpoint, save_model)
+from common.checkpoint import (
+    NonFiniteError,
+    check_finite,
+    check_finite_parameters,
+    load_checkpoint,
+    save_checkpoint,
+    save_model,
+)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
 from common.families import with_family_defaults, write_args
 from common.networks import MLPTorso, init_output_, init_weights_
-from common.processes import (WorkerError, check_workers, exit_if_orphaned, ignore_further_interrupts,
-                              interrupt_on_signals, raise_worker_error, report_failure, stop_workers, worker_entry)
+from common.processes import (
+    WorkerError,
+    check_workers,
+    exit_if_orphaned,
+    ignore_further_interrupts,
+    interrupt_on_signals,
+    raise_worker_error,
+    report_failure,
+    stop_workers,
+    worker_entry,
+)
 
 
 @dataclass
@@ -154,8 +169,8 @@ class Args:
     log_interval: float = 5.0
     """seconds between console progress lines"""
     checkpoint_interval: float = 300.0
-    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights, average network, shared RMSProp statistics, step counter; not the replay; written atomically); also at the end
-    and on Ctrl-C; 0: only then"""
+    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights, average network, shared RMSProp
+    statistics, step counter; not the replay; written atomically); also at the end and on Ctrl-C; 0: only then"""
     resume: str = ""
     """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
 
@@ -220,7 +235,7 @@ def acer_policy_gradient(probs, actions, behaviour_probs, q, q_ret, c, ent_coef=
     rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     rho_bar = rho.clamp(max=c)
     g = (1 - c / rho_all).clamp(min=0) * (q - v)
-    taken = (rho_bar * (q_ret.detach() - v.squeeze(-1)) / probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1))
+    taken = rho_bar * (q_ret.detach() - v.squeeze(-1)) / probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     g = g.scatter_add(-1, actions.unsqueeze(-1), taken.unsqueeze(-1))
     if ent_coef:
         g = g - ent_coef * (probs.log() + 1)  # ∇_φ of H = −Σ φ log φ
@@ -248,8 +263,15 @@ def acer_loss(logits, q, avg_logits, batch, args):
         discounts = args.gamma * (~batch["terminated"][:-1]).float()
         q_taken = q.detach()[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         q_ret = retrace(batch["reward"][:-1], discounts, q_taken, values[:-1], truncated, values[-1])
-        g, rho_bar, _ = acer_policy_gradient(p[:-1].reshape(-1, A), actions.reshape(-1), batch["mu"][:-1].reshape(-1, A),
-                                             q.detach()[:-1].reshape(-1, A), q_ret.reshape(-1), args.c, args.ent_coef)
+        g, rho_bar, _ = acer_policy_gradient(
+            p[:-1].reshape(-1, A),
+            actions.reshape(-1),
+            batch["mu"][:-1].reshape(-1, A),
+            q.detach()[:-1].reshape(-1, A),
+            q_ret.reshape(-1),
+            args.c,
+            args.ent_coef,
+        )
         avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A).clamp(min=PROB_FLOOR)
         k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
         z = trust_region_step(g, k, args.delta) if args.trust_region else g
@@ -257,12 +279,14 @@ def acer_loss(logits, q, avg_logits, batch, args):
         g = g.view(T, B, A) * mask[..., None]
         n = mask.sum().clamp(min=1)
         kl = (avg_probs * (avg_probs.log() - p[:-1].reshape(-1, A).log())).sum(-1).view(T, B)
-        stats = {"stats/rho_mean": (mask * rho_bar.view(T, B)).sum() / n,
-                 "stats/truncated_fraction": (mask * (rho > args.c).float()).sum() / n,
-                 "stats/trust_region_adjustment": (z - g).norm() / g.norm().clamp(min=1e-12),
-                 "stats/kl_avg": (mask * kl).sum() / n,
-                 "stats/value_mean": (mask * values[:-1]).sum() / n,
-                 "losses/entropy": -(mask * (p[:-1] * p[:-1].log()).sum(-1)).sum() / n}
+        stats = {
+            "stats/rho_mean": (mask * rho_bar.view(T, B)).sum() / n,
+            "stats/truncated_fraction": (mask * (rho > args.c).float()).sum() / n,
+            "stats/trust_region_adjustment": (z - g).norm() / g.norm().clamp(min=1e-12),
+            "stats/kl_avg": (mask * kl).sum() / n,
+            "stats/value_mean": (mask * values[:-1]).sum() / n,
+            "losses/entropy": -(mask * (p[:-1] * p[:-1].log()).sum(-1)).sum() / n,
+        }
     policy_loss = -(z * probs[:-1]).sum() / B  # ∂/∂φ = −z/B: ascent along z
     q_sa = q[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     value_loss = (mask * (q_ret - q_sa) ** 2).sum() / B
@@ -314,24 +338,34 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
         discounts = args.gamma * (~batch["terminated"][:-1]).float()
         q_ret = retrace(batch["reward"][:-1], discounts, qt, v[:-1], traces, v[-1])
         q_opc = retrace(batch["reward"][:-1], discounts, qt, v[:-1], mask, v[-1])
-        g, rho_bar, _ = gaussian_policy_gradient(m[:-1].reshape(-1, d), actions.reshape(-1, d),
-                                                 batch["mu"][:-1].reshape(-1, d), q_opc.reshape(-1),
-                                                 v[:-1].reshape(-1), sampled_actions.reshape(-1, d),
-                                                 q_sampled.reshape(-1), std, args.c)
+        g, rho_bar, _ = gaussian_policy_gradient(
+            m[:-1].reshape(-1, d),
+            actions.reshape(-1, d),
+            batch["mu"][:-1].reshape(-1, d),
+            q_opc.reshape(-1),
+            v[:-1].reshape(-1),
+            sampled_actions.reshape(-1, d),
+            q_sampled.reshape(-1),
+            std,
+            args.c,
+        )
         k = (m[:-1] - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
         z = trust_region_step(g, k, args.delta) if args.trust_region else g
         z = z.view(T, B, d) * mask[..., None]
         g = g.view(T, B, d) * mask[..., None]
         n = mask.sum().clamp(min=1)
         kl = 0.5 * ((m[:-1] - avg_mean[:-1]) ** 2).sum(-1) / (std * std)
-        stats = {"stats/rho_mean": (mask * rho_bar.view(T, B)).sum() / n,
-                 "stats/truncated_fraction": (mask * (rho > args.c).float()).sum() / n,
-                 "stats/trust_region_adjustment": (z - g).norm() / g.norm().clamp(min=1e-12),
-                 "stats/kl_avg": (mask * kl).sum() / n, "stats/value_mean": (mask * v[:-1]).sum() / n}
+        stats = {
+            "stats/rho_mean": (mask * rho_bar.view(T, B)).sum() / n,
+            "stats/truncated_fraction": (mask * (rho > args.c).float()).sum() / n,
+            "stats/trust_region_adjustment": (z - g).norm() / g.norm().clamp(min=1e-12),
+            "stats/kl_avg": (mask * kl).sum() / n,
+            "stats/value_mean": (mask * v[:-1]).sum() / n,
+        }
     policy_loss = -(z * mean[:-1]).sum() / B
     td = q_ret - q_taken
-    value_loss = (mask * (td ** 2 - 2 * rho.clamp(max=1.0) * td.detach() * values[:-1])).sum() / B
-    stats.update({"losses/policy_loss": policy_loss.detach(), "losses/value_loss": (mask * td ** 2).sum().detach() / B})
+    value_loss = (mask * (td**2 - 2 * rho.clamp(max=1.0) * td.detach() * values[:-1])).sum() / B
+    stats.update({"losses/policy_loss": policy_loss.detach(), "losses/value_loss": (mask * td**2).sum().detach() / B})
     return policy_loss + args.value_coef * value_loss, stats
 
 
@@ -397,8 +431,15 @@ class NatureTorso(nn.Module):
     def __init__(self, obs_shape):
         super().__init__()
         c, h, w = obs_shape
-        self.convs = nn.Sequential(nn.Conv2d(c, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-                                   nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten())
+        self.convs = nn.Sequential(
+            nn.Conv2d(c, 32, 8, stride=4),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 4, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
         with torch.no_grad():
             n = self.convs(torch.zeros(1, c, h, w)).shape[1]
         self.fc = nn.Linear(n, 512)
@@ -455,8 +496,9 @@ class ContinuousAgent(nn.Module):
     def q_tilde(self, obs, actions, mean, values, n, generator=None):
         """Eq. (13) for `[..., D]` observations and `[..., d]` actions, with n samples u_i ~ π(·|x) (no gradient
         through the samples)."""
-        u = mean.detach().unsqueeze(-2) + self.std * torch.randn(*mean.shape[:-1], n, self.action_dim,
-                                                                 generator=generator)
+        u = mean.detach().unsqueeze(-2) + self.std * torch.randn(
+            *mean.shape[:-1], n, self.action_dim, generator=generator
+        )
         a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
         obs_all = obs.unsqueeze(-2).expand(*obs.shape[:-1], n + 1, obs.shape[-1])
         adv = self.advantage(torch.cat([obs_all.float(), a_all], dim=-1)).squeeze(-1)
@@ -502,8 +544,9 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
         if isinstance(agent, ContinuousAgent):
             mean, _ = agent(obs_tensor(obs, pixels).to(device)[None])
             action = mean[0] if greedy else mean[0] + agent.std * torch.randn_like(mean[0])
-            return to_env_action(action.cpu().numpy(), np.asarray(checkpoint["action_low"]),
-                                 np.asarray(checkpoint["action_high"]))
+            return to_env_action(
+                action.cpu().numpy(), np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
+            )
         logits, _ = agent(obs_tensor(obs, pixels).to(device)[None])
         if greedy:
             return logits[0].argmax(-1).cpu().numpy()
@@ -591,8 +634,14 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", worker_id, counter.value, score, length))
-                for key, v in (("obs", obs), ("action", action), ("reward", reward), ("terminated", term),
-                               ("reset", ended), ("mu", mu)):
+                for key, v in (
+                    ("obs", obs),
+                    ("action", action),
+                    ("reward", reward),
+                    ("terminated", term),
+                    ("reset", ended),
+                    ("mu", mu),
+                ):
                     rows[key].append(torch.as_tensor(v))
                 ended = torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
@@ -613,12 +662,18 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
         now = time.time()
         last = counter.value >= args.total_timesteps  # whichever worker ends the run reports its last update too
         if (stats or replays) and ((worker_id == 0 and now - last_report >= 1.0) or last):
-            report = {f"on_policy/{key.split('/')[1]}" if key.startswith("stats/") else key: v
-                      for key, v in stats.items()}
+            report = {
+                f"on_policy/{key.split('/')[1]}" if key.startswith("stats/") else key: v for key, v in stats.items()
+            }
             if replays:
                 report.update(replay_stats)
-            report.update({"charts/learning_rate": args.learning_rate, "stats/replay_updates": replays,
-                           "stats/replay_segments": len(replay)})
+            report.update(
+                {
+                    "charts/learning_rate": args.learning_rate,
+                    "stats/replay_updates": replays,
+                    "stats/replay_segments": len(replay),
+                }
+            )
             msg_q.put(("stats", worker_id, step + k * n, {key: float(v) for key, v in report.items()}))
             last_report = now
     msg_q.put(("done", worker_id))
@@ -629,21 +684,31 @@ def check_args(args):
     spec = env_spec(args.env_id)
     discrete = hasattr(spec.action_space, "n")
     if args.cuda:
-        raise UsageError("--cuda is not available in acer.py: its workers share parameters in CPU memory (the "
-                         "paper's ACER runs on CPU threads); leave the flag out")
+        raise UsageError(
+            "--cuda is not available in acer.py: its workers share parameters in CPU memory (the "
+            "paper's ACER runs on CPU threads); leave the flag out"
+        )
     if not discrete:
         if len(spec.action_space.shape) != 1:
-            raise UsageError(f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a "
-                             "vector or a discrete set")
+            raise UsageError(
+                f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a "
+                "vector or a discrete set"
+            )
         if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
             raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
         if args.capture_video:
-            raise UsageError("--capture-video is not available for continuous control: envpool renders MuJoCo only "
-                             "with an OpenGL context, which it does not create; leave the flag out")
-    derived = dict(k=args.k or (20 if discrete else 50), replay_size=args.replay_size or (50_000 if discrete else 5_000),
-                   c=args.c or (10.0 if discrete else 5.0), avg_decay=args.avg_decay or (0.99 if discrete else 0.995),
-                   learning_rate=args.learning_rate or (1e-3 if discrete else 2.2e-4),
-                   num_workers=args.num_workers or os.cpu_count() or 1)
+            raise UsageError(
+                "--capture-video is not available for continuous control: envpool renders MuJoCo only "
+                "with an OpenGL context, which it does not create; leave the flag out"
+            )
+    derived = dict(
+        k=args.k or (20 if discrete else 50),
+        replay_size=args.replay_size or (50_000 if discrete else 5_000),
+        c=args.c or (10.0 if discrete else 5.0),
+        avg_decay=args.avg_decay or (0.99 if discrete else 0.995),
+        learning_rate=args.learning_rate or (1e-3 if discrete else 2.2e-4),
+        num_workers=args.num_workers or os.cpu_count() or 1,
+    )
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be at least 1, or 0 for one per CPU core; got {args.num_workers}")
     for name in ("num_envs", "sdn_samples"):
@@ -651,21 +716,26 @@ def check_args(args):
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("k", "replay_size"):
         if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, or 0 for the paper's value; got "
-                             f"{getattr(args, name)}")
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be positive, or 0 for the paper's value; got {getattr(args, name)}"
+            )
     segment = derived["k"] * args.num_envs
     if args.total_timesteps < segment:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one segment "
-                         f"(k x num-envs = {segment} steps)")
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} is less than one segment (k x num-envs = {segment} steps)"
+        )
     if args.replay_ratio < 0 or (not args.poisson_replay and args.replay_ratio != int(args.replay_ratio)):
-        raise UsageError(f"--replay-ratio must be at least 0 (and a whole number with --no-poisson-replay); got "
-                         f"{args.replay_ratio}")
+        raise UsageError(
+            f"--replay-ratio must be at least 0 (and a whole number with --no-poisson-replay); got {args.replay_ratio}"
+        )
     if not discrete and args.replay_ratio == 0:
-        raise UsageError("--replay-ratio must be positive for continuous actions: continuous ACER learns from replay "
-                         "only (Sec. 6)")
+        raise UsageError(
+            "--replay-ratio must be positive for continuous actions: continuous ACER learns from replay only (Sec. 6)"
+        )
     if derived["replay_size"] < segment and args.replay_ratio > 0:
-        raise UsageError(f"--replay-size {derived['replay_size']} cannot hold one segment of k x num-envs = "
-                         f"{segment} steps")
+        raise UsageError(
+            f"--replay-size {derived['replay_size']} cannot hold one segment of k x num-envs = {segment} steps"
+        )
     for name in ("c", "delta", "learning_rate", "rmsprop_eps", "policy_std"):
         value = derived.get(name, getattr(args, name))
         if not value > 0:
@@ -701,8 +771,12 @@ def main(args: Args):
         config = dict(obs_shape=derived["obs_shape"], num_actions=int(spec.action_space.n), hidden=args.hidden)
         agent, avg_agent = Agent(**config), Agent(**config)
     else:
-        config = dict(obs_shape=derived["obs_shape"], action_dim=int(spec.action_space.shape[0]), hidden=args.hidden,
-                      policy_std=args.policy_std)
+        config = dict(
+            obs_shape=derived["obs_shape"],
+            action_dim=int(spec.action_space.shape[0]),
+            hidden=args.hidden,
+            policy_std=args.policy_std,
+        )
         agent, avg_agent = ContinuousAgent(**config), ContinuousAgent(**config)
     avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ
     agent.share_memory()
@@ -725,26 +799,41 @@ def main(args: Args):
 
     # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
     writer = SummaryWriter(run_path, purge_step=start_step + 1 if resumed is not None else None)
-    print(f"run folder: {run_path}  ({args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio "
-          f"{args.replay_ratio}, {'trust region' if args.trust_region else 'no trust region'})", flush=True)
+    print(
+        f"run folder: {run_path}  ({args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio "
+        f"{args.replay_ratio}, {'trust region' if args.trust_region else 'no trust region'})",
+        flush=True,
+    )
 
     ctx = torch.multiprocessing.get_context("spawn")
     counter, msg_q = ctx.Value("q", start_step), ctx.Queue()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    procs = [ctx.Process(target=worker_entry, name=f"worker-{w}", daemon=True,
-                         args=(train_worker, w, msg_q, w, args, agent, avg_agent, optimizer, counter, msg_q,
-                               os.getpid()))
-             for w in range(args.num_workers)]
+    procs = [
+        ctx.Process(
+            target=worker_entry,
+            name=f"worker-{w}",
+            daemon=True,
+            args=(train_worker, w, msg_q, w, args, agent, avg_agent, optimizer, counter, msg_q, os.getpid()),
+        )
+        for w in range(args.num_workers)
+    ]
 
     def saved_model(global_step):
         """What model.pt holds (common/evaluation.py plays it)."""
-        model = {"script": "acer", "env_id": args.env_id, "args": dataclasses.asdict(args),
-                 "agent_config": agent.config, "agent": {key: v.detach().clone() for key, v in agent.state_dict().items()},
-                 "avg_agent": {key: v.detach().clone() for key, v in avg_agent.state_dict().items()},
-                 "global_step": global_step}
+        model = {
+            "script": "acer",
+            "env_id": args.env_id,
+            "args": dataclasses.asdict(args),
+            "agent_config": agent.config,
+            "agent": {key: v.detach().clone() for key, v in agent.state_dict().items()},
+            "avg_agent": {key: v.detach().clone() for key, v in avg_agent.state_dict().items()},
+            "global_step": global_step,
+        }
         if not hasattr(spec.action_space, "n"):
-            model.update(action_low=spec.action_space.low.astype(np.float32).tolist(),
-                         action_high=spec.action_space.high.astype(np.float32).tolist())
+            model.update(
+                action_low=spec.action_space.low.astype(np.float32).tolist(),
+                action_high=spec.action_space.high.astype(np.float32).tolist(),
+            )
         return model
 
     def checkpoint():
@@ -753,10 +842,18 @@ def main(args: Args):
         check_finite_parameters(f"at step {step}", agent=agent, avg_agent=avg_agent)
         if args.save_model:  # a run stopped early can be evaluated too
             save_model(saved_model(step), run_path)
-        save_checkpoint({"agent": agent.state_dict(), "avg_agent": avg_agent.state_dict(),
-                         "square_avg": [optimizer.state[p]["square_avg"] for p in agent.parameters()],
-                         "global_step": step, "returns": returns[-100:], "wall_time_s": previous_wall + time.time() - start,
-                         "args": dataclasses.asdict(args)}, run_path)
+        save_checkpoint(
+            {
+                "agent": agent.state_dict(),
+                "avg_agent": avg_agent.state_dict(),
+                "square_avg": [optimizer.state[p]["square_avg"] for p in agent.parameters()],
+                "global_step": step,
+                "returns": returns[-100:],
+                "wall_time_s": previous_wall + time.time() - start,
+                "args": dataclasses.asdict(args),
+            },
+            run_path,
+        )
         return step
 
     interrupt_on_signals()
@@ -797,8 +894,11 @@ def main(args: Args):
                 writer.add_scalar("charts/SPS", sps, step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-                print(f"step {step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-                      f"| episodes {len(returns)} | ETA {eta}", flush=True)
+                print(
+                    f"step {step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+                    f"| episodes {len(returns)} | ETA {eta}",
+                    flush=True,
+                )
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
         report_failure(e, run_path)
@@ -809,8 +909,12 @@ def main(args: Args):
         print("interrupted: stopping workers", file=sys.stderr, flush=True)
         stop_workers(procs)
         if steps.value > start_step:
-            print(f"checkpoint at step {checkpoint()}: continue with python {os.path.basename(__file__)} --resume "
-                  f"{run_path}", file=sys.stderr, flush=True)
+            print(
+                f"checkpoint at step {checkpoint()}: continue with python {os.path.basename(__file__)} --resume "
+                f"{run_path}",
+                file=sys.stderr,
+                flush=True,
+            )
         sys.exit(130)
     for p in procs:
         p.join()
@@ -827,18 +931,25 @@ def main(args: Args):
     if args.eval_episodes > 0:
         from common.evaluation import evaluate
 
-        scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000,
-                          video_dir=run_path if args.capture_video else None)
+        scores = evaluate(
+            checkpoint, args.eval_episodes, seed=args.seed + 10_000, video_dir=run_path if args.capture_video else None
+        )
         eval_mean = float(np.mean(scores))
         writer.add_scalar("charts/eval_return", eval_mean, global_step)
         print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
     steady = None
     if first_step_time is not None and end_time > first_step_time:
         steady = (global_step - first_step) / (end_time - first_step_time)
-    summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
-               "sps": (global_step - start_step) / (end_time - start), "sps_after_first_update": steady, "num_workers": args.num_workers,
-               "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-               "eval_mean_return": eval_mean}
+    summary = {
+        "env_id": args.env_id,
+        "total_timesteps": global_step,
+        "wall_time_s": wall,
+        "sps": (global_step - start_step) / (end_time - start),
+        "sps_after_first_update": steady,
+        "num_workers": args.num_workers,
+        "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+        "eval_mean_return": eval_mean,
+    }
     with open(os.path.join(run_path, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     writer.close()

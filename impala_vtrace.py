@@ -79,16 +79,38 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               save_checkpoint, save_model)
+from common.checkpoint import (
+    NonFiniteError,
+    check_finite,
+    check_finite_parameters,
+    load_checkpoint,
+    save_checkpoint,
+    save_model,
+)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.families import with_family_defaults, write_args
-from common.networks import (LSTMCore, PolicyValueHeads, dead_units, grad_norms_by_layer, init_output_,
-                             init_weights_, logits_std_across_states, make_torso)
+from common.networks import (
+    LSTMCore,
+    PolicyValueHeads,
+    dead_units,
+    grad_norms_by_layer,
+    init_output_,
+    init_weights_,
+    logits_std_across_states,
+    make_torso,
+)
 from common.popart import PopArt
-from common.processes import (WorkerError, check_workers, exit_if_orphaned, ignore_further_interrupts,
-                              raise_worker_error, report_failure, stop_workers, worker_entry)
+from common.processes import (
+    WorkerError,
+    check_workers,
+    exit_if_orphaned,
+    ignore_further_interrupts,
+    raise_worker_error,
+    report_failure,
+    stop_workers,
+    worker_entry,
+)
 
 
 @dataclass
@@ -195,8 +217,10 @@ class Args:
 # family"); the paper's settings are for 50M Atari steps and learn CartPole far more slowly.
 FAMILY_DEFAULTS = {
     "atari": ("the paper's Atari settings (Table G.1)", {}),
-    "classic": ("settings measured on CartPole-v1 (README)",
-                dict(total_timesteps=300_000, num_envs=16, batch_size=8, learning_rate=3e-3, baseline_cost=0.1)),
+    "classic": (
+        "settings measured on CartPole-v1 (README)",
+        dict(total_timesteps=300_000, num_envs=16, batch_size=8, learning_rate=3e-3, baseline_cost=0.1),
+    ),
 }
 
 
@@ -205,8 +229,17 @@ FAMILY_DEFAULTS = {
 
 
 @torch.no_grad()
-def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0,
-           clip_pg_rho_threshold=1.0, clip_c_threshold=1.0, lambda_=1.0):
+def vtrace(
+    log_rhos,
+    discounts,
+    rewards,
+    values,
+    bootstrap_value,
+    clip_rho_threshold=1.0,
+    clip_pg_rho_threshold=1.0,
+    clip_c_threshold=1.0,
+    lambda_=1.0,
+):
     """V-trace targets v_s (Eq. 1 via Remark 1, with λ of Remark 2) and policy-gradient advantages
     ρ_s (r_s + γ_s v_{s+1} − V(x_s)) (Sec. 4.2).
 
@@ -255,8 +288,17 @@ def learner_loss(logits, values, batch, args, popart=None):
     discounts = args.gamma * (~batch["terminated"][1:]).float()
     discounts = torch.where(reset_step, 0.0, discounts)
     rewards = torch.where(reset_step, v[:-1], batch["reward"][1:])  # zero TD error: v_k = V(x_k)
-    vs, pg_adv = vtrace(log_rhos, discounts, rewards, v[:-1], v[-1], args.clip_rho_threshold,
-                        args.clip_pg_rho_threshold, args.clip_c_threshold, args.vtrace_lambda)
+    vs, pg_adv = vtrace(
+        log_rhos,
+        discounts,
+        rewards,
+        v[:-1],
+        v[-1],
+        args.clip_rho_threshold,
+        args.clip_pg_rho_threshold,
+        args.clip_c_threshold,
+        args.vtrace_lambda,
+    )
     mask = (~reset_step).float()
     pg_loss = -(mask * pg_adv / sigma[:-1] * logp).sum()
     baseline_loss = args.baseline_cost * 0.5 * (mask * ((vs - mu[:-1]) / sigma[:-1] - values[:-1]) ** 2).sum()
@@ -264,10 +306,15 @@ def learner_loss(logits, values, batch, args, popart=None):
     entropy_loss = -args.entropy_cost * (mask * entropy).sum()
     n = mask.sum().clamp(min=1)
     rhos = log_rhos.exp()
-    stats = {"losses/policy_loss": pg_loss, "losses/value_loss": baseline_loss, "losses/entropy": entropy_loss,
-             "stats/entropy": (mask * entropy).sum() / n, "stats/rho_mean": (mask * rhos).sum() / n,
-             "stats/rho_clipped_fraction": (mask * (rhos > args.clip_rho_threshold)).sum() / n,
-             "stats/value_mean": (mask * v[:-1]).sum() / n}
+    stats = {
+        "losses/policy_loss": pg_loss,
+        "losses/value_loss": baseline_loss,
+        "losses/entropy": entropy_loss,
+        "stats/entropy": (mask * entropy).sum() / n,
+        "stats/rho_mean": (mask * rhos).sum() / n,
+        "stats/rho_clipped_fraction": (mask * (rhos > args.clip_rho_threshold)).sum() / n,
+        "stats/value_mean": (mask * v[:-1]).sum() / n,
+    }
     return pg_loss + baseline_loss + entropy_loss, stats, vs
 
 
@@ -311,13 +358,34 @@ class Agent(nn.Module):
     """Torso, optional LSTM, a softmax policy and a value: one linear value, or with `popart` a PopArt layer with
     one normalised output per task (`num_tasks`)."""
 
-    def __init__(self, obs_shape, num_actions, network="shallow", channels=(), use_lstm=False, lstm_size=256,
-                 mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4, init="orthogonal"):
+    def __init__(
+        self,
+        obs_shape,
+        num_actions,
+        network="shallow",
+        channels=(),
+        use_lstm=False,
+        lstm_size=256,
+        mlp_hidden=(64, 64),
+        num_tasks=1,
+        popart=False,
+        popart_beta=3e-4,
+        init="orthogonal",
+    ):
         super().__init__()
-        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, network=network,
-                           channels=tuple(channels), use_lstm=use_lstm, lstm_size=lstm_size,
-                           mlp_hidden=tuple(mlp_hidden), num_tasks=num_tasks, popart=popart, popart_beta=popart_beta,
-                           init=init)
+        self.config = dict(
+            obs_shape=tuple(obs_shape),
+            num_actions=num_actions,
+            network=network,
+            channels=tuple(channels),
+            use_lstm=use_lstm,
+            lstm_size=lstm_size,
+            mlp_hidden=tuple(mlp_hidden),
+            num_tasks=num_tasks,
+            popart=popart,
+            popart_beta=popart_beta,
+            init=init,
+        )
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
         features = self.core.out_features if use_lstm else self.torso.out_features
@@ -365,8 +433,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
         r = torch.as_tensor(rewards, device=device).float()
         r = r.clamp(-1, 1) if clip else r
         prev = torch.where(first_t, 0, prev_action)
-        logits, _, state = agent(torch.as_tensor(obs, device=device)[None], prev[None], r[None], first_t[None],
-                                 state)
+        logits, _, state = agent(torch.as_tensor(obs, device=device)[None], prev[None], r[None], first_t[None], state)
         dist = torch.distributions.Categorical(logits=logits[0])
         prev_action = logits[0].argmax(-1) if greedy else dist.sample()
         return prev_action.cpu().numpy()
@@ -380,11 +447,18 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
-    specs = {"obs": ((T + 1, *obs_shape), obs_dtype), "reward": ((T + 1,), torch.float32),
-             "ended": ((T + 1,), torch.bool), "terminated": ((T + 1,), torch.bool), "first": ((T + 1,), torch.bool),
-             "action": ((T + 1,), torch.long), "prev_action": ((T + 1,), torch.long),
-             "logits": ((T + 1, num_actions), torch.float32), "version": ((T + 1,), torch.long),
-             "task": ((T + 1,), torch.long)}
+    specs = {
+        "obs": ((T + 1, *obs_shape), obs_dtype),
+        "reward": ((T + 1,), torch.float32),
+        "ended": ((T + 1,), torch.bool),
+        "terminated": ((T + 1,), torch.bool),
+        "first": ((T + 1,), torch.bool),
+        "action": ((T + 1,), torch.long),
+        "prev_action": ((T + 1,), torch.long),
+        "logits": ((T + 1, num_actions), torch.float32),
+        "version": ((T + 1,), torch.long),
+        "task": ((T + 1,), torch.long),
+    }
     if use_lstm:
         specs.update(core_h=((lstm_size,), torch.float32), core_c=((lstm_size,), torch.float32))
     return specs
@@ -400,8 +474,15 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
             except queue.Empty:
                 exit_if_orphaned(parent_pid)
 
-    envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True,
-                    num_threads=cfg["env_threads"], full_action_space=cfg["full_action_space"])
+    envs = make_env(
+        cfg["env_id"],
+        n,
+        cfg["seed"],
+        batch_size=cfg["env_batch_size"],
+        training=True,
+        num_threads=cfg["env_threads"],
+        full_action_space=cfg["full_action_space"],
+    )
     agent = Agent(**shared_agent.config).to(device)
     agent.load_state_dict(shared_agent.state_dict())
     seen = int(version.item())
@@ -428,18 +509,31 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
         prev = torch.where(first, 0, prev_action[ids_t])
         state_before = tuple(s[ids_dev] for s in state)
         with torch.no_grad():
-            logits, _, state_after = agent(obs_t.to(device)[None], prev.to(device)[None], reward_t.to(device)[None],
-                                           first.to(device)[None], state_before)
+            logits, _, state_after = agent(
+                obs_t.to(device)[None],
+                prev.to(device)[None],
+                reward_t.to(device)[None],
+                first.to(device)[None],
+                state_before,
+            )
             action = torch.distributions.Categorical(logits=logits[0]).sample()
         action_cpu = action.cpu()
         envs.send(action_cpu.numpy(), ids)  # the envs step while this process does the bookkeeping
 
         sl, p = torch.from_numpy(slot[ids]), torch.from_numpy(pos[ids])
         done_now = term | trunc
-        row = {"obs": obs_t, "reward": reward_t, "ended": torch.from_numpy(done_now),
-               "terminated": torch.from_numpy(term), "first": first, "action": action_cpu, "prev_action": prev,
-               "logits": logits[0].cpu(), "version": torch.full((len(ids),), seen, dtype=torch.long),
-               "task": torch.full((len(ids),), cfg["task"], dtype=torch.long)}
+        row = {
+            "obs": obs_t,
+            "reward": reward_t,
+            "ended": torch.from_numpy(done_now),
+            "terminated": torch.from_numpy(term),
+            "first": first,
+            "action": action_cpu,
+            "prev_action": prev,
+            "logits": logits[0].cpu(),
+            "version": torch.full((len(ids),), seen, dtype=torch.long),
+            "task": torch.full((len(ids),), cfg["task"], dtype=torch.long),
+        }
         for k, v in row.items():
             buffers[k][sl, p] = v
         if use_lstm:
@@ -481,10 +575,10 @@ class Learner:
         self.local_batch = args.batch_size // _world_size()
         envs_per_actor = args.num_envs // args.num_actors
         num_slots = args.num_envs + 4 * self.local_batch
-        self.specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm,
-                                  args.lstm_size)
-        self.buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_()
-                        for k, (shape, dt) in self.specs.items()}
+        self.specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size)
+        self.buffers = {
+            k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in self.specs.items()
+        }
         self.shared_agent = Agent(**agent.config)
         self.shared_agent.load_state_dict(agent.state_dict())
         self.shared_agent.share_memory()
@@ -498,13 +592,36 @@ class Learner:
         env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
         games = list(args.env_ids) or [args.env_id]
         for a in range(args.num_actors):  # actor a plays game a mod G: every game the same share of the actors
-            cfg = dict(env_id=games[a % len(games)], task=a % len(games), full_action_space=len(args.env_ids) > 0,
-                       num_envs=envs_per_actor, unroll_length=args.unroll_length,
-                       env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
-                       seed=args.seed + 1000 * rank + a, device=str(device), env_threads=env_threads)
-            p = ctx.Process(target=worker_entry, daemon=True, name=f"actor-{a}",
-                            args=(act, a, self.msg_q, a, cfg, self.shared_agent, self.version, self.buffers,
-                                  self.free_q, self.full_q, self.msg_q, os.getpid()))
+            cfg = dict(
+                env_id=games[a % len(games)],
+                task=a % len(games),
+                full_action_space=len(args.env_ids) > 0,
+                num_envs=envs_per_actor,
+                unroll_length=args.unroll_length,
+                env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
+                seed=args.seed + 1000 * rank + a,
+                device=str(device),
+                env_threads=env_threads,
+            )
+            p = ctx.Process(
+                target=worker_entry,
+                daemon=True,
+                name=f"actor-{a}",
+                args=(
+                    act,
+                    a,
+                    self.msg_q,
+                    a,
+                    cfg,
+                    self.shared_agent,
+                    self.version,
+                    self.buffers,
+                    self.free_q,
+                    self.full_q,
+                    self.msg_q,
+                    os.getpid(),
+                ),
+            )
             p.start()
             self.procs.append(p)
 
@@ -562,11 +679,15 @@ def check_args(args):
     for game in games:
         env_spec(game, discrete=True)
         if not is_atari(game):
-            raise UsageError(f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: "
-                             f"{', '.join(PRESETS)}); {game} is not one")
+            raise UsageError(
+                f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: "
+                f"{', '.join(PRESETS)}); {game} is not one"
+            )
     if games and args.num_actors % len(games):
-        raise UsageError(f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
-                         "that every game gets the same share of the actors")
+        raise UsageError(
+            f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
+            "that every game gets the same share of the actors"
+        )
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
     world = _world_size()
     if args.unroll_length < 1:
@@ -574,18 +695,23 @@ def check_args(args):
     if args.lr_anneal_steps < 0:
         raise UsageError(f"--lr-anneal-steps must be 0 (automatic) or a number of steps, got {args.lr_anneal_steps}")
     if args.batch_size < 1 or args.batch_size % world:
-        raise UsageError(f"--batch-size {args.batch_size} must be a positive multiple of the number of learner "
-                         f"processes ({world})")
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})"
+        )
     if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
         raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
     per_actor = args.num_envs // args.num_actors
     if not 0 <= args.env_batch_size <= per_actor:
-        raise UsageError(f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
-                         f"({per_actor}), or 0 for half of them")
+        raise UsageError(
+            f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
+            f"({per_actor}), or 0 for half of them"
+        )
     steps_per_update = args.batch_size * args.unroll_length
     if args.total_timesteps < steps_per_update:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one batch "
-                         f"(batch-size x unroll-length = {steps_per_update} steps)")
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} is less than one batch "
+            f"(batch-size x unroll-length = {steps_per_update} steps)"
+        )
     if args.network == "deep" and args.channels and len(args.channels) != 3:
         raise UsageError(f"--channels for the deep network takes 3 values, got {args.channels}")
     if args.network == "shallow" and args.channels and len(args.channels) != 2:
@@ -622,8 +748,19 @@ def main(args: Args):
     obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
     num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
     atari = is_atari(games[0] if multitask else args.env_id)
-    agent = Agent(obs_shape, num_actions, args.network, args.channels, args.use_lstm, args.lstm_size,
-                  args.mlp_hidden, max(1, len(games)), use_popart, args.popart_beta, args.init).to(device)
+    agent = Agent(
+        obs_shape,
+        num_actions,
+        args.network,
+        args.channels,
+        args.use_lstm,
+        args.lstm_size,
+        args.mlp_hidden,
+        max(1, len(games)),
+        use_popart,
+        args.popart_beta,
+        args.init,
+    ).to(device)
     if world > 1:  # same initial weights everywhere
         for p in agent.parameters():
             torch.distributed.broadcast(p.data, 0)
@@ -633,11 +770,22 @@ def main(args: Args):
 
         model = DDP(agent, device_ids=[local_rank] if use_cuda else None)
     if args.optimizer in ("rmsprop_tf", "rmsprop_optax"):
-        optimizer = RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay, eps=args.rmsprop_eps,
-                              momentum=args.rmsprop_momentum, initial_scale=1.0 if args.optimizer == "rmsprop_tf" else 0.0)
+        optimizer = RMSpropTF(
+            agent.parameters(),
+            lr=args.learning_rate,
+            alpha=args.rmsprop_decay,
+            eps=args.rmsprop_eps,
+            momentum=args.rmsprop_momentum,
+            initial_scale=1.0 if args.optimizer == "rmsprop_tf" else 0.0,
+        )
     else:
-        optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, alpha=args.rmsprop_decay,
-                                        eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
+        optimizer = torch.optim.RMSprop(
+            agent.parameters(),
+            lr=args.learning_rate,
+            alpha=args.rmsprop_decay,
+            eps=args.rmsprop_eps,
+            momentum=args.rmsprop_momentum,
+        )
 
     task_name = f"{len(games)}games" if multitask else args.env_id
     run_name = f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -657,10 +805,12 @@ def main(args: Args):
         write_args(run_path, args, FAMILY_DEFAULTS)
         # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
         writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
-        print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
-              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
-              f"{', ' + str(len(games)) + ' games' if multitask else ''}{', PopArt' if use_popart else ''})",
-              flush=True)
+        print(
+            f"run folder: {run_path}  (device {device}, {world} learner process(es), "
+            f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
+            f"{', ' + str(len(games)) + ' games' if multitask else ''}{', PopArt' if use_popart else ''})",
+            flush=True,
+        )
 
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
@@ -678,10 +828,17 @@ def main(args: Args):
 
     def saved_model(global_step):
         """What model.pt holds (common/evaluation.py plays it)."""
-        model = {"script": "impala_vtrace", "env_id": games[0] if multitask else args.env_id,
-                 "env_ids": list(games), "full_action_space": multitask, "args": dataclasses.asdict(args),
-                 "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-                 "reward_clip": atari, "global_step": global_step}
+        model = {
+            "script": "impala_vtrace",
+            "env_id": games[0] if multitask else args.env_id,
+            "env_ids": list(games),
+            "full_action_space": multitask,
+            "args": dataclasses.asdict(args),
+            "agent_config": agent.config,
+            "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+            "reward_clip": atari,
+            "global_step": global_step,
+        }
         return model
 
     def checkpoint(update):
@@ -689,10 +846,19 @@ def main(args: Args):
             check_finite_parameters(f"at update {update}", agent=agent)
             if args.save_model:  # a run stopped early can be evaluated too
                 save_model(saved_model(global_step), run_path)
-            save_checkpoint({"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "update": update,
-                             "global_step": global_step, "wall_time_s": previous_wall + time.time() - start,
-                             "returns": returns[-100:], "game_returns": {g: r[-10:] for g, r in game_returns.items()},
-                             "args": dataclasses.asdict(args)}, run_path)
+            save_checkpoint(
+                {
+                    "agent": agent.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "update": update,
+                    "global_step": global_step,
+                    "wall_time_s": previous_wall + time.time() - start,
+                    "returns": returns[-100:],
+                    "game_returns": {g: r[-10:] for g, r in game_returns.items()},
+                    "args": dataclasses.asdict(args),
+                },
+                run_path,
+            )
 
     def on_signal(signum, frame):
         stop.append(signum)
@@ -717,8 +883,12 @@ def main(args: Args):
             log_due = rank == 0 and (time.time() - last_log >= args.log_interval or update == num_updates)
             layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            check_finite(f"at update {update} (step {update * steps_per_update})", loss=loss, gradient=grad_norm,
-                         **{k.split("/")[-1]: v for k, v in stats.items()})
+            check_finite(
+                f"at update {update} (step {update * steps_per_update})",
+                loss=loss,
+                gradient=grad_norm,
+                **{k.split("/")[-1]: v for k, v in stats.items()},
+            )
             committing[0] = True  # from here to the new global step a signal waits
             optimizer.step()
             if agent.popart is not None:  # toward this batch's targets, per game; outputs preserved
@@ -759,8 +929,9 @@ def main(args: Args):
                 with torch.no_grad():  # does the policy depend on the state yet? are torso units dying?
                     for name, v in layer_norms.items():
                         writer.add_scalar(f"grad_norm/{name}", v.item(), global_step)
-                    writer.add_scalar("stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(),
-                                      global_step)
+                    writer.add_scalar(
+                        "stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(), global_step
+                    )
                     features = agent.torso(batch["obs"][:-1].flatten(0, 1))
                     writer.add_scalar("stats/dead_units", dead_units(features).item(), global_step)
                 if multitask:  # the aggregate: median over games of the human-normalised last-10 mean
@@ -773,9 +944,12 @@ def main(args: Args):
                         writer.add_scalar(f"stats/popart_mu/{g}", agent.popart.mu[k].item(), global_step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta = (args.total_timesteps - global_step) / max(sps, 1e-9)
-                print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
-                      f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} | lag {policy_lag:.1f} "
-                      f"| ETA {eta / 60:.1f} min", flush=True)
+                print(
+                    f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
+                    f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} | lag {policy_lag:.1f} "
+                    f"| ETA {eta / 60:.1f} min",
+                    flush=True,
+                )
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
         report_failure(e, run_path)
@@ -789,11 +963,17 @@ def main(args: Args):
             learner.close()
             if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
                 checkpoint(done_update)
-                again = (f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}" if world > 1
-                         else f"python {os.path.basename(__file__)}")
+                again = (
+                    f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}"
+                    if world > 1
+                    else f"python {os.path.basename(__file__)}"
+                )
                 if rank == 0:
-                    print(f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         sys.exit(130)
     learner.close()
     end_time = time.time()
@@ -809,9 +989,19 @@ def main(args: Args):
             from common.evaluation import evaluate, score_table, write_score_table
 
             video = run_path if args.capture_video else None  # the first game's first episode
-            table = score_table({g: evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000,
-                                             device=str(device), env_id=g, video_dir=video if i == 0 else None)
-                                 for i, g in enumerate(games)})
+            table = score_table(
+                {
+                    g: evaluate(
+                        checkpoint,
+                        args.eval_episodes,
+                        seed=args.seed + 10_000,
+                        device=str(device),
+                        env_id=g,
+                        video_dir=video if i == 0 else None,
+                    )
+                    for i, g in enumerate(games)
+                }
+            )
             print(write_score_table(table, os.path.join(run_path, "evaluation")), flush=True)
             for row in table["games"]:
                 writer.add_scalar(f"charts/{row['env_id']}/eval_return", row["mean"], global_step)
@@ -820,23 +1010,41 @@ def main(args: Args):
         elif args.eval_episodes > 0:
             from common.evaluation import evaluate
 
-            scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000, device=str(device),
-                              video_dir=run_path if args.capture_video else None)
+            scores = evaluate(
+                checkpoint,
+                args.eval_episodes,
+                seed=args.seed + 10_000,
+                device=str(device),
+                video_dir=run_path if args.capture_video else None,
+            )
             eval_mean = float(np.mean(scores))
             writer.add_scalar("charts/eval_return", eval_mean, global_step)
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
-        summary = {"env_id": task_name, "total_timesteps": global_step, "wall_time_s": wall,
-                   "sps": global_step / wall,
-                   "sps_after_first_update": (global_step - first_step - steps_per_update)
-                   / max(end_time - first_update_time, 1e-9) if num_updates > start_update + 1 else None,
-                   "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-                   "eval_mean_return": eval_mean}
+        summary = {
+            "env_id": task_name,
+            "total_timesteps": global_step,
+            "wall_time_s": wall,
+            "sps": global_step / wall,
+            "sps_after_first_update": (global_step - first_step - steps_per_update)
+            / max(end_time - first_update_time, 1e-9)
+            if num_updates > start_update + 1
+            else None,
+            "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+            "eval_mean_return": eval_mean,
+        }
         if multitask:
-            summary.update(env_ids=list(games), mean_episodic_return_last_10_per_game={
-                g: float(np.mean(r[-10:])) if r else None for g, r in game_returns.items()})
+            summary.update(
+                env_ids=list(games),
+                mean_episodic_return_last_10_per_game={
+                    g: float(np.mean(r[-10:])) if r else None for g, r in game_returns.items()
+                },
+            )
             if table is not None:
-                summary.update(eval_median_human_normalized=table["median_human_normalized"],
-                               eval_mean_human_normalized=table["mean_human_normalized"], eval_per_game=table["games"])
+                summary.update(
+                    eval_median_human_normalized=table["median_human_normalized"],
+                    eval_mean_human_normalized=table["mean_human_normalized"],
+                    eval_per_game=table["games"],
+                )
         with open(os.path.join(run_path, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         writer.close()

@@ -74,11 +74,20 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from common.checkpoint import (check_finite, check_finite_parameters, load_checkpoint, save_checkpoint, save_model)
+from common.checkpoint import check_finite, check_finite_parameters, load_checkpoint, save_checkpoint, save_model
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
 from common.families import with_family_defaults, write_args
-from common.processes import (WorkerError, check_workers, exit_if_orphaned, ignore_further_interrupts,
-                              interrupt_on_signals, raise_worker_error, report_failure, stop_workers, worker_entry)
+from common.processes import (
+    WorkerError,
+    check_workers,
+    exit_if_orphaned,
+    ignore_further_interrupts,
+    interrupt_on_signals,
+    raise_worker_error,
+    report_failure,
+    stop_workers,
+    worker_entry,
+)
 
 
 @dataclass
@@ -180,8 +189,10 @@ def task_defaults(env_id: str, delayed: bool) -> tuple[int, float]:
 # each learner too few steps of a 20k-step budget.
 FAMILY_DEFAULTS = {
     "mujoco": ("the paper's MuJoCo settings (Sec. 4.1, App. I)", {}),
-    "classic": ("settings measured on Pendulum-v1 (README)",
-                dict(total_timesteps=20_000, num_learners=2, t_initial=1000)),
+    "classic": (
+        "settings measured on Pendulum-v1 (README)",
+        dict(total_timesteps=20_000, num_learners=2, t_initial=1000),
+    ),
 }
 
 
@@ -189,8 +200,15 @@ FAMILY_DEFAULTS = {
 # The paper's math: pure functions of tensors `[B, ...]` (a minibatch).
 
 
-def adapt_beta(beta: float, d_spread: float, d_change: float, rho: float, d_min: float, beta_min: float = 1e-3,
-               beta_max: float = 1e3) -> float:
+def adapt_beta(
+    beta: float,
+    d_spread: float,
+    d_change: float,
+    rho: float,
+    d_min: float,
+    beta_min: float = 1e-3,
+    beta_max: float = 1e3,
+) -> float:
     """Eq. (76) (= Eq. 6): with d_search = max{ρ D_change, d_min},
 
         β ← 2β   if D_spread > 1.5 d_search     (the others drift too far from π_b: pull harder)
@@ -366,7 +384,7 @@ class SharedReplay:
     def load_part(self, learner, state):
         k = len(state["rewards"])
         for name in self.FIELDS:
-            getattr(self, name)[learner * self.part: learner * self.part + k] = state[name]
+            getattr(self, name)[learner * self.part : learner * self.part + k] = state[name]
         self.writes[learner] = state["writes"]
 
     FIELDS = ("obs", "next_obs", "actions", "rewards", "terminated")
@@ -379,8 +397,13 @@ class SharedReplay:
         u = torch.randint(int(ends[-1]), (batch_size,), generator=generator)
         writer = torch.searchsorted(ends, u, right=True)
         rows = writer * self.part + u - (ends[writer] - sizes[writer])
-        return (self.obs[rows], self.actions[rows], self.rewards[rows], self.next_obs[rows],
-                self.terminated[rows]), writer
+        return (
+            self.obs[rows],
+            self.actions[rows],
+            self.rewards[rows],
+            self.next_obs[rows],
+            self.terminated[rows],
+        ), writer
 
 
 class Learner:
@@ -415,8 +438,9 @@ class Learner:
         obs, actions, rewards, next_obs, terminated = (x.to(self.device, non_blocking=True) for x in batch)
         a = self.args
         with torch.no_grad():
-            next_actions = smoothed_target_action(self.actor_target(next_obs), a.policy_noise, a.noise_clip,
-                                                   self.generator)
+            next_actions = smoothed_target_action(
+                self.actor_target(next_obs), a.policy_noise, a.noise_clip, self.generator
+            )
             y = td3_target(rewards, terminated, *self.qf_target(next_obs, next_actions), a.gamma)
         q1, q2 = self.qf(obs, actions)
         qf_loss = critic_loss(q1, q2, y)
@@ -539,9 +563,18 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
         """This learner's part of a checkpoint, then a note to the main process, which writes checkpoint.pt once
         every learner has saved the same period."""
         check_finite_parameters(f"in learner {index} at its step {t * n}", actor=learner.actor, qf=learner.qf)
-        state = {"learner": learner.state_dict(), "replay": replay.part_state(index), "t": t, "best": best,
-                 "beta": beta, "generation": generation, "counts": (foreign, sampled, stored, rewarded),
-                 "recent": list(recent), "generator": generator.get_state(), "cpu_generator": cpu_generator.get_state()}
+        state = {
+            "learner": learner.state_dict(),
+            "replay": replay.part_state(index),
+            "t": t,
+            "best": best,
+            "beta": beta,
+            "generation": generation,
+            "counts": (foreign, sampled, stored, rewarded),
+            "recent": list(recent),
+            "generator": generator.get_state(),
+            "cpu_generator": cpu_generator.get_state(),
+        }
         population.policies[index] = learner.policy_vector().cpu()  # for model.pt
         path = learner_file(run_path, index, t)
         torch.save(state, path + ".tmp")
@@ -557,14 +590,21 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
             actions = torch.rand(n, action_dim, generator=cpu_generator) * 2.0 - 1.0
         else:
             actions = learner.act(obs, args.exploration_noise).cpu()
-        next_obs, rewards, term, trunc, info = envs.step(np.clip(low + (actions.numpy() + 1.0) * 0.5 * (high - low),
-                                                                 low, high))
+        next_obs, rewards, term, trunc, info = envs.step(
+            np.clip(low + (actions.numpy() + 1.0) * 0.5 * (high - low), low, high)
+        )
         next_obs = torch.from_numpy(flatten_obs(next_obs))
         real = ~after_end
         agent_rewards = delayed(rewards, term | trunc, real)
         keep = torch.from_numpy(real)
-        replay.add(index, obs[keep], actions[keep], torch.from_numpy(agent_rewards)[keep], next_obs[keep],
-                   torch.from_numpy(term.astype(np.float32))[keep])
+        replay.add(
+            index,
+            obs[keep],
+            actions[keep],
+            torch.from_numpy(agent_rewards)[keep],
+            next_obs[keep],
+            torch.from_numpy(term.astype(np.float32))[keep],
+        )
         stored += int(real.sum())
         rewarded += int((agent_rewards[real] != 0).sum())
         population.steps[index] = t * n
@@ -588,8 +628,9 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
                 population.save_at[0] = period
             if N > 1:
                 generation += 1
-                best, beta, sync = synchronise(index, learner, replay, population, recent, best, beta, generation,
-                                               args, parent_pid, cpu_generator)
+                best, beta, sync = synchronise(
+                    index, learner, replay, population, recent, best, beta, generation, args, parent_pid, cpu_generator
+                )
                 if index == 0:
                     msg_q.put(("sync", int(population.steps.sum()), sync))
             if int(population.save_at[0]) == period and run_path is not None:
@@ -601,11 +642,21 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
             msg_q.put(("stats", index, int(population.steps.sum()), stats))
             last_report = now
     population.policies[index] = learner.policy_vector().cpu()
-    if run_path is not None and (steps_per_learner % args.best_period or int(population.save_at[0]) !=
-                                 steps_per_learner // args.best_period):
+    if run_path is not None and (
+        steps_per_learner % args.best_period or int(population.save_at[0]) != steps_per_learner // args.best_period
+    ):
         save(steps_per_learner)  # the end of the run (unless just saved at this very step)
-    msg_q.put(("done", index, {"foreign_sample_fraction": foreign / max(sampled, 1), "updates": learner.updates,
-                               "rewarded_fraction": rewarded / max(stored, 1)}))
+    msg_q.put(
+        (
+            "done",
+            index,
+            {
+                "foreign_sample_fraction": foreign / max(sampled, 1),
+                "updates": learner.updates,
+                "rewarded_fraction": rewarded / max(stored, 1),
+            },
+        )
+    )
 
 
 def synchronise(index, learner, replay, population, recent, best, beta, generation, args, parent_pid, generator):
@@ -615,8 +666,9 @@ def synchronise(index, learner, replay, population, recent, best, beta, generati
     N = args.num_learners
     states = replay.sample(args.batch_size, generator)[0][0]
     d_spread_i, d_change_i = learner.period_distances(states)
-    population.stats[index] = torch.tensor([np.mean(recent) if recent else math.nan, d_spread_i, d_change_i],
-                                           dtype=torch.float64)
+    population.stats[index] = torch.tensor(
+        [np.mean(recent) if recent else math.nan, d_spread_i, d_change_i], dtype=torch.float64
+    )
     population.policies[index] = learner.policy_vector().cpu()
     population.barrier(2 * generation - 1, N, parent_pid)
     table = population.stats.clone()
@@ -627,8 +679,19 @@ def synchronise(index, learner, replay, population, recent, best, beta, generati
     new_best = select_best([[] if math.isnan(s) else [s] for s in scores], best)
     learner.adopt(population.policies[new_best].clone())
     population.barrier(2 * generation, N, parent_pid)
-    return new_best, beta, {"best": new_best, "previous_best": best, "beta": beta, "d_spread": d_spread,
-                            "d_change": d_change, "d_search": max(args.rho * d_change, args.d_min), "scores": scores}
+    return (
+        new_best,
+        beta,
+        {
+            "best": new_best,
+            "previous_best": best,
+            "beta": beta,
+            "d_spread": d_spread,
+            "d_change": d_change,
+            "d_search": max(args.rho * d_change, args.d_min),
+            "scores": scores,
+        },
+    )
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
@@ -651,8 +714,10 @@ def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
     spec = env_spec(args.env_id, discrete=False)
     if len(spec.action_space.shape) != 1:
-        raise UsageError(f"{args.env_id} does not have a vector of continuous actions; this script needs one "
-                         "(e.g. HalfCheetah-v4, Pendulum-v1)")
+        raise UsageError(
+            f"{args.env_id} does not have a vector of continuous actions; this script needs one "
+            "(e.g. HalfCheetah-v4, Pendulum-v1)"
+        )
     if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
         raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
     for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
@@ -661,14 +726,17 @@ def check_args(args):
     if not args.hidden or min(args.hidden) < 1:
         raise UsageError(f"--hidden needs one or more positive layer sizes, got {args.hidden}")
     if args.buffer_size // args.num_learners < args.batch_size:
-        raise UsageError(f"--buffer-size {args.buffer_size} leaves each of the {args.num_learners} learners fewer "
-                         f"than --batch-size {args.batch_size} rows; use at least {args.batch_size * args.num_learners}")
+        raise UsageError(
+            f"--buffer-size {args.buffer_size} leaves each of the {args.num_learners} learners fewer "
+            f"than --batch-size {args.batch_size} rows; use at least {args.batch_size * args.num_learners}"
+        )
     for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not args.beta_min <= args.beta_init <= args.beta_max:
-        raise UsageError(f"--beta-init {args.beta_init} must lie in [--beta-min, --beta-max] = "
-                         f"[{args.beta_min}, {args.beta_max}]")
+        raise UsageError(
+            f"--beta-init {args.beta_init} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
+        )
     if not 0 < args.tau <= 1:
         raise UsageError(f"--tau must be in (0, 1], got {args.tau}")
     if not 0 <= args.gamma <= 1:
@@ -681,14 +749,19 @@ def check_args(args):
     d_min = args.d_min if args.d_min >= 0 else d_min
     per_step = args.num_learners * args.num_envs
     if args.total_timesteps < per_step * (t_initial + 1):
-        raise UsageError(f"--total-timesteps {args.total_timesteps} ends before the first update: the random phase "
-                         f"takes {per_step * t_initial} steps (T_initial {t_initial} x {args.num_learners} learners x "
-                         f"{args.num_envs} envs); give more, or a smaller --t-initial")
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} ends before the first update: the random phase "
+            f"takes {per_step * t_initial} steps (T_initial {t_initial} x {args.num_learners} learners x "
+            f"{args.num_envs} envs); give more, or a smaller --t-initial"
+        )
     if args.capture_video and not env_id_renders(args.env_id):
-        raise UsageError("--capture-video is available for classic control (e.g. Pendulum-v1) only: envpool renders "
-                         "MuJoCo only with an OpenGL context, which it does not create; leave the flag out")
-    return spec, dict(t_initial=t_initial, d_min=d_min, obs_dim=flat_obs_dim(spec),
-                      action_dim=int(spec.action_space.shape[0]))
+        raise UsageError(
+            "--capture-video is available for classic control (e.g. Pendulum-v1) only: envpool renders "
+            "MuJoCo only with an OpenGL context, which it does not create; leave the flag out"
+        )
+    return spec, dict(
+        t_initial=t_initial, d_min=d_min, obs_dim=flat_obs_dim(spec), action_dim=int(spec.action_space.shape[0])
+    )
 
 
 def env_id_renders(env_id):
@@ -720,9 +793,12 @@ def main(args: Args):
     # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
     writer = SummaryWriter(run_path, purge_step=start_step + 1 if resumed is not None else None)
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    print(f"run folder: {run_path}  ({'P3S-TD3 with ' + str(N) + ' learners' if N > 1 else 'TD3 (one learner)'} x "
-          f"{args.num_envs} env(s) on {device}; T_initial {args.t_initial}, d_min {args.d_min}"
-          f"{', rewards delayed by ' + str(args.reward_delay) if args.reward_delay > 1 else ''})", flush=True)
+    print(
+        f"run folder: {run_path}  ({'P3S-TD3 with ' + str(N) + ' learners' if N > 1 else 'TD3 (one learner)'} x "
+        f"{args.num_envs} env(s) on {device}; T_initial {args.t_initial}, d_min {args.d_min}"
+        f"{', rewards delayed by ' + str(args.reward_delay) if args.reward_delay > 1 else ''})",
+        flush=True,
+    )
 
     ctx = torch.multiprocessing.get_context("spawn")
     replay = SharedReplay(args.buffer_size, N, derived["obs_dim"], derived["action_dim"])
@@ -731,10 +807,15 @@ def main(args: Args):
     if resumed is not None:  # the barrier counts on from the selections already made
         population.arrivals.value = 2 * resumed["generation"] * N
     msg_q = ctx.Queue()
-    procs = [ctx.Process(target=worker_entry, name=f"learner-{i}", daemon=True,
-                         args=(run_learner, i, msg_q, i, args, replay, population, msg_q, os.getpid(), run_path,
-                               resume_files[i]))
-             for i in range(N)]
+    procs = [
+        ctx.Process(
+            target=worker_entry,
+            name=f"learner-{i}",
+            daemon=True,
+            args=(run_learner, i, msg_q, i, args, replay, population, msg_q, os.getpid(), run_path, resume_files[i]),
+        )
+        for i in range(N)
+    ]
     saved_by = {}  # learner time step → learners that saved their part there
     stop = []  # Ctrl-C or SIGTERM: a checkpoint at the next selection, then stop
 
@@ -744,17 +825,35 @@ def main(args: Args):
         for i in range(N):
             vector_to_parameters(population.policies[i], actor.parameters())
             actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
-        return {"script": "p3s_td3", "env_id": args.env_id, "args": dataclasses.asdict(args),
-                "actor_config": actor.config, "actor": actors[best], "actors": actors, "best_learner": best,
-                "action_low": spec.action_space.low.astype(np.float32).tolist(),
-                "action_high": spec.action_space.high.astype(np.float32).tolist(), "global_step": global_step}
+        return {
+            "script": "p3s_td3",
+            "env_id": args.env_id,
+            "args": dataclasses.asdict(args),
+            "actor_config": actor.config,
+            "actor": actors[best],
+            "actors": actors,
+            "best_learner": best,
+            "action_low": spec.action_space.low.astype(np.float32).tolist(),
+            "action_high": spec.action_space.high.astype(np.float32).tolist(),
+            "global_step": global_step,
+        }
 
     def checkpoint(t, generation):
         """checkpoint.pt names the time step whose learner files make up the checkpoint; older ones go."""
-        save_checkpoint({"t": t, "generation": generation, "global_step": t * N * args.num_envs, "returns": returns[-100:],
-                         "per_learner": [r[-args.recent_episodes:] for r in per_learner], "best": best, "beta": beta,
-                         "wall_time_s": previous_wall + time.time() - start, "args": dataclasses.asdict(args)},
-                        run_path)
+        save_checkpoint(
+            {
+                "t": t,
+                "generation": generation,
+                "global_step": t * N * args.num_envs,
+                "returns": returns[-100:],
+                "per_learner": [r[-args.recent_episodes :] for r in per_learner],
+                "best": best,
+                "beta": beta,
+                "wall_time_s": previous_wall + time.time() - start,
+                "args": dataclasses.asdict(args),
+            },
+            run_path,
+        )
         if args.save_model:  # a run stopped early can be evaluated too
             save_model(saved_model(t * N * args.num_envs), run_path)
         for old in glob.glob(os.path.join(run_path, "learner_*.pt")):
@@ -809,8 +908,12 @@ def main(args: Args):
                     if len(saved_by[msg[2]]) == N:
                         checkpoint(msg[2], msg[3])
                         if stop:
-                            print(f"checkpoint at step {msg[2] * N * args.num_envs}: continue with python "
-                                  f"p3s_td3.py --resume {run_path}", file=sys.stderr, flush=True)
+                            print(
+                                f"checkpoint at step {msg[2] * N * args.num_envs}: continue with python "
+                                f"p3s_td3.py --resume {run_path}",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                             raise KeyboardInterrupt
                 elif kind == "done":
                     done[msg[1]] = msg[2]
@@ -821,8 +924,12 @@ def main(args: Args):
             step = int(population.steps.sum())
             if stop and stop_deadline is None:
                 stop_deadline = now + 120.0
-                print(f"interrupted: a checkpoint at the next selection (every {args.best_period} steps), then stop "
-                      "(Ctrl-C again: stop now)", file=sys.stderr, flush=True)
+                print(
+                    f"interrupted: a checkpoint at the next selection (every {args.best_period} steps), then stop "
+                    "(Ctrl-C again: stop now)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if stop_deadline is not None and now > stop_deadline:
                 raise KeyboardInterrupt
             if args.checkpoint_interval > 0 and now - last_checkpoint >= args.checkpoint_interval:
@@ -836,8 +943,11 @@ def main(args: Args):
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
                 pop = f" | best {best} | beta {beta:.3g}" if N > 1 else ""
-                print(f"step {step:>9d}/{args.total_timesteps} | SPS {sps:6.0f} | return(100) {recent:>8}{pop} "
-                      f"| episodes {len(returns)} | ETA {eta}", flush=True)
+                print(
+                    f"step {step:>9d}/{args.total_timesteps} | SPS {sps:6.0f} | return(100) {recent:>8}{pop} "
+                    f"| episodes {len(returns)} | ETA {eta}",
+                    flush=True,
+                )
                 last_log = now
     except WorkerError as e:
         report_failure(e, run_path)
@@ -871,9 +981,13 @@ def main(args: Args):
         top = int(np.argmax(eval_means))
         checkpoint.update(actor=actors[top], best_learner=top)
         writer.add_scalar("charts/eval_return", eval_means[top], global_step)
-        print("evaluation over " f"{args.eval_episodes} episodes per learner: "
-              + ", ".join(f"learner {i} {m:.1f}" for i, m in enumerate(eval_means)) + f"; best {eval_means[top]:.1f}",
-              flush=True)
+        print(
+            "evaluation over "
+            f"{args.eval_episodes} episodes per learner: "
+            + ", ".join(f"learner {i} {m:.1f}" for i, m in enumerate(eval_means))
+            + f"; best {eval_means[top]:.1f}",
+            flush=True,
+        )
     if args.capture_video:  # one episode of the best policy (the evaluated best, else the last selected)
         from common.evaluation import evaluate
 
@@ -883,17 +997,23 @@ def main(args: Args):
     steady = None
     if first_step_time is not None and end_time > first_step_time:
         steady = (global_step - first_step) / (end_time - first_step_time)
-    summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
-               "sps": (global_step - start_step) / (end_time - start), "sps_after_first_update": steady, "num_learners": N,
-               "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-               "eval_mean_return": max(eval_means) if eval_means else None,
-               "eval_mean_return_per_learner": eval_means,
-               "mean_episodic_return_last_10_per_learner": [float(np.mean(r[-10:])) if r else None
-                                                            for r in per_learner],
-               "best_learner": best, "beta": beta,
-               "foreign_sample_fraction": [done[i]["foreign_sample_fraction"] for i in range(N)],
-               "updates_per_learner": [done[i]["updates"] for i in range(N)],
-               "rewarded_fraction": [done[i]["rewarded_fraction"] for i in range(N)]}
+    summary = {
+        "env_id": args.env_id,
+        "total_timesteps": global_step,
+        "wall_time_s": wall,
+        "sps": (global_step - start_step) / (end_time - start),
+        "sps_after_first_update": steady,
+        "num_learners": N,
+        "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+        "eval_mean_return": max(eval_means) if eval_means else None,
+        "eval_mean_return_per_learner": eval_means,
+        "mean_episodic_return_last_10_per_learner": [float(np.mean(r[-10:])) if r else None for r in per_learner],
+        "best_learner": best,
+        "beta": beta,
+        "foreign_sample_fraction": [done[i]["foreign_sample_fraction"] for i in range(N)],
+        "updates_per_learner": [done[i]["updates"] for i in range(N)],
+        "rewarded_fraction": [done[i]["rewarded_fraction"] for i in range(N)],
+    }
     with open(os.path.join(run_path, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     writer.close()

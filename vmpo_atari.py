@@ -83,16 +83,37 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               save_checkpoint, save_model)
+from common.checkpoint import (
+    NonFiniteError,
+    check_finite,
+    check_finite_parameters,
+    load_checkpoint,
+    save_checkpoint,
+    save_model,
+)
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
 from common.families import with_family_defaults, write_args
-from common.networks import (LSTMCore, dead_units, grad_norms_by_layer, init_output_, init_weights_,
-                             logits_std_across_states, make_torso)
+from common.networks import (
+    LSTMCore,
+    dead_units,
+    grad_norms_by_layer,
+    init_output_,
+    init_weights_,
+    logits_std_across_states,
+    make_torso,
+)
 from common.popart import PopArt
-from common.processes import (WorkerError, check_workers, exit_if_orphaned, ignore_further_interrupts,
-                              raise_worker_error, report_failure, stop_workers, worker_entry)
+from common.processes import (
+    WorkerError,
+    check_workers,
+    exit_if_orphaned,
+    ignore_further_interrupts,
+    raise_worker_error,
+    report_failure,
+    stop_workers,
+    worker_entry,
+)
 
 
 @dataclass
@@ -198,9 +219,20 @@ class Args:
 # family"); the paper's settings (T_target 1000, learning rate 1e-4) are for billions of Atari frames.
 FAMILY_DEFAULTS = {
     "atari": ("the paper's Atari settings (Appendix F, Tables 1 and 6)", {}),
-    "classic": ("settings measured on CartPole-v1 (README)",
-                dict(total_timesteps=300_000, num_envs=16, batch_size=16, num_minibatches=1, unroll_length=20,
-                     use_lstm=False, gamma=0.99, target_update_period=10, learning_rate=1e-3)),
+    "classic": (
+        "settings measured on CartPole-v1 (README)",
+        dict(
+            total_timesteps=300_000,
+            num_envs=16,
+            batch_size=16,
+            num_minibatches=1,
+            unroll_length=20,
+            use_lstm=False,
+            gamma=0.99,
+            target_update_period=10,
+            learning_rate=1e-3,
+        ),
+    ),
 }
 
 
@@ -273,7 +305,7 @@ def vmpo_loss(logits, value_features, batch, agent, multipliers, args, popart_be
         task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
 
     def own(outputs):  # each row's output for its own task
-        return outputs.gather(-1, task[:outputs.shape[0]].unsqueeze(-1)).squeeze(-1)
+        return outputs.gather(-1, task[: outputs.shape[0]].unsqueeze(-1)).squeeze(-1)
 
     with torch.no_grad():
         values = popart.unnormalize(own(popart(value_features)), task)  # online V, unnormalised
@@ -302,13 +334,21 @@ def vmpo_loss(logits, value_features, batch, agent, multipliers, args, popart_be
         selected = psi > 0
         k = selected.sum().clamp(min=1)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-        stats = {"losses/value_loss": value_loss, "losses/policy_loss": policy_loss, "losses/eta_loss": eta_loss,
-                 "losses/alpha_loss": alpha_loss, "stats/kl": kl_mean, "stats/eta": multipliers.eta.detach(),
-                 "stats/alpha": multipliers.alpha.detach(),
-                 "stats/kl_psi": (psi[selected] * (psi[selected] * k).log()).sum(),  # KL(ψ ‖ uniform on D̃)
-                 "stats/entropy": (mask * entropy).sum() / n, "stats/advantage_mean": (mask * advantages).sum() / n,
-                 "stats/value_mean": (mask * values[:-1]).sum() / n, "stats/popart_mu": popart.mu[0].clone(),
-                 "stats/popart_sigma": popart.sigma[0].clone()}
+        stats = {
+            "losses/value_loss": value_loss,
+            "losses/policy_loss": policy_loss,
+            "losses/eta_loss": eta_loss,
+            "losses/alpha_loss": alpha_loss,
+            "stats/kl": kl_mean,
+            "stats/eta": multipliers.eta.detach(),
+            "stats/alpha": multipliers.alpha.detach(),
+            "stats/kl_psi": (psi[selected] * (psi[selected] * k).log()).sum(),  # KL(ψ ‖ uniform on D̃)
+            "stats/entropy": (mask * entropy).sum() / n,
+            "stats/advantage_mean": (mask * advantages).sum() / n,
+            "stats/value_mean": (mask * values[:-1]).sum() / n,
+            "stats/popart_mu": popart.mu[0].clone(),
+            "stats/popart_sigma": popart.sigma[0].clone(),
+        }
     stats = {k: v.detach() for k, v in stats.items()}  # logging must not keep a minibatch's graph alive
     return value_loss + policy_loss + eta_loss + alpha_loss, stats
 
@@ -337,14 +377,38 @@ class Agent(nn.Module):
     two 256-unit MLP heads: policy logits (readout initialised to zero: a uniform policy at the start) and a
     PopArt value readout."""
 
-    def __init__(self, obs_shape, num_actions, network="deep", channels=(), use_lstm=True,
-                 lstm_size=256, head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4,
-                 popart_scale_lower=1e-2, popart_scale_upper=1e6, init="orthogonal"):
+    def __init__(
+        self,
+        obs_shape,
+        num_actions,
+        network="deep",
+        channels=(),
+        use_lstm=True,
+        lstm_size=256,
+        head_hidden=256,
+        mlp_hidden=(64, 64),
+        num_tasks=1,
+        popart_beta=1e-4,
+        popart_scale_lower=1e-2,
+        popart_scale_upper=1e6,
+        init="orthogonal",
+    ):
         super().__init__()
-        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, network=network,
-                           channels=tuple(channels), use_lstm=use_lstm, lstm_size=lstm_size, head_hidden=head_hidden,
-                           mlp_hidden=tuple(mlp_hidden), num_tasks=num_tasks, popart_beta=popart_beta,
-                           popart_scale_lower=popart_scale_lower, popart_scale_upper=popart_scale_upper, init=init)
+        self.config = dict(
+            obs_shape=tuple(obs_shape),
+            num_actions=num_actions,
+            network=network,
+            channels=tuple(channels),
+            use_lstm=use_lstm,
+            lstm_size=lstm_size,
+            head_hidden=head_hidden,
+            mlp_hidden=tuple(mlp_hidden),
+            num_tasks=num_tasks,
+            popart_beta=popart_beta,
+            popart_scale_lower=popart_scale_lower,
+            popart_scale_upper=popart_scale_upper,
+            init=init,
+        )
         if network == "deep" and not channels and len(obs_shape) == 3:
             channels = (64, 128, 128)  # four times IMPALA's channels (App. F)
         self.config["channels"] = tuple(channels)
@@ -391,8 +455,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
         r = torch.as_tensor(rewards, device=device).float()
         r = r.clamp(-1, 1) if clip else r
         prev = torch.where(first_t, 0, prev_action)
-        logits, _, state = agent(torch.as_tensor(obs, device=device)[None], prev[None], r[None], first_t[None],
-                                 state)
+        logits, _, state = agent(torch.as_tensor(obs, device=device)[None], prev[None], r[None], first_t[None], state)
         prev_action = logits[0].argmax(-1) if greedy else torch.distributions.Categorical(logits=logits[0]).sample()
         return prev_action.cpu().numpy()
 
@@ -406,11 +469,18 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
-    specs = {"obs": ((T + 1, *obs_shape), obs_dtype), "reward": ((T + 1,), torch.float32),
-             "ended": ((T + 1,), torch.bool), "terminated": ((T + 1,), torch.bool), "first": ((T + 1,), torch.bool),
-             "action": ((T + 1,), torch.long), "prev_action": ((T + 1,), torch.long),
-             "logits": ((T + 1, num_actions), torch.float32), "version": ((T + 1,), torch.long),
-             "task": ((T + 1,), torch.long)}
+    specs = {
+        "obs": ((T + 1, *obs_shape), obs_dtype),
+        "reward": ((T + 1,), torch.float32),
+        "ended": ((T + 1,), torch.bool),
+        "terminated": ((T + 1,), torch.bool),
+        "first": ((T + 1,), torch.bool),
+        "action": ((T + 1,), torch.long),
+        "prev_action": ((T + 1,), torch.long),
+        "logits": ((T + 1, num_actions), torch.float32),
+        "version": ((T + 1,), torch.long),
+        "task": ((T + 1,), torch.long),
+    }
     if use_lstm:
         specs.update(core_h=((lstm_size,), torch.float32), core_c=((lstm_size,), torch.float32))
     return specs
@@ -427,9 +497,17 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
             except queue.Empty:
                 exit_if_orphaned(parent_pid)
 
-    envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True,
-                    num_threads=cfg["env_threads"], episodic_life=cfg["episodic_life"], reward_clip=cfg["reward_clip"],
-                    full_action_space=cfg["full_action_space"])
+    envs = make_env(
+        cfg["env_id"],
+        n,
+        cfg["seed"],
+        batch_size=cfg["env_batch_size"],
+        training=True,
+        num_threads=cfg["env_threads"],
+        episodic_life=cfg["episodic_life"],
+        reward_clip=cfg["reward_clip"],
+        full_action_space=cfg["full_action_space"],
+    )
     agent = Agent(**target_agent.config).to(device)
     agent.load_state_dict(target_agent.state_dict())
     seen = int(version.item())
@@ -456,18 +534,31 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
         prev = torch.where(first, 0, prev_action[ids_t])
         state_before = tuple(s[ids_dev] for s in state)
         with torch.no_grad():
-            logits, _, state_after = agent(obs_t.to(device)[None], prev.to(device)[None], reward_t.to(device)[None],
-                                           first.to(device)[None], state_before)
+            logits, _, state_after = agent(
+                obs_t.to(device)[None],
+                prev.to(device)[None],
+                reward_t.to(device)[None],
+                first.to(device)[None],
+                state_before,
+            )
             action = torch.distributions.Categorical(logits=logits[0]).sample()
         action_cpu = action.cpu()
         envs.send(action_cpu.numpy(), ids)  # the envs step while this process does the bookkeeping
 
         sl, p = torch.from_numpy(slot[ids]), torch.from_numpy(pos[ids])
         done_now = term | trunc
-        row = {"obs": obs_t, "reward": reward_t, "ended": torch.from_numpy(done_now),
-               "terminated": torch.from_numpy(term), "first": first, "action": action_cpu, "prev_action": prev,
-               "logits": logits[0].cpu(), "version": torch.full((len(ids),), seen, dtype=torch.long),
-               "task": torch.full((len(ids),), cfg["task"], dtype=torch.long)}
+        row = {
+            "obs": obs_t,
+            "reward": reward_t,
+            "ended": torch.from_numpy(done_now),
+            "terminated": torch.from_numpy(term),
+            "first": first,
+            "action": action_cpu,
+            "prev_action": prev,
+            "logits": logits[0].cpu(),
+            "version": torch.full((len(ids),), seen, dtype=torch.long),
+            "task": torch.full((len(ids),), cfg["task"], dtype=torch.long),
+        }
         for k, v in row.items():
             buffers[k][sl, p] = v
         if use_lstm:
@@ -510,10 +601,10 @@ class Learner:
         self.local_batch = args.batch_size // _world_size()
         envs_per_actor = args.num_envs // args.num_actors
         num_slots = args.num_envs + 4 * self.local_batch
-        self.specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm,
-                                  args.lstm_size)
-        self.buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_()
-                        for k, (shape, dt) in self.specs.items()}
+        self.specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size)
+        self.buffers = {
+            k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in self.specs.items()
+        }
         self.target_agent = Agent(**agent.config)
         self.target_agent.load_state_dict(agent.state_dict())
         self.target_agent.share_memory()
@@ -527,14 +618,38 @@ class Learner:
         env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
         games = list(args.env_ids) or [args.env_id]
         for a in range(args.num_actors):  # actor a plays game a mod G: every game the same share of the actors
-            cfg = dict(env_id=games[a % len(games)], task=a % len(games), full_action_space=len(args.env_ids) > 0,
-                       num_envs=envs_per_actor, unroll_length=args.unroll_length,
-                       env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
-                       seed=args.seed + 1000 * rank + a, device=str(device), env_threads=env_threads,
-                       episodic_life=args.episodic_life, reward_clip=args.reward_clip)
-            p = ctx.Process(target=worker_entry, daemon=True, name=f"actor-{a}",
-                            args=(act, a, self.msg_q, a, cfg, self.target_agent, self.version, self.buffers,
-                                  self.free_q, self.full_q, self.msg_q, os.getpid()))
+            cfg = dict(
+                env_id=games[a % len(games)],
+                task=a % len(games),
+                full_action_space=len(args.env_ids) > 0,
+                num_envs=envs_per_actor,
+                unroll_length=args.unroll_length,
+                env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
+                seed=args.seed + 1000 * rank + a,
+                device=str(device),
+                env_threads=env_threads,
+                episodic_life=args.episodic_life,
+                reward_clip=args.reward_clip,
+            )
+            p = ctx.Process(
+                target=worker_entry,
+                daemon=True,
+                name=f"actor-{a}",
+                args=(
+                    act,
+                    a,
+                    self.msg_q,
+                    a,
+                    cfg,
+                    self.target_agent,
+                    self.version,
+                    self.buffers,
+                    self.free_q,
+                    self.full_q,
+                    self.msg_q,
+                    os.getpid(),
+                ),
+            )
             p.start()
             self.procs.append(p)
 
@@ -595,7 +710,7 @@ def average_gradients(params, world):
     flat /= world
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -606,31 +721,42 @@ def check_args(args):
     for game in games:
         env_spec(game, discrete=True)
         if not is_atari(game):
-            raise UsageError(f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: "
-                             f"{', '.join(PRESETS)}); {game} is not one")
+            raise UsageError(
+                f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: "
+                f"{', '.join(PRESETS)}); {game} is not one"
+            )
     if games and args.num_actors % len(games):
-        raise UsageError(f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
-                         "that every game gets the same share of the actors")
+        raise UsageError(
+            f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
+            "that every game gets the same share of the actors"
+        )
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
     world = _world_size()
     if args.unroll_length < 1:
         raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
     if args.batch_size < 1 or args.batch_size % world:
-        raise UsageError(f"--batch-size {args.batch_size} must be a positive multiple of the number of learner "
-                         f"processes ({world})")
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})"
+        )
     if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
         raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
     per_actor = args.num_envs // args.num_actors
     if not 0 <= args.env_batch_size <= per_actor:
-        raise UsageError(f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
-                         f"({per_actor}), or 0 for half of them")
+        raise UsageError(
+            f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
+            f"({per_actor}), or 0 for half of them"
+        )
     steps_per_update = args.batch_size * args.unroll_length
     if args.total_timesteps < steps_per_update:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one batch "
-                         f"(batch-size x unroll-length = {steps_per_update} steps)")
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} is less than one batch "
+            f"(batch-size x unroll-length = {steps_per_update} steps)"
+        )
     if args.num_minibatches < 1 or args.num_minibatches % world or args.batch_size % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide --batch-size {args.batch_size} and be "
-                         f"a multiple of the number of learner processes ({world})")
+        raise UsageError(
+            f"--num-minibatches {args.num_minibatches} must divide --batch-size {args.batch_size} and be "
+            f"a multiple of the number of learner processes ({world})"
+        )
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
     if not 0 < args.top_fraction <= 1:
@@ -675,9 +801,21 @@ def main(args: Args):
     num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
     atari = is_atari(games[0] if multitask else args.env_id)
     channels = args.channels if len(obs_shape) == 3 else ()
-    agent = Agent(obs_shape, num_actions, args.network, channels, args.use_lstm, args.lstm_size, args.head_hidden,
-                  args.mlp_hidden, max(1, len(games)), args.popart_beta, args.popart_scale_lower,
-                  args.popart_scale_upper, args.init).to(device)
+    agent = Agent(
+        obs_shape,
+        num_actions,
+        args.network,
+        channels,
+        args.use_lstm,
+        args.lstm_size,
+        args.head_hidden,
+        args.mlp_hidden,
+        max(1, len(games)),
+        args.popart_beta,
+        args.popart_scale_lower,
+        args.popart_scale_upper,
+        args.init,
+    ).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
     if world > 1:  # same initial weights everywhere
@@ -706,9 +844,12 @@ def main(args: Args):
         write_args(run_path, args, FAMILY_DEFAULTS)
         # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
         writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
-        print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
-              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
-              f"{', ' + str(len(games)) + ' games' if multitask else ''})", flush=True)
+        print(
+            f"run folder: {run_path}  (device {device}, {world} learner process(es), "
+            f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
+            f"{', ' + str(len(games)) + ' games' if multitask else ''})",
+            flush=True,
+        )
 
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
@@ -725,11 +866,18 @@ def main(args: Args):
 
     def saved_model(global_step):
         """What model.pt holds (common/evaluation.py plays it)."""
-        model = {"script": "vmpo_atari", "env_id": games[0] if multitask else args.env_id,
-                 "env_ids": list(games), "full_action_space": multitask, "args": dataclasses.asdict(args),
-                 "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-                 "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
-                 "reward_clip": atari and args.reward_clip, "global_step": global_step}
+        model = {
+            "script": "vmpo_atari",
+            "env_id": games[0] if multitask else args.env_id,
+            "env_ids": list(games),
+            "full_action_space": multitask,
+            "args": dataclasses.asdict(args),
+            "agent_config": agent.config,
+            "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+            "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
+            "reward_clip": atari and args.reward_clip,
+            "global_step": global_step,
+        }
         return model
 
     def checkpoint(update):
@@ -737,12 +885,21 @@ def main(args: Args):
             check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
             if args.save_model:  # a run stopped early can be evaluated too
                 save_model(saved_model(global_step), run_path)
-            save_checkpoint({"agent": agent.state_dict(), "target_agent": learner.target_agent.state_dict(),
-                             "multipliers": multipliers.state_dict(), "optimizer": optimizer.state_dict(),
-                             "update": update, "global_step": global_step,
-                             "wall_time_s": previous_wall + time.time() - start, "returns": returns[-100:],
-                             "game_returns": {g: r[-10:] for g, r in game_returns.items()},
-                             "args": dataclasses.asdict(args)}, run_path)
+            save_checkpoint(
+                {
+                    "agent": agent.state_dict(),
+                    "target_agent": learner.target_agent.state_dict(),
+                    "multipliers": multipliers.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "update": update,
+                    "global_step": global_step,
+                    "wall_time_s": previous_wall + time.time() - start,
+                    "returns": returns[-100:],
+                    "game_returns": {g: r[-10:] for g, r in game_returns.items()},
+                    "args": dataclasses.asdict(args),
+                },
+                run_path,
+            )
 
     def on_signal(signum, frame):
         stop.append(signum)
@@ -767,8 +924,9 @@ def main(args: Args):
                 mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
                 state = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
                 logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], state)
-                loss, mb_stats = vmpo_loss(logits, value_features, mb, agent, multipliers, args,
-                                           args.popart_beta / chunks)
+                loss, mb_stats = vmpo_loss(
+                    logits, value_features, mb, agent, multipliers, args, args.popart_beta / chunks
+                )
                 (loss / chunks).backward()
                 for k, v in mb_stats.items():
                     stats[k] = stats.get(k, 0) + v / chunks
@@ -776,10 +934,14 @@ def main(args: Args):
                 average_gradients(params, world)
             log_due = rank == 0 and (time.time() - last_log >= args.log_interval or update == num_updates)
             layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
-            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0
-                                                 else float("inf"))
-            check_finite(f"at update {update} (step {update * steps_per_update})", gradient=grad_norm,
-                         **{k.split("/")[-1]: v for k, v in stats.items()})
+            grad_norm = nn.utils.clip_grad_norm_(
+                agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+            )
+            check_finite(
+                f"at update {update} (step {update * steps_per_update})",
+                gradient=grad_norm,
+                **{k.split("/")[-1]: v for k, v in stats.items()},
+            )
             committing[0] = True  # from here to done_update a signal waits
             optimizer.step()
             multipliers.project(args.min_multiplier)
@@ -819,10 +981,12 @@ def main(args: Args):
                 with torch.no_grad():  # does the policy depend on the state yet? are torso units dying?
                     for name, v in layer_norms.items():
                         writer.add_scalar(f"grad_norm/{name}", v.item(), global_step)
-                    writer.add_scalar("stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(),
-                                      global_step)
-                    writer.add_scalar("stats/dead_units", dead_units(agent.torso(mb["obs"][:-1].flatten(0, 1))).item(),
-                                      global_step)
+                    writer.add_scalar(
+                        "stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(), global_step
+                    )
+                    writer.add_scalar(
+                        "stats/dead_units", dead_units(agent.torso(mb["obs"][:-1].flatten(0, 1))).item(), global_step
+                    )
                 if multitask:  # the aggregate: median over games of the human-normalised last-10 mean
                     hns = [human_normalized_score(g, np.mean(r[-10:])) for g, r in game_returns.items() if r]
                     if len(hns) == len(games):
@@ -832,10 +996,13 @@ def main(args: Args):
                         writer.add_scalar(f"stats/popart_mu/{g}", agent.popart.mu[k].item(), global_step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta_min = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
-                print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
-                      f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} "
-                      f"| η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
-                      f"KL {stats['stats/kl'].item():.4f} | ETA {eta_min:.1f} min", flush=True)
+                print(
+                    f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
+                    f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} "
+                    f"| η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
+                    f"KL {stats['stats/kl'].item():.4f} | ETA {eta_min:.1f} min",
+                    flush=True,
+                )
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
         report_failure(e, run_path)
@@ -851,11 +1018,17 @@ def main(args: Args):
             learner.close()
             if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
                 checkpoint(done_update)
-                again = (f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}" if world > 1
-                         else f"python {os.path.basename(__file__)}")
+                again = (
+                    f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}"
+                    if world > 1
+                    else f"python {os.path.basename(__file__)}"
+                )
                 if rank == 0:
-                    print(f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         sys.exit(130)
     learner.close()
     end_time = time.time()
@@ -871,9 +1044,19 @@ def main(args: Args):
             from common.evaluation import evaluate, score_table, write_score_table
 
             video = run_path if args.capture_video else None  # the first game's first episode
-            table = score_table({g: evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000,
-                                             device=str(device), env_id=g, video_dir=video if i == 0 else None)
-                                 for i, g in enumerate(games)})
+            table = score_table(
+                {
+                    g: evaluate(
+                        checkpoint,
+                        args.eval_episodes,
+                        seed=args.seed + 10_000,
+                        device=str(device),
+                        env_id=g,
+                        video_dir=video if i == 0 else None,
+                    )
+                    for i, g in enumerate(games)
+                }
+            )
             print(write_score_table(table, os.path.join(run_path, "evaluation")), flush=True)
             for row in table["games"]:
                 writer.add_scalar(f"charts/{row['env_id']}/eval_return", row["mean"], global_step)
@@ -882,23 +1065,41 @@ def main(args: Args):
         elif args.eval_episodes > 0:
             from common.evaluation import evaluate
 
-            scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000, device=str(device),
-                              video_dir=run_path if args.capture_video else None)
+            scores = evaluate(
+                checkpoint,
+                args.eval_episodes,
+                seed=args.seed + 10_000,
+                device=str(device),
+                video_dir=run_path if args.capture_video else None,
+            )
             eval_mean = float(np.mean(scores))
             writer.add_scalar("charts/eval_return", eval_mean, global_step)
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
-        summary = {"env_id": task_name, "total_timesteps": global_step, "wall_time_s": wall,
-                   "sps": global_step / wall,
-                   "sps_after_first_update": (global_step - first_step - steps_per_update)
-                   / max(end_time - first_update_time, 1e-9) if num_updates > start_update + 1 else None,
-                   "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-                   "eval_mean_return": eval_mean}
+        summary = {
+            "env_id": task_name,
+            "total_timesteps": global_step,
+            "wall_time_s": wall,
+            "sps": global_step / wall,
+            "sps_after_first_update": (global_step - first_step - steps_per_update)
+            / max(end_time - first_update_time, 1e-9)
+            if num_updates > start_update + 1
+            else None,
+            "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+            "eval_mean_return": eval_mean,
+        }
         if multitask:
-            summary.update(env_ids=list(games), mean_episodic_return_last_10_per_game={
-                g: float(np.mean(r[-10:])) if r else None for g, r in game_returns.items()})
+            summary.update(
+                env_ids=list(games),
+                mean_episodic_return_last_10_per_game={
+                    g: float(np.mean(r[-10:])) if r else None for g, r in game_returns.items()
+                },
+            )
             if table is not None:
-                summary.update(eval_median_human_normalized=table["median_human_normalized"],
-                               eval_mean_human_normalized=table["mean_human_normalized"], eval_per_game=table["games"])
+                summary.update(
+                    eval_median_human_normalized=table["median_human_normalized"],
+                    eval_mean_human_normalized=table["mean_human_normalized"],
+                    eval_per_game=table["games"],
+                )
         with open(os.path.join(run_path, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         writer.close()

@@ -73,14 +73,28 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import (NonFiniteError, check_finite, check_finite_parameters, load_checkpoint,
-                               save_checkpoint, save_model)
+from common.checkpoint import (
+    NonFiniteError,
+    check_finite,
+    check_finite_parameters,
+    load_checkpoint,
+    save_checkpoint,
+    save_model,
+)
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
 from common.families import given_flags, with_family_defaults, write_args
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
-from common.processes import (WorkerError, check_workers, exit_if_orphaned, ignore_further_interrupts,
-                              raise_worker_error, report_failure, stop_workers, worker_entry)
+from common.processes import (
+    WorkerError,
+    check_workers,
+    exit_if_orphaned,
+    ignore_further_interrupts,
+    raise_worker_error,
+    report_failure,
+    stop_workers,
+    worker_entry,
+)
 
 
 @dataclass
@@ -185,19 +199,31 @@ TABLE7_COLUMNS = {
 # on 2 CPU cores (README, "Defaults by task family"): MuJoCo on InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4
 # (32 envs: 16 let InvertedPendulum fall back after solving it), classic control on Pendulum-v1 (16 envs: 32 did
 # worse there).
-ONE_MACHINE = dict(num_envs=16, batch_size=16, num_minibatches=1, unroll_length=10, target_update_period=10,
-                   learning_rate=1e-3, popart_beta=0.1)
+ONE_MACHINE = dict(
+    num_envs=16,
+    batch_size=16,
+    num_minibatches=1,
+    unroll_length=10,
+    target_update_period=10,
+    learning_rate=1e-3,
+    popart_beta=0.1,
+)
 FAMILY_DEFAULTS = {
-    "mujoco": ("settings measured on InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4 (README)",
-               dict(ONE_MACHINE, num_envs=32, batch_size=32)),
+    "mujoco": (
+        "settings measured on InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4 (README)",
+        dict(ONE_MACHINE, num_envs=32, batch_size=32),
+    ),
     "classic": ("settings measured on Pendulum-v1 (README)", ONE_MACHINE),
 }
 
 
 def table7_column(env_id: str) -> str:
     """'humanoid-state' for the dm_control humanoid tasks (HumanoidRun-v1, ...), 'gym' for every other task."""
-    return "humanoid-state" if env_id.startswith("Humanoid") and type(env_spec(env_id)).__name__.startswith("Dmc") \
+    return (
+        "humanoid-state"
+        if env_id.startswith("Humanoid") and type(env_spec(env_id)).__name__.startswith("Dmc")
         else "gym"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -251,7 +277,7 @@ def gaussian_kl_parts(target_mean, target_std, mean, std):
 
     `[..., d] -> ([...], [...])`; KL_μ + KL_Σ is the full KL of Eq. (23). π_target carries no gradient."""
     target_mean, target_var = target_mean.detach(), target_std.detach() ** 2
-    var = std ** 2
+    var = std**2
     kl_mu = 0.5 * ((mean - target_mean) ** 2 / target_var).sum(-1)
     kl_sigma = 0.5 * (target_var / var - 1.0 + var.log() - target_var.log()).sum(-1)
     return kl_mu, kl_sigma
@@ -296,8 +322,9 @@ def vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, num_mi
     psi = torch.zeros_like(advantages)
     eta_loss, kl_psi = 0.0, 0.0
     for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
-        psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], multipliers.eta, args.eps_eta, mask[:, cols],
-                                           args.top_fraction)
+        psi_mb, eta_loss_mb = vmpo_weights(
+            advantages[:, cols], multipliers.eta, args.eps_eta, mask[:, cols], args.top_fraction
+        )
         psi[:, cols] = psi_mb / num_minibatches
         eta_loss = eta_loss + eta_loss_mb / num_minibatches
         top = psi_mb[psi_mb > 0]
@@ -306,19 +333,27 @@ def vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, num_mi
     policy_loss = -(psi * logp).sum()
     kl_mu, kl_sigma = gaussian_kl_parts(batch["mean"][:-1], batch["std"][:-1], mean[:-1], std[:-1])
     alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, multipliers.alpha_mu, args.eps_alpha_mu, mask)
-    alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, multipliers.alpha_sigma, args.eps_alpha_sigma,
-                                                         mask)
+    alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, multipliers.alpha_sigma, args.eps_alpha_sigma, mask)
 
     with torch.no_grad():
-        stats = {"losses/value_loss": value_loss, "losses/policy_loss": policy_loss, "losses/eta_loss": eta_loss,
-                 "losses/alpha_mu_loss": alpha_mu_loss, "losses/alpha_sigma_loss": alpha_sigma_loss,
-                 "stats/kl_mu": kl_mu_mean, "stats/kl_sigma": kl_sigma_mean, "stats/eta": multipliers.eta,
-                 "stats/alpha_mu": multipliers.alpha_mu, "stats/alpha_sigma": multipliers.alpha_sigma,
-                 "stats/kl_psi": kl_psi,
-                 "stats/policy_std": (mask[..., None] * std[:-1]).sum() / (n * std.shape[-1]),
-                 "stats/advantage_mean": (mask * advantages).sum() / n,
-                 "stats/value_mean": (mask * values[:-1]).sum() / n, "stats/popart_mu": popart.mu[0],
-                 "stats/popart_sigma": popart.sigma[0]}
+        stats = {
+            "losses/value_loss": value_loss,
+            "losses/policy_loss": policy_loss,
+            "losses/eta_loss": eta_loss,
+            "losses/alpha_mu_loss": alpha_mu_loss,
+            "losses/alpha_sigma_loss": alpha_sigma_loss,
+            "stats/kl_mu": kl_mu_mean,
+            "stats/kl_sigma": kl_sigma_mean,
+            "stats/eta": multipliers.eta,
+            "stats/alpha_mu": multipliers.alpha_mu,
+            "stats/alpha_sigma": multipliers.alpha_sigma,
+            "stats/kl_psi": kl_psi,
+            "stats/policy_std": (mask[..., None] * std[:-1]).sum() / (n * std.shape[-1]),
+            "stats/advantage_mean": (mask * advantages).sum() / n,
+            "stats/value_mean": (mask * values[:-1]).sum() / n,
+            "stats/popart_mu": popart.mu[0],
+            "stats/popart_sigma": popart.sigma[0],
+        }
         stats = {k: torch.as_tensor(v).detach().clone() for k, v in stats.items()}
     loss = value_loss + policy_loss + eta_loss + alpha_mu_loss + alpha_sigma_loss
     return loss, stats
@@ -352,12 +387,30 @@ class Agent(nn.Module):
 
     MIN_STD = 1e-4
 
-    def __init__(self, obs_dim, action_dim, hidden=(512, 256), head_hidden=256, init_std=0.5, num_tasks=1,
-                 popart_beta=1e-4, popart_scale_lower=1e-2, popart_scale_upper=1e6):
+    def __init__(
+        self,
+        obs_dim,
+        action_dim,
+        hidden=(512, 256),
+        head_hidden=256,
+        init_std=0.5,
+        num_tasks=1,
+        popart_beta=1e-4,
+        popart_scale_lower=1e-2,
+        popart_scale_upper=1e6,
+    ):
         super().__init__()
-        self.config = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden), head_hidden=head_hidden,
-                           init_std=init_std, num_tasks=num_tasks, popart_beta=popart_beta,
-                           popart_scale_lower=popart_scale_lower, popart_scale_upper=popart_scale_upper)
+        self.config = dict(
+            obs_dim=obs_dim,
+            action_dim=action_dim,
+            hidden=tuple(hidden),
+            head_hidden=head_hidden,
+            init_std=init_std,
+            num_tasks=num_tasks,
+            popart_beta=popart_beta,
+            popart_scale_lower=popart_scale_lower,
+            popart_scale_upper=popart_scale_upper,
+        )
         self.action_dim = action_dim
         self.obs_norm = RunningNorm(obs_dim)
         self.core = MLPTorso(obs_dim, hidden, activation=nn.ELU)
@@ -409,10 +462,16 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 def buffer_specs(obs_dim, action_dim, T):
-    return {"obs": ((T + 1, obs_dim), torch.float32), "reward": ((T + 1,), torch.float32),
-            "ended": ((T + 1,), torch.bool), "terminated": ((T + 1,), torch.bool),
-            "action": ((T + 1, action_dim), torch.float32), "mean": ((T + 1, action_dim), torch.float32),
-            "std": ((T + 1, action_dim), torch.float32), "version": ((T + 1,), torch.long)}
+    return {
+        "obs": ((T + 1, obs_dim), torch.float32),
+        "reward": ((T + 1,), torch.float32),
+        "ended": ((T + 1,), torch.bool),
+        "terminated": ((T + 1,), torch.bool),
+        "action": ((T + 1, action_dim), torch.float32),
+        "mean": ((T + 1, action_dim), torch.float32),
+        "std": ((T + 1, action_dim), torch.float32),
+        "version": ((T + 1,), torch.long),
+    }
 
 
 def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
@@ -427,8 +486,9 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
             except queue.Empty:
                 exit_if_orphaned(parent_pid)
 
-    envs = make_env(cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True,
-                    num_threads=cfg["env_threads"])
+    envs = make_env(
+        cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True, num_threads=cfg["env_threads"]
+    )
     low = envs.action_space.low.astype(np.float32)
     high = envs.action_space.high.astype(np.float32)
     agent = Agent(**target_agent.config).to(device)
@@ -454,9 +514,16 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
         envs.send(to_env_action(action_cpu.numpy(), low, high), ids)  # the envs step during the bookkeeping
 
         sl, p = torch.from_numpy(slot[ids]), torch.from_numpy(pos[ids])
-        row = {"obs": obs_t, "reward": torch.from_numpy(reward).float(), "ended": torch.from_numpy(term | trunc),
-               "terminated": torch.from_numpy(term), "action": action_cpu, "mean": mean.cpu(), "std": std.cpu(),
-               "version": torch.full((len(ids),), seen, dtype=torch.long)}
+        row = {
+            "obs": obs_t,
+            "reward": torch.from_numpy(reward).float(),
+            "ended": torch.from_numpy(term | trunc),
+            "terminated": torch.from_numpy(term),
+            "action": action_cpu,
+            "mean": mean.cpu(),
+            "std": std.cpu(),
+            "version": torch.full((len(ids),), seen, dtype=torch.long),
+        }
         for k, v in row.items():
             buffers[k][sl, p] = v
         pos[ids] += 1
@@ -487,8 +554,10 @@ class Learner:
         self.local_batch = args.batch_size // _world_size()
         envs_per_actor = args.num_envs // args.num_actors
         num_slots = args.num_envs + 4 * self.local_batch
-        self.buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_()
-                        for k, (shape, dt) in buffer_specs(obs_dim, action_dim, args.unroll_length).items()}
+        self.buffers = {
+            k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_()
+            for k, (shape, dt) in buffer_specs(obs_dim, action_dim, args.unroll_length).items()
+        }
         self.target_agent = Agent(**agent.config)
         self.target_agent.load_state_dict(agent.state_dict())
         self.target_agent.share_memory()
@@ -501,12 +570,34 @@ class Learner:
         # the cores the learner leaves free step the envs
         env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
         for a in range(args.num_actors):
-            cfg = dict(env_id=args.env_id, num_envs=envs_per_actor, unroll_length=args.unroll_length,
-                       env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
-                       seed=args.seed + 1000 * rank + a, device=str(device), env_threads=env_threads)
-            p = ctx.Process(target=worker_entry, daemon=True, name=f"actor-{a}",
-                            args=(act, a, self.msg_q, a, cfg, self.target_agent, self.version, self.buffers,
-                                  self.free_q, self.full_q, self.msg_q, os.getpid()))
+            cfg = dict(
+                env_id=args.env_id,
+                num_envs=envs_per_actor,
+                unroll_length=args.unroll_length,
+                env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
+                seed=args.seed + 1000 * rank + a,
+                device=str(device),
+                env_threads=env_threads,
+            )
+            p = ctx.Process(
+                target=worker_entry,
+                daemon=True,
+                name=f"actor-{a}",
+                args=(
+                    act,
+                    a,
+                    self.msg_q,
+                    a,
+                    cfg,
+                    self.target_agent,
+                    self.version,
+                    self.buffers,
+                    self.free_q,
+                    self.full_q,
+                    self.msg_q,
+                    os.getpid(),
+                ),
+            )
             p.start()
             self.procs.append(p)
 
@@ -537,8 +628,10 @@ class Learner:
         for i in idx:
             self.free_q.put(i)
         pin = self.device.type == "cuda"
-        return {k: (v.transpose(0, 1).pin_memory() if pin else v.transpose(0, 1)).to(self.device, non_blocking=True)
-                for k, v in batch.items()}
+        return {
+            k: (v.transpose(0, 1).pin_memory() if pin else v.transpose(0, 1)).to(self.device, non_blocking=True)
+            for k, v in batch.items()
+        }
 
     def publish(self, agent):
         """θ_target ← θ_online (Algorithm 1), observation statistics included: the actors pick the new weights up
@@ -565,7 +658,7 @@ def average_gradients(params, world):
     flat /= world
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -578,27 +671,41 @@ def check_args(args):
     if args.unroll_length < 1:
         raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
     if args.batch_size < 1 or args.batch_size % world:
-        raise UsageError(f"--batch-size {args.batch_size} must be a positive multiple of the number of learner "
-                         f"processes ({world})")
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})"
+        )
     if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
         raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
     per_actor = args.num_envs // args.num_actors
     if not 0 <= args.env_batch_size <= per_actor:
-        raise UsageError(f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
-                         f"({per_actor}), or 0 for half of them")
+        raise UsageError(
+            f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
+            f"({per_actor}), or 0 for half of them"
+        )
     steps_per_update = args.batch_size * args.unroll_length
     if args.total_timesteps < steps_per_update:
-        raise UsageError(f"--total-timesteps {args.total_timesteps} is less than one batch "
-                         f"(batch-size x unroll-length = {steps_per_update} steps)")
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} is less than one batch "
+            f"(batch-size x unroll-length = {steps_per_update} steps)"
+        )
     if args.num_minibatches < 1 or args.num_minibatches % world or args.batch_size % args.num_minibatches:
-        raise UsageError(f"--num-minibatches {args.num_minibatches} must divide --batch-size {args.batch_size} and be "
-                         f"a multiple of the number of learner processes ({world})")
+        raise UsageError(
+            f"--num-minibatches {args.num_minibatches} must divide --batch-size {args.batch_size} and be "
+            f"a multiple of the number of learner processes ({world})"
+        )
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
     if not 0 < args.top_fraction <= 1:
         raise UsageError(f"--top-fraction must be in (0, 1], got {args.top_fraction}")
-    for name in ("eps_eta", "eps_alpha_mu", "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma",
-                 "learning_rate"):
+    for name in (
+        "eps_eta",
+        "eps_alpha_mu",
+        "eps_alpha_sigma",
+        "init_eta",
+        "init_alpha_mu",
+        "init_alpha_sigma",
+        "learning_rate",
+    ):
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not args.init_std > Agent.MIN_STD:
@@ -608,8 +715,10 @@ def check_args(args):
     if not args.hidden or min(args.hidden) < 1:
         raise UsageError(f"--hidden takes one or more positive layer sizes, got {args.hidden}")
     if args.capture_video:
-        raise UsageError("--capture-video is not available for continuous control: envpool renders MuJoCo only "
-                         "with an OpenGL context, which it does not create; leave the flag out")
+        raise UsageError(
+            "--capture-video is not available for continuous control: envpool renders MuJoCo only "
+            "with an OpenGL context, which it does not create; leave the flag out"
+        )
     if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
         raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
     return spec
@@ -636,8 +745,17 @@ def main(args: Args):
     torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
 
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, 1, args.popart_beta,
-                  args.popart_scale_lower, args.popart_scale_upper).to(device)
+    agent = Agent(
+        obs_dim,
+        action_dim,
+        args.hidden,
+        args.head_hidden,
+        args.init_std,
+        1,
+        args.popart_beta,
+        args.popart_scale_lower,
+        args.popart_scale_upper,
+    ).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
     if world > 1:  # same initial weights everywhere
@@ -663,8 +781,11 @@ def main(args: Args):
         write_args(run_path, args, FAMILY_DEFAULTS)
         # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
         writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
-        print(f"run folder: {run_path}  (device {device}, {world} learner process(es), "
-              f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs)", flush=True)
+        print(
+            f"run folder: {run_path}  (device {device}, {world} learner process(es), "
+            f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs)",
+            flush=True,
+        )
 
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
@@ -678,11 +799,17 @@ def main(args: Args):
 
     def saved_model(global_step):
         """What model.pt holds (common/evaluation.py plays it)."""
-        model = {"script": "vmpo_mujoco", "env_id": args.env_id, "args": dataclasses.asdict(args),
-                 "agent_config": agent.config, "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-                 "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
-                 "action_low": spec.action_space.low.astype(np.float32).tolist(),
-                 "action_high": spec.action_space.high.astype(np.float32).tolist(), "global_step": global_step}
+        model = {
+            "script": "vmpo_mujoco",
+            "env_id": args.env_id,
+            "args": dataclasses.asdict(args),
+            "agent_config": agent.config,
+            "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+            "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
+            "action_low": spec.action_space.low.astype(np.float32).tolist(),
+            "action_high": spec.action_space.high.astype(np.float32).tolist(),
+            "global_step": global_step,
+        }
         return model
 
     def checkpoint(update):
@@ -690,11 +817,20 @@ def main(args: Args):
             check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
             if args.save_model:  # a run stopped early can be evaluated too
                 save_model(saved_model(global_step), run_path)
-            save_checkpoint({"agent": agent.state_dict(), "target_agent": learner.target_agent.state_dict(),
-                             "multipliers": multipliers.state_dict(), "optimizer": optimizer.state_dict(),
-                             "update": update, "global_step": global_step,
-                             "wall_time_s": previous_wall + time.time() - start, "returns": returns[-100:],
-                             "args": dataclasses.asdict(args)}, run_path)
+            save_checkpoint(
+                {
+                    "agent": agent.state_dict(),
+                    "target_agent": learner.target_agent.state_dict(),
+                    "multipliers": multipliers.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "update": update,
+                    "global_step": global_step,
+                    "wall_time_s": previous_wall + time.time() - start,
+                    "returns": returns[-100:],
+                    "args": dataclasses.asdict(args),
+                },
+                run_path,
+            )
 
     def on_signal(signum, frame):
         stop.append(signum)
@@ -718,10 +854,15 @@ def main(args: Args):
             loss.backward()
             if world > 1:
                 average_gradients(params, world)
-            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0
-                                                 else float("inf"))
-            check_finite(f"at update {update} (step {update * steps_per_update})", loss=loss, gradient=grad_norm,
-                         **{k.split("/")[-1]: v for k, v in stats.items()})
+            grad_norm = nn.utils.clip_grad_norm_(
+                agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+            )
+            check_finite(
+                f"at update {update} (step {update * steps_per_update})",
+                loss=loss,
+                gradient=grad_norm,
+                **{k.split("/")[-1]: v for k, v in stats.items()},
+            )
             optimizer.step()
             multipliers.project(args.min_multiplier)
             stale = (batch["version"][:-1] != learner.version.item()).float().mean()
@@ -755,10 +896,13 @@ def main(args: Args):
                     writer.add_scalar(k, v.item(), global_step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
                 eta_min = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
-                print(f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-                      f"| episodes {len(returns)} | η {stats['stats/eta'].item():.3f} "
-                      f"α_μ {stats['stats/alpha_mu'].item():.3f} α_Σ {stats['stats/alpha_sigma'].item():.3f} "
-                      f"σ {stats['stats/policy_std'].item():.3f} | ETA {eta_min:.1f} min", flush=True)
+                print(
+                    f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+                    f"| episodes {len(returns)} | η {stats['stats/eta'].item():.3f} "
+                    f"α_μ {stats['stats/alpha_mu'].item():.3f} α_Σ {stats['stats/alpha_sigma'].item():.3f} "
+                    f"σ {stats['stats/policy_std'].item():.3f} | ETA {eta_min:.1f} min",
+                    flush=True,
+                )
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
         report_failure(e, run_path)
@@ -772,11 +916,17 @@ def main(args: Args):
             learner.close()
             if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
                 checkpoint(done_update)
-                again = (f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}" if world > 1
-                         else f"python {os.path.basename(__file__)}")
+                again = (
+                    f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}"
+                    if world > 1
+                    else f"python {os.path.basename(__file__)}"
+                )
                 if rank == 0:
-                    print(f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         sys.exit(130)
     learner.close()
     end_time = time.time()
@@ -795,12 +945,18 @@ def main(args: Args):
             eval_mean = float(np.mean(scores))
             writer.add_scalar("charts/eval_return", eval_mean, global_step)
             print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
-        summary = {"env_id": args.env_id, "total_timesteps": global_step, "wall_time_s": wall,
-                   "sps": global_step / wall,
-                   "sps_after_first_update": (global_step - first_step - steps_per_update)
-                   / max(end_time - first_update_time, 1e-9) if num_updates > start_update + 1 else None,
-                   "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-                   "eval_mean_return": eval_mean}
+        summary = {
+            "env_id": args.env_id,
+            "total_timesteps": global_step,
+            "wall_time_s": wall,
+            "sps": global_step / wall,
+            "sps_after_first_update": (global_step - first_step - steps_per_update)
+            / max(end_time - first_update_time, 1e-9)
+            if num_updates > start_update + 1
+            else None,
+            "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
+            "eval_mean_return": eval_mean,
+        }
         with open(os.path.join(run_path, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         writer.close()
@@ -814,8 +970,9 @@ def parse_args(argv=None):
     import tyro
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    values = [b for a, b in zip(argv, argv[1:]) if a == "--preset"] + \
-        [a.split("=", 1)[1] for a in argv if a.startswith("--preset=")]
+    values = [b for a, b in zip(argv, argv[1:]) if a == "--preset"] + [
+        a.split("=", 1)[1] for a in argv if a.startswith("--preset=")
+    ]
     for value in values:  # one clear line rather than tyro's box
         if value not in ("family", "paper"):
             raise UsageError(f"--preset {value!r} is not one of family, paper")

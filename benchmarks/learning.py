@@ -54,8 +54,19 @@ TWO_WORKERS = ("--num-workers", "2", "--num-envs", "4")
 # V-MPO's Atari agent on 2 CPU cores: the shallow torso without LSTM, 32 x 20-step batches in one minibatch and a
 # target refreshed every 10 learning steps (the paper's T_target of 1000 is for 128 x 63-step batches over billions
 # of frames: at 640 steps an update it would refresh the acting policy once in a million steps)
-VMPO_ATARI_CPU = ("--network", "shallow", "--no-use-lstm", "--batch-size", "32", "--num-minibatches", "1",
-                  "--unroll-length", "20", "--target-update-period", "10")
+VMPO_ATARI_CPU = (
+    "--network",
+    "shallow",
+    "--no-use-lstm",
+    "--batch-size",
+    "32",
+    "--num-minibatches",
+    "1",
+    "--unroll-length",
+    "20",
+    "--target-update-period",
+    "10",
+)
 
 PRESETS = {
     # about 15 minutes per seed on 2 CPU cores
@@ -93,8 +104,20 @@ def run_folder(out, entry, seed):
 def launch(entry, seed, out, extra):
     folder = run_folder(out, entry, seed)
     os.makedirs(folder, exist_ok=True)
-    cmd = [sys.executable, os.path.join(ROOT, f"{entry.script}.py"), "--env-id", entry.env_id, "--seed", str(seed),
-           "--total-timesteps", str(entry.steps), "--run-dir", folder, *entry.args, *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, f"{entry.script}.py"),
+        "--env-id",
+        entry.env_id,
+        "--seed",
+        str(seed),
+        "--total-timesteps",
+        str(entry.steps),
+        "--run-dir",
+        folder,
+        *entry.args,
+        *extra,
+    ]
     log = open(os.path.join(folder, "console.log"), "w")
     print("$ " + " ".join(cmd[1:]), flush=True)
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log
@@ -121,8 +144,11 @@ def run_all(jobs, out, parallel, time_limit, extra):
                 continue
             log.close()
             ok = proc.returncode == 0 or (stopped and proc.returncode == 130)
-            print(f"{entry.name} seed {seed}: exit {proc.returncode} after {time.time() - t0:.0f} s"
-                  + ("" if ok else f" (see {run_folder(out, entry, seed)}/console.log)"), flush=True)
+            print(
+                f"{entry.name} seed {seed}: exit {proc.returncode} after {time.time() - t0:.0f} s"
+                + ("" if ok else f" (see {run_folder(out, entry, seed)}/console.log)"),
+                flush=True,
+            )
             if not ok:
                 failed.append((entry, seed))
         running = still
@@ -188,34 +214,53 @@ def report(out, preset, entries, seeds, settings):
         runs = collect(out, entry, seeds)
         if not runs:
             continue
-        reached = [int(r["summary"]["total_timesteps"]) if r["summary"] else int(r["steps"][-1]) if len(r["steps"])
-                   else 0 for r in runs]
+        reached = [
+            int(r["summary"]["total_timesteps"]) if r["summary"] else int(r["steps"][-1]) if len(r["steps"]) else 0
+            for r in runs
+        ]
         final = [float(running_mean(r["returns"])[-1]) if len(r["returns"]) else None for r in runs]
         final100 = [float(np.mean(r["returns"][-100:])) if len(r["returns"]) else None for r in runs]
         evals = [r["summary"].get("eval_mean_return") if r["summary"] else None for r in runs]
         walls = [r["summary"]["wall_time_s"] for r in runs if r["summary"] and "wall_time_s" in r["summary"]]
-        rows.append(dict(script=entry.script, env_id=entry.env_id, budget=entry.steps, args=list(entry.args),
-                         seeds=[r["seed"] for r in runs], steps_reached=reached, final_mean_20=final,
-                         final_mean_100=final100,
-                         eval_mean_return=evals, wall_time_s=walls))
+        rows.append(
+            dict(
+                script=entry.script,
+                env_id=entry.env_id,
+                budget=entry.steps,
+                args=list(entry.args),
+                seeds=[r["seed"] for r in runs],
+                steps_reached=reached,
+                final_mean_20=final,
+                final_mean_100=final100,
+                eval_mean_return=evals,
+                wall_time_s=walls,
+            )
+        )
         grid = np.linspace(0, max(reached), 101)[1:]
         curves = np.stack([curve_on_grid(r["steps"], r["returns"], grid) for r in runs])
         panels.append((entry, grid, curves))
     how = (f"{settings['parallel']} runs at a time" if settings["parallel"] > 1 else "one run at a time") + (
-        f", each stopped after {settings['time_limit']:.0f} s" if settings["time_limit"] else "")
+        f", each stopped after {settings['time_limit']:.0f} s" if settings["time_limit"] else ""
+    )
     extra = f"; every run also got `{' '.join(settings['extra'])}`" if settings["extra"] else ""
-    lines = [f"Preset `{preset}` on {machine}, {how}{extra}. Final: mean return of the last {WINDOW} training "
-             "episodes; eval: the script's end-of-run evaluation (mean ± std over seeds).", "",
-             "| script | env | budget | seeds | steps reached | final (last 20) | final (last 100) | eval "
-             "| wall time per run |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Preset `{preset}` on {machine}, {how}{extra}. Final: mean return of the last {WINDOW} training "
+        "episodes; eval: the script's end-of-run evaluation (mean ± std over seeds).",
+        "",
+        "| script | env | budget | seeds | steps reached | final (last 20) | final (last 100) | eval "
+        "| wall time per run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        reached = f"{min(r['steps_reached']):,}" + ("" if min(r["steps_reached"]) == max(r["steps_reached"])
-                                                    else f"–{max(r['steps_reached']):,}")
+        reached = f"{min(r['steps_reached']):,}" + (
+            "" if min(r["steps_reached"]) == max(r["steps_reached"]) else f"–{max(r['steps_reached']):,}"
+        )
         wall = f"{np.mean(r['wall_time_s']):.0f} s" if r["wall_time_s"] else "–"
-        lines.append(f"| {r['script']} | {r['env_id']} | {r['budget']:,} | {len(r['seeds'])} | {reached} | "
-                     f"{fmt(r['final_mean_20'])} | {fmt(r['final_mean_100'])} | {fmt(r['eval_mean_return'])} "
-                     f"| {wall} |")
+        lines.append(
+            f"| {r['script']} | {r['env_id']} | {r['budget']:,} | {len(r['seeds'])} | {reached} | "
+            f"{fmt(r['final_mean_20'])} | {fmt(r['final_mean_100'])} | {fmt(r['eval_mean_return'])} "
+            f"| {wall} |"
+        )
     table = "\n".join(lines) + "\n"
     base = os.path.join(out, f"learning_{preset}")
     with open(base + ".md", "w") as f:
@@ -254,7 +299,7 @@ def plot(panels, path, title):
         ax.set_ylabel(f"return (last {WINDOW} episodes)", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -283,7 +328,9 @@ def main():
     p.add_argument("--only", nargs="+", default=[], help="entries whose script or env id is one of these")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time")
     p.add_argument("--time-limit", type=float, default=0.0, help="seconds per run, then Ctrl-C (0: none)")
-    p.add_argument("--out", default=None, help="folder of the runs and the results (default benchmarks/learning_<preset>)")
+    p.add_argument(
+        "--out", default=None, help="folder of the runs and the results (default benchmarks/learning_<preset>)"
+    )
     p.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
     p.add_argument("extra", nargs="*", help="more arguments for every run, after --")
     a = p.parse_args()

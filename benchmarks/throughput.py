@@ -86,8 +86,9 @@ def make_learner(script, envs, network, script_args, device):
         else:
             import vmpo_atari as m
 
-            args = m.Args(network=network, use_lstm=script_args.get("use_lstm", True),
-                          channels=script_args.get("channels", ()))
+            args = m.Args(
+                network=network, use_lstm=script_args.get("use_lstm", True), channels=script_args.get("channels", ())
+            )
             agent = m.Agent(obs_shape, num_actions, network, args.channels, args.use_lstm).to(device)
             multipliers = m.LagrangeMultipliers().to(device)
             opt = torch.optim.Adam([*agent.parameters(), *multipliers.parameters()], lr=1e-4)
@@ -99,7 +100,11 @@ def make_learner(script, envs, network, script_args, device):
             with torch.no_grad():
                 logits, _, state = agent(torch.as_tensor(obs, device=device)[None], z.long(), z, z.bool(), state)
             a = torch.distributions.Categorical(logits=logits[0]).sample()
-            return a.cpu().numpy(), {"obs": torch.as_tensor(obs, device=device), "action": a, "logits": logits[0]}, state
+            return (
+                a.cpu().numpy(),
+                {"obs": torch.as_tensor(obs, device=device), "action": a, "logits": logits[0]},
+                state,
+            )
 
         def loss_fn(mb):
             T1, B = mb["action"].shape
@@ -134,8 +139,7 @@ def make_learner(script, envs, network, script_args, device):
     return opt, policy_step, loss_fn
 
 
-def sync_loop_sps(script, env_id, num_envs, unroll, network, script_args, seconds, device, epochs=1,
-                  minibatches=1):
+def sync_loop_sps(script, env_id, num_envs, unroll, network, script_args, seconds, device, epochs=1, minibatches=1):
     """Acting then learning, in turn, with the script's agent and loss (on-policy); with epochs=4,
     minibatches=4 the learner does the work of PPO's Atari settings (4 epochs of 4 minibatches per batch)."""
     envs = make_env(env_id, num_envs, seed=0)
@@ -150,8 +154,11 @@ def sync_loop_sps(script, env_id, num_envs, unroll, network, script_args, second
         term = np.zeros(num_envs, bool)
         for _ in range(unroll + 1):
             actions, row, state = policy_step(obs, state)
-            row.update(reward=torch.as_tensor(reward, device=device), ended=torch.as_tensor(ended, device=device),
-                       terminated=torch.as_tensor(term, device=device))
+            row.update(
+                reward=torch.as_tensor(reward, device=device),
+                ended=torch.as_tensor(ended, device=device),
+                terminated=torch.as_tensor(term, device=device),
+            )
             for k, v in row.items():
                 rows.setdefault(k, []).append(v)
             obs, reward, term, trunc, _ = envs.step(actions)
@@ -176,9 +183,22 @@ def sync_loop_sps(script, env_id, num_envs, unroll, network, script_args, second
 def script_sps(script, env_id, num_envs, timesteps, network, extra):
     with tempfile.TemporaryDirectory() as d:
         net = ["--network", network] if script in ("impala_vtrace", "vmpo_atari") else []
-        cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), "--env-id", env_id, "--num-envs",
-               str(num_envs), "--total-timesteps", str(timesteps), *net, "--eval-episodes", "0",
-               "--run-dir", d, *extra]
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, f"{script}.py"),
+            "--env-id",
+            env_id,
+            "--num-envs",
+            str(num_envs),
+            "--total-timesteps",
+            str(timesteps),
+            *net,
+            "--eval-episodes",
+            "0",
+            "--run-dir",
+            d,
+            *extra,
+        ]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         summary = json.load(open(glob.glob(os.path.join(d, "*", "summary.json"))[0]))
         return summary["sps"], summary["sps_after_first_update"]
@@ -187,35 +207,63 @@ def script_sps(script, env_id, num_envs, timesteps, network, extra):
 def process_scaling(a):
     """SPS of a3c.py against its number of workers, or of p3s_td3.py against its number of learners, each count
     next to raw envpool stepping as many environments (`--num-envs` per process)."""
-    flag, unit, counts = (("--num-workers", "workers", a.workers) if a.script in ("a3c", "acer")
-                          else ("--num-learners", "learners", a.learners))
+    flag, unit, counts = (
+        ("--num-workers", "workers", a.workers)
+        if a.script in ("a3c", "acer")
+        else ("--num-learners", "learners", a.learners)
+    )
     rows = []
     for w in counts:
         envs = w * a.num_envs
         raw = raw_envpool_sps(a.env_id, envs, max(1, envs // 2), a.seconds)
-        total, steady = script_sps(a.script, a.env_id, a.num_envs, a.timesteps * w, None,
-                                   [flag, str(w), *a.extra] + ([] if a.cuda or a.script in ("a3c", "acer") else ["--no-cuda"]))
-        rows.append({unit: w, "envs_per_process": a.num_envs, "raw_envpool_sps": raw, "script_sps": steady,
-                     "script_sps_with_startup": total, "script_over_raw": steady / raw})
+        total, steady = script_sps(
+            a.script,
+            a.env_id,
+            a.num_envs,
+            a.timesteps * w,
+            None,
+            [flag, str(w), *a.extra] + ([] if a.cuda or a.script in ("a3c", "acer") else ["--no-cuda"]),
+        )
+        rows.append(
+            {
+                unit: w,
+                "envs_per_process": a.num_envs,
+                "raw_envpool_sps": raw,
+                "script_sps": steady,
+                "script_sps_with_startup": total,
+                "script_over_raw": steady / raw,
+            }
+        )
     device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-               + (f", {torch.cuda.get_device_name()}" if device == "cuda" else ""))
-    print(f"| {unit} | envs per process | raw envpool (same envs) | {a.script}.py | script / raw | "
-          f"speed-up over {counts[0]} |\n|---|---|---|---|---|---|")
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores" + (
+        f", {torch.cuda.get_device_name()}" if device == "cuda" else ""
+    )
+    print(
+        f"| {unit} | envs per process | raw envpool (same envs) | {a.script}.py | script / raw | "
+        f"speed-up over {counts[0]} |\n|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r[unit]} | {r['envs_per_process']} | {r['raw_envpool_sps']:.0f} | {r['script_sps']:.0f} "
-              f"({r['script_sps_with_startup']:.0f} with start-up) | {r['script_over_raw']:.3f} | "
-              f"{r['script_sps'] / rows[0]['script_sps']:.2f} |")
+        print(
+            f"| {r[unit]} | {r['envs_per_process']} | {r['raw_envpool_sps']:.0f} | {r['script_sps']:.0f} "
+            f"({r['script_sps_with_startup']:.0f} with start-up) | {r['script_over_raw']:.3f} | "
+            f"{r['script_sps'] / rows[0]['script_sps']:.2f} |"
+        )
     out = a.out or os.path.join(ROOT, "benchmarks", f"throughput_{a.script}_{a.env_id}_{a.num_envs}envs_{device}.json")
     with open(out, "w") as f:
-        json.dump({"script": a.script, "env_id": a.env_id, "machine": machine, "script_args": a.extra, "rows": rows},
-                  f, indent=2)
+        json.dump(
+            {"script": a.script, "env_id": a.env_id, "machine": machine, "script_args": a.extra, "rows": rows},
+            f,
+            indent=2,
+        )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--script", default="impala_vtrace",
-                   choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
+    p.add_argument(
+        "--script",
+        default="impala_vtrace",
+        choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"],
+    )
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="a3c, acer: worker counts to measure")
     p.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4], help="p3s_td3: learner counts to measure")
     p.add_argument("--env-id", default="Breakout-v5")
@@ -235,28 +283,44 @@ def main():
     if "--no-use-lstm" in a.extra or "--use-lstm" in a.extra:
         script_args["use_lstm"] = "--use-lstm" in a.extra
     if "--channels" in a.extra:
-        rest = a.extra[a.extra.index("--channels") + 1:]
-        script_args["channels"] = tuple(int(c) for c in rest[:next((i for i, c in enumerate(rest)
-                                                                     if c.startswith("--")), len(rest))])
+        rest = a.extra[a.extra.index("--channels") + 1 :]
+        script_args["channels"] = tuple(
+            int(c) for c in rest[: next((i for i, c in enumerate(rest) if c.startswith("--")), len(rest))]
+        )
     raw = raw_envpool_sps(a.env_id, a.num_envs, max(1, a.num_envs // 2), a.seconds)
     sync = sync_loop_sps(a.script, a.env_id, a.num_envs, a.unroll_length, a.network, script_args, a.seconds, device)
-    ppo = sync_loop_sps(a.script, a.env_id, a.num_envs, a.unroll_length, a.network, script_args, a.seconds, device,
-                        4, 4)
+    ppo = sync_loop_sps(
+        a.script, a.env_id, a.num_envs, a.unroll_length, a.network, script_args, a.seconds, device, 4, 4
+    )
     extra = ["--unroll-length", str(a.unroll_length), *a.extra] + ([] if a.cuda else ["--no-cuda"])
     total, steady = script_sps(a.script, a.env_id, a.num_envs, a.timesteps, a.network, extra)
     network = a.network if a.script in ("impala_vtrace", "vmpo_atari") else "mlp"
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-               + (f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ""))
-    result = {"script": a.script, "env_id": a.env_id, "num_envs": a.num_envs, "network": network,
-              "script_args": a.extra, "machine": machine, "raw_envpool_sps": raw, "sync_loop_sps": sync,
-              "sync_ppo_style_sps": ppo, "script_sps": steady, "script_sps_with_startup": total,
-              "script_over_raw": steady / raw, "script_over_sync": steady / sync, "script_over_ppo_style": steady / ppo}
-    print(f"| script | env | envs | network | machine | raw envpool | sync 1 pass | sync PPO-style | script | "
-          f"script / raw | script / sync | script / PPO-style |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-          f"| {a.script} | {a.env_id} | {a.num_envs} | {network} | {machine} | {raw:.0f} | {sync:.0f} | {ppo:.0f} | "
-          f"{steady:.0f} ({total:.0f} with start-up) | {steady / raw:.2f} | {steady / sync:.2f} | {steady / ppo:.2f} |")
-    out = a.out or os.path.join(ROOT, "benchmarks",
-                                f"throughput_{a.script}_{a.env_id}_{network}_{device.type}.json")
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores" + (
+        f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ""
+    )
+    result = {
+        "script": a.script,
+        "env_id": a.env_id,
+        "num_envs": a.num_envs,
+        "network": network,
+        "script_args": a.extra,
+        "machine": machine,
+        "raw_envpool_sps": raw,
+        "sync_loop_sps": sync,
+        "sync_ppo_style_sps": ppo,
+        "script_sps": steady,
+        "script_sps_with_startup": total,
+        "script_over_raw": steady / raw,
+        "script_over_sync": steady / sync,
+        "script_over_ppo_style": steady / ppo,
+    }
+    print(
+        f"| script | env | envs | network | machine | raw envpool | sync 1 pass | sync PPO-style | script | "
+        f"script / raw | script / sync | script / PPO-style |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        f"| {a.script} | {a.env_id} | {a.num_envs} | {network} | {machine} | {raw:.0f} | {sync:.0f} | {ppo:.0f} | "
+        f"{steady:.0f} ({total:.0f} with start-up) | {steady / raw:.2f} | {steady / sync:.2f} | {steady / ppo:.2f} |"
+    )
+    out = a.out or os.path.join(ROOT, "benchmarks", f"throughput_{a.script}_{a.env_id}_{network}_{device.type}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
 

@@ -65,8 +65,10 @@ def non_finite_advice(run_path: str) -> str:
     if not os.path.isfile(path):
         return "no checkpoint was written before it; try a lower --learning-rate"
     step = torch.load(path, map_location="cpu", weights_only=False).get("global_step")
-    return (f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again "
-            "with a lower --learning-rate")
+    return (
+        f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again "
+        "with a lower --learning-rate"
+    )
 
 
 def save_model(model: dict, run_path: str) -> str:

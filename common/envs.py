@@ -33,11 +33,15 @@ def env_spec(env_id: str, discrete: bool | None = None):
     spec = envpool.make_spec(env_id)
     is_discrete = hasattr(spec.action_space, "n")
     if discrete is True and not is_discrete:
-        raise UsageError(f"{env_id} has continuous actions {spec.action_space}; this script needs a discrete-action "
-                         "env (e.g. Breakout-v5, CartPole-v1)")
+        raise UsageError(
+            f"{env_id} has continuous actions {spec.action_space}; this script needs a discrete-action "
+            "env (e.g. Breakout-v5, CartPole-v1)"
+        )
     if discrete is False and is_discrete:
-        raise UsageError(f"{env_id} has discrete actions; this script needs a continuous-action env "
-                         "(e.g. HalfCheetah-v4, Pendulum-v1)")
+        raise UsageError(
+            f"{env_id} has discrete actions; this script needs a continuous-action env "
+            "(e.g. HalfCheetah-v4, Pendulum-v1)"
+        )
     return spec
 
 
@@ -62,9 +66,18 @@ def is_atari(env_id: str) -> bool:
     return "episodic_life" in _envpool().make_spec(env_id).config._fields
 
 
-def make_env(env_id: str, num_envs: int, seed: int, batch_size: int | None = None, training: bool = True,
-             render: bool = False, num_threads: int | None = None, episodic_life: bool | None = None,
-             reward_clip: bool | None = None, full_action_space: bool = False):
+def make_env(
+    env_id: str,
+    num_envs: int,
+    seed: int,
+    batch_size: int | None = None,
+    training: bool = True,
+    render: bool = False,
+    num_threads: int | None = None,
+    episodic_life: bool | None = None,
+    reward_clip: bool | None = None,
+    full_action_space: bool = False,
+):
     """An envpool (gymnasium API) of `num_envs` copies; async when `batch_size < num_envs`.
 
     Atari (Espeholt et al. 2018, Table G.1; Mnih et al. 2015): 84x84 grey, 4 stacked frames, action repeat 4
@@ -77,12 +90,24 @@ def make_env(env_id: str, num_envs: int, seed: int, batch_size: int | None = Non
     """
     envpool = _envpool()
     batch_size = batch_size or num_envs
-    kwargs = dict(env_type="gymnasium", num_envs=num_envs, batch_size=batch_size, seed=seed,
-                  num_threads=num_threads or min(batch_size, os.cpu_count() or 1))
+    kwargs = dict(
+        env_type="gymnasium",
+        num_envs=num_envs,
+        batch_size=batch_size,
+        seed=seed,
+        num_threads=num_threads or min(batch_size, os.cpu_count() or 1),
+    )
     if is_atari(env_id):
-        kwargs.update(episodic_life=training if episodic_life is None else episodic_life,
-                      reward_clip=training if reward_clip is None else reward_clip, noop_max=30, stack_num=4, frame_skip=4,
-                      repeat_action_probability=0.0, max_episode_steps=27000, full_action_space=full_action_space)
+        kwargs.update(
+            episodic_life=training if episodic_life is None else episodic_life,
+            reward_clip=training if reward_clip is None else reward_clip,
+            noop_max=30,
+            stack_num=4,
+            frame_skip=4,
+            repeat_action_probability=0.0,
+            max_episode_steps=27000,
+            full_action_space=full_action_space,
+        )
     if render:
         kwargs["render_mode"] = "rgb_array"
     return envpool.make(env_id, **kwargs)

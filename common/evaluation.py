@@ -30,23 +30,63 @@ from common.envs import EpisodeTracker, make_env
 # used across the literature (e.g. DQN Zoo, Quan and Ostrovski 2020), each the mean game score with up to 30
 # no-op starts and at most 108,000 frames an episode. Keys are envpool's game names (`<Game>-v5`).
 ATARI_SCORES = {
-    "Alien": (227.8, 7127.7), "Amidar": (5.8, 1719.5), "Assault": (222.4, 742.0), "Asterix": (210.0, 8503.3),
-    "Asteroids": (719.1, 47388.7), "Atlantis": (12850.0, 29028.1), "BankHeist": (14.2, 753.1),
-    "BattleZone": (2360.0, 37187.5), "BeamRider": (363.9, 16926.5), "Berzerk": (123.7, 2630.4),
-    "Bowling": (23.1, 160.7), "Boxing": (0.1, 12.1), "Breakout": (1.7, 30.5), "Centipede": (2090.9, 12017.0),
-    "ChopperCommand": (811.0, 7387.8), "CrazyClimber": (10780.5, 35829.4), "Defender": (2874.5, 18688.9),
-    "DemonAttack": (152.1, 1971.0), "DoubleDunk": (-18.6, -16.4), "Enduro": (0.0, 860.5),
-    "FishingDerby": (-91.7, -38.7), "Freeway": (0.0, 29.6), "Frostbite": (65.2, 4334.7), "Gopher": (257.6, 2412.5),
-    "Gravitar": (173.0, 3351.4), "Hero": (1027.0, 30826.4), "IceHockey": (-11.2, 0.9), "Jamesbond": (29.0, 302.8),
-    "Kangaroo": (52.0, 3035.0), "Krull": (1598.0, 2665.5), "KungFuMaster": (258.5, 22736.3),
-    "MontezumaRevenge": (0.0, 4753.3), "MsPacman": (307.3, 6951.6), "NameThisGame": (2292.3, 8049.0),
-    "Phoenix": (761.4, 7242.6), "Pitfall": (-229.4, 6463.7), "Pong": (-20.7, 14.6), "PrivateEye": (24.9, 69571.3),
-    "Qbert": (163.9, 13455.0), "Riverraid": (1338.5, 17118.0), "RoadRunner": (11.5, 7845.0),
-    "Robotank": (2.2, 11.9), "Seaquest": (68.4, 42054.7), "Skiing": (-17098.1, -4336.9),
-    "Solaris": (1236.3, 12326.7), "SpaceInvaders": (148.0, 1668.7), "StarGunner": (664.0, 10250.0),
-    "Surround": (-10.0, 6.5), "Tennis": (-23.8, -8.3), "TimePilot": (3568.0, 5229.2), "Tutankham": (11.4, 167.6),
-    "UpNDown": (533.4, 11693.2), "Venture": (0.0, 1187.5), "VideoPinball": (16256.9, 17667.9),
-    "WizardOfWor": (563.5, 4756.5), "YarsRevenge": (3092.9, 54576.9), "Zaxxon": (32.5, 9173.3),
+    "Alien": (227.8, 7127.7),
+    "Amidar": (5.8, 1719.5),
+    "Assault": (222.4, 742.0),
+    "Asterix": (210.0, 8503.3),
+    "Asteroids": (719.1, 47388.7),
+    "Atlantis": (12850.0, 29028.1),
+    "BankHeist": (14.2, 753.1),
+    "BattleZone": (2360.0, 37187.5),
+    "BeamRider": (363.9, 16926.5),
+    "Berzerk": (123.7, 2630.4),
+    "Bowling": (23.1, 160.7),
+    "Boxing": (0.1, 12.1),
+    "Breakout": (1.7, 30.5),
+    "Centipede": (2090.9, 12017.0),
+    "ChopperCommand": (811.0, 7387.8),
+    "CrazyClimber": (10780.5, 35829.4),
+    "Defender": (2874.5, 18688.9),
+    "DemonAttack": (152.1, 1971.0),
+    "DoubleDunk": (-18.6, -16.4),
+    "Enduro": (0.0, 860.5),
+    "FishingDerby": (-91.7, -38.7),
+    "Freeway": (0.0, 29.6),
+    "Frostbite": (65.2, 4334.7),
+    "Gopher": (257.6, 2412.5),
+    "Gravitar": (173.0, 3351.4),
+    "Hero": (1027.0, 30826.4),
+    "IceHockey": (-11.2, 0.9),
+    "Jamesbond": (29.0, 302.8),
+    "Kangaroo": (52.0, 3035.0),
+    "Krull": (1598.0, 2665.5),
+    "KungFuMaster": (258.5, 22736.3),
+    "MontezumaRevenge": (0.0, 4753.3),
+    "MsPacman": (307.3, 6951.6),
+    "NameThisGame": (2292.3, 8049.0),
+    "Phoenix": (761.4, 7242.6),
+    "Pitfall": (-229.4, 6463.7),
+    "Pong": (-20.7, 14.6),
+    "PrivateEye": (24.9, 69571.3),
+    "Qbert": (163.9, 13455.0),
+    "Riverraid": (1338.5, 17118.0),
+    "RoadRunner": (11.5, 7845.0),
+    "Robotank": (2.2, 11.9),
+    "Seaquest": (68.4, 42054.7),
+    "Skiing": (-17098.1, -4336.9),
+    "Solaris": (1236.3, 12326.7),
+    "SpaceInvaders": (148.0, 1668.7),
+    "StarGunner": (664.0, 10250.0),
+    "Surround": (-10.0, 6.5),
+    "Tennis": (-23.8, -8.3),
+    "TimePilot": (3568.0, 5229.2),
+    "Tutankham": (11.4, 167.6),
+    "UpNDown": (533.4, 11693.2),
+    "Venture": (0.0, 1187.5),
+    "VideoPinball": (16256.9, 17667.9),
+    "WizardOfWor": (563.5, 4756.5),
+    "YarsRevenge": (3092.9, 54576.9),
+    "Zaxxon": (32.5, 9173.3),
 }
 
 # Named sets of games for `--env-ids`: all 57, and Atari-5 (Aitchison, Sweetser, Hutter 2023), five games whose
@@ -80,11 +120,21 @@ def score_table(scores_by_env: dict) -> dict:
     rows = []
     for env_id, scores in scores_by_env.items():
         mean = float(np.mean(scores))
-        rows.append({"env_id": env_id, "episodes": len(scores), "mean": mean, "std": float(np.std(scores)),
-                     "human_normalized": human_normalized_score(env_id, mean)})
+        rows.append(
+            {
+                "env_id": env_id,
+                "episodes": len(scores),
+                "mean": mean,
+                "std": float(np.std(scores)),
+                "human_normalized": human_normalized_score(env_id, mean),
+            }
+        )
     hns = [r["human_normalized"] for r in rows if not math.isnan(r["human_normalized"])]
-    return {"games": rows, "median_human_normalized": float(np.median(hns)) if hns else None,
-            "mean_human_normalized": float(np.mean(hns)) if hns else None}
+    return {
+        "games": rows,
+        "median_human_normalized": float(np.median(hns)) if hns else None,
+        "mean_human_normalized": float(np.mean(hns)) if hns else None,
+    }
 
 
 def write_score_table(table: dict, prefix: str) -> str:
@@ -97,24 +147,41 @@ def write_score_table(table: dict, prefix: str) -> str:
         for r in table["games"]:
             w.writerow([r["env_id"], r["episodes"], r["mean"], r["std"], r["human_normalized"]])
     lines = ["| game | episodes | mean score | std | human-normalised % |", "|---|---|---|---|---|"]
-    lines += [f"| {r['env_id']} | {r['episodes']} | {r['mean']:.1f} | {r['std']:.1f} | {r['human_normalized']:.1f} |"
-              for r in table["games"]]
+    lines += [
+        f"| {r['env_id']} | {r['episodes']} | {r['mean']:.1f} | {r['std']:.1f} | {r['human_normalized']:.1f} |"
+        for r in table["games"]
+    ]
     if table["median_human_normalized"] is not None:
-        lines.append(f"| median / mean | | | | {table['median_human_normalized']:.1f} / "
-                     f"{table['mean_human_normalized']:.1f} |")
+        lines.append(
+            f"| median / mean | | | | {table['median_human_normalized']:.1f} / {table['mean_human_normalized']:.1f} |"
+        )
     return "\n".join(lines)
 
 
-def evaluate(checkpoint: dict, episodes: int = 10, num_envs: int | None = None, seed: int = 0, device="cpu",
-             greedy: bool = False, video_dir: str | None = None, env_id: str | None = None) -> list[float]:
+def evaluate(
+    checkpoint: dict,
+    episodes: int = 10,
+    num_envs: int | None = None,
+    seed: int = 0,
+    device="cpu",
+    greedy: bool = False,
+    video_dir: str | None = None,
+    env_id: str | None = None,
+) -> list[float]:
     """Plays `episodes` episodes of `env_id` (by default the checkpoint's) and returns their game scores. Each
     env plays a fixed quota of episodes, so short episodes are not favoured. With `video_dir`, env 0's first
     episode is written there. A checkpoint with `full_action_space` plays with all 18 Atari actions."""
     module = importlib.import_module(checkpoint["script"])
     num_envs = num_envs or min(episodes, 8)
     quota = np.full(num_envs, episodes // num_envs) + (np.arange(num_envs) < episodes % num_envs)
-    env = make_env(env_id or checkpoint["env_id"], num_envs, seed, training=False, render=video_dir is not None,
-                   full_action_space=checkpoint.get("full_action_space", False))
+    env = make_env(
+        env_id or checkpoint["env_id"],
+        num_envs,
+        seed,
+        training=False,
+        render=video_dir is not None,
+        full_action_space=checkpoint.get("full_action_space", False),
+    )
     policy = module.make_eval_policy(checkpoint, num_envs, device, greedy)
     tracker = EpisodeTracker(num_envs)
     obs, info = env.reset()
@@ -146,8 +213,11 @@ def write_apng(path: str, frames: list, fps: int = 30) -> None:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    out = [b"\x89PNG\r\n\x1a\n", chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)),
-           chunk(b"acTL", struct.pack(">II", len(frames), 0))]
+    out = [
+        b"\x89PNG\r\n\x1a\n",
+        chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)),
+        chunk(b"acTL", struct.pack(">II", len(frames), 0)),
+    ]
     seq = 0
     for i, frame in enumerate(frames):
         out.append(chunk(b"fcTL", struct.pack(">IIIIIHHBB", seq, w, h, 0, 0, 1, fps, 0, 0)))
@@ -173,11 +243,16 @@ def main(argv=None):
     p.add_argument("--greedy", action="store_true", help="take the most probable action instead of sampling")
     p.add_argument("--capture-video", action="store_true", help="write the first episode under <run>/videos/")
     p.add_argument("--cuda", action="store_true")
-    p.add_argument("--env-ids", nargs="+", default=None,
-                   help="evaluate on each of these games (or presets: atari57, atari5) and write a per-game table "
-                        "with human-normalised scores; default: the model's own game")
-    p.add_argument("--out", default=None, help="--env-ids: path prefix of the .json/.csv table "
-                                                "(default: <run>/evaluation)")
+    p.add_argument(
+        "--env-ids",
+        nargs="+",
+        default=None,
+        help="evaluate on each of these games (or presets: atari57, atari5) and write a per-game table "
+        "with human-normalised scores; default: the model's own game",
+    )
+    p.add_argument(
+        "--out", default=None, help="--env-ids: path prefix of the .json/.csv table (default: <run>/evaluation)"
+    )
     a = p.parse_args(argv)
     if not os.path.isfile(a.model):
         sys.exit(f"error: no such file: {a.model}")
@@ -198,16 +273,30 @@ def main(argv=None):
                 env_spec(e)
         except UsageError as e:
             sys.exit(f"error: {e}")
-        scores = {e: evaluate(checkpoint, a.episodes, a.num_envs, a.seed, device, a.greedy, env_id=e)
-                  for e in env_ids}
+        scores = {e: evaluate(checkpoint, a.episodes, a.num_envs, a.seed, device, a.greedy, env_id=e) for e in env_ids}
         table = score_table(scores)
         print(write_score_table(table, a.out or os.path.join(run, "evaluation")))
-        print(json.dumps({"median_human_normalized": table["median_human_normalized"],
-                          "mean_human_normalized": table["mean_human_normalized"]}))
+        print(
+            json.dumps(
+                {
+                    "median_human_normalized": table["median_human_normalized"],
+                    "mean_human_normalized": table["mean_human_normalized"],
+                }
+            )
+        )
         return scores
     scores = evaluate(checkpoint, a.episodes, a.num_envs, a.seed, device, a.greedy, run if a.capture_video else None)
-    print(json.dumps({"env_id": checkpoint["env_id"], "episodes": len(scores), "mean": float(np.mean(scores)),
-                      "std": float(np.std(scores)), "scores": scores}))
+    print(
+        json.dumps(
+            {
+                "env_id": checkpoint["env_id"],
+                "episodes": len(scores),
+                "mean": float(np.mean(scores)),
+                "std": float(np.std(scores)),
+                "scores": scores,
+            }
+        )
+    )
     return scores
 
 

@@ -25,8 +25,11 @@ class ShallowTorso(nn.Module):
         super().__init__()
         c, h, w = obs_shape
         self.convs = nn.Sequential(
-            nn.Conv2d(c, channels[0], 8, stride=4), nn.ReLU(),
-            nn.Conv2d(channels[0], channels[1], 4, stride=2), nn.ReLU(), nn.Flatten(),
+            nn.Conv2d(c, channels[0], 8, stride=4),
+            nn.ReLU(),
+            nn.Conv2d(channels[0], channels[1], 4, stride=2),
+            nn.ReLU(),
+            nn.Flatten(),
         )
         with torch.no_grad():
             n = self.convs(torch.zeros(1, c, h, w)).shape[1]
@@ -57,8 +60,12 @@ class ResNetTorso(nn.Module):
         c, h, w = obs_shape
         layers = []
         for out in channels:
-            layers += [nn.Conv2d(c, out, 3, padding=1), nn.MaxPool2d(3, stride=2, padding=1),
-                       _ResidualBlock(out), _ResidualBlock(out)]
+            layers += [
+                nn.Conv2d(c, out, 3, padding=1),
+                nn.MaxPool2d(3, stride=2, padding=1),
+                _ResidualBlock(out),
+                _ResidualBlock(out),
+            ]
             c = out
         self.sections = nn.Sequential(*layers, nn.ReLU(), nn.Flatten())
         with torch.no_grad():
@@ -119,8 +126,9 @@ class LSTMCore(nn.Module):
         T, B = first.shape
         x = features.view(T, B, -1)
         if self.action_reward_inputs:
-            x = torch.cat([x, F.one_hot(prev_action.long(), self.num_actions).float(),
-                           prev_reward.view(T, B, 1).float()], dim=-1)
+            x = torch.cat(
+                [x, F.one_hot(prev_action.long(), self.num_actions).float(), prev_reward.view(T, B, 1).float()], dim=-1
+            )
         h, c = state
         outs = []
         for t in range(T):
@@ -155,11 +163,11 @@ class RunningNorm(nn.Module):
         n = moments[0]
         if n == 0:
             return
-        batch_mean = moments[1:d + 1] / n
-        batch_var = (moments[d + 1:] / n - batch_mean ** 2).clamp(min=0)
+        batch_mean = moments[1 : d + 1] / n
+        batch_var = (moments[d + 1 :] / n - batch_mean**2).clamp(min=0)
         total = self.count + n
         delta = batch_mean - self.mean
-        m2 = self.var * self.count + batch_var * n + delta ** 2 * self.count * n / total
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
         self.mean += delta * n / total
         self.var.copy_(m2 / total)
         self.count.copy_(total)

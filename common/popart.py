@@ -17,8 +17,14 @@ import torch.nn as nn
 
 
 class PopArt(nn.Module):
-    def __init__(self, in_features: int, num_tasks: int = 1, beta: float = 1e-4, scale_lower: float = 1e-2,
-                 scale_upper: float = 1e6):
+    def __init__(
+        self,
+        in_features: int,
+        num_tasks: int = 1,
+        beta: float = 1e-4,
+        scale_lower: float = 1e-2,
+        scale_upper: float = 1e6,
+    ):
         super().__init__()
         self.linear = nn.Linear(in_features, num_tasks)
         self.beta, self.scale_lower, self.scale_upper = beta, scale_lower, scale_upper
@@ -44,8 +50,9 @@ class PopArt(nn.Module):
         beta = self.beta if beta is None else beta
         n = self.mu.shape[0]
         t, ids = targets.reshape(-1).to(self.mu.dtype), task_ids.reshape(-1).long()
-        sums = torch.stack([torch.zeros(n, device=t.device, dtype=t.dtype).index_add_(0, ids, t ** p)
-                            for p in (0, 1, 2)])  # counts, Σ G, Σ G² per task
+        sums = torch.stack(
+            [torch.zeros(n, device=t.device, dtype=t.dtype).index_add_(0, ids, t**p) for p in (0, 1, 2)]
+        )  # counts, Σ G, Σ G² per task
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(sums)
         count, first, second = sums
@@ -55,7 +62,7 @@ class PopArt(nn.Module):
         mu_old, sigma_old = self.mu.clone(), self.sigma.clone()
         self.mu.copy_(torch.where(seen, (1 - beta) * self.mu + beta * batch_mu, self.mu))
         self.nu.copy_(torch.where(seen, (1 - beta) * self.nu + beta * batch_nu, self.nu))
-        variance = (self.nu - self.mu ** 2).clamp(min=0)
+        variance = (self.nu - self.mu**2).clamp(min=0)
         self.sigma.copy_(variance.sqrt().clamp(self.scale_lower, self.scale_upper))
         # Preserve outputs: σ'(W'x + b') + μ' = σ(Wx + b) + μ.
         self.linear.weight.mul_((sigma_old / self.sigma).unsqueeze(-1))

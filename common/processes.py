@@ -2,6 +2,7 @@
 stopping them, and what Ctrl-C does in the main process. No equation lives here.
 
 A worker reports on a queue of tuples; `("error", name, traceback)` is the one every script shares."""
+
 from __future__ import annotations
 
 import os

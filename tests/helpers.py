@@ -14,8 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_script(script, argv, run_dir, timeout=300):
     """Runs `script` (a file name, or a full command) with `--run-dir run_dir` and returns the run folder."""
     cmd = [sys.executable, script] if isinstance(script, str) else list(script)
-    out = subprocess.run([*cmd, *argv, "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run(
+        [*cmd, *argv, "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, f"exit {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
     runs = [d for d in glob.glob(os.path.join(str(run_dir), "*")) if os.path.isdir(d)]
     assert len(runs) == 1, runs
@@ -59,9 +60,17 @@ def children(pid):
 
 def imported_envpool_modules(module):
     """The envpool modules that importing `module` loads (a script's import must touch no environment)."""
-    out = subprocess.run([sys.executable, "-c", f"import {module}, sys; "
-                          "print(sorted(m for m in sys.modules if m.startswith('envpool')))"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import {module}, sys; print(sorted(m for m in sys.modules if m.startswith('envpool')))",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -69,8 +78,13 @@ def imported_envpool_modules(module):
 def assert_usage_error(script, argv, run_dir, needle):
     """Bad input: exit status 2, one line `error: ...` naming `needle`, no traceback, no run folder, quickly."""
     t = time.time()
-    out = subprocess.run([sys.executable, script, *argv, "--run-dir", str(run_dir)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, script, *argv, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.stderr
@@ -103,14 +117,19 @@ def assert_two_ctrl_cs_end_cleanly(proc):
 
 
 def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
-    """Starts `script` for a long run; `victim` "actor" (or "worker", "learner") SIGKILLs one of its spawned processes (the
-    run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must end), "sigint-twice"
-    sends it twice 0.3 s apart (the run must end with 130 and no traceback); either way no spawned process may
-    outlive the run."""
+    """Starts `script` for a long run; `victim` "actor" (or "worker", "learner") SIGKILLs one of its spawned
+    processes (the run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must
+    end), "sigint-twice" sends it twice 0.3 s apart (the run must end with 130 and no traceback); either way no
+    spawned process may outlive the run."""
     import signal
 
-    proc = subprocess.Popen([sys.executable, script, *argv, "--run-dir", str(run_dir)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, script, *argv, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         actors = wait_for_actors(proc)
         time.sleep(3.0)
@@ -132,8 +151,12 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
 def kill_after_first_checkpoint(script, argv, run_dir, settle=1.0):
     """Starts `script` for a run, SIGKILLs it `settle` seconds after its first checkpoint.pt appeared (its actors
     must then exit by themselves) and returns that checkpoint's path."""
-    proc = subprocess.Popen([sys.executable, script, *argv, "--run-dir", str(run_dir)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, script, *argv, "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         actors = wait_for_actors(proc)
         deadline = time.time() + 120
@@ -155,8 +178,13 @@ def kill_after_first_checkpoint(script, argv, run_dir, settle=1.0):
 
 def evaluate_cli(run, episodes=2):
     """Plays a run's model.pt through `python -m common.evaluation` and returns its JSON report."""
-    out = subprocess.run([sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes",
-                          str(episodes)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", str(episodes)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -168,9 +196,24 @@ def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=T
     behind."""
     import torch
 
-    proc = subprocess.Popen([sys.executable, script, *argv, "--learning-rate", "1e30", "--checkpoint-interval",
-                             "1e-6", "--eval-episodes", "0", "--run-dir", str(run_dir)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(str(run_dir), "stderr.txt"), "w"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            script,
+            *argv,
+            "--learning-rate",
+            "1e30",
+            "--checkpoint-interval",
+            "1e-6",
+            "--eval-episodes",
+            "0",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=open(os.path.join(str(run_dir), "stderr.txt"), "w"),
+    )
     workers, deadline = set(), time.time() + 240
     try:
         while proc.poll() is None and time.time() < deadline:  # note the workers while it runs
@@ -199,8 +242,13 @@ def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=T
     assert "last good checkpoint" in err, err[-2000:]
     assert len(ckpt) == 1
     state = torch.load(ckpt[0], map_location="cpu", weights_only=False)
-    tensors = [v for part in state.values() if isinstance(part, dict) for v in part.values()
-               if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    tensors = [
+        v
+        for part in state.values()
+        if isinstance(part, dict)
+        for v in part.values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    ]
     assert tensors and all(bool(torch.isfinite(v).all()) for v in tensors)
     return line, state
 
@@ -216,9 +264,24 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
 
     log = os.path.join(str(run_dir), "console.log")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, script, *argv, "--log-interval", "0", "--checkpoint-interval", "0",
-                                 "--eval-episodes", "0", "--run-dir", os.path.join(str(run_dir), "runs")], cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                script,
+                *argv,
+                "--log-interval",
+                "0",
+                "--checkpoint-interval",
+                "0",
+                "--eval-episodes",
+                "0",
+                "--run-dir",
+                os.path.join(str(run_dir), "runs"),
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.time() + deadline_s
         while time.time() < deadline and proc.poll() is None and not updates_done(open(log).read()):

@@ -17,9 +17,19 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import a3c  # noqa: E402
 from a3c import SharedRMSprop, a3c_loss, hogwild_update, n_step_returns  # noqa: E402
-from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,
-                           assert_usage_error, kill_after_first_checkpoint, evaluate_cli,  # noqa: E402
-                           events_tags, imported_envpool_modules, run_script, wait_for_actors, wait_gone)
+from tests.helpers import (
+    ROOT,
+    assert_killed_process_ends_the_run,
+    assert_non_finite_stops_the_run,
+    assert_usage_error,
+    kill_after_first_checkpoint,
+    evaluate_cli,  # noqa: E402
+    events_tags,
+    imported_envpool_modules,
+    run_script,
+    wait_for_actors,
+    wait_gone,
+)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -106,8 +116,7 @@ def test_truncation_bootstraps_from_the_last_observation():
     terminated = torch.tensor([[False, False], [False, True], [False, False], [False, False]])
     values = torch.tensor([[0.0, 0.0], [0.0, 0.0], [10.0, 10.0], [0.0, 0.0]], requires_grad=True)
     log_probs = torch.zeros(T, B, requires_grad=True)
-    loss, _ = a3c_loss(log_probs, torch.zeros(T, B), values, rewards, terminated, reset, torch.zeros(B), 0.5, 0.0,
-                       0.5)
+    loss, _ = a3c_loss(log_probs, torch.zeros(T, B), values, rewards, terminated, reset, torch.zeros(B), 0.5, 0.0, 0.5)
     loss.backward()
     advantages = -log_probs.grad * B  # V = 0 at steps 0, 1: the advantage is the return there
     assert advantages[1, 0] == pytest.approx(2.0 + 0.5 * 10.0) and advantages[1, 1] == pytest.approx(2.0)
@@ -197,7 +206,7 @@ def test_hogwild_update_applies_the_last_rollouts_gradient(max_grad_norm):
         local.load_state_dict(shared.state_dict())
         obs = torch.randn(5, 3, 4) * (rollout + 1)
         pi, values, _ = local(obs, torch.zeros(5, 3, dtype=torch.bool))
-        loss = (pi ** 2).sum() + (values * (rollout + 1)).sum()
+        loss = (pi**2).sum() + (values * (rollout + 1)).sum()
         expected = torch.autograd.grad(loss, list(local.parameters()), retain_graph=True)
         if max_grad_norm > 0:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(e) for e in expected]))
@@ -234,11 +243,14 @@ def test_gaussian_policy_log_prob_and_entropy():
     ref = torch.distributions.MultivariateNormal(mean, covariance_matrix=cov)
     torch.testing.assert_close(log_prob, ref.log_prob(actions), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy, ref.entropy(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(entropy, 3 * 0.5 * (torch.log(2 * math.pi * std ** 2) + 1))
-    raw = agent.policy(agent.body(agent.obs_norm(torch.zeros(1, 1, 6)), torch.zeros(1, 1, dtype=torch.bool),
-                                  None)[0])[..., 3]
-    torch.testing.assert_close(agent(torch.zeros(1, 1, 6), torch.zeros(1, 1, dtype=torch.bool))[0][..., 3] ** 2,
-                               nn.functional.softplus(raw) + 1e-5)
+    torch.testing.assert_close(entropy, 3 * 0.5 * (torch.log(2 * math.pi * std**2) + 1))
+    raw = agent.policy(agent.body(agent.obs_norm(torch.zeros(1, 1, 6)), torch.zeros(1, 1, dtype=torch.bool), None)[0])[
+        ..., 3
+    ]
+    torch.testing.assert_close(
+        agent(torch.zeros(1, 1, 6), torch.zeros(1, 1, dtype=torch.bool))[0][..., 3] ** 2,
+        nn.functional.softplus(raw) + 1e-5,
+    )
 
 
 def test_continuous_policy_and_value_share_no_parameters():
@@ -276,7 +288,7 @@ def test_lstm_rollout_pass_equals_step_by_step_acting(action_dim):
     assert len(state0) == (2 if action_dim else 1)
     state, steps = state0, []
     for t in range(T):
-        pi, v, state = agent(obs[t:t + 1], first[t:t + 1], state)
+        pi, v, state = agent(obs[t : t + 1], first[t : t + 1], state)
         steps.append((pi[0], v[0]))
     pi_all, v_all, _ = agent(obs, first, state0)
     torch.testing.assert_close(pi_all, torch.stack([s[0] for s in steps]))
@@ -300,10 +312,27 @@ def test_import_runs_nothing():
 # The script end to end.
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("extra", [[], ["--lstm"]])
 def test_smoke_breakout(tmp_path, extra):
-    run = run_script("a3c.py", ["--env-id", "Breakout-v5", "--num-workers", "2", "--total-timesteps", "1500",
-                                "--eval-episodes", "1", "--save-model", "--log-interval", "1", *extra], tmp_path)
+    run = run_script(
+        "a3c.py",
+        [
+            "--env-id",
+            "Breakout-v5",
+            "--num-workers",
+            "2",
+            "--total-timesteps",
+            "1500",
+            "--eval-episodes",
+            "1",
+            "--save-model",
+            "--log-interval",
+            "1",
+            *extra,
+        ],
+        tmp_path,
+    )
     summary = json.load(open(os.path.join(run, "summary.json")))
     t_max = 20 if extra else 5
     assert 1500 <= summary["total_timesteps"] < 1500 + 2 * t_max  # one shared counter over both workers
@@ -312,8 +341,15 @@ def test_smoke_breakout(tmp_path, extra):
     assert saved["t_max"] == t_max and saved["max_grad_norm"] == 40.0  # the defaults for pixels, as run
     assert saved["task_family"] == "atari" and saved["rmsprop_eps"] == 1e-5
     tags = events_tags(run)
-    assert {"charts/SPS", "charts/learning_rate", "losses/value_loss", "losses/policy_loss", "losses/entropy",
-            "stats/grad_norm", "stats/policy_lag"} <= tags
+    assert {
+        "charts/SPS",
+        "charts/learning_rate",
+        "losses/value_loss",
+        "losses/policy_loss",
+        "losses/entropy",
+        "stats/grad_norm",
+        "stats/policy_lag",
+    } <= tags
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run, size_guidance={"scalars": 0})
@@ -325,9 +361,25 @@ def test_smoke_breakout(tmp_path, extra):
     assert result["env_id"] == "Breakout-v5" and result["episodes"] == 2
 
 
+@pytest.mark.e2e
 def test_smoke_halfcheetah(tmp_path):
-    run = run_script("a3c.py", ["--env-id", "HalfCheetah-v4", "--num-workers", "2", "--num-envs", "2",
-                                "--total-timesteps", "3000", "--eval-episodes", "1", "--save-model"], tmp_path)
+    run = run_script(
+        "a3c.py",
+        [
+            "--env-id",
+            "HalfCheetah-v4",
+            "--num-workers",
+            "2",
+            "--num-envs",
+            "2",
+            "--total-timesteps",
+            "3000",
+            "--eval-episodes",
+            "1",
+            "--save-model",
+        ],
+        tmp_path,
+    )
     checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
     assert checkpoint["agent_config"]["action_dim"] == 6
     stats = checkpoint["agent"]
@@ -337,26 +389,34 @@ def test_smoke_halfcheetah(tmp_path):
     assert "stats/policy_std" in events_tags(run)
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--env-id", "Breakout-v9"], "unknown env id"),
-    (["--env-id", "CartPole-v1", "--cuda"], "--cuda"),
-    (["--env-id", "CartPole-v1", "--num-envs", "0"], "--num-envs"),
-    (["--env-id", "CartPole-v1", "--t-max", "-1"], "--t-max"),
-    (["--env-id", "CartPole-v1", "--total-timesteps", "3"], "less than one rollout"),
-    (["--env-id", "CartPole-v1", "--rmsprop-alpha", "1"], "--rmsprop-alpha"),
-    (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
-    (["--env-id", "CartPole-v1", "--hidden", "0"], "--hidden"),
-    (["--resume", "runs/no-such-run"], "--resume"),
-])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--env-id", "Breakout-v9"], "unknown env id"),
+        (["--env-id", "CartPole-v1", "--cuda"], "--cuda"),
+        (["--env-id", "CartPole-v1", "--num-envs", "0"], "--num-envs"),
+        (["--env-id", "CartPole-v1", "--t-max", "-1"], "--t-max"),
+        (["--env-id", "CartPole-v1", "--total-timesteps", "3"], "less than one rollout"),
+        (["--env-id", "CartPole-v1", "--rmsprop-alpha", "1"], "--rmsprop-alpha"),
+        (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
+        (["--env-id", "CartPole-v1", "--hidden", "0"], "--hidden"),
+        (["--resume", "runs/no-such-run"], "--resume"),
+    ],
+)
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("a3c.py", argv, tmp_path, needle)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["worker", "sigint", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    assert_killed_process_ends_the_run("a3c.py", argv=["--env-id", "CartPole-v1", "--num-workers", "2",
-                                                       "--total-timesteps", "100000000"],
-                                       run_dir=tmp_path, victim=victim)
+    assert_killed_process_ends_the_run(
+        "a3c.py",
+        argv=["--env-id", "CartPole-v1", "--num-workers", "2", "--total-timesteps", "100000000"],
+        run_dir=tmp_path,
+        victim=victim,
+    )
 
 
 def best_20_episode_mean(run):
@@ -364,6 +424,7 @@ def best_20_episode_mean(run):
     return np.convolve(returns, np.ones(20) / 20, mode="valid").max()
 
 
+@pytest.mark.e2e
 def test_learns_cartpole_with_its_family_defaults(tmp_path):
     """`--env-id CartPole-v1` alone (the classic-control family: the paper's settings, one env per worker, a
     300k-step budget): the mean return of the last 100 episodes reaches 400 on 2 CPU cores (seeds 1-3 measured
@@ -375,23 +436,43 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
     assert len(returns) >= 100 and np.mean(returns[-100:]) >= 400
 
 
+@pytest.mark.e2e
 def test_learns_inverted_pendulum(tmp_path):
     """Continuous actions: InvertedPendulum-v4 with `--env-id` and a budget alone (the MuJoCo family: the paper's
     settings with 4 envs per worker) balances the pole for 100 steps on average over 20 episodes within 500k steps
     (a random policy lasts 5-10). Most runs reach 1000, but some let σ collapse early and stay near 200 (README),
     so the test asserts learning, not mastery."""
-    run = run_script("a3c.py", ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "500000", "--eval-episodes",
-                                "0"], tmp_path, timeout=600)
+    run = run_script(
+        "a3c.py",
+        ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "500000", "--eval-episodes", "0"],
+        tmp_path,
+        timeout=600,
+    )
     saved = json.load(open(os.path.join(run, "args.json")))
     assert saved["task_family"] == "mujoco" and saved["num_envs"] == 4
     assert best_20_episode_mean(run) >= 100
 
 
+@pytest.mark.e2e
 def test_workers_exit_when_the_main_process_is_killed(tmp_path):
     """SIGKILL leaves the main process no chance to stop its workers: they notice and exit by themselves."""
-    proc = subprocess.Popen([sys.executable, "a3c.py", "--env-id", "CartPole-v1", "--num-workers", "2",
-                             "--total-timesteps", "100000000", "--run-dir", str(tmp_path)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "a3c.py",
+            "--env-id",
+            "CartPole-v1",
+            "--num-workers",
+            "2",
+            "--total-timesteps",
+            "100000000",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         workers = wait_for_actors(proc)
         time.sleep(2.0)
@@ -403,12 +484,29 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path):
             proc.kill()
 
 
+@pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, the shared
     weights and RMSProp statistics, the step counter (so the learning-rate schedule goes on where
     it was) and the curves from the checkpoint's step."""
-    argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2", "--total-timesteps", "150000",
-            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    argv = [
+        "--env-id",
+        "CartPole-v1",
+        "--num-workers",
+        "2",
+        "--num-envs",
+        "2",
+        "--total-timesteps",
+        "150000",
+        "--checkpoint-interval",
+        "0.5",
+        "--eval-episodes",
+        "0",
+        "--log-interval",
+        "0.5",
+        "--seed",
+        "3",
+    ]
     ckpt = kill_after_first_checkpoint("a3c.py", argv + ["--save-model"], tmp_path, settle=4.0)
     run = os.path.dirname(ckpt)
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
@@ -431,7 +529,9 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
         assert abs(e.value - 1e-3 * (1 - (e.step - 5 * 2) / 150000)) < 1e-7, (e.step, e.value)  # step + t_max x envs
 
 
+@pytest.mark.e2e
 def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
-    line, _ = assert_non_finite_stops_the_run("a3c.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path,
-                                              checkpoint_expected=False)
+    line, _ = assert_non_finite_stops_the_run(
+        "a3c.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path, checkpoint_expected=False
+    )
     assert "policy" in line or "loss" in line or "gradient" in line

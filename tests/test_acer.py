@@ -14,9 +14,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import acer  # noqa: E402
 from acer import acer_loss, acer_policy_gradient, kl_gradient, retrace, trust_region_step  # noqa: E402
-from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,
-                           assert_usage_error, kill_after_first_checkpoint, events_tags,  # noqa: E402
-                           imported_envpool_modules, run_script)
+from tests.helpers import (
+    ROOT,
+    assert_killed_process_ends_the_run,
+    assert_non_finite_stops_the_run,
+    assert_usage_error,
+    kill_after_first_checkpoint,
+    events_tags,  # noqa: E402
+    imported_envpool_modules,
+    run_script,
+)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -136,10 +143,13 @@ def loss_inputs(T=6, B=3, A=4, seed=0):
     reset[3, 1] = True
     terminated = torch.zeros(T + 1, B, dtype=torch.bool)
     terminated[2, 1] = True
-    batch = {"action": torch.randint(A, (T + 1, B), generator=g_), "reward": torch.randn(T + 1, B, generator=g_,
-                                                                                          dtype=torch.float64),
-             "terminated": terminated, "reset": reset,
-             "mu": torch.softmax(torch.randn(T + 1, B, A, generator=g_, dtype=torch.float64) * 2, -1)}
+    batch = {
+        "action": torch.randint(A, (T + 1, B), generator=g_),
+        "reward": torch.randn(T + 1, B, generator=g_, dtype=torch.float64),
+        "terminated": terminated,
+        "reset": reset,
+        "mu": torch.softmax(torch.randn(T + 1, B, A, generator=g_, dtype=torch.float64) * 2, -1),
+    }
     args = SimpleNamespace(gamma=0.9, c=10.0, delta=1.0, ent_coef=0.01, trust_region=True, value_coef=0.5)
     return logits, q, avg_logits, batch, args
 
@@ -157,8 +167,9 @@ def test_acer_loss_gradients():
     rho = (probs[:-1] / batch["mu"][:-1]).gather(-1, a[..., None])[..., 0]
     rho_bar = torch.where(batch["reset"][:-1], 0.0, rho.clamp(max=1))
     q_taken = q.detach()[:-1].gather(-1, a[..., None])[..., 0]
-    q_ret = retrace_reference(batch["reward"][:-1], 0.9 * (~batch["terminated"][:-1]).double(), q_taken, v[:-1],
-                              rho_bar, v[-1])
+    q_ret = retrace_reference(
+        batch["reward"][:-1], 0.9 * (~batch["terminated"][:-1]).double(), q_taken, v[:-1], rho_bar, v[-1]
+    )
     expected_q_grad = torch.zeros_like(q)
     for t in range(T):
         for b in range(B):
@@ -167,10 +178,18 @@ def test_acer_loss_gradients():
     torch.testing.assert_close(q.grad, expected_q_grad)
     assert (logits.grad[3, 1] == 0).all() and (logits.grad[-1] == 0).all()
     # the policy part: −z/B back through the softmax, z the trust-region step of ĝ (Eq. 12) for each state
-    g, _, _ = acer_policy_gradient(probs[:-1].reshape(-1, A), a.reshape(-1), batch["mu"][:-1].reshape(-1, A),
-                                   q.detach()[:-1].reshape(-1, A), q_ret.reshape(-1), args.c, args.ent_coef)
-    z = trust_region_step(g, kl_gradient(torch.softmax(avg_logits[:-1], -1).reshape(-1, A),
-                                         probs[:-1].reshape(-1, A)), args.delta).view(T, B, A)
+    g, _, _ = acer_policy_gradient(
+        probs[:-1].reshape(-1, A),
+        a.reshape(-1),
+        batch["mu"][:-1].reshape(-1, A),
+        q.detach()[:-1].reshape(-1, A),
+        q_ret.reshape(-1),
+        args.c,
+        args.ent_coef,
+    )
+    z = trust_region_step(
+        g, kl_gradient(torch.softmax(avg_logits[:-1], -1).reshape(-1, A), probs[:-1].reshape(-1, A)), args.delta
+    ).view(T, B, A)
     z[3, 1] = 0
     jac_logits = logits.detach()[:-1].clone().requires_grad_()
     torch.softmax(jac_logits, -1).backward(-z / B)
@@ -208,8 +227,9 @@ def test_gaussian_policy_gradient_matches_autograd_of_eq16():
     torch.testing.assert_close(rho, ref_rho)
     assert (ref_rho > c).any() and (ref_rho_s > c).any() and (ref_rho < c).any()  # truncation bites both ways
     phi = mean.clone().requires_grad_()
-    objective = (ref_rho.clamp(max=c) * normal(phi).log_prob(actions).sum(-1) * (q_opc - values)
-                 + (1 - c / ref_rho_s).clamp(min=0) * (q_sampled - values) * normal(phi).log_prob(sampled).sum(-1))
+    objective = ref_rho.clamp(max=c) * normal(phi).log_prob(actions).sum(-1) * (q_opc - values) + (
+        1 - c / ref_rho_s
+    ).clamp(min=0) * (q_sampled - values) * normal(phi).log_prob(sampled).sum(-1)
     objective.sum().backward()
     torch.testing.assert_close(g, phi.grad)
     torch.testing.assert_close(rho_bar, ref_rho.clamp(max=c))
@@ -227,7 +247,7 @@ def test_stochastic_dueling_network_is_consistent():
     with torch.no_grad():
         q = agent.q_tilde(obs.expand(M, 3, 5), a, mean.expand(M, 3, 2), values.expand(M, 3), 5, g_)
     spread = q.std(0)
-    assert ((q.mean(0) - values[0]).abs() < 4 * spread / M ** 0.5).all()
+    assert ((q.mean(0) - values[0]).abs() < 4 * spread / M**0.5).all()
     assert (spread > 0).all()  # Q̃ does depend on the action
 
 
@@ -248,16 +268,22 @@ def test_acer_loss_continuous_gradients_follow_algorithm_3():
     terminated = torch.zeros(T + 1, B, dtype=torch.bool)
     terminated[1, 0] = True
     behaviour = mean.detach() + 0.2 * torch.randn(T + 1, B, d, generator=g_, dtype=torch.float64)
-    batch = {"action": behaviour + std * torch.randn(T + 1, B, d, generator=g_, dtype=torch.float64), "mu": behaviour,
-             "reward": torch.randn(T + 1, B, generator=g_, dtype=torch.float64), "terminated": terminated,
-             "reset": reset}
+    batch = {
+        "action": behaviour + std * torch.randn(T + 1, B, d, generator=g_, dtype=torch.float64),
+        "mu": behaviour,
+        "reward": torch.randn(T + 1, B, generator=g_, dtype=torch.float64),
+        "terminated": terminated,
+        "reset": reset,
+    }
     args = SimpleNamespace(gamma=0.9, c=5.0, delta=0.5, trust_region=True, value_coef=0.5, policy_std=std)
     loss, stats = acer.acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, avg_mean, batch, args)
     loss.backward()
     m, v, qt = mean.detach(), values.detach(), q_taken.detach()
     normal = lambda loc: torch.distributions.Normal(loc, std)  # noqa: E731
-    rho = (normal(m[:-1]).log_prob(batch["action"][:-1]).sum(-1)
-           - normal(batch["mu"][:-1]).log_prob(batch["action"][:-1]).sum(-1)).exp()
+    rho = (
+        normal(m[:-1]).log_prob(batch["action"][:-1]).sum(-1)
+        - normal(batch["mu"][:-1]).log_prob(batch["action"][:-1]).sum(-1)
+    ).exp()
     keep = (~reset[:-1]).double()
     discounts = 0.9 * (~terminated[:-1]).double()
     q_ret = retrace_reference(batch["reward"][:-1], discounts, qt, v[:-1], keep * (rho ** (1 / d)).clamp(max=1), v[-1])
@@ -265,10 +291,18 @@ def test_acer_loss_continuous_gradients_follow_algorithm_3():
     torch.testing.assert_close(q_taken.grad, keep * (qt - q_ret) / B)
     torch.testing.assert_close(values.grad[:-1], -keep * rho.clamp(max=1) * (q_ret - qt) / B)
     assert (values.grad[-1] == 0).all()
-    g, _, _ = acer.gaussian_policy_gradient(m[:-1].reshape(-1, d), batch["action"][:-1].reshape(-1, d),
-                                            behaviour[:-1].reshape(-1, d), q_opc.reshape(-1), v[:-1].reshape(-1),
-                                            sampled.reshape(-1, d), q_sampled.reshape(-1), std, 5.0)
-    z = trust_region_step(g, ((m - avg_mean)[:-1] / std ** 2).reshape(-1, d), 0.5).view(T, B, d)
+    g, _, _ = acer.gaussian_policy_gradient(
+        m[:-1].reshape(-1, d),
+        batch["action"][:-1].reshape(-1, d),
+        behaviour[:-1].reshape(-1, d),
+        q_opc.reshape(-1),
+        v[:-1].reshape(-1),
+        sampled.reshape(-1, d),
+        q_sampled.reshape(-1),
+        std,
+        5.0,
+    )
+    z = trust_region_step(g, ((m - avg_mean)[:-1] / std**2).reshape(-1, d), 0.5).view(T, B, d)
     torch.testing.assert_close(mean.grad[:-1], -keep[..., None] * z / B, rtol=1e-5, atol=1e-6)
     assert (mean.grad[2, 0] == 0).all() and stats["stats/trust_region_adjustment"] > 0
 
@@ -296,8 +330,11 @@ def test_replay_ring_and_sampling():
 def test_nature_network():
     agent = acer.Agent((4, 84, 84), 6)
     convs = [m for m in agent.modules() if isinstance(m, torch.nn.Conv2d)]
-    assert [(m.out_channels, m.kernel_size, m.stride) for m in convs] == [(32, (8, 8), (4, 4)), (64, (4, 4), (2, 2)),
-                                                                           (64, (3, 3), (1, 1))]
+    assert [(m.out_channels, m.kernel_size, m.stride) for m in convs] == [
+        (32, (8, 8), (4, 4)),
+        (64, (4, 4), (2, 2)),
+        (64, (3, 3), (1, 1)),
+    ]
     logits, q = agent(torch.zeros(2, 3, 4, 84, 84, dtype=torch.uint8))
     assert logits.shape == q.shape == (2, 3, 6) and agent.torso.out_features == 512
 
@@ -310,58 +347,117 @@ def test_import_runs_nothing():
 # The script end to end.
 
 
+@pytest.mark.e2e
 def test_smoke_breakout(tmp_path):
-    run = run_script("acer.py", ["--env-id", "Breakout-v5", "--num-workers", "2", "--total-timesteps", "800",
-                                 "--replay-size", "2000", "--eval-episodes", "1", "--save-model",
-                                 "--no-poisson-replay", "--replay-ratio", "2"], tmp_path)
+    run = run_script(
+        "acer.py",
+        [
+            "--env-id",
+            "Breakout-v5",
+            "--num-workers",
+            "2",
+            "--total-timesteps",
+            "800",
+            "--replay-size",
+            "2000",
+            "--eval-episodes",
+            "1",
+            "--save-model",
+            "--no-poisson-replay",
+            "--replay-ratio",
+            "2",
+        ],
+        tmp_path,
+    )
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert 800 <= summary["total_timesteps"] < 800 + 2 * 20
     tags = events_tags(run)
-    assert {"stats/rho_mean", "stats/truncated_fraction", "stats/trust_region_adjustment", "stats/kl_avg",
-            "losses/value_loss", "losses/policy_loss", "charts/SPS", "charts/episodic_return"} <= tags
+    assert {
+        "stats/rho_mean",
+        "stats/truncated_fraction",
+        "stats/trust_region_adjustment",
+        "stats/kl_avg",
+        "losses/value_loss",
+        "losses/policy_loss",
+        "charts/SPS",
+        "charts/episodic_return",
+    } <= tags
     assert set(events_tags(run, "stats/replay_updates")) == {2.0}
-    out = subprocess.run([sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1])["episodes"] == 2
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--env-id", "Breakout-v9"], "unknown env id"),
-    (["--env-id", "HalfCheetah-v4", "--replay-ratio", "0"], "replay only"),
-    (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
-    (["--env-id", "CartPole-v1", "--cuda"], "--cuda"),
-    (["--env-id", "CartPole-v1", "--k", "-1"], "--k"),
-    (["--env-id", "CartPole-v1", "--no-poisson-replay", "--replay-ratio", "2.5"], "--replay-ratio"),
-    (["--env-id", "CartPole-v1", "--delta", "0"], "--delta"),
-    (["--env-id", "CartPole-v1", "--avg-decay", "1"], "--avg-decay"),
-    (["--env-id", "CartPole-v1", "--replay-size", "10"], "--replay-size"),
-    (["--resume", "runs/no-such-run"], "--resume"),
-])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--env-id", "Breakout-v9"], "unknown env id"),
+        (["--env-id", "HalfCheetah-v4", "--replay-ratio", "0"], "replay only"),
+        (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
+        (["--env-id", "CartPole-v1", "--cuda"], "--cuda"),
+        (["--env-id", "CartPole-v1", "--k", "-1"], "--k"),
+        (["--env-id", "CartPole-v1", "--no-poisson-replay", "--replay-ratio", "2.5"], "--replay-ratio"),
+        (["--env-id", "CartPole-v1", "--delta", "0"], "--delta"),
+        (["--env-id", "CartPole-v1", "--avg-decay", "1"], "--avg-decay"),
+        (["--env-id", "CartPole-v1", "--replay-size", "10"], "--replay-size"),
+        (["--resume", "runs/no-such-run"], "--resume"),
+    ],
+)
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("acer.py", argv, tmp_path, needle)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["worker", "sigint", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    assert_killed_process_ends_the_run("acer.py", argv=["--env-id", "CartPole-v1", "--num-workers", "2",
-                                                        "--total-timesteps", "100000000"],
-                                       run_dir=tmp_path, victim=victim)
+    assert_killed_process_ends_the_run(
+        "acer.py",
+        argv=["--env-id", "CartPole-v1", "--num-workers", "2", "--total-timesteps", "100000000"],
+        run_dir=tmp_path,
+        victim=victim,
+    )
 
 
+@pytest.mark.e2e
 def test_smoke_halfcheetah(tmp_path):
-    run = run_script("acer.py", ["--env-id", "HalfCheetah-v4", "--num-workers", "2", "--total-timesteps", "400",
-                                 "--eval-episodes", "1", "--save-model"], tmp_path)
+    run = run_script(
+        "acer.py",
+        [
+            "--env-id",
+            "HalfCheetah-v4",
+            "--num-workers",
+            "2",
+            "--total-timesteps",
+            "400",
+            "--eval-episodes",
+            "1",
+            "--save-model",
+        ],
+        tmp_path,
+    )
     saved = json.load(open(os.path.join(run, "args.json")))
     assert (saved["k"], saved["replay_size"], saved["c"], saved["avg_decay"]) == (50, 5000, 5.0, 0.995)  # Sec. 6
     checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
     assert checkpoint["agent_config"]["action_dim"] == 6 and len(checkpoint["action_low"]) == 6
     assert {"stats/rho_mean", "stats/kl_avg", "stats/trust_region_adjustment"} <= events_tags(run)
-    out = subprocess.run([sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2",
-                          "--greedy"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2", "--greedy"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.e2e
 def test_learns_cartpole_with_its_family_defaults(tmp_path):
     """`--env-id CartPole-v1` alone (the classic-control family: 4 envs per worker, 300k steps, the paper's other
     settings): the mean return of the last 100 episodes reaches 400 on 2 CPU cores (seeds 1-3 measured 500.0 each,
@@ -373,24 +469,60 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
     assert len(returns) >= 100 and np.mean(returns[-100:]) >= 400
 
 
+@pytest.mark.e2e
 def test_learns_inverted_pendulum(tmp_path):
     """Continuous actions: InvertedPendulum-v4 with 2 workers of 4 envs and a learning rate of 1e-3 (the paper's
     search range tops out at 5e-4) reaches a 20-episode mean of 300 within 500k steps; a random policy gets about
     5-10. In nine 300k-step runs the mean crossed 300 between 195k and 256k steps and peaked at 380-788 (README):
     learning, but not yet reliably to 1000. The learning rate is constant, so a longer run only adds margin."""
-    run = run_script("acer.py", ["--env-id", "InvertedPendulum-v4", "--num-workers", "2", "--num-envs", "4",
-                                 "--learning-rate", "1e-3", "--total-timesteps", "500000", "--eval-episodes", "0",
-                                 "--seed", "1"], tmp_path, timeout=600)
+    run = run_script(
+        "acer.py",
+        [
+            "--env-id",
+            "InvertedPendulum-v4",
+            "--num-workers",
+            "2",
+            "--num-envs",
+            "4",
+            "--learning-rate",
+            "1e-3",
+            "--total-timesteps",
+            "500000",
+            "--eval-episodes",
+            "0",
+            "--seed",
+            "1",
+        ],
+        tmp_path,
+        timeout=600,
+    )
     returns = events_tags(run, "charts/episodic_return")
     assert np.convolve(returns, np.ones(20) / 20, mode="valid").max() >= 300
 
 
+@pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, the shared
     weights, the average network and RMSProp statistics, the step counter and the curves from the checkpoint's
     step. The replay is not kept: it refills from the resumed policy."""
-    argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2", "--total-timesteps", "150000",
-            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    argv = [
+        "--env-id",
+        "CartPole-v1",
+        "--num-workers",
+        "2",
+        "--num-envs",
+        "2",
+        "--total-timesteps",
+        "150000",
+        "--checkpoint-interval",
+        "0.5",
+        "--eval-episodes",
+        "0",
+        "--log-interval",
+        "0.5",
+        "--seed",
+        "3",
+    ]
     # a few seconds of checkpoints every 0.5 s: the last one lies past worker 0's first report (its first update),
     # even when worker 0 starts late, so the curves have a point before the checkpoint's step
     ckpt = kill_after_first_checkpoint("acer.py", argv, tmp_path, settle=4.0)
@@ -413,7 +545,9 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert all(abs(e.value - 1e-3) < 1e-9 for e in lr)  # ACER's learning rate is constant
 
 
+@pytest.mark.e2e
 def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
-    line, _ = assert_non_finite_stops_the_run("acer.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path,
-                                              checkpoint_expected=False)
+    line, _ = assert_non_finite_stops_the_run(
+        "acer.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path, checkpoint_expected=False
+    )
     assert "policy" in line or "loss" in line or "gradient" in line

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -16,7 +17,7 @@ from tests.helpers import ROOT  # noqa: E402
 def test_running_mean_and_curve_on_grid_match_loops():
     rng = np.random.default_rng(0)
     values = rng.normal(size=57)
-    expected = [values[max(0, i + 1 - 20):i + 1].mean() for i in range(len(values))]
+    expected = [values[max(0, i + 1 - 20) : i + 1].mean() for i in range(len(values))]
     np.testing.assert_allclose(learning.running_mean(values), expected)
     steps = np.sort(rng.choice(10_000, size=57, replace=False)).astype(float)
     grid = np.array([0.0, steps[0] - 1, steps[0], steps[10] + 0.5, 20_000.0])
@@ -34,15 +35,36 @@ def fake_run(out, seed, returns):
         writer.add_scalar("charts/episodic_return", r, 100 * (i + 1))
     writer.close()
     with open(os.path.join(folder, "summary.json"), "w") as f:
-        json.dump({"total_timesteps": 100 * len(returns), "wall_time_s": 10.0 * seed, "eval_mean_return": 50.0 * seed}, f)
+        json.dump(
+            {"total_timesteps": 100 * len(returns), "wall_time_s": 10.0 * seed, "eval_mean_return": 50.0 * seed}, f
+        )
 
 
+@pytest.mark.e2e
 def test_report_from_logs(tmp_path):
     out = str(tmp_path)
     fake_run(out, 1, np.arange(40.0))  # last 20: 20..39, mean 29.5
     fake_run(out, 2, np.arange(40.0) + 10)  # mean 39.5
-    res = subprocess.run([sys.executable, "benchmarks/learning.py", "--preset", "cpu", "--only", "a3c", "--seeds", "1",
-                          "2", "--report-only", "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/learning.py",
+            "--preset",
+            "cpu",
+            "--only",
+            "a3c",
+            "--seeds",
+            "1",
+            "2",
+            "--report-only",
+            "--out",
+            out,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     table = open(os.path.join(out, "learning_cpu.md")).read()
     row = next(line for line in table.splitlines() if "CartPole-v1" in line)
@@ -55,20 +77,47 @@ def test_report_from_logs(tmp_path):
     assert saved["rows"][0]["final_mean_100"] == [19.5, 29.5]
 
 
+@pytest.mark.e2e
 def test_time_limit_stops_a_run_with_ctrl_c(tmp_path):
     """A run past --time-limit gets Ctrl-C: it saves a checkpoint and stops, and the table says how far it got.
 
     The budget is raised far past what 20 s can reach, and 20 s leaves room for a cold start (the first import of
     torch in three processes on a fresh machine took most of 8 s)."""
-    res = subprocess.run([sys.executable, "benchmarks/learning.py", "--preset", "cpu", "--only", "a3c", "--seeds", "1",
-                          "--time-limit", "20", "--out", str(tmp_path), "--", "--total-timesteps", "100000000"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/learning.py",
+            "--preset",
+            "cpu",
+            "--only",
+            "a3c",
+            "--seeds",
+            "1",
+            "--time-limit",
+            "20",
+            "--out",
+            str(tmp_path),
+            "--",
+            "--total-timesteps",
+            "100000000",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "exit 130" in res.stdout
     saved = json.load(open(os.path.join(str(tmp_path), "learning_cpu.json")))
     reached = {r["env_id"]: r["steps_reached"][0] for r in saved["rows"]}
     assert 0 < reached["CartPole-v1"] < 100_000_000 and 0 < reached["InvertedPendulum-v4"] < 100_000_000
     assert len([p for p in os.listdir(os.path.join(str(tmp_path), "runs"))]) == 2
-    assert all(os.path.exists(p) for p in [os.path.join(str(tmp_path), "runs", d, f, "checkpoint.pt")
-                                           for d in os.listdir(os.path.join(str(tmp_path), "runs"))
-                                           for f in os.listdir(os.path.join(str(tmp_path), "runs", d)) if "__" in f])
+    assert all(
+        os.path.exists(p)
+        for p in [
+            os.path.join(str(tmp_path), "runs", d, f, "checkpoint.pt")
+            for d in os.listdir(os.path.join(str(tmp_path), "runs"))
+            for f in os.listdir(os.path.join(str(tmp_path), "runs", d))
+            if "__" in f
+        ]
+    )

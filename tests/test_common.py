@@ -13,9 +13,19 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env  # noqa: E402
 from common.evaluation import write_apng  # noqa: E402
-from common.networks import (LSTMCore, PolicyValueHeads, ResNetTorso, RunningNorm, ShallowTorso,  # noqa: E402
-                             dead_units, grad_norms_by_layer, init_output_, init_weights_, logits_std_across_states,
-                             make_torso)
+from common.networks import (
+    LSTMCore,
+    PolicyValueHeads,
+    ResNetTorso,
+    RunningNorm,
+    ShallowTorso,  # noqa: E402
+    dead_units,
+    grad_norms_by_layer,
+    init_output_,
+    init_weights_,
+    logits_std_across_states,
+    make_torso,
+)
 
 
 def test_torsos_shapes_and_layer_counts():
@@ -47,8 +57,9 @@ def test_lstm_core_resets_state_at_episode_start():
     state = (torch.randn(B, 16), torch.randn(B, 16))
     out, _ = core(feats, act, rew, first, state)
     # env 0 from t = 3 equals a fresh run from a zero state
-    fresh, _ = core(feats[3:, :1], act[3:, :1], rew[3:, :1], torch.zeros(T - 3, 1, dtype=torch.bool),
-                    core.initial_state(1))
+    fresh, _ = core(
+        feats[3:, :1], act[3:, :1], rew[3:, :1], torch.zeros(T - 3, 1, dtype=torch.bool), core.initial_state(1)
+    )
     torch.testing.assert_close(out[3:, :1], fresh)
     # the previous action and reward are inputs
     out2, _ = core(feats, (act + 1) % 3, rew, first, state)
@@ -66,12 +77,16 @@ def test_episode_tracker_sums_raw_reward_over_lives_and_resets_on_truncation():
     tr = EpisodeTracker(1)
     ids = np.array([0])
     steps = [  # (raw reward, terminated (life lost), truncated, game over)
-        (1.0, False, False, False), (4.0, True, False, False),  # life lost
+        (1.0, False, False, False),
+        (4.0, True, False, False),  # life lost
         (0.0, False, False, False),  # envpool's reset step after the life loss
-        (2.0, False, False, False), (0.0, True, False, True),  # game over: score 7, length 4
+        (2.0, False, False, False),
+        (0.0, True, False, True),  # game over: score 7, length 4
         (0.0, False, False, False),  # reset step
-        (5.0, False, False, False), (1.0, False, True, False),  # truncated, lives left: score 6, length 2
-        (0.0, False, False, False), (3.0, False, False, False),  # reset step, then a real step
+        (5.0, False, False, False),
+        (1.0, False, True, False),  # truncated, lives left: score 6, length 2
+        (0.0, False, False, False),
+        (3.0, False, False, False),  # reset step, then a real step
     ]
     ended = []
     for raw, term, trunc, over in steps:
@@ -113,9 +128,9 @@ def test_apng_is_a_valid_animated_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, chunks = 8, []
     while pos < len(data):
-        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
+        n, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])
         assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
         chunks.append((kind, body))
         pos += 12 + n
@@ -210,7 +225,10 @@ def test_running_norm_equals_the_statistics_of_everything_seen():
         assert float(norm.count) == len(allx)
     x = torch.tensor([[1.0, -20.0, 1e6]])
     z = norm(x)
-    assert float(z[0, 2]) == 5.0 and abs(float(z[0, 0]) - (1.0 - float(norm.mean[0])) / math.sqrt(float(norm.var[0]))) < 1e-3
+    assert (
+        float(z[0, 2]) == 5.0
+        and abs(float(z[0, 0]) - (1.0 - float(norm.mean[0])) / math.sqrt(float(norm.var[0]))) < 1e-3
+    )
     assert {"mean", "var", "count"} <= set(norm.state_dict())
 
 
@@ -239,8 +257,15 @@ def test_human_normalized_scores_on_known_values():
 def test_score_table_median_and_mean_over_games():
     from common.evaluation import score_table
 
-    table = score_table({"Breakout-v5": [30.5, 30.5], "Pong-v5": [-20.7], "Boxing-v5": [6.1, 6.1],
-                         "Enduro-v5": [860.5 * 3], "CartPole-v1": [500.0]})
+    table = score_table(
+        {
+            "Breakout-v5": [30.5, 30.5],
+            "Pong-v5": [-20.7],
+            "Boxing-v5": [6.1, 6.1],
+            "Enduro-v5": [860.5 * 3],
+            "CartPole-v1": [500.0],
+        }
+    )
     hns = {r["env_id"]: r["human_normalized"] for r in table["games"]}
     assert hns["Breakout-v5"] == pytest.approx(100) and hns["Pong-v5"] == pytest.approx(0)
     assert hns["Boxing-v5"] == pytest.approx(50) and hns["Enduro-v5"] == pytest.approx(300)
@@ -261,6 +286,7 @@ def test_atari_presets():
     assert expand_env_ids(["Pong-v5", "atari5", "Qbert-v5"]) == ["Pong-v5", *PRESETS["atari5"]]
 
 
+@pytest.mark.e2e
 def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     """A policy over the 18 actions evaluated on two games: per-game table on the console and in JSON/CSV, with
     the human-normalised scores of its mean scores."""
@@ -271,11 +297,17 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     from common.evaluation import human_normalized_score
 
     model = tmp_path / "model.pt"
-    torch.save({"script": "tests.random_policy", "env_id": "Pong-v5", "full_action_space": True, "num_actions": 18},
-               model)
+    torch.save(
+        {"script": "tests.random_policy", "env_id": "Pong-v5", "full_action_space": True, "num_actions": 18}, model
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "common.evaluation", str(model), "--env-ids", "Pong-v5", "Boxing-v5",
-                          "--episodes", "2"], cwd=root, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "common.evaluation", str(model), "--env-ids", "Pong-v5", "Boxing-v5", "--episodes", "2"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     assert "| Pong-v5 | 2 |" in out.stdout and "| Boxing-v5 | 2 |" in out.stdout
     table = json.load(open(tmp_path / "evaluation.json"))
@@ -287,8 +319,13 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     assert table["median_human_normalized"] == pytest.approx(np.median([r["human_normalized"] for r in rows.values()]))
     with open(tmp_path / "evaluation.csv") as f:
         assert [r["env_id"] for r in csv.DictReader(f)] == ["Pong-v5", "Boxing-v5"]
-    bad = subprocess.run([sys.executable, "-m", "common.evaluation", str(model), "--env-ids", "Pongg-v5"], cwd=root,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "common.evaluation", str(model), "--env-ids", "Pongg-v5"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: unknown env id")
 
 
@@ -376,7 +413,7 @@ def test_grad_norms_by_layer():
     norms = grad_norms_by_layer(net)
     assert set(norms) == {"0", "2"}
     w, b = net[0].weight.grad, net[0].bias.grad
-    assert norms["0"].item() == pytest.approx(math.sqrt(float((w ** 2).sum() + (b ** 2).sum())), rel=1e-6)
+    assert norms["0"].item() == pytest.approx(math.sqrt(float((w**2).sum() + (b**2).sum())), rel=1e-6)
     assert norms["2"].item() == pytest.approx(float(net[2].weight.grad.norm()), rel=1e-6)
 
 
@@ -387,9 +424,10 @@ def test_grad_norms_by_layer():
 def test_task_family_of_env_ids():
     from common.families import task_family
 
-    assert [task_family(e) for e in ["Breakout-v5", "Pong-v5", "Hopper-v4", "HumanoidRun-v1", "CartPole-v1",
-                                     "Pendulum-v1", "Acrobot-v1"]] == ["atari", "atari", "mujoco", "mujoco",
-                                                                      "classic", "classic", "classic"]
+    assert [
+        task_family(e)
+        for e in ["Breakout-v5", "Pong-v5", "Hopper-v4", "HumanoidRun-v1", "CartPole-v1", "Pendulum-v1", "Acrobot-v1"]
+    ] == ["atari", "atari", "mujoco", "mujoco", "classic", "classic", "classic"]
     with pytest.raises(UsageError, match="CartPole-v1"):
         task_family("CartPol-v1")
 

@@ -14,9 +14,19 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import impala_vtrace  # noqa: E402
 from impala_vtrace import vtrace  # noqa: E402
-from tests.helpers import (ROOT, ctrl_c_during_second_update, assert_non_finite_stops_the_run, assert_usage_error, events_tags, imported_envpool_modules,  # noqa: E402
-                           assert_two_ctrl_cs_end_cleanly, kill_after_first_checkpoint, run_script, wait_for_actors,
-                           wait_gone)
+from tests.helpers import (
+    ROOT,
+    ctrl_c_during_second_update,
+    assert_non_finite_stops_the_run,
+    assert_usage_error,
+    events_tags,
+    imported_envpool_modules,  # noqa: E402
+    assert_two_ctrl_cs_end_cleanly,
+    kill_after_first_checkpoint,
+    run_script,
+    wait_for_actors,
+    wait_gone,
+)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -62,15 +72,17 @@ def random_unroll(T=9, B=5, seed=0):
     return log_rhos, discounts, rewards, values, bootstrap
 
 
-@pytest.mark.parametrize("rho_bar,pg_rho_bar,c_bar,lam", [(1.0, 1.0, 1.0, 1.0), (1.7, 0.8, 0.6, 0.9),
-                                                          (2.5, 1.3, 1.0, 0.5)])
+@pytest.mark.parametrize(
+    "rho_bar,pg_rho_bar,c_bar,lam", [(1.0, 1.0, 1.0, 1.0), (1.7, 0.8, 0.6, 0.9), (2.5, 1.3, 1.0, 0.5)]
+)
 def test_vtrace_matches_eq1_plain_loop(rho_bar, pg_rho_bar, c_bar, lam):
     inputs = random_unroll(seed=int(rho_bar * 10))
     log_rhos = inputs[0]
     ratios = log_rhos.exp()
     assert (ratios > max(rho_bar, pg_rho_bar, c_bar)).any() and (ratios < min(rho_bar, c_bar)).any()  # clips bite
-    vs, adv = vtrace(*inputs, clip_rho_threshold=rho_bar, clip_pg_rho_threshold=pg_rho_bar,
-                     clip_c_threshold=c_bar, lambda_=lam)
+    vs, adv = vtrace(
+        *inputs, clip_rho_threshold=rho_bar, clip_pg_rho_threshold=pg_rho_bar, clip_c_threshold=c_bar, lambda_=lam
+    )
     ref_vs, ref_adv = vtrace_reference(*inputs, rho_bar, pg_rho_bar, c_bar, lam)
     torch.testing.assert_close(vs, ref_vs, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(adv, ref_adv, rtol=1e-10, atol=1e-10)
@@ -98,9 +110,19 @@ def test_vtrace_episode_boundary_does_not_leak():
     k = 4
     discounts[k] = 0.0
     vs, adv = vtrace(log_rhos, discounts, rewards, values, bootstrap, 1.5, 1.2, 0.9)
-    vs2, adv2 = vtrace(log_rhos[k + 1:], discounts[k + 1:], rewards[k + 1:], values[k + 1:], bootstrap, 1.5, 1.2, 0.9)
-    vs1, adv1 = vtrace(log_rhos[:k + 1], discounts[:k + 1], rewards[:k + 1], values[:k + 1],
-                       torch.full_like(bootstrap, 1e6), 1.5, 1.2, 0.9)
+    vs2, adv2 = vtrace(
+        log_rhos[k + 1 :], discounts[k + 1 :], rewards[k + 1 :], values[k + 1 :], bootstrap, 1.5, 1.2, 0.9
+    )
+    vs1, adv1 = vtrace(
+        log_rhos[: k + 1],
+        discounts[: k + 1],
+        rewards[: k + 1],
+        values[: k + 1],
+        torch.full_like(bootstrap, 1e6),
+        1.5,
+        1.2,
+        0.9,
+    )
     torch.testing.assert_close(vs, torch.cat([vs1, vs2]))
     torch.testing.assert_close(adv, torch.cat([adv1, adv2]))
 
@@ -117,8 +139,13 @@ def make_batch(T=6, B=3, A=4, seed=0):
     terminated = torch.zeros(T + 1, B, dtype=torch.bool)
     ended[2, 0] = terminated[2, 0] = True  # a termination in env 0
     ended[4, 1] = True  # a time-limit truncation in env 1
-    return {"action": torch.randint(0, A, (T + 1, B), generator=g), "logits": torch.randn(T + 1, B, A, generator=g),
-            "reward": torch.randn(T + 1, B, generator=g), "ended": ended, "terminated": terminated}
+    return {
+        "action": torch.randint(0, A, (T + 1, B), generator=g),
+        "logits": torch.randn(T + 1, B, A, generator=g),
+        "reward": torch.randn(T + 1, B, generator=g),
+        "ended": ended,
+        "terminated": terminated,
+    }
 
 
 def test_learner_loss_handles_envpool_reset_steps():
@@ -208,7 +235,7 @@ def test_rmsprop_tf_matches_tensorflow_update_plain_loop(momentum, initial_scale
     q.grad = torch.tensor([0.01, 1.0, 100.0], dtype=torch.float64)
     impala_vtrace.RMSpropTF([q], lr=1.0, alpha=rho, eps=eps).step()
     step = -q.detach()
-    expected = q.grad / torch.sqrt(rho + (1 - rho) * q.grad ** 2 + eps)
+    expected = q.grad / torch.sqrt(rho + (1 - rho) * q.grad**2 + eps)
     assert torch.allclose(step, expected) and step[0] < 0.011 and step[2] < 10
 
 
@@ -230,12 +257,33 @@ def check_run(run_path, expect_model=True):
     return summary
 
 
-@pytest.mark.parametrize("extra", [["--network", "shallow", "--capture-video"],
-                                   ["--network", "deep", "--use-lstm", "--num-actors", "2"]], ids=["shallow", "deep-lstm"])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "extra",
+    [["--network", "shallow", "--capture-video"], ["--network", "deep", "--use-lstm", "--num-actors", "2"]],
+    ids=["shallow", "deep-lstm"],
+)
 def test_smoke_breakout(tmp_path, extra):
-    run_path = run_script("impala_vtrace.py", ["--env-id", "Breakout-v5", "--total-timesteps", "480",
-                                               "--num-envs", "4", "--batch-size", "4", "--unroll-length", "20",
-                                               "--save-model", "--eval-episodes", "1", *extra], tmp_path)
+    run_path = run_script(
+        "impala_vtrace.py",
+        [
+            "--env-id",
+            "Breakout-v5",
+            "--total-timesteps",
+            "480",
+            "--num-envs",
+            "4",
+            "--batch-size",
+            "4",
+            "--unroll-length",
+            "20",
+            "--save-model",
+            "--eval-episodes",
+            "1",
+            *extra,
+        ],
+        tmp_path,
+    )
     check_run(run_path)
     # Atari anneals over the paper's 50M steps whatever the budget: the 6th update of 80 steps is at lr (1 − 5/625,000)
     lr = events_tags(run_path, values_of="charts/learning_rate")[-1]
@@ -244,13 +292,33 @@ def test_smoke_breakout(tmp_path, extra):
     assert os.path.isfile(video) == ("--capture-video" in extra)
 
 
+@pytest.mark.e2e
 def test_smoke_multitask_three_games(tmp_path):
     """One agent on Pong, Breakout and Boxing (one actor each, the full 18 actions, PopArt by default): per-game
     curves, per-game PopArt statistics, and the per-game evaluation table with human-normalised scores."""
     games = ["Pong-v5", "Breakout-v5", "Boxing-v5"]
-    run_path = run_script("impala_vtrace.py", ["--env-ids", *games, "--num-actors", "3", "--num-envs", "6",
-                                               "--batch-size", "6", "--total-timesteps", "12000", "--save-model",
-                                               "--eval-episodes", "1", "--log-interval", "1"], tmp_path, timeout=600)
+    run_path = run_script(
+        "impala_vtrace.py",
+        [
+            "--env-ids",
+            *games,
+            "--num-actors",
+            "3",
+            "--num-envs",
+            "6",
+            "--batch-size",
+            "6",
+            "--total-timesteps",
+            "12000",
+            "--save-model",
+            "--eval-episodes",
+            "1",
+            "--log-interval",
+            "1",
+        ],
+        tmp_path,
+        timeout=600,
+    )
     assert os.path.basename(run_path).startswith("3games__")
     tags = events_tags(run_path)
     for g in games:
@@ -268,48 +336,115 @@ def test_smoke_multitask_three_games(tmp_path):
     assert summary["env_ids"] == games and set(summary["mean_episodic_return_last_10_per_game"]) == set(games)
     from common.evaluation import main as eval_main
 
-    scores = eval_main([os.path.join(run_path, "model.pt"), "--env-ids", "Pong-v5", "Qbert-v5", "--episodes", "1",
-                        "--out", str(tmp_path / "other")])  # any Atari game: the full action set
+    scores = eval_main(
+        [
+            os.path.join(run_path, "model.pt"),
+            "--env-ids",
+            "Pong-v5",
+            "Qbert-v5",
+            "--episodes",
+            "1",
+            "--out",
+            str(tmp_path / "other"),
+        ]
+    )  # any Atari game: the full action set
     assert set(scores) == {"Pong-v5", "Qbert-v5"} and os.path.isfile(tmp_path / "other.csv")
 
 
+@pytest.mark.e2e
 def test_smoke_torchrun_two_learners(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "impala_vtrace.py"]
-    run_path = run_script(cmd, ["--env-id", "CartPole-v1", "--total-timesteps", "3200", "--num-envs", "4",
-                                "--batch-size", "8", "--save-model", "--eval-episodes", "1"], tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "impala_vtrace.py"]
+    run_path = run_script(
+        cmd,
+        [
+            "--env-id",
+            "CartPole-v1",
+            "--total-timesteps",
+            "3200",
+            "--num-envs",
+            "4",
+            "--batch-size",
+            "8",
+            "--save-model",
+            "--eval-episodes",
+            "1",
+        ],
+        tmp_path,
+    )
     check_run(run_path)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--env-id", "Breakot-v5"], "unknown env id"),
-    (["--env-id", "HalfCheetah-v4"], "continuous actions"),
-    (["--env-id", "CartPole-v1", "--unroll-length", "0"], "--unroll-length"),
-    (["--env-id", "CartPole-v1", "--lr-anneal-steps", "-1"], "--lr-anneal-steps"),
-    (["--env-id", "CartPole-v1", "--num-envs", "6", "--num-actors", "4"], "--num-envs"),
-    (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
-    (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
-    (["--env-ids", "Pong-v5", "Breakout-v5", "--num-actors", "3", "--num-envs", "6"], "multiple of the number of games"),
-    (["--env-ids", "atari58"], "unknown env id"),
-    (["--resume", "runs/no-such-run"], "--resume"),
-])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--env-id", "Breakot-v5"], "unknown env id"),
+        (["--env-id", "HalfCheetah-v4"], "continuous actions"),
+        (["--env-id", "CartPole-v1", "--unroll-length", "0"], "--unroll-length"),
+        (["--env-id", "CartPole-v1", "--lr-anneal-steps", "-1"], "--lr-anneal-steps"),
+        (["--env-id", "CartPole-v1", "--num-envs", "6", "--num-actors", "4"], "--num-envs"),
+        (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
+        (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
+        (
+            ["--env-ids", "Pong-v5", "Breakout-v5", "--num-actors", "3", "--num-envs", "6"],
+            "multiple of the number of games",
+        ),
+        (["--env-ids", "atari58"], "unknown env id"),
+        (["--resume", "runs/no-such-run"], "--resume"),
+    ],
+)
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("impala_vtrace.py", argv, tmp_path, needle)
 
 
+@pytest.mark.e2e
 def test_batch_must_divide_over_learners(tmp_path):
     env = dict(os.environ, WORLD_SIZE="2")
-    out = subprocess.run([sys.executable, "impala_vtrace.py", "--env-id", "CartPole-v1", "--batch-size", "5",
-                          "--run-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "impala_vtrace.py",
+            "--env-id",
+            "CartPole-v1",
+            "--batch-size",
+            "5",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 2 and "--batch-size 5" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["actor", "learner", "sigint", "sigterm", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    proc = subprocess.Popen([sys.executable, "impala_vtrace.py", "--env-id", "CartPole-v1", "--total-timesteps",
-                             "100000000", "--num-envs", "4", "--batch-size", "4", "--eval-episodes", "0",
-                             "--run-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "impala_vtrace.py",
+            "--env-id",
+            "CartPole-v1",
+            "--total-timesteps",
+            "100000000",
+            "--num-envs",
+            "4",
+            "--batch-size",
+            "4",
+            "--eval-episodes",
+            "0",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         actors = wait_for_actors(proc)
         time.sleep(3.0)
@@ -336,12 +471,14 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 # Learning.
 
 
+@pytest.mark.e2e
 def test_learns_cartpole_with_its_family_defaults(tmp_path):
     """`--env-id CartPole-v1` alone (the classic-control family's defaults, 300k steps): the mean return of the last
     100 episodes reaches 400 on 2 CPU cores. Measured (README): 479.6, 480.7, 466.4 for seeds 1-3, with two Atari
     runs sharing the cores."""
-    run_path = run_script("impala_vtrace.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path,
-                          timeout=900)
+    run_path = run_script(
+        "impala_vtrace.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path, timeout=900
+    )
     saved = json.load(open(os.path.join(run_path, "args.json")))
     assert saved["task_family"] == "classic" and saved["total_timesteps"] == 300_000 and saved["batch_size"] == 8
     returns = events_tags(run_path, values_of="charts/episodic_return")
@@ -350,14 +487,19 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
     assert last100 >= 400, f"mean return of the last 100 episodes {last100:.1f} < 400"
 
 
+@pytest.mark.e2e
 def test_breakout_policy_comes_to_depend_on_the_state(tmp_path):
     """Default flags, Breakout-v5, 250k steps (about 6 minutes on 2 CPU cores): the policy's logits must come to
     differ between states and most torso units must fire on some state. Measured (README, "Atari on two cores"):
     over the last quarter of such a run the logits' spread across states was 0.010-0.013 and 37-45% of the torso
     units were off on a whole batch; with PyTorch's default initialisation (the cause of the stall) the spread
     stayed at 2-3e-4 and 77-78% of the units were off, while the entropy sat at ln 4."""
-    run_path = run_script("impala_vtrace.py", ["--env-id", "Breakout-v5", "--total-timesteps", "250000",
-                                               "--eval-episodes", "0", "--log-interval", "2"], tmp_path, timeout=1500)
+    run_path = run_script(
+        "impala_vtrace.py",
+        ["--env-id", "Breakout-v5", "--total-timesteps", "250000", "--eval-episodes", "0", "--log-interval", "2"],
+        tmp_path,
+        timeout=1500,
+    )
     spread = events_tags(run_path, values_of="stats/logits_std_across_states")
     dead = events_tags(run_path, values_of="stats/dead_units")
     assert len(spread) >= 10
@@ -366,14 +508,29 @@ def test_breakout_policy_comes_to_depend_on_the_state(tmp_path):
     assert min(dead[late:]) < 0.6, f"fraction of dead torso units {dead[late:]}"
 
 
-
-
+@pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     """A run SIGKILLed after a checkpoint continues with --resume: same folder, its own arguments, the update
     counter, weights and optimiser from the checkpoint, curves continuing from the checkpoint's step, and the
     requested budget reached in the end."""
-    argv = ["--env-id", "CartPole-v1", "--total-timesteps", "120000", "--num-envs", "4", "--batch-size", "4",
-            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    argv = [
+        "--env-id",
+        "CartPole-v1",
+        "--total-timesteps",
+        "120000",
+        "--num-envs",
+        "4",
+        "--batch-size",
+        "4",
+        "--checkpoint-interval",
+        "0.5",
+        "--eval-episodes",
+        "0",
+        "--log-interval",
+        "0.5",
+        "--seed",
+        "3",
+    ]
     ckpt = kill_after_first_checkpoint("impala_vtrace.py", argv, tmp_path)
     run = os.path.dirname(ckpt)
     saved = torch.load(ckpt, weights_only=False)
@@ -398,29 +555,52 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
         assert value == pytest.approx(3e-3 * (1 - (step / 80 - 1) / 1500), rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-    line, state = assert_non_finite_stops_the_run("impala_vtrace.py", ["--env-id", "CartPole-v1", "--num-envs", "4",
-                                                                       "--batch-size", "4"], tmp_path)
+    line, state = assert_non_finite_stops_the_run(
+        "impala_vtrace.py", ["--env-id", "CartPole-v1", "--num-envs", "4", "--batch-size", "4"], tmp_path
+    )
     assert "at update" in line and state["update"] >= 1
 
 
+@pytest.mark.e2e
 def test_preset_paper_and_given_flags_win_over_the_family_defaults(tmp_path):
     """`--preset paper` runs CartPole with Table G.1's settings; a flag the user gives beats the family's value."""
-    run_path = run_script("impala_vtrace.py", ["--env-id", "CartPole-v1", "--preset", "paper", "--total-timesteps",
-                                               "640", "--eval-episodes", "0"], tmp_path / "paper")
+    run_path = run_script(
+        "impala_vtrace.py",
+        ["--env-id", "CartPole-v1", "--preset", "paper", "--total-timesteps", "640", "--eval-episodes", "0"],
+        tmp_path / "paper",
+    )
     saved = json.load(open(os.path.join(run_path, "args.json")))
     assert (saved["batch_size"], saved["learning_rate"], saved["num_envs"]) == (32, 6e-4, 32)
     assert "forced by --preset paper" in saved["defaults_from"]
-    run_path = run_script("impala_vtrace.py", ["--env-id", "CartPole-v1", "--learning-rate", "1e-3",
-                                               "--total-timesteps", "640", "--eval-episodes", "0"], tmp_path / "family")
+    run_path = run_script(
+        "impala_vtrace.py",
+        ["--env-id", "CartPole-v1", "--learning-rate", "1e-3", "--total-timesteps", "640", "--eval-episodes", "0"],
+        tmp_path / "family",
+    )
     saved = json.load(open(os.path.join(run_path, "args.json")))
     assert (saved["batch_size"], saved["learning_rate"], saved["num_envs"]) == (8, 1e-3, 16)
 
 
+@pytest.mark.e2e
 def test_ctrl_c_with_a_large_network_stops_within_seconds(tmp_path):
     """The deep network with wide channels and an LSTM on a CPU, where one update takes about 25 s here: Ctrl-C
     while an update is in progress ends the run within 10 s with exit 130, and the checkpoint holds the last
     completed update; the update in progress is dropped rather than waited for."""
-    argv = ["--env-id", "Breakout-v5", "--network", "deep", "--channels", "64", "128", "128", "--use-lstm",
-            "--num-envs", "8", "--batch-size", "8"]
+    argv = [
+        "--env-id",
+        "Breakout-v5",
+        "--network",
+        "deep",
+        "--channels",
+        "64",
+        "128",
+        "128",
+        "--use-lstm",
+        "--num-envs",
+        "8",
+        "--batch-size",
+        "8",
+    ]
     ctrl_c_during_second_update("impala_vtrace.py", argv, tmp_path, steps_per_update=8 * 20)

@@ -18,11 +18,33 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import p3s_td3  # noqa: E402
-from p3s_td3 import (Args, DelayedReward, Learner, SharedReplay, adapt_beta, critic_loss, p3s_actor_loss,  # noqa: E402
-                     policy_distance, select_best, smoothed_target_action, soft_update, td3_target)
-from tests.helpers import (ROOT, assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,
-                           assert_usage_error, kill_after_first_checkpoint, evaluate_cli,  # noqa: E402
-                           events_tags, imported_envpool_modules, run_script, wait_for_actors, wait_gone)
+from p3s_td3 import (
+    Args,
+    DelayedReward,
+    Learner,
+    SharedReplay,
+    adapt_beta,
+    critic_loss,
+    p3s_actor_loss,  # noqa: E402
+    policy_distance,
+    select_best,
+    smoothed_target_action,
+    soft_update,
+    td3_target,
+)
+from tests.helpers import (
+    ROOT,
+    assert_killed_process_ends_the_run,
+    assert_non_finite_stops_the_run,
+    assert_usage_error,
+    kill_after_first_checkpoint,
+    evaluate_cli,  # noqa: E402
+    events_tags,
+    imported_envpool_modules,
+    run_script,
+    wait_for_actors,
+    wait_gone,
+)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -42,17 +64,20 @@ def beta_reference(beta, d_spread, d_change, rho, d_min):
     return min(max(new, 1e-3), 1e3)
 
 
-@pytest.mark.parametrize("beta, d_spread, d_change, d_min, expected", [
-    (1.0, 0.20, 0.05, 0.02, 2.0),      # ρ D_change = 0.1 is the radius; spread 0.2 > 0.15: pull harder
-    (1.0, 0.05, 0.05, 0.02, 0.5),      # 0.05 < 0.1 / 1.5: let them search
-    (1.0, 0.12, 0.05, 0.02, 1.0),      # inside [radius / 1.5, 1.5 radius]: unchanged
-    (1.0, 0.15, 0.05, 0.02, 1.0),      # exactly 1.5 radius: not greater, unchanged
-    (1.0, 0.20, 0.001, 0.05, 2.0),     # d_min dominates (ρ D_change = 0.002): 0.2 > 0.075
-    (1.0, 0.04, 0.001, 0.05, 1.0),     # d_min dominates: 0.04 within [0.0333, 0.075]
-    (1.0, 0.03, 0.001, 0.05, 0.5),     # d_min dominates: 0.03 < 0.0333
-    (800.0, 1.0, 0.0, 0.05, 1000.0),   # clipped at the upper bound
-    (0.0015, 0.0, 0.0, 0.05, 0.001),   # clipped at the lower bound
-])
+@pytest.mark.parametrize(
+    "beta, d_spread, d_change, d_min, expected",
+    [
+        (1.0, 0.20, 0.05, 0.02, 2.0),  # ρ D_change = 0.1 is the radius; spread 0.2 > 0.15: pull harder
+        (1.0, 0.05, 0.05, 0.02, 0.5),  # 0.05 < 0.1 / 1.5: let them search
+        (1.0, 0.12, 0.05, 0.02, 1.0),  # inside [radius / 1.5, 1.5 radius]: unchanged
+        (1.0, 0.15, 0.05, 0.02, 1.0),  # exactly 1.5 radius: not greater, unchanged
+        (1.0, 0.20, 0.001, 0.05, 2.0),  # d_min dominates (ρ D_change = 0.002): 0.2 > 0.075
+        (1.0, 0.04, 0.001, 0.05, 1.0),  # d_min dominates: 0.04 within [0.0333, 0.075]
+        (1.0, 0.03, 0.001, 0.05, 0.5),  # d_min dominates: 0.03 < 0.0333
+        (800.0, 1.0, 0.0, 0.05, 1000.0),  # clipped at the upper bound
+        (0.0015, 0.0, 0.0, 0.05, 0.001),  # clipped at the lower bound
+    ],
+)
 def test_adapt_beta_cases(beta, d_spread, d_change, d_min, expected):
     got = adapt_beta(beta, d_spread, d_change, rho=2.0, d_min=d_min)
     assert got == pytest.approx(expected)
@@ -66,7 +91,8 @@ def test_adapt_beta_random_against_reference():
         d_spread, d_change = rng.exponential(0.05, 2)
         rho, d_min = float(rng.uniform(0.5, 4)), float(rng.choice([0.0, 0.02, 0.05]))
         assert adapt_beta(beta, d_spread, d_change, rho, d_min) == pytest.approx(
-            beta_reference(beta, d_spread, d_change, rho, d_min))
+            beta_reference(beta, d_spread, d_change, rho, d_min)
+        )
 
 
 def test_best_learner_is_chosen_on_its_last_episodes():
@@ -74,10 +100,10 @@ def test_best_learner_is_chosen_on_its_last_episodes():
     = 10 the recent window decides (the mean over all episodes would pick learner 0)."""
     e_r = 10
     histories = [
-        [100.0] * 30 + [10.0] * 10,        # mean of all 40: 77.5, of the last 10: 10
-        [50.0] * 40,                       # 50 throughout
-        [0.0] * 30 + [60.0] * 10,          # mean of all 40: 15, of the last 10: 60
-        [],                                # no finished episode yet: never chosen
+        [100.0] * 30 + [10.0] * 10,  # mean of all 40: 77.5, of the last 10: 10
+        [50.0] * 40,  # 50 throughout
+        [0.0] * 30 + [60.0] * 10,  # mean of all 40: 15, of the last 10: 60
+        [],  # no finished episode yet: never chosen
     ]
     windows = []
     for h in histories:
@@ -111,8 +137,10 @@ def test_td3_target_and_critic_loss_match_eqs_80_83():
         boot = 0.0 if term[i] else 0.9 * min(float(q1n[i]), float(q2n[i]))
         assert float(y[i]) == pytest.approx(float(r[i]) + boot)
     assert not y.requires_grad
-    ref = sum((float(y[i]) - float(q1[i])) ** 2 for i in range(B)) / B + \
-        sum((float(y[i]) - float(q2[i])) ** 2 for i in range(B)) / B
+    ref = (
+        sum((float(y[i]) - float(q1[i])) ** 2 for i in range(B)) / B
+        + sum((float(y[i]) - float(q2[i])) ** 2 for i in range(B)) / B
+    )
     assert float(critic_loss(q1, q2, y)) == pytest.approx(ref)
 
 
@@ -142,10 +170,10 @@ def test_actor_loss_gradient_matches_eq_84(guided):
     grads = torch.autograd.grad(loss, list(learner.actor.parameters()))
     ref_loss = 0.0
     for i in range(6):  # a plain loop over the minibatch
-        a = learner.actor(obs[i:i + 1])
-        term = -learner.qf.q1_only(obs[i:i + 1], a)[0]
+        a = learner.actor(obs[i : i + 1])
+        term = -learner.qf.q1_only(obs[i : i + 1], a)[0]
         if guided:
-            term = term + beta * 0.5 * ((a[0] - learner.best_actor(obs[i:i + 1])[0].detach()) ** 2).sum()
+            term = term + beta * 0.5 * ((a[0] - learner.best_actor(obs[i : i + 1])[0].detach()) ** 2).sum()
         ref_loss = ref_loss + term / 6
     ref_grads = torch.autograd.grad(ref_loss, list(learner.actor.parameters()))
     for got, ref in zip(grads, ref_grads):
@@ -182,18 +210,24 @@ def test_learner_update_applies_eq_83_and_84_with_delay_and_targets():
     best_before = [p.clone() for p in learner.best_actor.parameters()]
     B = 8
     for step in range(1, 5):
-        batch = (torch.randn(B, 4), torch.rand(B, 2) * 2 - 1, torch.randn(B), torch.randn(B, 4),
-                 (torch.rand(B) < 0.3).float())
+        batch = (
+            torch.randn(B, 4),
+            torch.rand(B, 2) * 2 - 1,
+            torch.randn(B),
+            torch.randn(B, 4),
+            (torch.rand(B) < 0.3).float(),
+        )
         obs, actions, rewards, next_obs, term = batch
-        targets_before = [p.clone() for p in list(learner.qf_target.parameters()) +
-                          list(learner.actor_target.parameters())]
+        targets_before = [
+            p.clone() for p in list(learner.qf_target.parameters()) + list(learner.actor_target.parameters())
+        ]
         online_q_before = [p.clone() for p in learner.qf.parameters()]
         state = g.get_state()
         # the reference, computed before the update from the same generator state
         g_ref = torch.Generator().manual_seed(0)
         g_ref.set_state(state)
         with torch.no_grad():
-            na = (learner.actor_target(next_obs) + (torch.randn(B, 2, generator=g_ref) * 0.2).clamp(-0.5, 0.5))
+            na = learner.actor_target(next_obs) + (torch.randn(B, 2, generator=g_ref) * 0.2).clamp(-0.5, 0.5)
             na = na.clamp(-1, 1)
             q1n, q2n = learner.qf_target(next_obs, na)
             y = rewards + 0.99 * (1 - term) * torch.minimum(q1n, q2n)
@@ -205,8 +239,12 @@ def test_learner_update_applies_eq_83_and_84_with_delay_and_targets():
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
         policy_step = step % 2 == 0
         assert len(learner.actor_opt.seen) == step // 2
-        moved = [not torch.equal(a, b) for a, b in zip(targets_before, list(learner.qf_target.parameters()) +
-                                                       list(learner.actor_target.parameters()))]
+        moved = [
+            not torch.equal(a, b)
+            for a, b in zip(
+                targets_before, list(learner.qf_target.parameters()) + list(learner.actor_target.parameters())
+            )
+        ]
         assert all(moved) if policy_step else not any(moved)
         if policy_step:  # θ' ← (1 − τ) θ' + τ θ with the online Q after this update's step
             for before, after, online in zip(targets_before, learner.qf_target.parameters(), learner.qf.parameters()):
@@ -265,8 +303,14 @@ def test_shared_replay_samples_uniformly_over_every_learners_rows():
     torch.testing.assert_close(counts, torch.tensor([100, 50, 10]) / 160.0, atol=0.01, rtol=0)  # ∝ rows written
     assert rewards[writers == 2].max() == 9  # only rows written are sampled
     # the ring: learner 2 overwrites its oldest rows once its part (100 rows) is full
-    replay.add(2, torch.full((120, 1), 2.0), torch.zeros(120, 1), 100 + torch.arange(120).float(),
-               torch.full((120, 1), 2.0), torch.zeros(120))
+    replay.add(
+        2,
+        torch.full((120, 1), 2.0),
+        torch.zeros(120, 1),
+        100 + torch.arange(120).float(),
+        torch.full((120, 1), 2.0),
+        torch.zeros(120),
+    )
     assert int(replay.sizes()[2]) == 100
     (_, _, rewards, _, _), writers = replay.sample(20000, g)
     assert rewards[writers == 2].min() >= 30  # rows 10..29 of the second batch overwrote everything older
@@ -301,8 +345,9 @@ def test_delayed_reward_gives_the_sum_every_f_steps_or_at_the_end():
     np.testing.assert_allclose(out[:, 0], [0, 0, 6, 0, 9, 0])  # every 3 steps, then at the episode's end
     np.testing.assert_allclose(out[:, 1], [0, 30, 0, 0, 0, 15])  # at the end; the reset step counts for nothing
     passthrough = DelayedReward(num_envs=2, delay=0)
-    np.testing.assert_allclose(passthrough(np.array([1.5, -2.0]), np.zeros(2, bool), np.array([True, False])),
-                               [1.5, 0.0])
+    np.testing.assert_allclose(
+        passthrough(np.array([1.5, -2.0]), np.zeros(2, bool), np.array([True, False])), [1.5, 0.0]
+    )
 
 
 def test_task_defaults_follow_appendix_i():
@@ -334,13 +379,38 @@ def check_selections(run, num_learners, rho, d_min):
     return lines
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("delay", [0, 20])
 def test_smoke_halfcheetah(tmp_path, delay):
     """Two learners on HalfCheetah-v4 (1000-step episodes), with and without delayed rewards."""
-    run = run_script("p3s_td3.py", ["--env-id", "HalfCheetah-v4", "--num-learners", "2", "--total-timesteps", "2400",
-                                    "--t-initial", "300", "--best-period", "100", "--hidden", "32", "32",
-                                    "--buffer-size", "10000", "--eval-episodes", "1", "--save-model",
-                                    "--reward-delay", str(delay), "--log-interval", "1"], tmp_path)
+    run = run_script(
+        "p3s_td3.py",
+        [
+            "--env-id",
+            "HalfCheetah-v4",
+            "--num-learners",
+            "2",
+            "--total-timesteps",
+            "2400",
+            "--t-initial",
+            "300",
+            "--best-period",
+            "100",
+            "--hidden",
+            "32",
+            "32",
+            "--buffer-size",
+            "10000",
+            "--eval-episodes",
+            "1",
+            "--save-model",
+            "--reward-delay",
+            str(delay),
+            "--log-interval",
+            "1",
+        ],
+        tmp_path,
+    )
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["total_timesteps"] == 2400 and summary["num_learners"] == 2
     assert summary["updates_per_learner"] == [900, 900]  # one update per step after T_initial
@@ -353,19 +423,48 @@ def test_smoke_halfcheetah(tmp_path, delay):
     lines = check_selections(run, 2, 2.0, saved["d_min"])
     assert len(lines) == 9  # at t = 400, 500, ..., 1200
     tags = events_tags(run)
-    assert {"charts/episodic_return", "charts/learner_0/episodic_return", "charts/learner_1/episodic_return",
-            "stats/beta", "stats/d_spread", "stats/d_change", "stats/best_learner", "charts/SPS",
-            "losses/learner_0/qf_loss", "losses/learner_1/actor_loss", "charts/eval_return"} <= tags
+    assert {
+        "charts/episodic_return",
+        "charts/learner_0/episodic_return",
+        "charts/learner_1/episodic_return",
+        "stats/beta",
+        "stats/d_spread",
+        "stats/d_change",
+        "stats/best_learner",
+        "charts/SPS",
+        "losses/learner_0/qf_loss",
+        "losses/learner_1/actor_loss",
+        "charts/eval_return",
+    } <= tags
     checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
     assert len(checkpoint["actors"]) == 2 and checkpoint["actor_config"]["action_dim"] == 6
     assert evaluate_cli(run)["episodes"] == 2
 
 
+@pytest.mark.e2e
 def test_smoke_one_learner_is_td3_with_video(tmp_path):
     """--num-learners 1: no selection, no guidance, no β; a classic-control task records its evaluation."""
-    run = run_script("p3s_td3.py", ["--env-id", "Pendulum-v1", "--num-learners", "1", "--total-timesteps", "700",
-                                    "--t-initial", "200", "--best-period", "100", "--hidden", "32",
-                                    "--eval-episodes", "1", "--capture-video"], tmp_path)
+    run = run_script(
+        "p3s_td3.py",
+        [
+            "--env-id",
+            "Pendulum-v1",
+            "--num-learners",
+            "1",
+            "--total-timesteps",
+            "700",
+            "--t-initial",
+            "200",
+            "--best-period",
+            "100",
+            "--hidden",
+            "32",
+            "--eval-episodes",
+            "1",
+            "--capture-video",
+        ],
+        tmp_path,
+    )
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["updates_per_learner"] == [500] and summary["foreign_sample_fraction"] == [0.0]
     assert open(os.path.join(run, "population.jsonl")).read() == ""
@@ -374,36 +473,76 @@ def test_smoke_one_learner_is_td3_with_video(tmp_path):
     assert os.path.getsize(os.path.join(run, "videos", "eval_episode_0.png")) > 1000
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--env-id", "HalfCheetah-v9"], "unknown env id"),
-    (["--env-id", "CartPole-v1"], "discrete actions"),
-    (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
-    (["--env-id", "Pendulum-v1", "--num-learners", "0"], "--num-learners"),
-    (["--env-id", "Pendulum-v1", "--num-learners", "4", "--buffer-size", "300"], "--buffer-size"),
-    (["--env-id", "Pendulum-v1", "--t-initial", "2500", "--total-timesteps", "5000"], "before the first update"),
-    (["--env-id", "Pendulum-v1", "--beta-init", "5000"], "--beta-init"),
-    (["--env-id", "Pendulum-v1", "--tau", "2"], "--tau"),
-    (["--resume", "runs/no-such-run"], "--resume"),
-])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--env-id", "HalfCheetah-v9"], "unknown env id"),
+        (["--env-id", "CartPole-v1"], "discrete actions"),
+        (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
+        (["--env-id", "Pendulum-v1", "--num-learners", "0"], "--num-learners"),
+        (["--env-id", "Pendulum-v1", "--num-learners", "4", "--buffer-size", "300"], "--buffer-size"),
+        (["--env-id", "Pendulum-v1", "--t-initial", "2500", "--total-timesteps", "5000"], "before the first update"),
+        (["--env-id", "Pendulum-v1", "--beta-init", "5000"], "--beta-init"),
+        (["--env-id", "Pendulum-v1", "--tau", "2"], "--tau"),
+        (["--resume", "runs/no-such-run"], "--resume"),
+    ],
+)
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("p3s_td3.py", argv, tmp_path, needle)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["learner", "sigint", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    assert_killed_process_ends_the_run("p3s_td3.py", argv=["--env-id", "Pendulum-v1", "--num-learners", "2",
-                                                           "--t-initial", "100", "--best-period", "50",
-                                                           "--hidden", "32", "--total-timesteps", "100000000"],
-                                       run_dir=tmp_path, victim=victim)
+    assert_killed_process_ends_the_run(
+        "p3s_td3.py",
+        argv=[
+            "--env-id",
+            "Pendulum-v1",
+            "--num-learners",
+            "2",
+            "--t-initial",
+            "100",
+            "--best-period",
+            "50",
+            "--hidden",
+            "32",
+            "--total-timesteps",
+            "100000000",
+        ],
+        run_dir=tmp_path,
+        victim=victim,
+    )
 
 
+@pytest.mark.e2e
 def test_learners_exit_when_the_main_process_is_killed(tmp_path):
     """SIGKILL leaves the main process no chance to stop its learners: they notice and exit, even while one
     waits for the other at a selection."""
-    proc = subprocess.Popen([sys.executable, "p3s_td3.py", "--env-id", "Pendulum-v1", "--num-learners", "2",
-                             "--t-initial", "100", "--best-period", "50", "--hidden", "32",
-                             "--total-timesteps", "100000000", "--run-dir", str(tmp_path)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "p3s_td3.py",
+            "--env-id",
+            "Pendulum-v1",
+            "--num-learners",
+            "2",
+            "--t-initial",
+            "100",
+            "--best-period",
+            "50",
+            "--hidden",
+            "32",
+            "--total-timesteps",
+            "100000000",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         learners = wait_for_actors(proc)
         time.sleep(3.0)
@@ -418,10 +557,12 @@ def test_learners_exit_when_the_main_process_is_killed(tmp_path):
             proc.kill()
 
 
+@pytest.mark.e2e
 def test_learns_pendulum_with_its_family_defaults(tmp_path):
     """`--env-id Pendulum-v1` alone (the classic-control family: 2 learners, T_initial 1000, 20k steps of both
     learners together, about 2 minutes on 2 CPU cores): the better learner's deterministic policy scores at least
-    −300 over 10 evaluation episodes (random policies score about −1200; README: seeds 1-3 scored −192.1, −171.0, −182.2)."""
+    −300 over 10 evaluation episodes (random policies score about −1200; README: seeds 1-3 scored −192.1, −171.0,
+    −182.2)."""
     run = run_script("p3s_td3.py", ["--env-id", "Pendulum-v1"], tmp_path, timeout=900)
     saved = json.load(open(os.path.join(run, "args.json")))
     assert saved["task_family"] == "classic" and (saved["num_learners"], saved["t_initial"]) == (2, 1000)
@@ -431,16 +572,34 @@ def test_learns_pendulum_with_its_family_defaults(tmp_path):
     assert np.mean(returns[:10]) < -900  # it started from random behaviour
 
 
-SMALL = ["--env-id", "Pendulum-v1", "--num-learners", "2", "--t-initial", "100", "--best-period", "50", "--hidden", "32",
-         "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+SMALL = [
+    "--env-id",
+    "Pendulum-v1",
+    "--num-learners",
+    "2",
+    "--t-initial",
+    "100",
+    "--best-period",
+    "50",
+    "--hidden",
+    "32",
+    "--eval-episodes",
+    "0",
+    "--log-interval",
+    "0.5",
+    "--seed",
+    "3",
+]
 
 
+@pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     """A run SIGKILLed after a checkpoint continues with --resume: each learner's networks, Adam states, π_b,
     π_old and replay part as saved at the same selection, β and the best learner, the step counters; curves go
     on from the checkpoint's step and population.jsonl is appended to."""
-    ckpt = kill_after_first_checkpoint("p3s_td3.py", [*SMALL, "--total-timesteps", "12000",
-                                                      "--checkpoint-interval", "0.5", "--save-model"], tmp_path)
+    ckpt = kill_after_first_checkpoint(
+        "p3s_td3.py", [*SMALL, "--total-timesteps", "12000", "--checkpoint-interval", "0.5", "--save-model"], tmp_path
+    )
     run = os.path.dirname(ckpt)
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
     saved = torch.load(ckpt, weights_only=False)
@@ -459,9 +618,10 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert summary["updates_per_learner"] == [6000 - 100] * 2
     final = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
     assert final["t"] == 6000 and sorted(glob.glob(os.path.join(run, "learner_*.pt"))) == [
-        os.path.join(run, f"learner_{i}.6000.pt") for i in range(2)]
+        os.path.join(run, f"learner_{i}.6000.pt") for i in range(2)
+    ]
     selections = open(os.path.join(run, "population.jsonl")).read().splitlines()
-    assert selections[:len(selections_before)] == selections_before and len(selections) > len(selections_before)
+    assert selections[: len(selections_before)] == selections_before and len(selections) > len(selections_before)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run, size_guidance={"scalars": 0})
@@ -471,10 +631,15 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
 
 
+@pytest.mark.e2e
 def test_ctrl_c_leaves_a_checkpoint_at_the_next_selection(tmp_path):
-    proc = subprocess.Popen([sys.executable, "p3s_td3.py", *SMALL, "--total-timesteps", "100000000",
-                             "--run-dir", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "p3s_td3.py", *SMALL, "--total-timesteps", "100000000", "--run-dir", str(tmp_path)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         learners = wait_for_actors(proc)
         time.sleep(4.0)
@@ -489,7 +654,9 @@ def test_ctrl_c_leaves_a_checkpoint_at_the_next_selection(tmp_path):
     assert saved["t"] % 50 == 0 and saved["t"] > 100
 
 
+@pytest.mark.e2e
 def test_non_finite_loss_stops_the_run(tmp_path):
-    line, _ = assert_non_finite_stops_the_run("p3s_td3.py", SMALL[:-6] + ["--total-timesteps", "100000"], tmp_path,
-                                              checkpoint_expected=False)
+    line, _ = assert_non_finite_stops_the_run(
+        "p3s_td3.py", SMALL[:-6] + ["--total-timesteps", "100000"], tmp_path, checkpoint_expected=False
+    )
     assert "loss" in line

@@ -13,8 +13,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, nstep_returns, vmpo_weights  # noqa: E402
-from tests.helpers import (assert_killed_process_ends_the_run, ctrl_c_during_second_update, assert_non_finite_stops_the_run, assert_usage_error, events_tags,  # noqa: E402
-                           imported_envpool_modules, kill_after_first_checkpoint, run_script)
+from tests.helpers import (
+    assert_killed_process_ends_the_run,
+    ctrl_c_during_second_update,
+    assert_non_finite_stops_the_run,
+    assert_usage_error,
+    events_tags,  # noqa: E402
+    imported_envpool_modules,
+    kill_after_first_checkpoint,
+    run_script,
+)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -51,7 +59,7 @@ def weights_reference(advantages, eta, eps_eta, mask=None, fraction=0.5):
     adv = advantages.reshape(-1).tolist()
     valid = [True] * len(adv) if mask is None else mask.reshape(-1).tolist()
     order = sorted((i for i in range(len(adv)) if valid[i]), key=lambda i: adv[i], reverse=True)
-    top = order[:max(1, int(len(order) * fraction))]
+    top = order[: max(1, int(len(order) * fraction))]
     z = sum(math.exp(adv[i] / eta) for i in top)
     psi = [0.0] * len(adv)
     for i in top:
@@ -60,8 +68,10 @@ def weights_reference(advantages, eta, eps_eta, mask=None, fraction=0.5):
     return torch.tensor(psi, dtype=torch.float64).view_as(advantages), loss
 
 
-@pytest.mark.parametrize("shape,eta,use_mask,fraction", [((7, 6), 0.8, False, 0.5), ((9, 4), 2.5, True, 0.5),
-                                                         ((5, 3), 0.3, True, 0.25), ((1, 1), 1.0, False, 0.5)])
+@pytest.mark.parametrize(
+    "shape,eta,use_mask,fraction",
+    [((7, 6), 0.8, False, 0.5), ((9, 4), 2.5, True, 0.5), ((5, 3), 0.3, True, 0.25), ((1, 1), 1.0, False, 0.5)],
+)
 def test_vmpo_weights_match_brute_force(shape, eta, use_mask, fraction):
     g = torch.Generator().manual_seed(shape[0])
     adv = torch.randn(*shape, generator=g, dtype=torch.float64) * 2
@@ -189,10 +199,16 @@ def test_vmpo_loss_reset_steps_and_truncation():
     T, B, A, H = 5, 3, 4, 8
     agent = vmpo_atari.Agent((6,), A, use_lstm=False, head_hidden=H, mlp_hidden=(16,), popart_beta=0.5)
     m = vmpo_atari.LagrangeMultipliers()
-    batch = {"obs": torch.randn(T + 1, B, 6), "prev_action": torch.zeros(T + 1, B, dtype=torch.long),
-             "reward": torch.randn(T + 1, B), "first": torch.zeros(T + 1, B, dtype=torch.bool),
-             "ended": torch.zeros(T + 1, B, dtype=torch.bool), "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
-             "action": torch.randint(0, A, (T + 1, B)), "logits": torch.zeros(T + 1, B, A)}
+    batch = {
+        "obs": torch.randn(T + 1, B, 6),
+        "prev_action": torch.zeros(T + 1, B, dtype=torch.long),
+        "reward": torch.randn(T + 1, B),
+        "first": torch.zeros(T + 1, B, dtype=torch.bool),
+        "ended": torch.zeros(T + 1, B, dtype=torch.bool),
+        "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
+        "action": torch.randint(0, A, (T + 1, B)),
+        "logits": torch.zeros(T + 1, B, A),
+    }
     batch["ended"][2, 0] = True  # env 0: truncated at row 2 (no termination): step 2 is a reset step
     batch["ended"][1, 1] = batch["terminated"][1, 1] = True  # env 1: terminated at row 1: step 1 is a reset step
     batch["first"][3, 0] = batch["first"][2, 1] = True
@@ -227,7 +243,8 @@ def test_vmpo_loss_reset_steps_and_truncation():
     assert float(captured["advantages"][1, 0]) == pytest.approx((g1 - float(v_before[1, 0])) / sigma, rel=1e-4)
     # and the terminated env 1 at step 0: G_0 = r_1 only
     assert float(captured["advantages"][0, 1]) == pytest.approx(
-        (float(batch["reward"][1, 1]) - float(v_before[0, 1])) / sigma, rel=1e-4)
+        (float(batch["reward"][1, 1]) - float(v_before[0, 1])) / sigma, rel=1e-4
+    )
 
 
 def test_vmpo_loss_multitask_popart_per_game():
@@ -239,10 +256,17 @@ def test_vmpo_loss_multitask_popart_per_game():
     m = vmpo_atari.LagrangeMultipliers()
     task = torch.tensor([0, 1, 0, 1]).repeat(T + 1, 1)
     scale = torch.tensor([1.0, 100.0])[task]  # game 1 pays 100x more
-    batch = {"obs": torch.randn(T + 1, B, 6), "prev_action": torch.zeros(T + 1, B, dtype=torch.long),
-             "reward": torch.rand(T + 1, B) * scale, "first": torch.zeros(T + 1, B, dtype=torch.bool),
-             "ended": torch.zeros(T + 1, B, dtype=torch.bool), "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
-             "action": torch.randint(0, A, (T + 1, B)), "logits": torch.zeros(T + 1, B, A), "task": task}
+    batch = {
+        "obs": torch.randn(T + 1, B, 6),
+        "prev_action": torch.zeros(T + 1, B, dtype=torch.long),
+        "reward": torch.rand(T + 1, B) * scale,
+        "first": torch.zeros(T + 1, B, dtype=torch.bool),
+        "ended": torch.zeros(T + 1, B, dtype=torch.bool),
+        "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
+        "action": torch.randint(0, A, (T + 1, B)),
+        "logits": torch.zeros(T + 1, B, A),
+        "task": task,
+    }
     logits, feats, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"])
     with torch.no_grad():
         out = agent.popart(feats)
@@ -284,8 +308,19 @@ def check_run(run_path, expect_model=True):
     summary = json.load(open(os.path.join(run_path, "summary.json")))
     assert summary["total_timesteps"] > 0 and summary["sps"] > 0
     tags = events_tags(run_path)
-    for tag in ("charts/SPS", "losses/value_loss", "losses/policy_loss", "losses/eta_loss", "losses/alpha_loss",
-                "stats/eta", "stats/alpha", "stats/kl", "stats/kl_psi", "stats/popart_mu", "stats/popart_sigma"):
+    for tag in (
+        "charts/SPS",
+        "losses/value_loss",
+        "losses/policy_loss",
+        "losses/eta_loss",
+        "losses/alpha_loss",
+        "stats/eta",
+        "stats/alpha",
+        "stats/kl",
+        "stats/kl_psi",
+        "stats/popart_mu",
+        "stats/popart_sigma",
+    ):
         assert tag in tags, (tag, tags)
     for tag in ("stats/eta", "stats/alpha"):
         assert min(events_tags(run_path, values_of=tag)) >= 1e-8
@@ -302,29 +337,84 @@ def check_run(run_path, expect_model=True):
 TINY = ["--channels", "4", "8", "8", "--lstm-size", "32", "--head-hidden", "32"]
 
 
-@pytest.mark.parametrize("extra", [["--capture-video", "--target-update-period", "2"],
-                                   ["--no-use-lstm", "--network", "shallow", "--channels", "8", "16",
-                                    "--num-actors", "2"]], ids=["deep-lstm", "shallow-ff"])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--capture-video", "--target-update-period", "2"],
+        ["--no-use-lstm", "--network", "shallow", "--channels", "8", "16", "--num-actors", "2"],
+    ],
+    ids=["deep-lstm", "shallow-ff"],
+)
 def test_smoke_breakout(tmp_path, extra):
-    run_path = run_script("vmpo_atari.py", ["--env-id", "Breakout-v5", "--total-timesteps", "640", "--num-envs", "4",
-                                            "--batch-size", "4", "--num-minibatches", "2", "--unroll-length", "20",
-                                            *TINY, "--save-model",
-                                            "--eval-episodes", "1", *extra], tmp_path)
+    run_path = run_script(
+        "vmpo_atari.py",
+        [
+            "--env-id",
+            "Breakout-v5",
+            "--total-timesteps",
+            "640",
+            "--num-envs",
+            "4",
+            "--batch-size",
+            "4",
+            "--num-minibatches",
+            "2",
+            "--unroll-length",
+            "20",
+            *TINY,
+            "--save-model",
+            "--eval-episodes",
+            "1",
+            *extra,
+        ],
+        tmp_path,
+    )
     check_run(run_path)
     assert os.path.isfile(os.path.join(run_path, "videos", "eval_episode_0.png")) == ("--capture-video" in extra)
     if "--target-update-period" in extra:  # 8 updates, refresh every 2
         assert events_tags(run_path, values_of="stats/target_version")[-1] == 4
 
 
+@pytest.mark.e2e
 def test_smoke_multitask_three_games(tmp_path):
     """One agent on Pong, Breakout and Boxing (one actor each, the full 18 actions): per-game curves, per-game
     PopArt statistics, and the per-game evaluation table."""
     games = ["Pong-v5", "Breakout-v5", "Boxing-v5"]
-    run_path = run_script("vmpo_atari.py", ["--env-ids", *games, "--num-actors", "3", "--num-envs", "6",
-                                            "--batch-size", "6", "--num-minibatches", "1", "--unroll-length", "20",
-                                            "--no-use-lstm", "--network", "shallow", "--channels", "8", "16",
-                                            "--head-hidden", "32", "--total-timesteps", "12000", "--save-model",
-                                            "--eval-episodes", "1", "--log-interval", "1"], tmp_path, timeout=600)
+    run_path = run_script(
+        "vmpo_atari.py",
+        [
+            "--env-ids",
+            *games,
+            "--num-actors",
+            "3",
+            "--num-envs",
+            "6",
+            "--batch-size",
+            "6",
+            "--num-minibatches",
+            "1",
+            "--unroll-length",
+            "20",
+            "--no-use-lstm",
+            "--network",
+            "shallow",
+            "--channels",
+            "8",
+            "16",
+            "--head-hidden",
+            "32",
+            "--total-timesteps",
+            "12000",
+            "--save-model",
+            "--eval-episodes",
+            "1",
+            "--log-interval",
+            "1",
+        ],
+        tmp_path,
+        timeout=600,
+    )
     assert os.path.basename(run_path).startswith("3games__")
     tags = events_tags(run_path)
     for g in games:
@@ -338,62 +428,125 @@ def test_smoke_multitask_three_games(tmp_path):
     assert [r["env_id"] for r in table["games"]] == games and table["median_human_normalized"] is not None
 
 
+@pytest.mark.e2e
 def test_smoke_torchrun_two_learners(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "vmpo_atari.py"]
-    run_path = run_script(cmd, ["--env-id", "CartPole-v1", "--total-timesteps", "3200", "--num-envs", "4",
-                                "--batch-size", "8", "--num-minibatches", "4", "--unroll-length", "20",
-                                "--no-use-lstm", "--save-model",
-                                "--eval-episodes", "1"], tmp_path)
+    run_path = run_script(
+        cmd,
+        [
+            "--env-id",
+            "CartPole-v1",
+            "--total-timesteps",
+            "3200",
+            "--num-envs",
+            "4",
+            "--batch-size",
+            "8",
+            "--num-minibatches",
+            "4",
+            "--unroll-length",
+            "20",
+            "--no-use-lstm",
+            "--save-model",
+            "--eval-episodes",
+            "1",
+        ],
+        tmp_path,
+    )
     check_run(run_path)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--env-id", "Breakot-v5"], "unknown env id"),
-    (["--env-id", "HalfCheetah-v4"], "continuous actions"),
-    (["--env-id", "CartPole-v1", "--top-fraction", "0"], "--top-fraction"),
-    (["--env-id", "CartPole-v1", "--eps-alpha", "-1"], "--eps-alpha"),
-    (["--env-id", "Breakout-v5", "--channels", "16", "32"], "--channels"),
-    (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
-    (["--env-id", "CartPole-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
-    (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
-    (["--env-ids", "atari5", "--num-actors", "4", "--num-envs", "8"], "multiple of the number of games (5)"),
-    (["--resume", "runs/no-such-run"], "--resume"),
-])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--env-id", "Breakot-v5"], "unknown env id"),
+        (["--env-id", "HalfCheetah-v4"], "continuous actions"),
+        (["--env-id", "CartPole-v1", "--top-fraction", "0"], "--top-fraction"),
+        (["--env-id", "CartPole-v1", "--eps-alpha", "-1"], "--eps-alpha"),
+        (["--env-id", "Breakout-v5", "--channels", "16", "32"], "--channels"),
+        (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
+        (["--env-id", "CartPole-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
+        (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
+        (["--env-ids", "atari5", "--num-actors", "4", "--num-envs", "8"], "multiple of the number of games (5)"),
+        (["--resume", "runs/no-such-run"], "--resume"),
+    ],
+)
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("vmpo_atari.py", argv, tmp_path, needle)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["actor", "sigint", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    argv = ["--env-id", "CartPole-v1", "--total-timesteps", "100000000", "--num-envs", "4", "--batch-size", "4",
-            "--num-minibatches", "1", "--unroll-length", "10", "--no-use-lstm", "--eval-episodes", "0"]
+    argv = [
+        "--env-id",
+        "CartPole-v1",
+        "--total-timesteps",
+        "100000000",
+        "--num-envs",
+        "4",
+        "--batch-size",
+        "4",
+        "--num-minibatches",
+        "1",
+        "--unroll-length",
+        "10",
+        "--no-use-lstm",
+        "--eval-episodes",
+        "0",
+    ]
     assert_killed_process_ends_the_run("vmpo_atari.py", argv, tmp_path, victim)
 
 
 # --------------------------------------------------------------------------------------------------------
 # Learning.
 
+
+@pytest.mark.e2e
 def test_learns_cartpole_with_its_family_defaults(tmp_path):
     """`--env-id CartPole-v1` alone (the classic-control family's defaults, 300k steps): the mean return over 100
     consecutive episodes reaches 400 on 2 CPU cores. Measured (README): last 100 episodes 491.4, 500.0, 500.0 for
     seeds 1-3 with two Atari runs sharing the cores; the actors run asynchronously and one CI run under load was
     50-100k steps later than that, hence the best window rather than the last."""
-    run_path = run_script("vmpo_atari.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path,
-                          timeout=900)
+    run_path = run_script("vmpo_atari.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path, timeout=900)
     saved = json.load(open(os.path.join(run_path, "args.json")))
     assert saved["task_family"] == "classic" and saved["total_timesteps"] == 300_000 and not saved["use_lstm"]
     returns = events_tags(run_path, values_of="charts/episodic_return")
     assert len(returns) >= 100
-    best100 = max(sum(returns[i:i + 100]) / 100 for i in range(len(returns) - 99))
+    best100 = max(sum(returns[i : i + 100]) / 100 for i in range(len(returns) - 99))
     assert best100 >= 400, f"best mean return over 100 consecutive episodes {best100:.1f} < 400"
 
 
+@pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, η, α, PopArt,
     the target network and the counters from the checkpoint, curves continuing from its step."""
-    argv = ["--env-id", "CartPole-v1", "--total-timesteps", "64000", "--num-envs", "4", "--batch-size", "4",
-            "--num-minibatches", "1", "--unroll-length", "20", "--no-use-lstm", "--target-update-period", "10",
-            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    argv = [
+        "--env-id",
+        "CartPole-v1",
+        "--total-timesteps",
+        "64000",
+        "--num-envs",
+        "4",
+        "--batch-size",
+        "4",
+        "--num-minibatches",
+        "1",
+        "--unroll-length",
+        "20",
+        "--no-use-lstm",
+        "--target-update-period",
+        "10",
+        "--checkpoint-interval",
+        "0.5",
+        "--eval-episodes",
+        "0",
+        "--log-interval",
+        "0.5",
+        "--seed",
+        "3",
+    ]
     ckpt = kill_after_first_checkpoint("vmpo_atari.py", argv, tmp_path)
     run = os.path.dirname(ckpt)
     saved = torch.load(ckpt, weights_only=False)
@@ -413,13 +566,17 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
 
 
+@pytest.mark.e2e
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-    line, state = assert_non_finite_stops_the_run("vmpo_atari.py", ["--env-id", "CartPole-v1", "--num-envs", "4",
-                                                                    "--batch-size", "4", "--num-minibatches", "1",
-                                                                    "--no-use-lstm"], tmp_path)
+    line, state = assert_non_finite_stops_the_run(
+        "vmpo_atari.py",
+        ["--env-id", "CartPole-v1", "--num-envs", "4", "--batch-size", "4", "--num-minibatches", "1", "--no-use-lstm"],
+        tmp_path,
+    )
     assert "at update" in line and state["update"] >= 1
 
 
+@pytest.mark.e2e
 def test_ctrl_c_with_the_default_network_stops_within_seconds(tmp_path):
     """The default ResNet + LSTM on a CPU, where one update takes long: Ctrl-C while an update is in progress ends
     the run within 10 s with exit 130, and the checkpoint holds the last completed update; the update in progress

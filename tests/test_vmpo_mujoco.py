@@ -13,11 +13,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_mujoco  # noqa: E402
-from vmpo_mujoco import (gaussian_kl_parts, gaussian_log_prob, kl_constraint_loss, nstep_returns,  # noqa: E402
-                         vmpo_weights)
-from tests.helpers import (evaluate_cli, assert_killed_process_ends_the_run, assert_non_finite_stops_the_run,  # noqa: E402
-                           assert_usage_error, events_tags, imported_envpool_modules, kill_after_first_checkpoint,
-                           run_script)
+from vmpo_mujoco import (
+    gaussian_kl_parts,
+    gaussian_log_prob,
+    kl_constraint_loss,
+    nstep_returns,  # noqa: E402
+    vmpo_weights,
+)
+from tests.helpers import (
+    evaluate_cli,
+    assert_killed_process_ends_the_run,
+    assert_non_finite_stops_the_run,  # noqa: E402
+    assert_usage_error,
+    events_tags,
+    imported_envpool_modules,
+    kill_after_first_checkpoint,
+    run_script,
+)
 from tests.test_vmpo_atari import weights_reference  # noqa: E402
 
 
@@ -46,11 +58,15 @@ def test_nstep_returns_match_eq1_plain_loop():
 def _kl_eq23_24_25(mu1, std1, mu2, std2):
     """Eqs. (23)-(25) with dense matrices: KL(N(μ1, Σ1) ‖ N(μ2, Σ2)) and its mean and covariance parts, where
     N(μ1, Σ1) is the target (old) policy."""
-    s1, s2 = np.diag(std1 ** 2), np.diag(std2 ** 2)
+    s1, s2 = np.diag(std1**2), np.diag(std2**2)
     d = len(mu1)
     diff = mu2 - mu1
-    full = 0.5 * (diff @ np.linalg.inv(s2) @ diff + np.trace(np.linalg.inv(s2) @ s1) - d
-                  + np.log(np.linalg.det(s2) / np.linalg.det(s1)))
+    full = 0.5 * (
+        diff @ np.linalg.inv(s2) @ diff
+        + np.trace(np.linalg.inv(s2) @ s1)
+        - d
+        + np.log(np.linalg.det(s2) / np.linalg.det(s1))
+    )
     kl_mu = 0.5 * diff @ np.linalg.inv(s1) @ diff  # Eq. (24): Σ_old
     kl_sigma = 0.5 * (np.trace(np.linalg.inv(s2) @ s1) - d + np.log(np.linalg.det(s2) / np.linalg.det(s1)))
     return full, kl_mu, kl_sigma
@@ -71,7 +87,7 @@ def test_gaussian_kl_parts_match_appendix_c():
         assert math.isclose(float(kl_mu), ref_mu, rel_tol=1e-10)
         assert math.isclose(float(kl_sigma), ref_sigma, rel_tol=1e-10, abs_tol=1e-12)
         # with the online covariance instead the mean part would differ: the test can tell
-        assert not math.isclose(ref_mu, 0.5 * ((mu2 - mu1) ** 2 / std2 ** 2).sum(), rel_tol=1e-6)
+        assert not math.isclose(ref_mu, 0.5 * ((mu2 - mu1) ** 2 / std2**2).sum(), rel_tol=1e-6)
         # KL_μ is the full KL of N(μ_t, Σ_t) ‖ N(μ, Σ_t); KL_Σ that of N(μ_t, Σ_t) ‖ N(μ_t, Σ)
         assert math.isclose(_kl_eq23_24_25(mu1, std1, mu2, std1)[0], ref_mu, rel_tol=1e-10)
         assert math.isclose(_kl_eq23_24_25(mu1, std1, mu1, std2)[0], ref_sigma, rel_tol=1e-10, abs_tol=1e-12)
@@ -80,8 +96,9 @@ def test_gaussian_kl_parts_match_appendix_c():
         same_cov = gaussian_kl_parts(t[0], t[1], t[2], t[1])
         assert math.isclose(float(sum(same_cov)), _kl_eq23_24_25(mu1, std1, mu2, std1)[0], rel_tol=1e-10)
         # for the same covariance, torch's own closed form agrees with the sum
-        ref = torch.distributions.kl_divergence(torch.distributions.Normal(t[0], t[1]),
-                                                torch.distributions.Normal(t[2], t[1])).sum()
+        ref = torch.distributions.kl_divergence(
+            torch.distributions.Normal(t[0], t[1]), torch.distributions.Normal(t[2], t[1])
+        ).sum()
         assert math.isclose(float(sum(same_cov)), float(ref), rel_tol=1e-10)
 
 
@@ -101,7 +118,11 @@ def test_gaussian_kl_parts_are_decoupled():
 
 def test_gaussian_log_prob_matches_torch():
     g = torch.Generator().manual_seed(3)
-    a, m, s = torch.randn(4, 5, 3, generator=g), torch.randn(4, 5, 3, generator=g), torch.rand(4, 5, 3, generator=g) + .1
+    a, m, s = (
+        torch.randn(4, 5, 3, generator=g),
+        torch.randn(4, 5, 3, generator=g),
+        torch.rand(4, 5, 3, generator=g) + 0.1,
+    )
     ref = torch.distributions.Normal(m, s).log_prob(a).sum(-1)
     torch.testing.assert_close(gaussian_log_prob(a, m, s), ref)
 
@@ -120,9 +141,13 @@ def test_vmpo_weights_match_brute_force(shape, eta, use_mask):
 def _batch(agent, T=6, B=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     d, obs_dim = agent.action_dim, agent.obs_norm.mean.shape[0]
-    batch = {"obs": torch.randn(T + 1, B, obs_dim, generator=g), "reward": torch.randn(T + 1, B, generator=g),
-             "ended": torch.zeros(T + 1, B, dtype=torch.bool), "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
-             "action": torch.randn(T + 1, B, d, generator=g)}
+    batch = {
+        "obs": torch.randn(T + 1, B, obs_dim, generator=g),
+        "reward": torch.randn(T + 1, B, generator=g),
+        "ended": torch.zeros(T + 1, B, dtype=torch.bool),
+        "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
+        "action": torch.randn(T + 1, B, d, generator=g),
+    }
     with torch.no_grad():
         mean, std, _ = agent(batch["obs"])
     batch["mean"], batch["std"] = mean.clone(), std.clone()
@@ -168,7 +193,10 @@ def test_kl_terms_pull_the_policy_back_with_stop_gradient_alphas():
     torch.manual_seed(1)
     g = torch.Generator().manual_seed(1)
     tm, ts = torch.randn(4, 3, 2, generator=g), torch.rand(4, 3, 2, generator=g) + 0.5
-    m, s = torch.randn(4, 3, 2, generator=g, requires_grad=True), (torch.rand(4, 3, 2, generator=g) + .5).requires_grad_()
+    m, s = (
+        torch.randn(4, 3, 2, generator=g, requires_grad=True),
+        (torch.rand(4, 3, 2, generator=g) + 0.5).requires_grad_(),
+    )
     mask = torch.rand(4, 3, generator=g) > 0.3
     a_mu, a_sigma = torch.tensor(2.0, requires_grad=True), torch.tensor(7.0, requires_grad=True)
     kl_mu, kl_sigma = gaussian_kl_parts(tm, ts, m, s)
@@ -234,10 +262,12 @@ def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
 
 def test_agent_starts_with_the_same_gaussian_everywhere_and_actions_map_to_the_box():
     agent = vmpo_mujoco.Agent(7, 3, init_std=0.3)
-    assert [l.out_features for l in agent.core.net if isinstance(l, torch.nn.Linear)] == [512, 256]
+    assert [layer.out_features for layer in agent.core.net if isinstance(layer, torch.nn.Linear)] == [512, 256]
     assert agent.policy_mlp[0].out_features == 256 and agent.value_mlp[0].out_features == 256
     mean, std, feats = agent(torch.randn(4, 5, 7) * 10)
-    assert (mean == 0).all() and torch.allclose(std, torch.full_like(std, 0.3)) and agent.popart(feats).shape == (4, 5, 1)
+    assert (
+        (mean == 0).all() and torch.allclose(std, torch.full_like(std, 0.3)) and agent.popart(feats).shape == (4, 5, 1)
+    )
     low, high = np.array([-2.0, 0.0, -1.0]), np.array([2.0, 1.0, 1.0])
     out = vmpo_mujoco.to_env_action(np.array([[0.0, -1.0, 3.0], [-5.0, 0.5, 1.0]]), low, high)
     np.testing.assert_allclose(out, [[0.0, 0.0, 1.0], [-2.0, 0.75, 1.0]])
@@ -261,8 +291,12 @@ def test_presets_follow_table_7_and_flags_override_them():
     hum = vmpo_mujoco.parse_args(["--env-id", "HumanoidRun-v1", "--preset", "paper"])
     assert hum.unroll_length == 63 and 0.05 <= hum.eps_alpha_mu <= 0.5 and 1e-5 <= hum.eps_alpha_sigma < 5e-5
     assert hum.hidden == (512, 256)
-    assert vmpo_mujoco.parse_args(["--env-id", "HumanoidRun-v1", "--preset", "paper", "--unroll-length", "40"]
-                                  ).unroll_length == 40
+    assert (
+        vmpo_mujoco.parse_args(
+            ["--env-id", "HumanoidRun-v1", "--preset", "paper", "--unroll-length", "40"]
+        ).unroll_length
+        == 40
+    )
     assert vmpo_mujoco.parse_args(["--env-id", "Humanoid-v4", "--preset", "paper"]).unroll_length == 39  # Gym
 
 
@@ -291,12 +325,21 @@ def test_import_runs_nothing():
 def check_run(run_path):
     with open(os.path.join(run_path, "summary.json")) as f:
         summary = json.load(f)
-    for key in ("env_id", "total_timesteps", "wall_time_s", "sps", "mean_episodic_return_last_100",
-                "eval_mean_return"):
+    for key in ("env_id", "total_timesteps", "wall_time_s", "sps", "mean_episodic_return_last_100", "eval_mean_return"):
         assert key in summary
     tags = events_tags(run_path)
-    for tag in ("charts/episodic_return", "charts/SPS", "losses/value_loss", "losses/policy_loss", "stats/eta",
-                "stats/alpha_mu", "stats/alpha_sigma", "stats/kl_mu", "stats/kl_sigma", "stats/policy_std"):
+    for tag in (
+        "charts/episodic_return",
+        "charts/SPS",
+        "losses/value_loss",
+        "losses/policy_loss",
+        "stats/eta",
+        "stats/alpha_mu",
+        "stats/alpha_sigma",
+        "stats/kl_mu",
+        "stats/kl_sigma",
+        "stats/policy_std",
+    ):
         assert tag in tags, (tag, tags)
     from common.evaluation import main as eval_main
 
@@ -304,8 +347,9 @@ def check_run(run_path):
     assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
     model = torch.load(os.path.join(run_path, "model.pt"), weights_only=False)
     agent = model["agent"]
-    assert float(agent["obs_norm.count"]) > 0 and not torch.equal(agent["obs_norm.mean"],
-                                                                  torch.zeros_like(agent["obs_norm.mean"]))
+    assert float(agent["obs_norm.count"]) > 0 and not torch.equal(
+        agent["obs_norm.mean"], torch.zeros_like(agent["obs_norm.mean"])
+    )
     assert "popart.mu" in agent and "alpha_mu" in model["multipliers"]
     return summary
 
@@ -313,71 +357,159 @@ def check_run(run_path):
 TINY = ["--hidden", "32", "32", "--head-hidden", "32", "--save-model", "--eval-episodes", "1"]
 
 
-@pytest.mark.parametrize("env_id,extra", [("HalfCheetah-v4", ["--num-actors", "2", "--target-update-period", "2"]),
-                                          ("HumanoidRun-v1", ["--preset", "paper"])])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "env_id,extra",
+    [
+        ("HalfCheetah-v4", ["--num-actors", "2", "--target-update-period", "2"]),
+        ("HumanoidRun-v1", ["--preset", "paper"]),
+    ],
+)
 def test_smoke(tmp_path, env_id, extra):
     """HalfCheetah (Gym) with two actors; the dm_control humanoid, whose observations come as a dict."""
-    run_path = run_script("vmpo_mujoco.py", ["--env-id", env_id, "--total-timesteps", "4000", "--num-envs", "4",
-                                             "--batch-size", "4", "--num-minibatches", "2", "--unroll-length", "20",
-                                             *TINY, *extra], tmp_path)
+    run_path = run_script(
+        "vmpo_mujoco.py",
+        [
+            "--env-id",
+            env_id,
+            "--total-timesteps",
+            "4000",
+            "--num-envs",
+            "4",
+            "--batch-size",
+            "4",
+            "--num-minibatches",
+            "2",
+            "--unroll-length",
+            "20",
+            *TINY,
+            *extra,
+        ],
+        tmp_path,
+    )
     summary = check_run(run_path)
     assert summary["total_timesteps"] == 4000 // 80 * 80
     if "--target-update-period" in extra:  # 50 updates, refresh every 2
         assert events_tags(run_path, values_of="stats/target_version")[-1] == 25
 
 
+@pytest.mark.e2e
 def test_smoke_torchrun_two_learners(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "vmpo_mujoco.py"]
-    run_path = run_script(cmd, ["--env-id", "Pendulum-v1", "--total-timesteps", "3200", "--num-envs", "4",
-                                "--batch-size", "8", "--num-minibatches", "4", "--unroll-length", "20", *TINY], tmp_path)
+    run_path = run_script(
+        cmd,
+        [
+            "--env-id",
+            "Pendulum-v1",
+            "--total-timesteps",
+            "3200",
+            "--num-envs",
+            "4",
+            "--batch-size",
+            "8",
+            "--num-minibatches",
+            "4",
+            "--unroll-length",
+            "20",
+            *TINY,
+        ],
+        tmp_path,
+    )
     check_run(run_path)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--env-id", "HalfCheetah-v9"], "unknown env id"),
-    (["--env-id", "CartPole-v1"], "discrete actions"),
-    (["--env-id", "Pendulum-v1", "--capture-video"], "--capture-video"),
-    (["--env-id", "Pendulum-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
-    (["--env-id", "Pendulum-v1", "--eps-alpha-sigma", "0"], "--eps-alpha-sigma"),
-    (["--env-id", "Pendulum-v1", "--total-timesteps", "10"], "less than one batch"),
-    (["--preset", "humanoid-pixels"], "--preset"),
-    (["--resume", "runs/no-such-run"], "--resume"),
-])
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--env-id", "HalfCheetah-v9"], "unknown env id"),
+        (["--env-id", "CartPole-v1"], "discrete actions"),
+        (["--env-id", "Pendulum-v1", "--capture-video"], "--capture-video"),
+        (["--env-id", "Pendulum-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
+        (["--env-id", "Pendulum-v1", "--eps-alpha-sigma", "0"], "--eps-alpha-sigma"),
+        (["--env-id", "Pendulum-v1", "--total-timesteps", "10"], "less than one batch"),
+        (["--preset", "humanoid-pixels"], "--preset"),
+        (["--resume", "runs/no-such-run"], "--resume"),
+    ],
+)
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
     assert_usage_error("vmpo_mujoco.py", argv, tmp_path, needle)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["actor", "sigint", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    argv = ["--env-id", "Pendulum-v1", "--total-timesteps", "100000000", "--num-envs", "4", "--batch-size", "4",
-            "--num-minibatches", "1", "--unroll-length", "10", "--eval-episodes", "0"]
+    argv = [
+        "--env-id",
+        "Pendulum-v1",
+        "--total-timesteps",
+        "100000000",
+        "--num-envs",
+        "4",
+        "--batch-size",
+        "4",
+        "--num-minibatches",
+        "1",
+        "--unroll-length",
+        "10",
+        "--eval-episodes",
+        "0",
+    ]
     assert_killed_process_ends_the_run("vmpo_mujoco.py", argv, tmp_path, victim)
 
 
 # --------------------------------------------------------------------------------------------------------
 # Learning.
 
+
+@pytest.mark.e2e
 def test_learns_inverted_pendulum(tmp_path):
     """InvertedPendulum-v4 with `--env-id` and a budget alone (the MuJoCo family's defaults): within 300k steps
     (about a minute on 2 CPU cores) the mean return over 100 consecutive training episodes reaches 950 (the best
     is 1000; a random policy scores under 10), the target the README's seeds 1-3 meet."""
-    run_path = run_script("vmpo_mujoco.py", ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "300000",
-                                             "--eval-episodes", "0"], tmp_path, timeout=600)
+    run_path = run_script(
+        "vmpo_mujoco.py",
+        ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "300000", "--eval-episodes", "0"],
+        tmp_path,
+        timeout=600,
+    )
     saved = json.load(open(os.path.join(run_path, "args.json")))
     assert saved["task_family"] == "mujoco" and saved["num_envs"] == 32 and saved["target_update_period"] == 10
     returns = events_tags(run_path, values_of="charts/episodic_return")
     assert len(returns) >= 100
-    best100 = max(sum(returns[i:i + 100]) / 100 for i in range(len(returns) - 99))
+    best100 = max(sum(returns[i : i + 100]) / 100 for i in range(len(returns) - 99))
     assert best100 >= 950, f"best mean return over 100 consecutive episodes {best100:.1f} < 950"
 
 
+@pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, η, α_μ, α_Σ,
     the observation statistics, PopArt, the target network and the counters from the checkpoint, curves
     continuing from its step."""
-    argv = ["--env-id", "Pendulum-v1", "--total-timesteps", "40000", "--num-envs", "4", "--batch-size", "4",
-            "--num-minibatches", "1", "--unroll-length", "10", "--target-update-period", "10",
-            "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--log-interval", "0.5", "--seed", "3"]
+    argv = [
+        "--env-id",
+        "Pendulum-v1",
+        "--total-timesteps",
+        "40000",
+        "--num-envs",
+        "4",
+        "--batch-size",
+        "4",
+        "--num-minibatches",
+        "1",
+        "--unroll-length",
+        "10",
+        "--target-update-period",
+        "10",
+        "--checkpoint-interval",
+        "0.5",
+        "--eval-episodes",
+        "0",
+        "--log-interval",
+        "0.5",
+        "--seed",
+        "3",
+    ]
     ckpt = kill_after_first_checkpoint("vmpo_mujoco.py", argv + ["--save-model"], tmp_path)
     run = os.path.dirname(ckpt)
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
@@ -402,8 +534,22 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
 
 
+@pytest.mark.e2e
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-    line, state = assert_non_finite_stops_the_run("vmpo_mujoco.py", ["--env-id", "Pendulum-v1", "--num-envs", "4",
-                                                                     "--batch-size", "4", "--num-minibatches", "1",
-                                                                     "--unroll-length", "10"], tmp_path)
+    line, state = assert_non_finite_stops_the_run(
+        "vmpo_mujoco.py",
+        [
+            "--env-id",
+            "Pendulum-v1",
+            "--num-envs",
+            "4",
+            "--batch-size",
+            "4",
+            "--num-minibatches",
+            "1",
+            "--unroll-length",
+            "10",
+        ],
+        tmp_path,
+    )
     assert "at update" in line and state["update"] >= 1
