@@ -15,7 +15,7 @@ value loss on the same scale whatever the game's reward scale, so no reward clip
 | paper                                                           | here                                     |
 |-----------------------------------------------------------------|------------------------------------------|
 | Algorithm 1: target network, refreshed every T_target steps      | `Learner.publish` every `--target-update-period` |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `nstep_returns`                          |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `n_step_returns`                         |
 | Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `vmpo_loss`, `common/popart.py`          |
 | Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `vmpo_loss`        |
 | Eq. (13) temperature loss L_η                                    | `vmpo_weights` -> eta_loss               |
@@ -241,7 +241,7 @@ FAMILY_DEFAULTS = {
 
 
 @torch.no_grad()
-def nstep_returns(rewards, discounts, bootstrap_value):
+def n_step_returns(rewards, discounts, bootstrap_value):
     """Eq. (1): G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(s_n) for every ℓ of an unroll
     of length n, with per-step discounts γ_i = γ (1 − done_i). `[T, B]` inputs, bootstrap_value `[B]`."""
     acc = bootstrap_value
@@ -314,7 +314,7 @@ def vmpo_loss(logits, value_features, batch, agent, multipliers, args, popart_be
     discounts = args.gamma * (~batch["terminated"][1:]).float()
     discounts = torch.where(reset_step, 0.0, discounts)
     rewards = torch.where(reset_step, values[:-1], batch["reward"][1:])  # G_k = V(x_k) at a reset step
-    returns = nstep_returns(rewards, discounts, values[-1])
+    returns = n_step_returns(rewards, discounts, values[-1])
 
     popart.update(returns[mask], task[:-1][mask], popart_beta)  # new μ, σ; the layer is rescaled to keep V(s) unchanged
     value_norm = own(popart(value_features[:-1]))
@@ -995,12 +995,12 @@ def main(args: Args):
                         writer.add_scalar(f"stats/popart_sigma/{g}", agent.popart.sigma[k].item(), global_step)
                         writer.add_scalar(f"stats/popart_mu/{g}", agent.popart.mu[k].item(), global_step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
-                eta_min = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
+                minutes_left = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
                 print(
                     f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
                     f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} "
                     f"| η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
-                    f"KL {stats['stats/kl'].item():.4f} | ETA {eta_min:.1f} min",
+                    f"KL {stats['stats/kl'].item():.4f} | ETA {minutes_left:.1f} min",
                     flush=True,
                 )
                 last_log = now

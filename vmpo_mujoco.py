@@ -17,7 +17,7 @@ keeps exploring. A PopArt value head keeps the value loss on one scale whatever 
 | paper                                                          | here                                       |
 |----------------------------------------------------------------|--------------------------------------------|
 | Algorithm 1: target network, refreshed every T_target steps     | `Learner.publish` every `--target-update-period` |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V     | `nstep_returns`                            |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V     | `n_step_returns`                           |
 | Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt              | `vmpo_loss`, `common/popart.py`            |
 | Eq. (12) ψ over the top half of the advantages, L_π             | `vmpo_weights` -> psi, `vmpo_loss`          |
 | Eq. (13) temperature loss L_η                                   | `vmpo_weights` -> eta_loss                 |
@@ -231,7 +231,7 @@ def table7_column(env_id: str) -> str:
 
 
 @torch.no_grad()
-def nstep_returns(rewards, discounts, bootstrap_value):
+def n_step_returns(rewards, discounts, bootstrap_value):
     """Eq. (1): G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(s_n) for every ℓ of an unroll
     of length n, with per-step discounts γ_i = γ (1 − done_i). `[T, B]` inputs, bootstrap_value `[B]`."""
     acc = bootstrap_value
@@ -310,7 +310,7 @@ def vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, num_mi
     discounts = args.gamma * (~batch["terminated"][1:]).float()
     discounts = torch.where(reset_step, 0.0, discounts)
     rewards = torch.where(reset_step, values[:-1], batch["reward"][1:])  # G_k = V(x_k) at a reset step
-    returns = nstep_returns(rewards, discounts, values[-1])
+    returns = n_step_returns(rewards, discounts, values[-1])
 
     popart.update(returns[mask], task[:-1][mask])  # new μ, σ; the layer is rescaled to keep V(s) unchanged
     value_norm = popart(value_features[:-1])[..., 0]
@@ -895,12 +895,12 @@ def main(args: Args):
                 for k, v in stats.items():
                     writer.add_scalar(k, v.item(), global_step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
-                eta_min = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
+                minutes_left = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
                 print(
                     f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
                     f"| episodes {len(returns)} | η {stats['stats/eta'].item():.3f} "
                     f"α_μ {stats['stats/alpha_mu'].item():.3f} α_Σ {stats['stats/alpha_sigma'].item():.3f} "
-                    f"σ {stats['stats/policy_std'].item():.3f} | ETA {eta_min:.1f} min",
+                    f"σ {stats['stats/policy_std'].item():.3f} | ETA {minutes_left:.1f} min",
                     flush=True,
                 )
                 last_log = now

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
-from vmpo_atari import categorical_kl, kl_constraint_loss, nstep_returns, vmpo_weights  # noqa: E402
+from vmpo_atari import categorical_kl, kl_constraint_loss, n_step_returns, vmpo_weights  # noqa: E402
 from tests.helpers import (
     assert_killed_process_ends_the_run,
     ctrl_c_during_second_update,
@@ -29,7 +29,7 @@ from tests.helpers import (
 # Math, each against a plain loop written from the paper.
 
 
-def test_nstep_returns_match_eq1_plain_loop():
+def test_n_step_returns_match_eq1_plain_loop():
     """G_ℓ = Σ_{k=ℓ}^{n-1} γ^{k-ℓ} r_k + γ^{n-ℓ} V(s_n), cut at episode ends (discount 0 after a terminal reward)."""
     g = torch.Generator().manual_seed(0)
     T, B, gamma = 8, 5, 0.97
@@ -38,7 +38,7 @@ def test_nstep_returns_match_eq1_plain_loop():
     done[2, 0] = done[5, 0] = True  # two episode ends inside one unroll
     discounts = gamma * (~done).double()
     bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
-    returns = nstep_returns(rewards, discounts, bootstrap)
+    returns = n_step_returns(rewards, discounts, bootstrap)
     for b in range(B):
         for ell in range(T):
             total, scale, cut = 0.0, 1.0, False
@@ -283,7 +283,7 @@ def test_vmpo_loss_multitask_popart_per_game():
         loss, _ = vmpo_atari.vmpo_loss(logits, feats, batch, agent, m, _args())
     finally:
         vmpo_atari.vmpo_weights = original
-    returns = vmpo_atari.nstep_returns(batch["reward"][1:], torch.full((T, B), 0.9), v_before[-1])
+    returns = vmpo_atari.n_step_returns(batch["reward"][1:], torch.full((T, B), 0.9), v_before[-1])
     for k in (0, 1):  # statistics: one step of β = 0.5 from (μ, ν) = (0, 1) toward game k's return moments
         cols = task[0] == k
         mu = 0.5 * returns[:, cols].mean()

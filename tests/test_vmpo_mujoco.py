@@ -17,7 +17,7 @@ from vmpo_mujoco import (
     gaussian_kl_parts,
     gaussian_log_prob,
     kl_constraint_loss,
-    nstep_returns,  # noqa: E402
+    n_step_returns,  # noqa: E402
     vmpo_weights,
 )
 from tests.helpers import (
@@ -37,14 +37,14 @@ from tests.test_vmpo_atari import weights_reference  # noqa: E402
 # Math, each against a plain computation written from the paper.
 
 
-def test_nstep_returns_match_eq1_plain_loop():
+def test_n_step_returns_match_eq1_plain_loop():
     g = torch.Generator().manual_seed(1)
     T, B, gamma = 7, 4, 0.9
     rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
     done = torch.zeros(T, B, dtype=torch.bool)
     done[1, 0] = done[4, 0] = done[6, 2] = True
     bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
-    returns = nstep_returns(rewards, gamma * (~done).double(), bootstrap)
+    returns = n_step_returns(rewards, gamma * (~done).double(), bootstrap)
     for b in range(B):
         for ell in range(T):
             total, scale = 0.0, 1.0
