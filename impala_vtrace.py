@@ -13,7 +13,7 @@ c_t = λ min(c̄, π/μ), and the policy gradient uses ρ_t (r_t + γ v_{t+1} �
 | Eq. (1) V-trace target v_s; Remark 1 (recursion); Remark 2 (λ) | `vtrace` -> vs                           |
 | Sec. 4.2 policy gradient ρ_s ∇log π (r_s + γ v_{s+1} − V(x_s)) | `vtrace` -> pg_advantages, `learner_loss` |
 | Sec. 4.2 value loss (v_s − V(x_s))², entropy bonus             | `learner_loss`                            |
-| Fig. 1, Sec. 3: actors send unrolls + μ, learner batches       | `act`, `Learner.next_batch`     |
+| Fig. 1, Sec. 3: actors send unrolls + μ, learner batches       | `act`, `ActorPool.next_batch`   |
 | Fig. 3: shallow / deep (ResNet) agent, optional LSTM           | `Agent` (parts in common/networks.py)     |
 | Table G.1 Atari hyperparameters                                | `Args` defaults                           |
 | Sec. 5.3 multi-task Atari (one agent, 57 games); PopArt-IMPALA | `--env-ids`, `--popart` (common/popart.py) |
@@ -67,7 +67,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import queue
 import signal
 import sys
 import time
@@ -79,6 +78,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.actor_pool import ActorPool, UnrollWriter
 from common.checkpoint import (
     NonFiniteError,
     check_finite,
@@ -103,13 +103,9 @@ from common.networks import (
 from common.popart import PopArt
 from common.processes import (
     WorkerError,
-    check_workers,
     exit_if_orphaned,
     ignore_further_interrupts,
-    raise_worker_error,
     report_failure,
-    stop_workers,
-    worker_entry,
 )
 
 
@@ -464,16 +460,9 @@ def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
     return specs
 
 
-def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
-    T, n, device = cfg["unroll_length"], cfg["num_envs"], torch.device(cfg["device"])
-
-    def next_slot():
-        while True:
-            try:
-                return free_q.get(timeout=1.0)
-            except queue.Empty:
-                exit_if_orphaned(parent_pid)
-
+def act(actor_id, cfg, link):
+    """Fig. 1's actor: steps its envs with the latest published policy μ and writes unrolls with μ's logits."""
+    n, device = cfg["num_envs"], torch.device(cfg["device"])
     envs = make_env(
         cfg["env_id"],
         n,
@@ -483,25 +472,18 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
         num_threads=cfg["env_threads"],
         full_action_space=cfg["full_action_space"],
     )
-    agent = Agent(**shared_agent.config).to(device)
-    agent.load_state_dict(shared_agent.state_dict())
-    seen = int(version.item())
-    slot = np.array([next_slot() for _ in range(n)])
-    pos = np.zeros(n, np.int64)
+    agent = link.local_agent(device)
+    unrolls = UnrollWriter(link, n, cfg["unroll_length"])
     ended = np.zeros(n, bool)
     prev_action = torch.zeros(n, dtype=torch.long)
     state = agent.initial_state(n, device)
     tracker = EpisodeTracker(n)
-    use_lstm = agent.core is not None
     envs.async_reset()
     while True:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
-        exit_if_orphaned(parent_pid)
-        latest = int(version.item())
-        if latest != seen:
-            seen = latest
-            agent.load_state_dict(shared_agent.state_dict())
+        exit_if_orphaned(link.parent_pid)
+        seen = link.refresh(agent)
         ids_t = torch.from_numpy(ids).long()
         ids_dev = ids_t.to(device)
         first = torch.from_numpy(ended[ids])
@@ -520,7 +502,6 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
         action_cpu = action.cpu()
         envs.send(action_cpu.numpy(), ids)  # the envs step while this process does the bookkeeping
 
-        sl, p = torch.from_numpy(slot[ids]), torch.from_numpy(pos[ids])
         done_now = term | trunc
         row = {
             "obs": obs_t,
@@ -534,138 +515,42 @@ def act(actor_id, cfg, shared_agent, version, buffers, free_q, full_q, msg_q, pa
             "version": torch.full((len(ids),), seen, dtype=torch.long),
             "task": torch.full((len(ids),), cfg["task"], dtype=torch.long),
         }
-        for k, v in row.items():
-            buffers[k][sl, p] = v
-        if use_lstm:
-            h0, c0 = (s.cpu() for s in state_before)
-            start = p == 0  # the first unroll of an env: its initial state is the one before row 0
-            buffers["core_h"][sl[start]] = h0[start]
-            buffers["core_c"][sl[start]] = c0[start]
+        core = None
+        if agent.core is not None:
+            core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))
             for s, s_new in zip(state, state_after):
                 s[ids_dev] = s_new
+        unrolls.write(ids, row, core)
         prev_action[ids_t] = action_cpu
         ended[ids] = done_now
-        pos[ids] += 1
-        for i in np.flatnonzero(pos[ids] == T + 1):
-            e = ids[i]
-            new = next_slot()
-            for k in row:  # the last row of this unroll is the first row of the next
-                buffers[k][new, 0] = buffers[k][slot[e], T]
-            if use_lstm:
-                buffers["core_h"][new] = h0[i]
-                buffers["core_c"][new] = c0[i]
-            full_q.put(int(slot[e]))
-            slot[e], pos[e] = new, 1
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            msg_q.put(("episode", score, length, cfg["task"]))
+            link.report("episode", score, length, cfg["task"])
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Learning and process plumbing.
 
 
-class Learner:
-    """Owns the actor processes of one learner process and hands out batches of their unrolls."""
-
-    def __init__(self, args, agent, obs_shape, obs_dtype, num_actions, device, rank):
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.args, self.device = args, device
-        self.local_batch = args.batch_size // _world_size()
-        envs_per_actor = args.num_envs // args.num_actors
-        num_slots = args.num_envs + 4 * self.local_batch
-        self.specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size)
-        self.buffers = {
-            k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in self.specs.items()
-        }
-        self.shared_agent = Agent(**agent.config)
-        self.shared_agent.load_state_dict(agent.state_dict())
-        self.shared_agent.share_memory()
-        self.version = torch.zeros(1, dtype=torch.long).share_memory_()
-        self.free_q, self.full_q, self.msg_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        for i in range(num_slots):
-            self.free_q.put(i)
-        self.episodes = []
-        self.procs = []
-        # the cores the learner leaves free step the envs
-        env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
-        games = list(args.env_ids) or [args.env_id]
-        for a in range(args.num_actors):  # actor a plays game a mod G: every game the same share of the actors
-            cfg = dict(
-                env_id=games[a % len(games)],
-                task=a % len(games),
-                full_action_space=len(args.env_ids) > 0,
-                num_envs=envs_per_actor,
-                unroll_length=args.unroll_length,
-                env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
-                seed=args.seed + 1000 * rank + a,
-                device=str(device),
-                env_threads=env_threads,
-            )
-            p = ctx.Process(
-                target=worker_entry,
-                daemon=True,
-                name=f"actor-{a}",
-                args=(
-                    act,
-                    a,
-                    self.msg_q,
-                    a,
-                    cfg,
-                    self.shared_agent,
-                    self.version,
-                    self.buffers,
-                    self.free_q,
-                    self.full_q,
-                    self.msg_q,
-                    os.getpid(),
-                ),
-            )
-            p.start()
-            self.procs.append(p)
-
-    def poll(self):
-        """Collect episode reports; raise WorkerError with the traceback if an actor died."""
-        while True:
-            try:
-                msg = self.msg_q.get_nowait()
-            except queue.Empty:
-                break
-            if msg[0] == "episode":
-                self.episodes.append(msg[1:])
-            else:
-                raise_worker_error(msg, "actor")
-        check_workers(self.procs, self.msg_q, "actor", must_live=True)
-
-    def next_batch(self):
-        """`local_batch` unrolls, time-major `[T+1, B, ...]`, on the learner's device."""
-        idx = []
-        while len(idx) < self.local_batch:
-            try:
-                idx.append(self.full_q.get(timeout=1.0))
-            except queue.Empty:
-                self.poll()
-        self.poll()
-        idx_t = torch.tensor(idx)
-        batch = {k: v[idx_t] for k, v in self.buffers.items()}
-        for i in idx:
-            self.free_q.put(i)
-        pin = self.device.type == "cuda"
-        out = {}
-        for k, v in batch.items():
-            v = v if k in ("core_h", "core_c") else v.transpose(0, 1)
-            out[k] = (v.pin_memory() if pin else v).to(self.device, non_blocking=True)
-        return out
-
-    def publish(self, agent):
-        with torch.no_grad():
-            for dst, src in zip(self.shared_agent.parameters(), agent.parameters()):
-                dst.copy_(src)
-        self.version += 1
-
-    def close(self):
-        stop_workers(self.procs)
+def actor_configs(args, rank, device):
+    """One dict per actor process of learner `rank`: its game, envs, seeds and threads."""
+    envs_per_actor = args.num_envs // args.num_actors
+    # the cores the learner leaves free step the envs
+    env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
+    games = list(args.env_ids) or [args.env_id]
+    return [  # actor a plays game a mod G: every game the same share of the actors
+        dict(
+            env_id=games[a % len(games)],
+            task=a % len(games),
+            full_action_space=len(args.env_ids) > 0,
+            num_envs=envs_per_actor,
+            unroll_length=args.unroll_length,
+            env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
+            seed=args.seed + 1000 * rank + a,
+            device=str(device),
+            env_threads=env_threads,
+        )
+        for a in range(args.num_actors)
+    ]
 
 
 def _world_size():
@@ -816,7 +701,7 @@ def main(args: Args):
     num_updates = args.total_timesteps // steps_per_update
     anneal_steps = args.lr_anneal_steps or (50_000_000 if atari else args.total_timesteps)
     anneal_updates = max(num_updates, anneal_steps // steps_per_update)
-    learner = None
+    pool = None
     start = time.time()
     last_log = last_checkpoint = start
     first_update_time = None  # steady-state SPS leaves out process start and the first batch
@@ -869,12 +754,13 @@ def main(args: Args):
     signal.signal(signal.SIGINT, on_signal)
     update = done_update = start_update
     try:
-        learner = Learner(args, agent, obs_shape, obs_dtype, num_actions, device, rank)
+        specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size)
+        pool = ActorPool(act, actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
         for update in range(start_update + 1, num_updates + 1):
             lr = args.learning_rate * (1 - (update - 1) / anneal_updates) if args.anneal_lr else args.learning_rate
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            batch = learner.next_batch()
+            batch = pool.next_batch()
             state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
             logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
             loss, stats, vs = learner_loss(logits, values, batch, args, agent.popart)
@@ -895,8 +781,8 @@ def main(args: Args):
                 real = ~batch["ended"][:-1]
                 agent.popart.update(vs[real], batch["task"][:-1][real])
             done_update = update
-            policy_lag = (learner.version.item() - batch["version"][:-1].float().mean()).item()
-            learner.publish(agent)
+            policy_lag = (pool.version.item() - batch["version"][:-1].float().mean()).item()
+            pool.publish(agent.state_dict())
             global_step = update * steps_per_update
             committing[0] = False
             if first_update_time is None:
@@ -907,16 +793,16 @@ def main(args: Args):
                 checkpoint(update)
                 last_checkpoint = time.time()
             if rank != 0:
-                learner.episodes.clear()
+                pool.episodes.clear()
                 continue
-            for score, length, task in learner.episodes:
+            for score, length, task in pool.episodes:
                 returns.append(score)
                 writer.add_scalar("charts/episodic_return", score, global_step)
                 writer.add_scalar("charts/episodic_length", length, global_step)
                 if multitask:
                     game_returns[games[task]].append(score)
                     writer.add_scalar(f"charts/{games[task]}/episodic_return", score, global_step)
-            learner.episodes.clear()
+            pool.episodes.clear()
             now = time.time()
             if log_due:
                 sps = (global_step - first_step) / (now - start)
@@ -953,14 +839,14 @@ def main(args: Args):
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
         report_failure(e, run_path)
-        if learner is not None:
-            learner.close()
+        if pool is not None:
+            pool.close()
         os._exit(1)  # skip DDP teardown: the other learners are stopped by torchrun
     except KeyboardInterrupt:
         ignore_further_interrupts()
         print("interrupted: stopping actors", file=sys.stderr, flush=True)
-        if learner is not None:
-            learner.close()
+        if pool is not None:
+            pool.close()
             if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
                 checkpoint(done_update)
                 again = (
@@ -975,7 +861,7 @@ def main(args: Args):
                         flush=True,
                     )
         sys.exit(130)
-    learner.close()
+    pool.close()
     end_time = time.time()
     checkpoint(num_updates)
     wall = previous_wall + end_time - start

@@ -16,7 +16,7 @@ keeps exploring. A PopArt value head keeps the value loss on one scale whatever 
 
 | paper                                                          | here                                       |
 |----------------------------------------------------------------|--------------------------------------------|
-| Algorithm 1: target network, refreshed every T_target steps     | `Learner.publish` every `--target-update-period` |
+| Algorithm 1: target network, refreshed every T_target steps     | `pool.publish` every `--target-update-period` |
 | Eq. (1) n-step returns G^(n) bootstrapped from the online V     | `n_step_returns`                           |
 | Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt              | `vmpo_loss`, `common/popart.py`            |
 | Eq. (12) ψ over the top half of the advantages, L_π             | `vmpo_weights` -> psi, `vmpo_loss`          |
@@ -61,7 +61,6 @@ import dataclasses
 import json
 import math
 import os
-import queue
 import signal
 import sys
 import time
@@ -73,6 +72,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.actor_pool import ActorPool, UnrollWriter
 from common.checkpoint import (
     NonFiniteError,
     check_finite,
@@ -87,13 +87,9 @@ from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
 from common.processes import (
     WorkerError,
-    check_workers,
     exit_if_orphaned,
     ignore_further_interrupts,
-    raise_worker_error,
     report_failure,
-    stop_workers,
-    worker_entry,
 )
 
 
@@ -474,38 +470,24 @@ def buffer_specs(obs_dim, action_dim, T):
     }
 
 
-def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, parent_pid):
+def act(actor_id, cfg, link):
     """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls."""
-    T, n, device = cfg["unroll_length"], cfg["num_envs"], torch.device(cfg["device"])
+    n, device = cfg["num_envs"], torch.device(cfg["device"])
     generator = torch.Generator(device=device).manual_seed(cfg["seed"])
-
-    def next_slot():
-        while True:
-            try:
-                return free_q.get(timeout=1.0)
-            except queue.Empty:
-                exit_if_orphaned(parent_pid)
-
     envs = make_env(
         cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True, num_threads=cfg["env_threads"]
     )
     low = envs.action_space.low.astype(np.float32)
     high = envs.action_space.high.astype(np.float32)
-    agent = Agent(**target_agent.config).to(device)
-    agent.load_state_dict(target_agent.state_dict())
-    seen = int(version.item())
-    slot = np.array([next_slot() for _ in range(n)])
-    pos = np.zeros(n, np.int64)
+    agent = link.local_agent(device)
+    unrolls = UnrollWriter(link, n, cfg["unroll_length"])
     tracker = EpisodeTracker(n)
     envs.async_reset()
     while True:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
-        exit_if_orphaned(parent_pid)
-        latest = int(version.item())
-        if latest != seen:  # θ_target ← θ_online happened in the learner
-            seen = latest
-            agent.load_state_dict(target_agent.state_dict())
+        exit_if_orphaned(link.parent_pid)
+        seen = link.refresh(agent)  # θ_target ← θ_online happened in the learner
         obs_t = torch.from_numpy(flatten_obs(obs))
         with torch.no_grad():
             mean, std, _ = agent(obs_t.to(device))
@@ -513,7 +495,6 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
         action_cpu = action.cpu()
         envs.send(to_env_action(action_cpu.numpy(), low, high), ids)  # the envs step during the bookkeeping
 
-        sl, p = torch.from_numpy(slot[ids]), torch.from_numpy(pos[ids])
         row = {
             "obs": obs_t,
             "reward": torch.from_numpy(reward).float(),
@@ -524,125 +505,32 @@ def act(actor_id, cfg, target_agent, version, buffers, free_q, full_q, msg_q, pa
             "std": std.cpu(),
             "version": torch.full((len(ids),), seen, dtype=torch.long),
         }
-        for k, v in row.items():
-            buffers[k][sl, p] = v
-        pos[ids] += 1
-        for i in np.flatnonzero(pos[ids] == T + 1):
-            e = ids[i]
-            new = next_slot()
-            for k in row:  # the last row of this unroll is the first row of the next
-                buffers[k][new, 0] = buffers[k][slot[e], T]
-            full_q.put(int(slot[e]))
-            slot[e], pos[e] = new, 1
+        unrolls.write(ids, row)
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            msg_q.put(("episode", score, length))
+            link.report("episode", score, length)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Learning and process plumbing.
 
 
-class Learner:
-    """Owns the actor processes of one learner process, the target network they act with (in shared memory),
-    and hands out batches of their unrolls."""
-
-    def __init__(self, args, agent, obs_dim, action_dim, device, rank):
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.args, self.device = args, device
-        self.local_batch = args.batch_size // _world_size()
-        envs_per_actor = args.num_envs // args.num_actors
-        num_slots = args.num_envs + 4 * self.local_batch
-        self.buffers = {
-            k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_()
-            for k, (shape, dt) in buffer_specs(obs_dim, action_dim, args.unroll_length).items()
-        }
-        self.target_agent = Agent(**agent.config)
-        self.target_agent.load_state_dict(agent.state_dict())
-        self.target_agent.share_memory()
-        self.version = torch.zeros(1, dtype=torch.long).share_memory_()
-        self.free_q, self.full_q, self.msg_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        for i in range(num_slots):
-            self.free_q.put(i)
-        self.episodes = []
-        self.procs = []
-        # the cores the learner leaves free step the envs
-        env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
-        for a in range(args.num_actors):
-            cfg = dict(
-                env_id=args.env_id,
-                num_envs=envs_per_actor,
-                unroll_length=args.unroll_length,
-                env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
-                seed=args.seed + 1000 * rank + a,
-                device=str(device),
-                env_threads=env_threads,
-            )
-            p = ctx.Process(
-                target=worker_entry,
-                daemon=True,
-                name=f"actor-{a}",
-                args=(
-                    act,
-                    a,
-                    self.msg_q,
-                    a,
-                    cfg,
-                    self.target_agent,
-                    self.version,
-                    self.buffers,
-                    self.free_q,
-                    self.full_q,
-                    self.msg_q,
-                    os.getpid(),
-                ),
-            )
-            p.start()
-            self.procs.append(p)
-
-    def poll(self):
-        """Collect episode reports; raise WorkerError with the traceback if an actor died."""
-        while True:
-            try:
-                msg = self.msg_q.get_nowait()
-            except queue.Empty:
-                break
-            if msg[0] == "episode":
-                self.episodes.append(msg[1:])
-            else:
-                raise_worker_error(msg, "actor")
-        check_workers(self.procs, self.msg_q, "actor", must_live=True)
-
-    def next_batch(self):
-        """`local_batch` unrolls, time-major `[T+1, B, ...]`, on the learner's device."""
-        idx = []
-        while len(idx) < self.local_batch:
-            try:
-                idx.append(self.full_q.get(timeout=1.0))
-            except queue.Empty:
-                self.poll()
-        self.poll()
-        idx_t = torch.tensor(idx)
-        batch = {k: v[idx_t] for k, v in self.buffers.items()}
-        for i in idx:
-            self.free_q.put(i)
-        pin = self.device.type == "cuda"
-        return {
-            k: (v.transpose(0, 1).pin_memory() if pin else v.transpose(0, 1)).to(self.device, non_blocking=True)
-            for k, v in batch.items()
-        }
-
-    def publish(self, agent):
-        """θ_target ← θ_online (Algorithm 1), observation statistics included: the actors pick the new weights up
-        at their next step."""
-        with torch.no_grad():
-            for dst, src in zip(self.target_agent.state_dict().values(), agent.state_dict().values()):
-                dst.copy_(src)
-        self.version += 1
-
-    def close(self):
-        stop_workers(self.procs)
+def actor_configs(args, rank, device):
+    """One dict per actor process of learner `rank`: its envs, seeds and threads."""
+    envs_per_actor = args.num_envs // args.num_actors
+    # the cores the learner leaves free step the envs
+    env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
+    return [
+        dict(
+            env_id=args.env_id,
+            num_envs=envs_per_actor,
+            unroll_length=args.unroll_length,
+            env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
+            seed=args.seed + 1000 * rank + a,
+            device=str(device),
+            env_threads=env_threads,
+        )
+        for a in range(args.num_actors)
+    ]
 
 
 def _world_size():
@@ -790,7 +678,7 @@ def main(args: Args):
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     groups = args.num_minibatches // world  # E-step minibatches of this learner process
-    learner = None
+    pool = None
     start = time.time()
     last_log = last_checkpoint = start
     first_update_time = None  # steady-state SPS leaves out process start and the first batch
@@ -820,7 +708,7 @@ def main(args: Args):
             save_checkpoint(
                 {
                     "agent": agent.state_dict(),
-                    "target_agent": learner.target_agent.state_dict(),
+                    "target_agent": pool.agent.state_dict(),
                     "multipliers": multipliers.state_dict(),
                     "optimizer": optimizer.state_dict(),
                     "update": update,
@@ -834,19 +722,19 @@ def main(args: Args):
 
     def on_signal(signum, frame):
         stop.append(signum)
-        if len(stop) > 1 or learner is None:  # a second Ctrl-C, or nothing to save yet: stop now
+        if len(stop) > 1 or pool is None:  # a second Ctrl-C, or nothing to save yet: stop now
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     done_update = start_update
     try:
-        learner = Learner(args, agent, obs_dim, action_dim, device, rank)
+        specs = buffer_specs(obs_dim, action_dim, args.unroll_length)
+        pool = ActorPool(act, actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
         if target_state is not None:  # the target network the run was acting with
-            learner.target_agent.load_state_dict(target_state)  # in place: the shared memory stays shared
-            learner.version += 1  # the actors reload it at their next step
+            pool.publish(target_state)
         for update in range(start_update + 1, num_updates + 1):
-            batch = learner.next_batch()
+            batch = pool.next_batch()
             agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
             mean, std, value_features = agent(batch["obs"])
             loss, stats = vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
@@ -865,9 +753,9 @@ def main(args: Args):
             )
             optimizer.step()
             multipliers.project(args.min_multiplier)
-            stale = (batch["version"][:-1] != learner.version.item()).float().mean()
+            stale = (batch["version"][:-1] != pool.version.item()).float().mean()
             if update % args.target_update_period == 0:
-                learner.publish(agent)  # θ_target ← θ_online
+                pool.publish(agent.state_dict())  # θ_target ← θ_online
             global_step = update * steps_per_update
             if first_update_time is None:
                 first_update_time = time.time()
@@ -878,20 +766,20 @@ def main(args: Args):
                 checkpoint(update)
                 last_checkpoint = time.time()
             if rank != 0:
-                learner.episodes.clear()
+                pool.episodes.clear()
                 continue
-            for score, length in learner.episodes:
+            for score, length in pool.episodes:
                 returns.append(score)
                 writer.add_scalar("charts/episodic_return", score, global_step)
                 writer.add_scalar("charts/episodic_length", length, global_step)
-            learner.episodes.clear()
+            pool.episodes.clear()
             now = time.time()
             if now - last_log >= args.log_interval or update == num_updates:
                 sps = (global_step - first_step) / (now - start)
                 writer.add_scalar("charts/SPS", sps, global_step)
                 writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
                 writer.add_scalar("stats/stale_fraction", stale.item(), global_step)
-                writer.add_scalar("stats/target_version", learner.version.item(), global_step)
+                writer.add_scalar("stats/target_version", pool.version.item(), global_step)
                 for k, v in stats.items():
                     writer.add_scalar(k, v.item(), global_step)
                 recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
@@ -906,14 +794,14 @@ def main(args: Args):
                 last_log = now
     except (WorkerError, NonFiniteError) as e:
         report_failure(e, run_path)
-        if learner is not None:
-            learner.close()
+        if pool is not None:
+            pool.close()
         os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun
     except KeyboardInterrupt:
         ignore_further_interrupts()
         print("interrupted: stopping actors", file=sys.stderr, flush=True)
-        if learner is not None:
-            learner.close()
+        if pool is not None:
+            pool.close()
             if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
                 checkpoint(done_update)
                 again = (
@@ -928,7 +816,7 @@ def main(args: Args):
                         flush=True,
                     )
         sys.exit(130)
-    learner.close()
+    pool.close()
     end_time = time.time()
     checkpoint(num_updates)
     wall = previous_wall + end_time - start

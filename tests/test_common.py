@@ -462,3 +462,43 @@ def test_family_defaults_fill_what_the_user_did_not_give():
     assert with_family_defaults(A(env_id="Hopper-v4"), table, argv=[]) == A(env_id="Hopper-v4")  # not in the table
     assert describe_defaults(A(), table) == ("classic", "measured: lr 0.001, use-lstm False")
     assert describe_defaults(A(preset="paper"), table)[1].endswith("forced by --preset paper")
+
+
+def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
+    """Rows arrive for any subset of envs in any order (envpool's async mode). Each env's unroll k must hold its
+    rows kT..kT+T (T+1 rows: the last row of an unroll is the first of the next), its core state must be the one
+    before row kT, and a slot goes to the learner as soon as its env has written row T."""
+    import queue
+
+    from common.actor_pool import ActorLink, UnrollWriter
+
+    T, n, num_slots = 3, 3, 64
+    buffers = {"x": torch.zeros(num_slots, T + 1), "core_h": torch.zeros(num_slots, 2)}
+    free_q, full_q = queue.Queue(), queue.Queue()
+    for i in range(num_slots):
+        free_q.put(i)
+    link = ActorLink(None, torch.zeros(1), buffers, free_q, full_q, queue.Queue(), os.getppid())
+    writer = UnrollWriter(link, n, T)
+    rng = np.random.default_rng(0)
+    t = np.zeros(n, np.int64)  # rows written per env
+    expected_full = []
+    for _ in range(25):
+        ids = rng.permutation(n)[: rng.integers(1, n + 1)]
+        row = {"x": torch.tensor([100.0 * e + t[e] for e in ids], dtype=torch.float32)}
+        core = {"core_h": torch.tensor([[1000.0 * e + t[e], -1.0] for e in ids], dtype=torch.float32)}
+        writer.write(ids, row, core)
+        for e in ids:
+            t[e] += 1
+            if t[e] > 1 and (t[e] - 1) % T == 0:
+                expected_full.append((int(e), int((t[e] - 1) // T - 1)))
+    full = []
+    while not full_q.empty():
+        full.append(full_q.get())
+    assert len(full) == len(expected_full) > 0
+    for slot, (e, k) in zip(full, expected_full):  # in the order the unrolls were completed
+        torch.testing.assert_close(buffers["x"][slot], 100.0 * e + torch.arange(k * T, k * T + T + 1).float())
+        torch.testing.assert_close(buffers["core_h"][slot], torch.tensor([1000.0 * e + k * T, -1.0]))
+    for e in range(n):  # the open unroll: rows written so far, and its opening state
+        slot, filled = writer.slot[e], writer.pos[e]
+        k = (t[e] - 1) // T if t[e] > 0 else 0
+        torch.testing.assert_close(buffers["x"][slot, :filled], 100.0 * e + torch.arange(k * T, k * T + filled).float())
