@@ -470,34 +470,21 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 
 
 @pytest.mark.e2e
-def test_learns_inverted_pendulum(tmp_path):
-    """Continuous actions: InvertedPendulum-v4 with 2 workers of 4 envs and a learning rate of 1e-3 (the paper's
-    search range tops out at 5e-4) reaches a 20-episode mean of 300 within 500k steps; a random policy gets about
-    5-10. In nine 300k-step runs the mean crossed 300 between 195k and 256k steps and peaked at 380-788 (README):
-    learning, but not yet reliably to 1000. The learning rate is constant, so a longer run only adds margin."""
+def test_learns_inverted_pendulum_with_its_family_defaults(tmp_path):
+    """Continuous actions, `--env-id InvertedPendulum-v4` and a 300k-step budget alone (the MuJoCo family: the
+    paper's Sec. 6 settings with a learning rate of 5e-4 and the critic's loss weighted 0.01): the 100-episode mean
+    reaches 800 (seeds 1-3 measured 100-episode means of 900-950 at the end, README; the paper's settings alone
+    reach 527, a random policy 5-10)."""
     run = run_script(
         "acer.py",
-        [
-            "--env-id",
-            "InvertedPendulum-v4",
-            "--num-workers",
-            "2",
-            "--num-envs",
-            "4",
-            "--learning-rate",
-            "1e-3",
-            "--total-timesteps",
-            "500000",
-            "--eval-episodes",
-            "0",
-            "--seed",
-            "1",
-        ],
+        ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "300000", "--eval-episodes", "0"],
         tmp_path,
-        timeout=600,
+        timeout=900,
     )
+    saved = json.load(open(os.path.join(run, "args.json")))
+    assert saved["task_family"] == "mujoco" and saved["learning_rate"] == 5e-4 and saved["value_coef"] == 0.01
     returns = events_tags(run, "charts/episodic_return")
-    assert np.convolve(returns, np.ones(20) / 20, mode="valid").max() >= 300
+    assert len(returns) >= 100 and np.convolve(returns, np.ones(100) / 100, mode="valid").max() >= 800
 
 
 @pytest.mark.e2e
