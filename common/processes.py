@@ -101,3 +101,11 @@ def report_failure(error: Exception, run_path: str) -> None:
     print(f"error: {error}", file=sys.stderr, flush=True)
     if isinstance(error, NonFiniteError) or "NonFiniteError" in str(error):
         print(non_finite_advice(run_path), file=sys.stderr, flush=True)
+
+
+def receive(msg_q, timeout: float = 0.2):
+    """The next message from the workers, or None after `timeout` seconds without one."""
+    try:
+        return msg_q.get(timeout=timeout)
+    except queue.Empty:
+        return None
