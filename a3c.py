@@ -63,7 +63,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -73,22 +72,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
+from common.checkpoint import check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
 from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, init_output_, init_weights_
-from common.processes import (
-    WorkerError,
-    check_workers,
-    exit_if_orphaned,
-    ignore_further_interrupts,
-    interrupt_on_signals,
-    raise_worker_error,
-    receive,
-    report_failure,
-    stop_workers,
-    worker_entry,
-)
-from common.run import RunLog, cli, resume_args, resume_hint
+from common.processes import exit_if_orphaned, worker_entry
+from common.run import RunLog, cli, resume_args, serve_workers
 
 
 @dataclass
@@ -640,42 +628,7 @@ def main(args: Args):
         )
         return step
 
-    interrupt_on_signals()
-    done, last_checkpoint = set(), time.time()
-    try:
-        for p in procs:
-            p.start()
-        while len(done) < len(procs):
-            msg = receive(msg_q)
-            if msg is not None and msg[0] == "episode":
-                log.episode(*msg[3:], msg[2])
-            elif msg is not None and msg[0] == "stats":
-                log.scalars(msg[3], msg[2])
-            elif msg is not None and msg[0] == "done":
-                done.add(msg[1])
-            elif msg is not None:
-                raise_worker_error(msg)
-            check_workers(procs, msg_q)
-            if steps.value > 0:
-                log.first_update(steps.value)
-            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint and steps.value > log.start_step:
-                checkpoint()
-                last_checkpoint = time.time()
-            if log.due():
-                log.console(steps.value)
-    except (WorkerError, NonFiniteError) as e:
-        report_failure(e, log.path)
-        stop_workers(procs)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        ignore_further_interrupts()
-        print("interrupted: stopping workers", file=sys.stderr, flush=True)
-        stop_workers(procs)
-        if steps.value > log.start_step:
-            resume_hint(checkpoint(), log.path, os.path.basename(__file__))
-        sys.exit(130)
-    for p in procs:
-        p.join()
+    serve_workers(procs, msg_q, log, steps, checkpoint, os.path.basename(__file__))
     end_time = time.time()
     global_step = checkpoint()
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)

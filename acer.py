@@ -65,11 +65,8 @@ bootstraps from the value of its last observation; termination has discount 0.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import queue
-import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -79,28 +76,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import (
-    NonFiniteError,
-    check_finite,
-    check_finite_parameters,
-    load_checkpoint,
-    save_checkpoint,
-    save_model,
-)
+from common.checkpoint import check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
-from common.families import with_family_defaults, write_args
 from common.networks import MLPTorso, init_output_, init_weights_
-from common.processes import (
-    WorkerError,
-    check_workers,
-    exit_if_orphaned,
-    ignore_further_interrupts,
-    interrupt_on_signals,
-    raise_worker_error,
-    report_failure,
-    stop_workers,
-    worker_entry,
-)
+from common.processes import exit_if_orphaned, worker_entry
+from common.run import RunLog, cli, resume_args, serve_workers
 
 
 @dataclass
@@ -764,11 +744,7 @@ def check_args(args):
 
 
 def main(args: Args):
-    resumed = None
-    if args.resume:  # the run's own arguments; the checkpoint's state is loaded once the objects exist
-        resumed = load_checkpoint(args.resume)
-        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
-        args = dataclasses.replace(Args(**saved), resume=args.resume)
+    args, resumed = resume_args(args)
     spec, derived = check_args(args)
     args = dataclasses.replace(args, **{key: v for key, v in derived.items() if key != "obs_shape"})
     torch.manual_seed(args.seed)
@@ -790,30 +766,22 @@ def main(args: Args):
     avg_agent.share_memory()
     optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     optimizer.share_memory()
-
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = args.resume or os.path.join(args.run_dir, run_name)
-    start_step, returns, previous_wall = 0, [], 0.0
     if resumed is not None:  # in place: the tensors stay in shared memory
         agent.load_state_dict(resumed["agent"])
         avg_agent.load_state_dict(resumed["avg_agent"])
         for p, g in zip(agent.parameters(), resumed["square_avg"]):
             optimizer.state[p]["square_avg"].copy_(g)
-        start_step, returns, previous_wall = resumed["global_step"], resumed["returns"], resumed["wall_time_s"]
-    os.makedirs(run_path, exist_ok=True)
-    write_args(run_path, args, FAMILY_DEFAULTS)
-    from torch.utils.tensorboard import SummaryWriter
-
-    # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
-    writer = SummaryWriter(run_path, purge_step=start_step + 1 if resumed is not None else None)
-    print(
-        f"run folder: {run_path}  ({args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio "
-        f"{args.replay_ratio}, {'trust region' if args.trust_region else 'no trust region'})",
-        flush=True,
+    log = RunLog(
+        args,
+        FAMILY_DEFAULTS,
+        args.env_id,
+        resumed,
+        f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}, "
+        f"{'trust region' if args.trust_region else 'no trust region'}",
     )
 
     ctx = torch.multiprocessing.get_context("spawn")
-    counter, msg_q = ctx.Value("q", start_step), ctx.Queue()
+    counter, msg_q = ctx.Value("q", log.start_step), ctx.Queue()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
     procs = [
         ctx.Process(
@@ -825,152 +793,54 @@ def main(args: Args):
         for w in range(args.num_workers)
     ]
 
-    def saved_model(global_step):
-        """What model.pt holds (common/evaluation.py plays it)."""
-        model = {
-            "script": "acer",
-            "env_id": args.env_id,
-            "args": dataclasses.asdict(args),
-            "agent_config": agent.config,
-            "agent": {key: v.detach().clone() for key, v in agent.state_dict().items()},
-            "avg_agent": {key: v.detach().clone() for key, v in avg_agent.state_dict().items()},
-            "global_step": global_step,
-        }
-        if not hasattr(spec.action_space, "n"):
-            model.update(
-                action_low=spec.action_space.low.astype(np.float32).tolist(),
-                action_high=spec.action_space.high.astype(np.float32).tolist(),
-            )
-        return model
-
     def checkpoint():
         """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
         step = steps.value
         check_finite_parameters(f"at step {step}", agent=agent, avg_agent=avg_agent)
         if args.save_model:  # a run stopped early can be evaluated too
-            save_model(saved_model(step), run_path)
+            save_model(saved_model(args, spec, agent, avg_agent, step), log.path)
         save_checkpoint(
             {
                 "agent": agent.state_dict(),
                 "avg_agent": avg_agent.state_dict(),
                 "square_avg": [optimizer.state[p]["square_avg"] for p in agent.parameters()],
                 "global_step": step,
-                "returns": returns[-100:],
-                "wall_time_s": previous_wall + time.time() - start,
+                "returns": log.returns[-100:],
+                "wall_time_s": log.wall(),
                 "args": dataclasses.asdict(args),
             },
-            run_path,
+            log.path,
         )
         return step
 
-    interrupt_on_signals()
-    start = time.time()
-    done, last_log, last_checkpoint, first_step_time = set(), start, start, None
-    try:
-        for p in procs:
-            p.start()
-        while len(done) < len(procs):
-            try:
-                msg = msg_q.get(timeout=0.2)
-            except queue.Empty:
-                msg = None
-            if msg is not None:
-                kind = msg[0]
-                if kind == "episode":
-                    _, w, step, score, length = msg
-                    returns.append(score)
-                    writer.add_scalar("charts/episodic_return", score, step)
-                    writer.add_scalar("charts/episodic_length", length, step)
-                elif kind == "stats":
-                    for key, v in msg[3].items():
-                        writer.add_scalar(key, v, msg[2])
-                elif kind == "done":
-                    done.add(msg[1])
-                else:
-                    raise_worker_error(msg)
-            check_workers(procs, msg_q)
-            now = time.time()
-            step = steps.value
-            if first_step_time is None and step > 0:
-                first_step_time, first_step = now, step
-            if args.checkpoint_interval > 0 and now - last_checkpoint >= args.checkpoint_interval and step > start_step:
-                checkpoint()
-                last_checkpoint = now
-            if now - last_log >= args.log_interval:
-                sps = (step - start_step) / (now - start)
-                writer.add_scalar("charts/SPS", sps, step)
-                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
-                eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-                print(
-                    f"step {step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-                    f"| episodes {len(returns)} | ETA {eta}",
-                    flush=True,
-                )
-                last_log = now
-    except (WorkerError, NonFiniteError) as e:
-        report_failure(e, run_path)
-        stop_workers(procs)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        ignore_further_interrupts()
-        print("interrupted: stopping workers", file=sys.stderr, flush=True)
-        stop_workers(procs)
-        if steps.value > start_step:
-            print(
-                f"checkpoint at step {checkpoint()}: continue with python {os.path.basename(__file__)} --resume "
-                f"{run_path}",
-                file=sys.stderr,
-                flush=True,
-            )
-        sys.exit(130)
-    for p in procs:
-        p.join()
+    serve_workers(procs, msg_q, log, steps, checkpoint, os.path.basename(__file__))
     end_time = time.time()
-    checkpoint()
-    wall = previous_wall + end_time - start
-    global_step = steps.value
-    writer.add_scalar("charts/SPS", (global_step - start_step) / (end_time - start), global_step)
-
-    checkpoint = saved_model(global_step)
+    global_step = checkpoint()
+    log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
+    model = saved_model(args, spec, agent, avg_agent, global_step)
     if args.save_model:
-        torch.save(checkpoint, os.path.join(run_path, "model.pt"))
-    eval_mean = None
-    if args.eval_episodes > 0:
-        from common.evaluation import evaluate
+        torch.save(model, os.path.join(log.path, "model.pt"))
+    log.finish(global_step, log.evaluate(model), end_time, num_workers=args.num_workers)
 
-        scores = evaluate(
-            checkpoint, args.eval_episodes, seed=args.seed + 10_000, video_dir=run_path if args.capture_video else None
-        )
-        eval_mean = float(np.mean(scores))
-        writer.add_scalar("charts/eval_return", eval_mean, global_step)
-        print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
-    steady = None
-    if first_step_time is not None and end_time > first_step_time:
-        steady = (global_step - first_step) / (end_time - first_step_time)
-    summary = {
+
+def saved_model(args, spec, agent, avg_agent, global_step):
+    """What model.pt holds (common/evaluation.py plays it)."""
+    model = {
+        "script": "acer",
         "env_id": args.env_id,
-        "total_timesteps": global_step,
-        "wall_time_s": wall,
-        "sps": (global_step - start_step) / (end_time - start),
-        "sps_after_first_update": steady,
-        "num_workers": args.num_workers,
-        "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-        "eval_mean_return": eval_mean,
+        "args": dataclasses.asdict(args),
+        "agent_config": agent.config,
+        "agent": {key: v.detach().clone() for key, v in agent.state_dict().items()},
+        "avg_agent": {key: v.detach().clone() for key, v in avg_agent.state_dict().items()},
+        "global_step": global_step,
     }
-    with open(os.path.join(run_path, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    writer.close()
-
-
-def cli():
-    import tyro
-
-    try:
-        main(with_family_defaults(tyro.cli(Args), FAMILY_DEFAULTS))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    if not hasattr(spec.action_space, "n"):
+        model.update(
+            action_low=spec.action_space.low.astype(np.float32).tolist(),
+            action_high=spec.action_space.high.astype(np.float32).tolist(),
+        )
+    return model
 
 
 if __name__ == "__main__":
-    cli()
+    cli(Args, main, FAMILY_DEFAULTS)

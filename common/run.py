@@ -190,3 +190,61 @@ class Interrupt:
             self.committing = False
         if self.signals:
             raise KeyboardInterrupt
+
+
+def serve_workers(procs, msg_q, log: RunLog, steps, checkpoint, script: str) -> None:
+    """The main process of the Hogwild scripts: starts the worker processes and serves them until each has sent
+    `("done", w)`: their `("episode", w, step, return, length)` and `("stats", w, step, {tag: value})` messages to
+    the log, the console line, a checkpoint every `--checkpoint-interval` seconds. `steps` is the shared step
+    counter (read without its lock) and `checkpoint()` saves the shared state and returns its step.
+
+    A failed worker or a non-finite value: the error line, the workers stopped, exit 1. Ctrl-C or SIGTERM: the
+    workers stopped, a checkpoint and how to continue, exit 130."""
+    from common.checkpoint import NonFiniteError
+    from common.processes import (
+        WorkerError,
+        check_workers,
+        ignore_further_interrupts,
+        interrupt_on_signals,
+        raise_worker_error,
+        receive,
+        report_failure,
+        stop_workers,
+    )
+
+    interrupt_on_signals()
+    done, last_checkpoint = set(), time.time()
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < len(procs):
+            msg = receive(msg_q)
+            if msg is not None and msg[0] == "episode":
+                log.episode(msg[3], msg[4], msg[2])
+            elif msg is not None and msg[0] == "stats":
+                log.scalars(msg[3], msg[2])
+            elif msg is not None and msg[0] == "done":
+                done.add(msg[1])
+            elif msg is not None:
+                raise_worker_error(msg)
+            check_workers(procs, msg_q)
+            if steps.value > 0:
+                log.first_update(steps.value)
+            if 0 < log.args.checkpoint_interval <= time.time() - last_checkpoint and steps.value > log.start_step:
+                checkpoint()
+                last_checkpoint = time.time()
+            if log.due():
+                log.console(steps.value)
+    except (WorkerError, NonFiniteError) as e:
+        report_failure(e, log.path)
+        stop_workers(procs)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        ignore_further_interrupts()
+        print("interrupted: stopping workers", file=sys.stderr, flush=True)
+        stop_workers(procs)
+        if steps.value > log.start_step:
+            resume_hint(checkpoint(), log.path, script)
+        sys.exit(130)
+    for p in procs:
+        p.join()
