@@ -65,10 +65,7 @@ actor whose learner died exits by itself.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -79,33 +76,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.actor_pool import ActorPool, UnrollWriter
-from common.checkpoint import (
-    NonFiniteError,
-    check_finite,
-    check_finite_parameters,
-    load_checkpoint,
-    save_checkpoint,
-    save_model,
-)
+from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
-from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
-from common.families import with_family_defaults, write_args
-from common.networks import (
-    LSTMCore,
-    PolicyValueHeads,
-    dead_units,
-    grad_norms_by_layer,
-    init_output_,
-    init_weights_,
-    logits_std_across_states,
-    make_torso,
-)
+from common.evaluation import PRESETS, expand_env_ids
+from common.networks import LSTMCore, PolicyValueHeads, grad_norms_by_layer, init_output_, init_weights_, make_torso
 from common.popart import PopArt
-from common.processes import (
-    WorkerError,
-    exit_if_orphaned,
-    ignore_further_interrupts,
-    report_failure,
+from common.processes import WorkerError, exit_if_orphaned
+from common.run import (
+    Interrupt,
+    RunLog,
+    broadcast_parameters,
+    cli,
+    learner_failed,
+    learner_interrupted,
+    learner_process,
+    log_learner_stats,
+    multitask_summary,
+    resume_args,
+    world_size,
 )
 
 
@@ -535,7 +523,7 @@ def actor_configs(args, rank, device):
     """One dict per actor process of learner `rank`: its game, envs, seeds and threads."""
     envs_per_actor = args.num_envs // args.num_actors
     # the cores the learner leaves free step the envs
-    env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
+    env_threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
     games = list(args.env_ids) or [args.env_id]
     return [  # actor a plays game a mod G: every game the same share of the actors
         dict(
@@ -551,10 +539,6 @@ def actor_configs(args, rank, device):
         )
         for a in range(args.num_actors)
     ]
-
-
-def _world_size():
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def check_args(args):
@@ -574,7 +558,7 @@ def check_args(args):
             "that every game gets the same share of the actors"
         )
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
-    world = _world_size()
+    world = world_size()
     if args.unroll_length < 1:
         raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
     if args.lr_anneal_steps < 0:
@@ -607,28 +591,12 @@ def check_args(args):
 
 
 def main(args: Args):
-    resumed = None
-    if args.resume:  # the run's own arguments; the checkpoint's state is loaded once the objects exist
-        resumed = load_checkpoint(args.resume)
-        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
-        args = dataclasses.replace(Args(**saved), resume=args.resume)
+    args, resumed = resume_args(args)
     spec, games = check_args(args)
     multitask = len(games) > 0
     use_popart = args.popart == "on" or (args.popart == "auto" and multitask)
     args = dataclasses.replace(args, env_ids=tuple(games), popart="on" if use_popart else "off")
-    rank, world = int(os.environ.get("RANK", "0")), _world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    torch.manual_seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
-
+    rank, world, device = learner_process(args)
     obs_shape = spec.observation_space.shape
     obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
     num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
@@ -646,112 +614,48 @@ def main(args: Args):
         args.popart_beta,
         args.init,
     ).to(device)
-    if world > 1:  # same initial weights everywhere
-        for p in agent.parameters():
-            torch.distributed.broadcast(p.data, 0)
+    broadcast_parameters(agent.parameters(), world)
     model = agent
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(agent, device_ids=[local_rank] if use_cuda else None)
-    if args.optimizer in ("rmsprop_tf", "rmsprop_optax"):
-        optimizer = RMSpropTF(
-            agent.parameters(),
-            lr=args.learning_rate,
-            alpha=args.rmsprop_decay,
-            eps=args.rmsprop_eps,
-            momentum=args.rmsprop_momentum,
-            initial_scale=1.0 if args.optimizer == "rmsprop_tf" else 0.0,
-        )
-    else:
-        optimizer = torch.optim.RMSprop(
-            agent.parameters(),
-            lr=args.learning_rate,
-            alpha=args.rmsprop_decay,
-            eps=args.rmsprop_eps,
-            momentum=args.rmsprop_momentum,
-        )
-
-    task_name = f"{len(games)}games" if multitask else args.env_id
-    run_name = f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = args.resume or os.path.join(args.run_dir, run_name)
-    start_update, global_step, returns, previous_wall = 0, 0, [], 0.0
-    game_returns = {g: [] for g in games}
+        model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = make_optimizer(args, agent.parameters())
+    start_update = 0
     if resumed is not None:
         agent.load_state_dict(resumed["agent"])
         optimizer.load_state_dict(resumed["optimizer"])
-        start_update, global_step, previous_wall = resumed["update"], resumed["global_step"], resumed["wall_time_s"]
-        returns, game_returns = resumed["returns"], resumed["game_returns"]
-    writer = None
-    if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-
-        os.makedirs(run_path, exist_ok=True)
-        write_args(run_path, args, FAMILY_DEFAULTS)
-        # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
-        writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
-        print(
-            f"run folder: {run_path}  (device {device}, {world} learner process(es), "
-            f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
-            f"{', ' + str(len(games)) + ' games' if multitask else ''}{', PopArt' if use_popart else ''})",
-            flush=True,
-        )
-
+        start_update = resumed["update"]
+    task_name = f"{len(games)}games" if multitask else args.env_id
+    log = RunLog(
+        args,
+        FAMILY_DEFAULTS,
+        task_name,
+        resumed,
+        f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
+        f"{args.num_envs * world} envs{', ' + str(len(games)) + ' games' if multitask else ''}"
+        f"{', PopArt' if use_popart else ''}",
+        write=rank == 0,
+    )
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     anneal_steps = args.lr_anneal_steps or (50_000_000 if atari else args.total_timesteps)
     anneal_updates = max(num_updates, anneal_steps // steps_per_update)
-    pool = None
-    start = time.time()
-    last_log = last_checkpoint = start
-    first_update_time = None  # steady-state SPS leaves out process start and the first batch
-    first_step = global_step
-    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (the deep network's update on a CPU takes
-    # seconds), and save the last completed update's state; only the lines that change the training state (the
-    # optimiser step to the weights' publication) finish first.
-    stop, committing = [], [False]
-
-    def saved_model(global_step):
-        """What model.pt holds (common/evaluation.py plays it)."""
-        model = {
-            "script": "impala_vtrace",
-            "env_id": games[0] if multitask else args.env_id,
-            "env_ids": list(games),
-            "full_action_space": multitask,
-            "args": dataclasses.asdict(args),
-            "agent_config": agent.config,
-            "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-            "reward_clip": atari,
-            "global_step": global_step,
-        }
-        return model
+    global_step, last_checkpoint = log.start_step, time.time()
 
     def checkpoint(update):
         if rank == 0:
             check_finite_parameters(f"at update {update}", agent=agent)
             if args.save_model:  # a run stopped early can be evaluated too
-                save_model(saved_model(global_step), run_path)
-            save_checkpoint(
-                {
-                    "agent": agent.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "update": update,
-                    "global_step": global_step,
-                    "wall_time_s": previous_wall + time.time() - start,
-                    "returns": returns[-100:],
-                    "game_returns": {g: r[-10:] for g, r in game_returns.items()},
-                    "args": dataclasses.asdict(args),
-                },
-                run_path,
-            )
+                save_model(saved_model(args, agent, games, atari, global_step), log.path)
+            state = dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), update=update)
+            save_checkpoint(log.state(global_step, args, **state), log.path)
+        return global_step
 
-    def on_signal(signum, frame):
-        stop.append(signum)
-        if len(stop) > 1 or not committing[0]:  # a second Ctrl-C, or not inside the commit: stop now
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (the deep network's update on a CPU takes
+    # seconds), and save the last completed update's state; only the lines that change the training state (the
+    # optimiser step to the weights' publication) finish first.
+    interrupt, pool = Interrupt(), None
     update = done_update = start_update
     try:
         specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size)
@@ -766,188 +670,81 @@ def main(args: Args):
             loss, stats, vs = learner_loss(logits, values, batch, args, agent.popart)
             optimizer.zero_grad(set_to_none=True)
             (loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
-            log_due = rank == 0 and (time.time() - last_log >= args.log_interval or update == num_updates)
+            log_due = rank == 0 and (log.due() or update == num_updates)
             layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
             grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            check_finite(
-                f"at update {update} (step {update * steps_per_update})",
-                loss=loss,
-                gradient=grad_norm,
-                **{k.split("/")[-1]: v for k, v in stats.items()},
-            )
-            committing[0] = True  # from here to the new global step a signal waits
-            optimizer.step()
-            if agent.popart is not None:  # toward this batch's targets, per game; outputs preserved
-                real = ~batch["ended"][:-1]
-                agent.popart.update(vs[real], batch["task"][:-1][real])
-            done_update = update
-            policy_lag = (pool.version.item() - batch["version"][:-1].float().mean()).item()
-            pool.publish(agent.state_dict())
-            global_step = update * steps_per_update
-            committing[0] = False
-            if first_update_time is None:
-                first_update_time = time.time()
-            if stop:
-                raise KeyboardInterrupt
-            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
+            where = f"at update {update} (step {update * steps_per_update})"
+            check_finite(where, loss=loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+            with interrupt.commit():
+                optimizer.step()
+                if agent.popart is not None:  # toward this batch's targets, per game; outputs preserved
+                    real = ~batch["ended"][:-1]
+                    agent.popart.update(vs[real], batch["task"][:-1][real])
+                done_update = update
+                policy_lag = (pool.version.item() - batch["version"][:-1].float().mean()).item()
+                pool.publish(agent.state_dict())
+                global_step = update * steps_per_update
+                log.first_update(global_step)
+            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
                 checkpoint(update)
                 last_checkpoint = time.time()
-            if rank != 0:
-                pool.episodes.clear()
-                continue
-            for score, length, task in pool.episodes:
-                returns.append(score)
-                writer.add_scalar("charts/episodic_return", score, global_step)
-                writer.add_scalar("charts/episodic_length", length, global_step)
-                if multitask:
-                    game_returns[games[task]].append(score)
-                    writer.add_scalar(f"charts/{games[task]}/episodic_return", score, global_step)
+            episodes = list(pool.episodes)
             pool.episodes.clear()
-            now = time.time()
+            if rank != 0:
+                continue
+            for score, length, task in episodes:
+                log.episode(score, length, global_step, *([games[task]] if multitask else []))
             if log_due:
-                sps = (global_step - first_step) / (now - start)
-                writer.add_scalar("charts/SPS", sps, global_step)
-                writer.add_scalar("charts/learning_rate", lr, global_step)
-                writer.add_scalar("stats/policy_lag", policy_lag, global_step)
-                writer.add_scalar("stats/grad_norm", grad_norm.item(), global_step)
-                for k, v in stats.items():
-                    writer.add_scalar(k, v.item(), global_step)
-                with torch.no_grad():  # does the policy depend on the state yet? are torso units dying?
-                    for name, v in layer_norms.items():
-                        writer.add_scalar(f"grad_norm/{name}", v.item(), global_step)
-                    writer.add_scalar(
-                        "stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(), global_step
-                    )
-                    features = agent.torso(batch["obs"][:-1].flatten(0, 1))
-                    writer.add_scalar("stats/dead_units", dead_units(features).item(), global_step)
-                if multitask:  # the aggregate: median over games of the human-normalised last-10 mean
-                    hns = [human_normalized_score(g, np.mean(r[-10:])) for g, r in game_returns.items() if r]
-                    if len(hns) == len(games):
-                        writer.add_scalar("charts/median_human_normalized", float(np.median(hns)), global_step)
-                if agent.popart is not None:
-                    for k, g in enumerate(games or [args.env_id]):
-                        writer.add_scalar(f"stats/popart_sigma/{g}", agent.popart.sigma[k].item(), global_step)
-                        writer.add_scalar(f"stats/popart_mu/{g}", agent.popart.mu[k].item(), global_step)
-                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
-                eta = (args.total_timesteps - global_step) / max(sps, 1e-9)
-                print(
-                    f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
-                    f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} | lag {policy_lag:.1f} "
-                    f"| ETA {eta / 60:.1f} min",
-                    flush=True,
+                stats.update({"charts/learning_rate": lr, "stats/policy_lag": policy_lag, "stats/grad_norm": grad_norm})
+                log_learner_stats(
+                    log, agent, games or [args.env_id], stats, layer_norms, logits, batch["obs"], global_step
                 )
-                last_log = now
+                entropy = stats["stats/entropy"].item()
+                log.console(global_step, f"entropy {entropy:.2f} | lag {policy_lag:.1f}")
     except (WorkerError, NonFiniteError) as e:
-        report_failure(e, run_path)
-        if pool is not None:
-            pool.close()
-        os._exit(1)  # skip DDP teardown: the other learners are stopped by torchrun
+        learner_failed(e, log.path, pool)
     except KeyboardInterrupt:
-        ignore_further_interrupts()
-        print("interrupted: stopping actors", file=sys.stderr, flush=True)
-        if pool is not None:
-            pool.close()
-            if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
-                checkpoint(done_update)
-                again = (
-                    f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}"
-                    if world > 1
-                    else f"python {os.path.basename(__file__)}"
-                )
-                if rank == 0:
-                    print(
-                        f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-        sys.exit(130)
+        save = (lambda: checkpoint(done_update)) if done_update > start_update else None
+        learner_interrupted(pool, interrupt, save, log, os.path.basename(__file__), world)
     pool.close()
     end_time = time.time()
     checkpoint(num_updates)
-    wall = previous_wall + end_time - start
-
     if rank == 0:
-        checkpoint = saved_model(global_step)
+        model = saved_model(args, agent, games, atari, global_step)
         if args.save_model:
-            torch.save(checkpoint, os.path.join(run_path, "model.pt"))
-        eval_mean, table = None, None
-        if args.eval_episodes > 0 and multitask:  # every game, and the per-game table with human-normalised scores
-            from common.evaluation import evaluate, score_table, write_score_table
-
-            video = run_path if args.capture_video else None  # the first game's first episode
-            table = score_table(
-                {
-                    g: evaluate(
-                        checkpoint,
-                        args.eval_episodes,
-                        seed=args.seed + 10_000,
-                        device=str(device),
-                        env_id=g,
-                        video_dir=video if i == 0 else None,
-                    )
-                    for i, g in enumerate(games)
-                }
-            )
-            print(write_score_table(table, os.path.join(run_path, "evaluation")), flush=True)
-            for row in table["games"]:
-                writer.add_scalar(f"charts/{row['env_id']}/eval_return", row["mean"], global_step)
-            eval_mean = float(np.mean([row["mean"] for row in table["games"]]))
-            writer.add_scalar("charts/eval_median_human_normalized", table["median_human_normalized"], global_step)
-        elif args.eval_episodes > 0:
-            from common.evaluation import evaluate
-
-            scores = evaluate(
-                checkpoint,
-                args.eval_episodes,
-                seed=args.seed + 10_000,
-                device=str(device),
-                video_dir=run_path if args.capture_video else None,
-            )
-            eval_mean = float(np.mean(scores))
-            writer.add_scalar("charts/eval_return", eval_mean, global_step)
-            print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
-        summary = {
-            "env_id": task_name,
-            "total_timesteps": global_step,
-            "wall_time_s": wall,
-            "sps": global_step / wall,
-            "sps_after_first_update": (global_step - first_step - steps_per_update)
-            / max(end_time - first_update_time, 1e-9)
-            if num_updates > start_update + 1
-            else None,
-            "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-            "eval_mean_return": eval_mean,
-        }
+            torch.save(model, os.path.join(log.path, "model.pt"))
         if multitask:
-            summary.update(
-                env_ids=list(games),
-                mean_episodic_return_last_10_per_game={
-                    g: float(np.mean(r[-10:])) if r else None for g, r in game_returns.items()
-                },
-            )
-            if table is not None:
-                summary.update(
-                    eval_median_human_normalized=table["median_human_normalized"],
-                    eval_mean_human_normalized=table["mean_human_normalized"],
-                    eval_per_game=table["games"],
-                )
-        with open(os.path.join(run_path, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        writer.close()
+            eval_mean, table = log.evaluate_games(model, games, device)
+            log.finish(global_step, eval_mean, end_time, task_name, **multitask_summary(games, log.groups, table))
+        else:
+            log.finish(global_step, log.evaluate(model, device), end_time)
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
-def cli():
-    import tyro
+def make_optimizer(args, params):
+    """RMSProp as TensorFlow's (ε inside the square root, the mean square starting at 1: `rmsprop_tf`), as optax's
+    (starting at 0: `rmsprop_optax`), or PyTorch's (`rmsprop_torch`)."""
+    kwargs = dict(lr=args.learning_rate, alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
+    if args.optimizer in ("rmsprop_tf", "rmsprop_optax"):
+        return RMSpropTF(params, initial_scale=1.0 if args.optimizer == "rmsprop_tf" else 0.0, **kwargs)
+    return torch.optim.RMSprop(params, **kwargs)
 
-    args = tyro.cli(Args)
-    try:
-        main(with_family_defaults(args, FAMILY_DEFAULTS))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+
+def saved_model(args, agent, games, atari, global_step):
+    """What model.pt holds (common/evaluation.py plays it)."""
+    return {
+        "script": "impala_vtrace",
+        "env_id": games[0] if games else args.env_id,
+        "env_ids": list(games),
+        "full_action_space": bool(games),
+        "args": dataclasses.asdict(args),
+        "agent_config": agent.config,
+        "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+        "reward_clip": atari,
+        "global_step": global_step,
+    }
 
 
 if __name__ == "__main__":
-    cli()
+    cli(Args, main, FAMILY_DEFAULTS)

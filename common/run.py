@@ -58,6 +58,7 @@ class RunLog:
         name = f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.path = args.resume or os.path.join(args.run_dir, name)
         self.returns = list(resumed["returns"]) if resumed else []
+        self.groups = dict(resumed.get("groups", {})) if resumed else {}  # returns per game or learner
         self.start_step = resumed["global_step"] if resumed else 0
         self.previous_wall = resumed["wall_time_s"] if resumed else 0.0
         self.start = self.last_log = time.time()
@@ -82,6 +83,7 @@ class RunLog:
         self.writer.add_scalar("charts/episodic_return", score, step)
         self.writer.add_scalar("charts/episodic_length", length, step)
         for group in groups:
+            self.groups.setdefault(group, []).append(score)
             self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
 
     def first_update(self, step: int) -> None:
@@ -92,6 +94,13 @@ class RunLog:
     def wall(self) -> float:
         """Seconds this run has trained, over all its resumed parts."""
         return self.previous_wall + time.time() - self.start
+
+    def state(self, step: int, args, **script_state) -> dict:
+        """A checkpoint: the script's state plus what this log continues from on `--resume` (the step, the last
+        100 returns, the last 10 of each group, the wall time) and the run's arguments."""
+        groups = {g: r[-10:] for g, r in self.groups.items()}
+        common = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=self.wall())
+        return {**script_state, **common, "args": dataclasses.asdict(args)}
 
     def due(self) -> bool:
         return time.time() - self.last_log >= self.args.log_interval
@@ -111,6 +120,28 @@ class RunLog:
         )
         self.last_log = now
         return sps
+
+    def evaluate_games(self, model: dict, games, device="cpu"):
+        """A multi-task model on every game (the first game's first episode filmed with `--capture-video`): the
+        per-game table with human-normalised scores, written to the run folder and logged. Returns (mean of the
+        games' means, table), (None, None) with no evaluation episodes."""
+        if self.args.eval_episodes <= 0:
+            return None, None
+        from common.evaluation import evaluate, score_table, write_score_table
+
+        video = self.path if self.args.capture_video else None
+        seed, step = self.args.seed + 10_000, model["global_step"]
+        table = score_table(
+            {
+                g: evaluate(model, self.args.eval_episodes, seed=seed, device=str(device), env_id=g, video_dir=video)
+                for g, video in zip(games, [video] + [None] * (len(games) - 1))
+            }
+        )
+        print(write_score_table(table, os.path.join(self.path, "evaluation")), flush=True)
+        for row in table["games"]:
+            self.writer.add_scalar(f"charts/{row['env_id']}/eval_return", row["mean"], step)
+        self.writer.add_scalar("charts/eval_median_human_normalized", table["median_human_normalized"], step)
+        return float(np.mean([row["mean"] for row in table["games"]])), table
 
     def evaluate(self, model: dict, device="cpu") -> float | None:
         """`--eval-episodes` episodes of the saved model (common/evaluation.py), the first one filmed with
@@ -149,6 +180,23 @@ class RunLog:
             json.dump(summary, f, indent=2)
         self.writer.close()
         return summary
+
+
+def multitask_summary(games, groups: dict, table) -> dict:
+    """summary.json's entries for a multi-task run: its games, each game's last-10 mean, the evaluation table."""
+    summary = {
+        "env_ids": list(games),
+        "mean_episodic_return_last_10_per_game": {
+            g: float(np.mean(groups[g][-10:])) if groups.get(g) else None for g in games
+        },
+    }
+    if table is not None:
+        summary.update(
+            eval_median_human_normalized=table["median_human_normalized"],
+            eval_mean_human_normalized=table["mean_human_normalized"],
+            eval_per_game=table["games"],
+        )
+    return summary
 
 
 def resume_hint(step: int, run_path: str, script: str, world: int = 1) -> None:
@@ -248,3 +296,104 @@ def serve_workers(procs, msg_q, log: RunLog, steps, checkpoint, script: str) -> 
         sys.exit(130)
     for p in procs:
         p.join()
+
+
+# The learner processes of the actor/learner scripts (impala_vtrace, vmpo_atari, vmpo_mujoco).
+
+
+def world_size() -> int:
+    """Learner processes of this run (torchrun's WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def learner_process(args):
+    """(rank, world, device) of this learner process: the process group under torchrun, the seeds (seed + rank),
+    cudnn's determinism and torch's threads (`--learner-threads`, or the cores shared among the learners)."""
+    import torch
+
+    rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
+    return rank, world, device
+
+
+def broadcast_parameters(params, world: int) -> None:
+    """The same initial weights in every learner process (rank 0's)."""
+    if world > 1:
+        import torch
+
+        for p in params:
+            torch.distributed.broadcast(p.data, 0)
+
+
+def average_gradients(params, world: int) -> None:
+    """Averages gradients over learner processes (one all-reduce of a flat buffer)."""
+    import torch
+
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def log_learner_stats(log: RunLog, agent, tasks, stats: dict, layer_norms: dict, logits, obs, step: int) -> None:
+    """A discrete learner's diagnostics: its stats, the gradient norm of each layer, whether the policy depends on
+    the state yet (logits' spread across states), the torso's dead units, PopArt's statistics per task, and for
+    several games the median human-normalised score of their last 10 episodes."""
+    import torch
+
+    from common.evaluation import human_normalized_score
+    from common.networks import dead_units, logits_std_across_states
+
+    log.scalars(stats, step)
+    log.scalars({f"grad_norm/{name}": v for name, v in layer_norms.items()}, step)
+    with torch.no_grad():
+        log.scalars({"stats/logits_std_across_states": logits_std_across_states(logits[:-1])}, step)
+        log.scalars({"stats/dead_units": dead_units(agent.torso(obs[:-1].flatten(0, 1)))}, step)
+    if agent.popart is not None:
+        for k, task in enumerate(tasks):
+            log.scalars(
+                {f"stats/popart_sigma/{task}": agent.popart.sigma[k], f"stats/popart_mu/{task}": agent.popart.mu[k]},
+                step,
+            )
+    if len(tasks) > 1:
+        hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in tasks if log.groups.get(g)]
+        if len(hns) == len(tasks):
+            log.scalars({"charts/median_human_normalized": float(np.median(hns))}, step)
+
+
+def learner_failed(error: Exception, run_path: str, pool) -> None:
+    """A failed actor or a non-finite value in a learner: the error line, the actors stopped, exit 1 (skipping the
+    process-group teardown: torchrun stops the other learners)."""
+    from common.processes import report_failure
+
+    report_failure(error, run_path)
+    if pool is not None:
+        pool.close()
+    os._exit(1)
+
+
+def learner_interrupted(pool, interrupt: Interrupt, save, log: RunLog, script: str, world: int) -> None:
+    """Ctrl-C or SIGTERM in a learner: the actors stopped; after one signal `save()` (the last completed update's
+    checkpoint; None where there is none yet) and how to continue; exit 130."""
+    from common.processes import ignore_further_interrupts
+
+    ignore_further_interrupts()
+    print("interrupted: stopping actors", file=sys.stderr, flush=True)
+    if pool is not None:
+        pool.close()
+        if interrupt.once and save is not None:
+            step = save()
+            if log.writer is not None:
+                resume_hint(step, log.path, script, world)
+    sys.exit(130)
