@@ -817,10 +817,7 @@ def main(args: Args):
     end_time = time.time()
     global_step = checkpoint()
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    model = saved_model(args, spec, agent, avg_agent, global_step)
-    if args.save_model:
-        torch.save(model, os.path.join(log.path, "model.pt"))
-    log.finish(global_step, log.evaluate(model), end_time, num_workers=args.num_workers)
+    log.end(saved_model(args, spec, agent, avg_agent, global_step), end_time, num_workers=args.num_workers)
 
 
 def saved_model(args, spec, agent, avg_agent, global_step):

@@ -91,7 +91,6 @@ from common.run import (
     learner_interrupted,
     learner_process,
     log_learner_stats,
-    multitask_summary,
     resume_args,
     world_size,
 )
@@ -710,14 +709,7 @@ def main(args: Args):
     end_time = time.time()
     checkpoint(num_updates)
     if rank == 0:
-        model = saved_model(args, agent, games, atari, global_step)
-        if args.save_model:
-            torch.save(model, os.path.join(log.path, "model.pt"))
-        if multitask:
-            eval_mean, table = log.evaluate_games(model, games, device)
-            log.finish(global_step, eval_mean, end_time, task_name, **multitask_summary(games, log.groups, table))
-        else:
-            log.finish(global_step, log.evaluate(model, device), end_time)
+        log.end(saved_model(args, agent, games, atari, global_step), end_time, device, games)
     if world > 1:
         torch.distributed.destroy_process_group()
 

@@ -68,11 +68,8 @@ of the last observation; termination has discount 0.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -83,32 +80,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.actor_pool import ActorPool, UnrollWriter
-from common.checkpoint import (
-    NonFiniteError,
-    check_finite,
-    check_finite_parameters,
-    load_checkpoint,
-    save_checkpoint,
-    save_model,
-)
+from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
-from common.evaluation import PRESETS, expand_env_ids, human_normalized_score
-from common.families import with_family_defaults, write_args
-from common.networks import (
-    LSTMCore,
-    dead_units,
-    grad_norms_by_layer,
-    init_output_,
-    init_weights_,
-    logits_std_across_states,
-    make_torso,
-)
+from common.evaluation import PRESETS, expand_env_ids
+from common.networks import LSTMCore, grad_norms_by_layer, init_output_, init_weights_, make_torso
 from common.popart import PopArt
-from common.processes import (
-    WorkerError,
-    exit_if_orphaned,
-    ignore_further_interrupts,
-    report_failure,
+from common.processes import WorkerError, exit_if_orphaned
+from common.run import (
+    Interrupt,
+    RunLog,
+    average_gradients,
+    broadcast_parameters,
+    cli,
+    learner_failed,
+    learner_interrupted,
+    learner_process,
+    log_learner_stats,
+    resume_args,
+    world_size,
 )
 
 
@@ -559,7 +548,7 @@ def actor_configs(args, rank, device):
     """One dict per actor process of learner `rank`: its game, envs, seeds and threads."""
     envs_per_actor = args.num_envs // args.num_actors
     # the cores the learner leaves free step the envs
-    env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
+    env_threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
     games = list(args.env_ids) or [args.env_id]
     return [  # actor a plays game a mod G: every game the same share of the actors
         dict(
@@ -579,23 +568,6 @@ def actor_configs(args, rank, device):
     ]
 
 
-def _world_size():
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def average_gradients(params, world):
-    """Averages gradients over learner processes (one all-reduce of a flat buffer). Used instead of DDP so that
-    PopArt can rescale its layer between the forward pass and the loss."""
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
     of a multi-task run (presets expanded; empty for one game)."""
@@ -613,7 +585,7 @@ def check_args(args):
             "that every game gets the same share of the actors"
         )
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
-    world = _world_size()
+    world = world_size()
     if args.unroll_length < 1:
         raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
     if args.batch_size < 1 or args.batch_size % world:
@@ -657,37 +629,20 @@ def check_args(args):
 
 
 def main(args: Args):
-    resumed = None
-    if args.resume:  # the run's own arguments; the checkpoint's state is loaded once the objects exist
-        resumed = load_checkpoint(args.resume)
-        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
-        args = dataclasses.replace(Args(**saved), resume=args.resume)
+    args, resumed = resume_args(args)
     spec, games = check_args(args)
     multitask = len(games) > 0
     args = dataclasses.replace(args, env_ids=tuple(games))
-    rank, world = int(os.environ.get("RANK", "0")), _world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    torch.manual_seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
-
+    rank, world, device = learner_process(args)
     obs_shape = spec.observation_space.shape
     obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
     num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
     atari = is_atari(games[0] if multitask else args.env_id)
-    channels = args.channels if len(obs_shape) == 3 else ()
     agent = Agent(
         obs_shape,
         num_actions,
         args.network,
-        channels,
+        args.channels if len(obs_shape) == 3 else (),
         args.use_lstm,
         args.lstm_size,
         args.head_hidden,
@@ -700,96 +655,47 @@ def main(args: Args):
     ).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
-    if world > 1:  # same initial weights everywhere
-        for p in params:
-            torch.distributed.broadcast(p.data, 0)
+    broadcast_parameters(params, world)
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
-
-    task_name = f"{len(games)}games" if multitask else args.env_id
-    run_name = f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = args.resume or os.path.join(args.run_dir, run_name)
-    start_update, global_step, returns, previous_wall = 0, 0, [], 0.0
-    game_returns = {g: [] for g in games}
-    target_state = None
+    start_update, target_state = 0, None
     if resumed is not None:
         agent.load_state_dict(resumed["agent"])
         multipliers.load_state_dict(resumed["multipliers"])
         optimizer.load_state_dict(resumed["optimizer"])
-        target_state = resumed["target_agent"]
-        start_update, global_step, previous_wall = resumed["update"], resumed["global_step"], resumed["wall_time_s"]
-        returns, game_returns = resumed["returns"], resumed["game_returns"]
-    writer = None
-    if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-
-        os.makedirs(run_path, exist_ok=True)
-        write_args(run_path, args, FAMILY_DEFAULTS)
-        # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
-        writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
-        print(
-            f"run folder: {run_path}  (device {device}, {world} learner process(es), "
-            f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs"
-            f"{', ' + str(len(games)) + ' games' if multitask else ''})",
-            flush=True,
-        )
-
+        start_update, target_state = resumed["update"], resumed["target_agent"]
+    task_name = f"{len(games)}games" if multitask else args.env_id
+    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
+    describe += f"{args.num_envs * world} envs{', ' + str(len(games)) + ' games' if multitask else ''}"
+    log = RunLog(args, FAMILY_DEFAULTS, task_name, resumed, describe, write=rank == 0)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     chunks = args.num_minibatches // world  # minibatches of this learner process, one after the other
-    pool = None
-    start = time.time()
-    last_log = last_checkpoint = start
-    first_update_time = None  # steady-state SPS leaves out process start and the first batch
-    first_step = global_step
-    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (on a CPU one update of the default ResNet
-    # + LSTM takes minutes), and save the last completed update's state. Only the few lines that change the
-    # training state (the optimiser step to the target refresh) finish first.
-    stop, committing = [], [False]
-
-    def saved_model(global_step):
-        """What model.pt holds (common/evaluation.py plays it)."""
-        model = {
-            "script": "vmpo_atari",
-            "env_id": games[0] if multitask else args.env_id,
-            "env_ids": list(games),
-            "full_action_space": multitask,
-            "args": dataclasses.asdict(args),
-            "agent_config": agent.config,
-            "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-            "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
-            "reward_clip": atari and args.reward_clip,
-            "global_step": global_step,
-        }
-        return model
+    global_step, last_checkpoint = log.start_step, time.time()
 
     def checkpoint(update):
         if rank == 0:
             check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
             if args.save_model:  # a run stopped early can be evaluated too
-                save_model(saved_model(global_step), run_path)
-            save_checkpoint(
-                {
-                    "agent": agent.state_dict(),
-                    "target_agent": pool.agent.state_dict(),
-                    "multipliers": multipliers.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "update": update,
-                    "global_step": global_step,
-                    "wall_time_s": previous_wall + time.time() - start,
-                    "returns": returns[-100:],
-                    "game_returns": {g: r[-10:] for g, r in game_returns.items()},
-                    "args": dataclasses.asdict(args),
-                },
-                run_path,
+                save_model(saved_model(args, agent, multipliers, games, atari, global_step), log.path)
+            state = dict(
+                agent=agent.state_dict(),
+                target_agent=pool.agent.state_dict(),
+                multipliers=multipliers.state_dict(),
+                optimizer=optimizer.state_dict(),
+                update=update,
             )
+            save_checkpoint(log.state(global_step, args, **state), log.path)
+        return global_step
 
-    def on_signal(signum, frame):
-        stop.append(signum)
-        if len(stop) > 1 or not committing[0]:  # a second Ctrl-C, or not inside the commit: stop now
-            raise KeyboardInterrupt
+    def save_last():
+        if popart_before is not None:  # the update in progress is dropped, with what its loss did to PopArt
+            agent.popart.load_state_dict(popart_before)
+        return checkpoint(done_update)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (on a CPU one update of the default ResNet
+    # + LSTM takes minutes), and save the last completed update's state. Only the few lines that change the
+    # training state (the optimiser step to the target refresh) finish first.
+    interrupt, pool = Interrupt(), None
     update = done_update = start_update
     popart_before = None
     try:
@@ -801,204 +707,88 @@ def main(args: Args):
             batch = pool.next_batch()
             popart_before = {k: v.clone() for k, v in agent.popart.state_dict().items()}  # the loss moves PopArt
             optimizer.zero_grad(set_to_none=False)
-            stats = {}
-            for cols in torch.arange(pool.batch_size, device=device).chunk(chunks):
-                mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
-                state = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
-                logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], state)
-                loss, mb_stats = vmpo_loss(
-                    logits, value_features, mb, agent, multipliers, args, args.popart_beta / chunks
-                )
-                (loss / chunks).backward()
-                for k, v in mb_stats.items():
-                    stats[k] = stats.get(k, 0) + v / chunks
+            stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks)
             if world > 1:
                 average_gradients(params, world)
-            log_due = rank == 0 and (time.time() - last_log >= args.log_interval or update == num_updates)
+            log_due = rank == 0 and (log.due() or update == num_updates)
             layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
             grad_norm = nn.utils.clip_grad_norm_(
                 agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
             )
-            check_finite(
-                f"at update {update} (step {update * steps_per_update})",
-                gradient=grad_norm,
-                **{k.split("/")[-1]: v for k, v in stats.items()},
-            )
-            committing[0] = True  # from here to done_update a signal waits
-            optimizer.step()
-            multipliers.project(args.min_multiplier)
-            stale = (batch["version"][:-1] != pool.version.item()).float().mean()
-            if update % args.target_update_period == 0:
-                pool.publish(agent.state_dict())  # θ_target ← θ_online
-            global_step = update * steps_per_update
-            if first_update_time is None:
-                first_update_time = time.time()
-            done_update, popart_before = update, None
-            committing[0] = False
-            if stop:
-                raise KeyboardInterrupt
-            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
+            where = f"at update {update} (step {update * steps_per_update})"
+            check_finite(where, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+            with interrupt.commit():
+                optimizer.step()
+                multipliers.project(args.min_multiplier)
+                stale = (batch["version"][:-1] != pool.version.item()).float().mean()
+                if update % args.target_update_period == 0:
+                    pool.publish(agent.state_dict())  # θ_target ← θ_online
+                global_step = update * steps_per_update
+                log.first_update(global_step)
+                done_update, popart_before = update, None
+            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
                 checkpoint(update)
                 last_checkpoint = time.time()
-            if rank != 0:
-                pool.episodes.clear()
-                continue
-            for score, length, task in pool.episodes:
-                returns.append(score)
-                writer.add_scalar("charts/episodic_return", score, global_step)
-                writer.add_scalar("charts/episodic_length", length, global_step)
-                if multitask:
-                    game_returns[games[task]].append(score)
-                    writer.add_scalar(f"charts/{games[task]}/episodic_return", score, global_step)
+            episodes = list(pool.episodes)
             pool.episodes.clear()
-            now = time.time()
+            if rank != 0:
+                continue
+            for score, length, task in episodes:
+                log.episode(score, length, global_step, *([games[task]] if multitask else []))
             if log_due:
-                sps = (global_step - first_step) / (now - start)
-                writer.add_scalar("charts/SPS", sps, global_step)
-                writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
-                writer.add_scalar("stats/stale_fraction", stale.item(), global_step)
-                writer.add_scalar("stats/target_version", pool.version.item(), global_step)
-                for k, v in stats.items():
-                    writer.add_scalar(k, v.item(), global_step)
-                with torch.no_grad():  # does the policy depend on the state yet? are torso units dying?
-                    for name, v in layer_norms.items():
-                        writer.add_scalar(f"grad_norm/{name}", v.item(), global_step)
-                    writer.add_scalar(
-                        "stats/logits_std_across_states", logits_std_across_states(logits[:-1]).item(), global_step
-                    )
-                    writer.add_scalar(
-                        "stats/dead_units", dead_units(agent.torso(mb["obs"][:-1].flatten(0, 1))).item(), global_step
-                    )
-                if multitask:  # the aggregate: median over games of the human-normalised last-10 mean
-                    hns = [human_normalized_score(g, np.mean(r[-10:])) for g, r in game_returns.items() if r]
-                    if len(hns) == len(games):
-                        writer.add_scalar("charts/median_human_normalized", float(np.median(hns)), global_step)
-                    for k, g in enumerate(games):
-                        writer.add_scalar(f"stats/popart_sigma/{g}", agent.popart.sigma[k].item(), global_step)
-                        writer.add_scalar(f"stats/popart_mu/{g}", agent.popart.mu[k].item(), global_step)
-                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
-                minutes_left = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
-                print(
-                    f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>7} "
-                    f"| episodes {len(returns)} | entropy {stats['stats/entropy'].item():.2f} "
-                    f"| η {stats['stats/eta'].item():.3f} α {stats['stats/alpha'].item():.3f} "
-                    f"KL {stats['stats/kl'].item():.4f} | ETA {minutes_left:.1f} min",
-                    flush=True,
+                stats.update({"stats/stale_fraction": stale, "stats/target_version": pool.version.item()})
+                stats["charts/learning_rate"] = args.learning_rate
+                log_learner_stats(log, agent, games or [args.env_id], stats, layer_norms, logits, obs, global_step)
+                log.console(
+                    global_step,
+                    f"entropy {stats['stats/entropy'].item():.2f} | η {stats['stats/eta'].item():.3f} "
+                    f"α {stats['stats/alpha'].item():.3f} KL {stats['stats/kl'].item():.4f}",
                 )
-                last_log = now
     except (WorkerError, NonFiniteError) as e:
-        report_failure(e, run_path)
-        if pool is not None:
-            pool.close()
-        os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun
+        learner_failed(e, log.path, pool)
     except KeyboardInterrupt:
-        ignore_further_interrupts()
-        print("interrupted: stopping actors", file=sys.stderr, flush=True)
-        if popart_before is not None:  # the update in progress is dropped, with what its loss did to PopArt
-            agent.popart.load_state_dict(popart_before)
-        if pool is not None:
-            pool.close()
-            if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
-                checkpoint(done_update)
-                again = (
-                    f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}"
-                    if world > 1
-                    else f"python {os.path.basename(__file__)}"
-                )
-                if rank == 0:
-                    print(
-                        f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-        sys.exit(130)
+        learner_interrupted(
+            pool, interrupt, save_last if done_update > start_update else None, log, os.path.basename(__file__), world
+        )
     pool.close()
     end_time = time.time()
     checkpoint(num_updates)
-    wall = previous_wall + end_time - start
-
     if rank == 0:
-        checkpoint = saved_model(global_step)
-        if args.save_model:
-            torch.save(checkpoint, os.path.join(run_path, "model.pt"))
-        eval_mean, table = None, None
-        if args.eval_episodes > 0 and multitask:  # every game, and the per-game table with human-normalised scores
-            from common.evaluation import evaluate, score_table, write_score_table
-
-            video = run_path if args.capture_video else None  # the first game's first episode
-            table = score_table(
-                {
-                    g: evaluate(
-                        checkpoint,
-                        args.eval_episodes,
-                        seed=args.seed + 10_000,
-                        device=str(device),
-                        env_id=g,
-                        video_dir=video if i == 0 else None,
-                    )
-                    for i, g in enumerate(games)
-                }
-            )
-            print(write_score_table(table, os.path.join(run_path, "evaluation")), flush=True)
-            for row in table["games"]:
-                writer.add_scalar(f"charts/{row['env_id']}/eval_return", row["mean"], global_step)
-            eval_mean = float(np.mean([row["mean"] for row in table["games"]]))
-            writer.add_scalar("charts/eval_median_human_normalized", table["median_human_normalized"], global_step)
-        elif args.eval_episodes > 0:
-            from common.evaluation import evaluate
-
-            scores = evaluate(
-                checkpoint,
-                args.eval_episodes,
-                seed=args.seed + 10_000,
-                device=str(device),
-                video_dir=run_path if args.capture_video else None,
-            )
-            eval_mean = float(np.mean(scores))
-            writer.add_scalar("charts/eval_return", eval_mean, global_step)
-            print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
-        summary = {
-            "env_id": task_name,
-            "total_timesteps": global_step,
-            "wall_time_s": wall,
-            "sps": global_step / wall,
-            "sps_after_first_update": (global_step - first_step - steps_per_update)
-            / max(end_time - first_update_time, 1e-9)
-            if num_updates > start_update + 1
-            else None,
-            "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-            "eval_mean_return": eval_mean,
-        }
-        if multitask:
-            summary.update(
-                env_ids=list(games),
-                mean_episodic_return_last_10_per_game={
-                    g: float(np.mean(r[-10:])) if r else None for g, r in game_returns.items()
-                },
-            )
-            if table is not None:
-                summary.update(
-                    eval_median_human_normalized=table["median_human_normalized"],
-                    eval_mean_human_normalized=table["mean_human_normalized"],
-                    eval_per_game=table["games"],
-                )
-        with open(os.path.join(run_path, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        writer.close()
+        log.end(saved_model(args, agent, multipliers, games, atari, global_step), end_time, device, games)
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
-def cli():
-    import tyro
+def minibatch_gradients(agent, multipliers, batch, args, chunks):
+    """Accumulates the gradient of vmpo_loss over the batch's `chunks` minibatches of columns, one after the
+    other. Returns the stats averaged over them, and the last minibatch's logits and observations."""
+    stats = {}
+    for cols in torch.arange(batch["obs"].shape[1], device=batch["obs"].device).chunk(chunks):
+        mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
+        state = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
+        logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], state)
+        loss, mb_stats = vmpo_loss(logits, value_features, mb, agent, multipliers, args, args.popart_beta / chunks)
+        (loss / chunks).backward()
+        for k, v in mb_stats.items():
+            stats[k] = stats.get(k, 0) + v / chunks
+    return stats, logits, mb["obs"]
 
-    args = tyro.cli(Args)
-    try:
-        main(with_family_defaults(args, FAMILY_DEFAULTS))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+
+def saved_model(args, agent, multipliers, games, atari, global_step):
+    """What model.pt holds (common/evaluation.py plays it)."""
+    return {
+        "script": "vmpo_atari",
+        "env_id": games[0] if games else args.env_id,
+        "env_ids": list(games),
+        "full_action_space": bool(games),
+        "args": dataclasses.asdict(args),
+        "agent_config": agent.config,
+        "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+        "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
+        "reward_clip": atari and args.reward_clip,
+        "global_step": global_step,
+    }
 
 
 if __name__ == "__main__":
-    cli()
+    cli(Args, main, FAMILY_DEFAULTS)

@@ -159,6 +159,19 @@ class RunLog:
         print(f"evaluation over {len(scores)} episodes: mean {mean:.1f}", flush=True)
         return mean
 
+    def end(self, model: dict, end_time: float, device="cpu", games=(), **extra) -> dict:
+        """The end of a run: model.pt (with `--save-model`), the evaluation (of every game for a multi-task
+        model), summary.json. `end_time`: when training ended."""
+        if self.args.save_model:
+            import torch
+
+            torch.save(model, os.path.join(self.path, "model.pt"))
+        if not games:
+            return self.finish(model["global_step"], self.evaluate(model, device), end_time, **extra)
+        eval_mean, table = self.evaluate_games(model, games, device)
+        extra.update(multitask_summary(games, self.groups, table))
+        return self.finish(model["global_step"], eval_mean, end_time, f"{len(games)}games", **extra)
+
     def finish(self, step: int, eval_mean, end_time: float, env_id=None, **extra) -> dict:
         """Writes summary.json (the steps, wall time, SPS, last-100 mean, evaluation and the script's `extra`) and
         closes the TensorBoard log. `end_time`: when training ended (evaluation left out of the SPS)."""
@@ -333,7 +346,8 @@ def broadcast_parameters(params, world: int) -> None:
 
 
 def average_gradients(params, world: int) -> None:
-    """Averages gradients over learner processes (one all-reduce of a flat buffer)."""
+    """Averages gradients over learner processes (one all-reduce of a flat buffer). The V-MPO scripts use it
+    instead of DDP, so that PopArt can rescale its layer between the forward pass and the loss."""
     import torch
 
     grads = [p.grad for p in params]
