@@ -58,10 +58,8 @@ bootstraps from the value of the last observation; termination has discount 0.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -73,23 +71,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.actor_pool import ActorPool, UnrollWriter
-from common.checkpoint import (
-    NonFiniteError,
-    check_finite,
-    check_finite_parameters,
-    load_checkpoint,
-    save_checkpoint,
-    save_model,
-)
+from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
-from common.families import given_flags, with_family_defaults, write_args
+from common.families import given_flags, with_family_defaults
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
-from common.processes import (
-    WorkerError,
-    exit_if_orphaned,
-    ignore_further_interrupts,
-    report_failure,
+from common.processes import WorkerError, exit_if_orphaned
+from common.run import (
+    Interrupt,
+    RunLog,
+    average_gradients,
+    broadcast_parameters,
+    learner_failed,
+    learner_interrupted,
+    learner_process,
+    resume_args,
+    world_size,
 )
 
 
@@ -518,7 +515,7 @@ def actor_configs(args, rank, device):
     """One dict per actor process of learner `rank`: its envs, seeds and threads."""
     envs_per_actor = args.num_envs // args.num_actors
     # the cores the learner leaves free step the envs
-    env_threads = max(1, ((os.cpu_count() or 2) // _world_size() - torch.get_num_threads()) // args.num_actors)
+    env_threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
     return [
         dict(
             env_id=args.env_id,
@@ -533,27 +530,10 @@ def actor_configs(args, rank, device):
     ]
 
 
-def _world_size():
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def average_gradients(params, world):
-    """Averages gradients over learner processes (one all-reduce of a flat buffer). Used instead of DDP so that
-    PopArt can rescale its layer between the forward pass and the loss."""
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def check_args(args):
     """Bad input: one clear line before any work (UsageError)."""
     spec = env_spec(args.env_id, discrete=False)
-    world = _world_size()
+    world = world_size()
     if len(spec.action_space.shape) != 1:
         raise UsageError(f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a vector")
     if args.unroll_length < 1:
@@ -613,25 +593,9 @@ def check_args(args):
 
 
 def main(args: Args):
-    resumed = None
-    if args.resume:  # the run's own arguments; the checkpoint's state is loaded once the objects exist
-        resumed = load_checkpoint(args.resume)
-        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
-        args = dataclasses.replace(Args(**saved), resume=args.resume)
+    args, resumed = resume_args(args)
     spec = check_args(args)
-    rank, world = int(os.environ.get("RANK", "0")), _world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    torch.manual_seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
-
+    rank, world, device = learner_process(args)
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
     agent = Agent(
         obs_dim,
@@ -646,88 +610,45 @@ def main(args: Args):
     ).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
-    if world > 1:  # same initial weights everywhere
-        for p in params:
-            torch.distributed.broadcast(p.data, 0)
+    broadcast_parameters(params, world)
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
-
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = args.resume or os.path.join(args.run_dir, run_name)
-    start_update, global_step, returns, previous_wall, target_state = 0, 0, [], 0.0, None
+    start_update, target_state = 0, None
     if resumed is not None:
         agent.load_state_dict(resumed["agent"])
         multipliers.load_state_dict(resumed["multipliers"])
         optimizer.load_state_dict(resumed["optimizer"])
-        target_state = resumed["target_agent"]
-        start_update, global_step, previous_wall = resumed["update"], resumed["global_step"], resumed["wall_time_s"]
-        returns = resumed["returns"]
-    writer = None
-    if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-
-        os.makedirs(run_path, exist_ok=True)
-        write_args(run_path, args, FAMILY_DEFAULTS)
-        # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
-        writer = SummaryWriter(run_path, purge_step=global_step + 1 if resumed is not None else None)
-        print(
-            f"run folder: {run_path}  (device {device}, {world} learner process(es), "
-            f"{args.num_actors * world} actor process(es), {args.num_envs * world} envs)",
-            flush=True,
-        )
-
+        start_update, target_state = resumed["update"], resumed["target_agent"]
+    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
+    log = RunLog(args, FAMILY_DEFAULTS, args.env_id, resumed, describe + f"{args.num_envs * world} envs", rank == 0)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     groups = args.num_minibatches // world  # E-step minibatches of this learner process
-    pool = None
-    start = time.time()
-    last_log = last_checkpoint = start
-    first_update_time = None  # steady-state SPS leaves out process start and the first batch
-    first_step = global_step
-    stop = []  # Ctrl-C or SIGTERM: finish the update, save a checkpoint, stop
-
-    def saved_model(global_step):
-        """What model.pt holds (common/evaluation.py plays it)."""
-        model = {
-            "script": "vmpo_mujoco",
-            "env_id": args.env_id,
-            "args": dataclasses.asdict(args),
-            "agent_config": agent.config,
-            "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-            "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
-            "action_low": spec.action_space.low.astype(np.float32).tolist(),
-            "action_high": spec.action_space.high.astype(np.float32).tolist(),
-            "global_step": global_step,
-        }
-        return model
+    global_step, last_checkpoint = log.start_step, time.time()
 
     def checkpoint(update):
         if rank == 0:
             check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
             if args.save_model:  # a run stopped early can be evaluated too
-                save_model(saved_model(global_step), run_path)
-            save_checkpoint(
-                {
-                    "agent": agent.state_dict(),
-                    "target_agent": pool.agent.state_dict(),
-                    "multipliers": multipliers.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "update": update,
-                    "global_step": global_step,
-                    "wall_time_s": previous_wall + time.time() - start,
-                    "returns": returns[-100:],
-                    "args": dataclasses.asdict(args),
-                },
-                run_path,
+                save_model(saved_model(args, spec, agent, multipliers, global_step), log.path)
+            state = dict(
+                agent=agent.state_dict(),
+                target_agent=pool.agent.state_dict(),
+                multipliers=multipliers.state_dict(),
+                optimizer=optimizer.state_dict(),
+                update=update,
             )
+            save_checkpoint(log.state(global_step, args, **state), log.path)
+        return global_step
 
-    def on_signal(signum, frame):
-        stop.append(signum)
-        if len(stop) > 1 or pool is None:  # a second Ctrl-C, or nothing to save yet: stop now
-            raise KeyboardInterrupt
+    def save_last():
+        if before is not None:  # the update in progress is dropped, with what it did to the normalisers
+            agent.load_state_dict(before, strict=False)
+        return checkpoint(done_update)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    done_update = start_update
+    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update's
+    # state; only the lines that change the training state (the optimiser step to the target refresh) finish first.
+    interrupt, pool = Interrupt(), None
+    done_update, before = start_update, None
     try:
         specs = buffer_specs(obs_dim, action_dim, args.unroll_length)
         pool = ActorPool(act, actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
@@ -735,6 +656,7 @@ def main(args: Args):
             pool.publish(target_state)
         for update in range(start_update + 1, num_updates + 1):
             batch = pool.next_batch()
+            before = {k: v.clone() for k, v in agent.state_dict().items() if k.startswith(("obs_norm", "popart"))}
             agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
             mean, std, value_features = agent(batch["obs"])
             loss, stats = vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
@@ -745,111 +667,61 @@ def main(args: Args):
             grad_norm = nn.utils.clip_grad_norm_(
                 agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
             )
-            check_finite(
-                f"at update {update} (step {update * steps_per_update})",
-                loss=loss,
-                gradient=grad_norm,
-                **{k.split("/")[-1]: v for k, v in stats.items()},
-            )
-            optimizer.step()
-            multipliers.project(args.min_multiplier)
-            stale = (batch["version"][:-1] != pool.version.item()).float().mean()
-            if update % args.target_update_period == 0:
-                pool.publish(agent.state_dict())  # θ_target ← θ_online
-            global_step = update * steps_per_update
-            if first_update_time is None:
-                first_update_time = time.time()
-            done_update = update
-            if stop:
-                raise KeyboardInterrupt
-            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
+            where = f"at update {update} (step {update * steps_per_update})"
+            check_finite(where, loss=loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+            with interrupt.commit():
+                optimizer.step()
+                multipliers.project(args.min_multiplier)
+                stale = (batch["version"][:-1] != pool.version.item()).float().mean()
+                if update % args.target_update_period == 0:
+                    pool.publish(agent.state_dict())  # θ_target ← θ_online
+                global_step = update * steps_per_update
+                log.first_update(global_step)
+                done_update, before = update, None
+            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
                 checkpoint(update)
                 last_checkpoint = time.time()
-            if rank != 0:
-                pool.episodes.clear()
-                continue
-            for score, length in pool.episodes:
-                returns.append(score)
-                writer.add_scalar("charts/episodic_return", score, global_step)
-                writer.add_scalar("charts/episodic_length", length, global_step)
+            episodes = list(pool.episodes)
             pool.episodes.clear()
-            now = time.time()
-            if now - last_log >= args.log_interval or update == num_updates:
-                sps = (global_step - first_step) / (now - start)
-                writer.add_scalar("charts/SPS", sps, global_step)
-                writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
-                writer.add_scalar("stats/stale_fraction", stale.item(), global_step)
-                writer.add_scalar("stats/target_version", pool.version.item(), global_step)
-                for k, v in stats.items():
-                    writer.add_scalar(k, v.item(), global_step)
-                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
-                minutes_left = (args.total_timesteps - global_step) / max(sps, 1e-9) / 60
-                print(
-                    f"step {global_step:>10d}/{args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-                    f"| episodes {len(returns)} | η {stats['stats/eta'].item():.3f} "
-                    f"α_μ {stats['stats/alpha_mu'].item():.3f} α_Σ {stats['stats/alpha_sigma'].item():.3f} "
-                    f"σ {stats['stats/policy_std'].item():.3f} | ETA {minutes_left:.1f} min",
-                    flush=True,
+            if rank != 0:
+                continue
+            for score, length in episodes:
+                log.episode(score, length, global_step)
+            if log.due() or update == num_updates:
+                stats.update({"stats/stale_fraction": stale, "stats/target_version": pool.version.item()})
+                log.scalars({**stats, "charts/learning_rate": args.learning_rate}, global_step)
+                log.console(
+                    global_step,
+                    f"η {stats['stats/eta'].item():.3f} α_μ {stats['stats/alpha_mu'].item():.3f} "
+                    f"α_Σ {stats['stats/alpha_sigma'].item():.3f} σ {stats['stats/policy_std'].item():.3f}",
                 )
-                last_log = now
     except (WorkerError, NonFiniteError) as e:
-        report_failure(e, run_path)
-        if pool is not None:
-            pool.close()
-        os._exit(1)  # skip the process-group teardown: the other learners are stopped by torchrun
+        learner_failed(e, log.path, pool)
     except KeyboardInterrupt:
-        ignore_further_interrupts()
-        print("interrupted: stopping actors", file=sys.stderr, flush=True)
-        if pool is not None:
-            pool.close()
-            if len(stop) == 1 and done_update > start_update:  # a whole update: a consistent state to save
-                checkpoint(done_update)
-                again = (
-                    f"torchrun --standalone --nproc_per_node {world} {os.path.basename(__file__)}"
-                    if world > 1
-                    else f"python {os.path.basename(__file__)}"
-                )
-                if rank == 0:
-                    print(
-                        f"checkpoint at step {global_step}: continue with {again} --resume {run_path}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-        sys.exit(130)
+        save = save_last if done_update > start_update else None
+        learner_interrupted(pool, interrupt, save, log, os.path.basename(__file__), world)
     pool.close()
     end_time = time.time()
     checkpoint(num_updates)
-    wall = previous_wall + end_time - start
-
     if rank == 0:
-        checkpoint = saved_model(global_step)
-        if args.save_model:
-            torch.save(checkpoint, os.path.join(run_path, "model.pt"))
-        eval_mean = None
-        if args.eval_episodes > 0:
-            from common.evaluation import evaluate
-
-            scores = evaluate(checkpoint, args.eval_episodes, seed=args.seed + 10_000, device=str(device))
-            eval_mean = float(np.mean(scores))
-            writer.add_scalar("charts/eval_return", eval_mean, global_step)
-            print(f"evaluation over {len(scores)} episodes: mean {eval_mean:.1f}", flush=True)
-        summary = {
-            "env_id": args.env_id,
-            "total_timesteps": global_step,
-            "wall_time_s": wall,
-            "sps": global_step / wall,
-            "sps_after_first_update": (global_step - first_step - steps_per_update)
-            / max(end_time - first_update_time, 1e-9)
-            if num_updates > start_update + 1
-            else None,
-            "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-            "eval_mean_return": eval_mean,
-        }
-        with open(os.path.join(run_path, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        writer.close()
+        log.end(saved_model(args, spec, agent, multipliers, global_step), end_time, device)
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+def saved_model(args, spec, agent, multipliers, global_step):
+    """What model.pt holds (common/evaluation.py plays it)."""
+    return {
+        "script": "vmpo_mujoco",
+        "env_id": args.env_id,
+        "args": dataclasses.asdict(args),
+        "agent_config": agent.config,
+        "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
+        "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
+        "action_low": spec.action_space.low.astype(np.float32).tolist(),
+        "action_high": spec.action_space.high.astype(np.float32).tolist(),
+        "global_step": global_step,
+    }
 
 
 def parse_args(argv=None):
