@@ -62,7 +62,6 @@ import glob
 import json
 import math
 import os
-import queue
 import sys
 import time
 from collections import deque
@@ -74,9 +73,8 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from common.checkpoint import check_finite, check_finite_parameters, load_checkpoint, save_checkpoint, save_model
+from common.checkpoint import check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
-from common.families import with_family_defaults, write_args
 from common.processes import (
     WorkerError,
     check_workers,
@@ -84,10 +82,12 @@ from common.processes import (
     ignore_further_interrupts,
     interrupt_on_signals,
     raise_worker_error,
+    receive,
     report_failure,
     stop_workers,
     worker_entry,
 )
+from common.run import RunLog, cli, resume_args, resume_hint
 
 
 @dataclass
@@ -769,37 +769,23 @@ def env_id_renders(env_id):
 
 
 def main(args: Args):
-    resumed = None
-    if args.resume:  # the run's own arguments; the learners load their own parts of the checkpoint
-        resumed = load_checkpoint(args.resume)
-        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
-        args = dataclasses.replace(Args(**saved), resume=args.resume)
+    args, resumed = resume_args(args)
     spec, derived = check_args(args)
     args = dataclasses.replace(args, t_initial=derived["t_initial"], d_min=derived["d_min"])
     torch.backends.cudnn.deterministic = args.torch_deterministic
     N = args.num_learners
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_path = args.resume or os.path.join(args.run_dir, run_name)
-    os.makedirs(run_path, exist_ok=True)
-    write_args(run_path, args, FAMILY_DEFAULTS)
-    from torch.utils.tensorboard import SummaryWriter
-
-    returns, per_learner, best, beta, start_step, previous_wall = [], [[] for _ in range(N)], 0, args.beta_init, 0, 0.0
-    resume_files = [None] * N
-    if resumed is not None:
-        returns, per_learner, best, beta = resumed["returns"], resumed["per_learner"], resumed["best"], resumed["beta"]
-        start_step, previous_wall = resumed["global_step"], resumed["wall_time_s"]
-        resume_files = [learner_file(run_path, i, resumed["t"]) for i in range(N)]
-    # on resume, what was logged after the checkpoint is hidden: the curves continue from its step
-    writer = SummaryWriter(run_path, purge_step=start_step + 1 if resumed is not None else None)
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    print(
-        f"run folder: {run_path}  ({'P3S-TD3 with ' + str(N) + ' learners' if N > 1 else 'TD3 (one learner)'} x "
-        f"{args.num_envs} env(s) on {device}; T_initial {args.t_initial}, d_min {args.d_min}"
-        f"{', rewards delayed by ' + str(args.reward_delay) if args.reward_delay > 1 else ''})",
-        flush=True,
+    log = RunLog(
+        args,
+        FAMILY_DEFAULTS,
+        args.env_id,
+        resumed,
+        f"{'P3S-TD3 with ' + str(N) + ' learners' if N > 1 else 'TD3 (one learner)'} x {args.num_envs} env(s) on "
+        f"{device}; T_initial {args.t_initial}, d_min {args.d_min}"
+        f"{', rewards delayed by ' + str(args.reward_delay) if args.reward_delay > 1 else ''}",
     )
-
+    best, beta = (resumed["best"], resumed["beta"]) if resumed else (0, args.beta_init)
+    resume_files = [learner_file(log.path, i, resumed["t"]) if resumed else None for i in range(N)]
     ctx = torch.multiprocessing.get_context("spawn")
     replay = SharedReplay(args.buffer_size, N, derived["obs_dim"], derived["action_dim"])
     actor = Actor(derived["obs_dim"], derived["action_dim"], args.hidden)
@@ -812,53 +798,23 @@ def main(args: Args):
             target=worker_entry,
             name=f"learner-{i}",
             daemon=True,
-            args=(run_learner, i, msg_q, i, args, replay, population, msg_q, os.getpid(), run_path, resume_files[i]),
+            args=(run_learner, i, msg_q, i, args, replay, population, msg_q, os.getpid(), log.path, resume_files[i]),
         )
         for i in range(N)
     ]
     saved_by = {}  # learner time step → learners that saved their part there
     stop = []  # Ctrl-C or SIGTERM: a checkpoint at the next selection, then stop
 
-    def saved_model(global_step):
-        """What model.pt holds (common/evaluation.py plays `actor`): every learner's published policy."""
-        actors = []
-        for i in range(N):
-            vector_to_parameters(population.policies[i], actor.parameters())
-            actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
-        return {
-            "script": "p3s_td3",
-            "env_id": args.env_id,
-            "args": dataclasses.asdict(args),
-            "actor_config": actor.config,
-            "actor": actors[best],
-            "actors": actors,
-            "best_learner": best,
-            "action_low": spec.action_space.low.astype(np.float32).tolist(),
-            "action_high": spec.action_space.high.astype(np.float32).tolist(),
-            "global_step": global_step,
-        }
-
     def checkpoint(t, generation):
         """checkpoint.pt names the time step whose learner files make up the checkpoint; older ones go."""
-        save_checkpoint(
-            {
-                "t": t,
-                "generation": generation,
-                "global_step": t * N * args.num_envs,
-                "returns": returns[-100:],
-                "per_learner": [r[-args.recent_episodes :] for r in per_learner],
-                "best": best,
-                "beta": beta,
-                "wall_time_s": previous_wall + time.time() - start,
-                "args": dataclasses.asdict(args),
-            },
-            run_path,
-        )
+        step = t * N * args.num_envs
+        save_checkpoint(log.state(step, args, t=t, generation=generation, best=best, beta=beta), log.path)
         if args.save_model:  # a run stopped early can be evaluated too
-            save_model(saved_model(t * N * args.num_envs), run_path)
-        for old in glob.glob(os.path.join(run_path, "learner_*.pt")):
+            save_model(saved_model(args, spec, actor, population, best, step), log.path)
+        for old in glob.glob(os.path.join(log.path, "learner_*.pt")):
             if not old.endswith(f".{t}.pt"):
                 os.remove(old)
+        return step
 
     def on_signal(signum, frame):
         stop.append(signum)
@@ -867,90 +823,51 @@ def main(args: Args):
         population.save_request[0] = 1
 
     interrupt_on_signals(on_signal)
-    start = time.time()
-    done, last_log, last_checkpoint, first_step_time = {}, start, start, None
-    stop_deadline = None
-    selections = open(os.path.join(run_path, "population.jsonl"), "a" if resumed else "w", buffering=1)
+    done, last_checkpoint, stop_deadline = {}, time.time(), None
+    selections = open(os.path.join(log.path, "population.jsonl"), "a" if resumed else "w", buffering=1)
     try:
         for p in procs:
             p.start()
         while len(done) < N:
-            try:
-                msg = msg_q.get(timeout=0.2)
-            except queue.Empty:
-                msg = None
-            if msg is not None:
-                kind = msg[0]
-                if kind == "episode":
-                    _, i, step, score, length = msg
-                    returns.append(score)
-                    per_learner[i].append(score)
-                    writer.add_scalar("charts/episodic_return", score, step)
-                    writer.add_scalar("charts/episodic_length", length, step)
-                    writer.add_scalar(f"charts/learner_{i}/episodic_return", score, step)
-                elif kind == "stats":
-                    _, i, step, stats = msg
-                    for k, v in stats.items():
-                        group = "losses" if k.endswith("loss") else "stats"
-                        writer.add_scalar(f"{group}/learner_{i}/{k}", v, step)
-                elif kind == "sync":
-                    _, step, sync = msg
-                    selections.write(json.dumps({"step": step, **sync}) + "\n")
-                    best, beta = sync["best"], sync["beta"]
-                    for k in ("beta", "d_spread", "d_change", "d_search"):
-                        writer.add_scalar(f"stats/{k}", sync[k], step)
-                    writer.add_scalar("stats/best_learner", best, step)
-                    scores = [s for s in sync["scores"] if not math.isnan(s)]
-                    if scores:
-                        writer.add_scalar("charts/best_recent_return", max(scores), step)
-                elif kind == "saved":
-                    saved_by.setdefault(msg[2], set()).add(msg[1])
-                    if len(saved_by[msg[2]]) == N:
-                        checkpoint(msg[2], msg[3])
-                        if stop:
-                            print(
-                                f"checkpoint at step {msg[2] * N * args.num_envs}: continue with python "
-                                f"p3s_td3.py --resume {run_path}",
-                                file=sys.stderr,
-                                flush=True,
-                            )
-                            raise KeyboardInterrupt
-                elif kind == "done":
-                    done[msg[1]] = msg[2]
-                else:
-                    raise_worker_error(msg, "learner")
+            msg = receive(msg_q)
+            kind = msg[0] if msg is not None else None
+            if kind == "episode":
+                log.episode(msg[3], msg[4], msg[2], f"learner_{msg[1]}")
+            elif kind == "stats":
+                _, i, step, stats = msg
+                log.scalars(
+                    {f"{'losses' if k.endswith('loss') else 'stats'}/learner_{i}/{k}": v for k, v in stats.items()},
+                    step,
+                )
+            elif kind == "sync":
+                best, beta = log_selection(log, selections, *msg[1:])
+            elif kind == "saved":
+                saved_by.setdefault(msg[2], set()).add(msg[1])
+                if len(saved_by[msg[2]]) == N:
+                    step = checkpoint(msg[2], msg[3])
+                    if stop:
+                        resume_hint(step, log.path, os.path.basename(__file__))
+                        raise KeyboardInterrupt
+            elif kind == "done":
+                done[msg[1]] = msg[2]
+            elif kind is not None:
+                raise_worker_error(msg, "learner")
             check_workers(procs, msg_q, "learner")
-            now = time.time()
             step = int(population.steps.sum())
             if stop and stop_deadline is None:
-                stop_deadline = now + 120.0
-                print(
-                    f"interrupted: a checkpoint at the next selection (every {args.best_period} steps), then stop "
-                    "(Ctrl-C again: stop now)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if stop_deadline is not None and now > stop_deadline:
+                stop_deadline = time.time() + 120.0
+                print(STOPPING.format(args.best_period), file=sys.stderr, flush=True)
+            if stop_deadline is not None and time.time() > stop_deadline:
                 raise KeyboardInterrupt
-            if args.checkpoint_interval > 0 and now - last_checkpoint >= args.checkpoint_interval:
+            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
                 population.save_request[0] = 1
-                last_checkpoint = now
-            if first_step_time is None and step > max(N * args.num_envs * args.t_initial, start_step):
-                first_step_time, first_step = now, step
-            if now - last_log >= args.log_interval:
-                sps = (step - start_step) / (now - start)
-                writer.add_scalar("charts/SPS", sps, step)
-                recent = f"{np.mean(returns[-100:]):.1f}" if returns else "n/a"
-                eta = f"{max(args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-                pop = f" | best {best} | beta {beta:.3g}" if N > 1 else ""
-                print(
-                    f"step {step:>9d}/{args.total_timesteps} | SPS {sps:6.0f} | return(100) {recent:>8}{pop} "
-                    f"| episodes {len(returns)} | ETA {eta}",
-                    flush=True,
-                )
-                last_log = now
+                last_checkpoint = time.time()
+            if step > max(N * args.num_envs * args.t_initial, log.start_step):
+                log.first_update(step)
+            if log.due():
+                log.console(step, f"best {best} | beta {beta:.3g}" if N > 1 else "")
     except WorkerError as e:
-        report_failure(e, run_path)
+        report_failure(e, log.path)
         stop_workers(procs)
         sys.exit(1)
     except KeyboardInterrupt:
@@ -962,72 +879,92 @@ def main(args: Args):
         p.join()
     selections.close()
     end_time = time.time()
-    wall = previous_wall + end_time - start
     global_step = int(population.steps.sum())
-    writer.add_scalar("charts/SPS", (global_step - start_step) / (end_time - start), global_step)
-
-    # The paper's evaluation (Sec. 4.1): each learner's deterministic policy for E episodes; the score is the best
-    # learner's mean. model.pt keeps every policy, the best one as `actor`.
-    checkpoint = saved_model(global_step)
-    actors = checkpoint["actors"]
-    eval_means = []
-    if args.eval_episodes > 0:
-        from common.evaluation import evaluate
-
-        for i in range(N):
-            scores = evaluate({**checkpoint, "actor": actors[i]}, args.eval_episodes, seed=args.seed + 10_000)
-            eval_means.append(float(np.mean(scores)))
-            writer.add_scalar(f"charts/learner_{i}/eval_return", eval_means[-1], global_step)
-        top = int(np.argmax(eval_means))
-        checkpoint.update(actor=actors[top], best_learner=top)
-        writer.add_scalar("charts/eval_return", eval_means[top], global_step)
-        print(
-            "evaluation over "
-            f"{args.eval_episodes} episodes per learner: "
-            + ", ".join(f"learner {i} {m:.1f}" for i, m in enumerate(eval_means))
-            + f"; best {eval_means[top]:.1f}",
-            flush=True,
-        )
-    if args.capture_video:  # one episode of the best policy (the evaluated best, else the last selected)
-        from common.evaluation import evaluate
-
-        evaluate(checkpoint, 1, num_envs=1, seed=args.seed + 10_000, video_dir=run_path)
+    log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
+    model = saved_model(args, spec, actor, population, best, global_step)
+    eval_means = evaluate_population(log, model)
     if args.save_model:
-        torch.save(checkpoint, os.path.join(run_path, "model.pt"))
-    steady = None
-    if first_step_time is not None and end_time > first_step_time:
-        steady = (global_step - first_step) / (end_time - first_step_time)
-    summary = {
+        torch.save(model, os.path.join(log.path, "model.pt"))
+    log.finish(
+        global_step,
+        max(eval_means) if eval_means else None,
+        end_time,
+        **population_summary(log, done, best, beta, eval_means),
+    )
+
+
+STOPPING = "interrupted: a checkpoint at the next selection (every {} steps), then stop (Ctrl-C again: stop now)"
+
+
+def saved_model(args, spec, actor, population, best, global_step):
+    """What model.pt holds (common/evaluation.py plays `actor`): every learner's published policy."""
+    actors = []
+    for i in range(args.num_learners):
+        vector_to_parameters(population.policies[i], actor.parameters())
+        actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
+    return {
+        "script": "p3s_td3",
         "env_id": args.env_id,
-        "total_timesteps": global_step,
-        "wall_time_s": wall,
-        "sps": (global_step - start_step) / (end_time - start),
-        "sps_after_first_update": steady,
+        "args": dataclasses.asdict(args),
+        "actor_config": actor.config,
+        "actor": actors[best],
+        "actors": actors,
+        "best_learner": best,
+        "action_low": spec.action_space.low.astype(np.float32).tolist(),
+        "action_high": spec.action_space.high.astype(np.float32).tolist(),
+        "global_step": global_step,
+    }
+
+
+def log_selection(log, selections, step, sync):
+    """A selection of the best learner (Algorithm 1): a line of population.jsonl and its curves. Returns the best
+    learner and β."""
+    selections.write(json.dumps({"step": step, **sync}) + "\n")
+    log.scalars({f"stats/{k}": sync[k] for k in ("beta", "d_spread", "d_change", "d_search")}, step)
+    log.scalars({"stats/best_learner": sync["best"]}, step)
+    scores = [s for s in sync["scores"] if not math.isnan(s)]
+    if scores:
+        log.scalars({"charts/best_recent_return": max(scores)}, step)
+    return sync["best"], sync["beta"]
+
+
+def population_summary(log, done, best, beta, eval_means):
+    """summary.json's entries of the population: per learner its evaluation, last-10 mean, share of foreign
+    samples, rewarded fraction and updates; the best learner and β at the end."""
+    N = log.args.num_learners
+    recent = [log.groups.get(f"learner_{i}", [])[-10:] for i in range(N)]
+    return {
         "num_learners": N,
-        "mean_episodic_return_last_100": float(np.mean(returns[-100:])) if returns else None,
-        "eval_mean_return": max(eval_means) if eval_means else None,
         "eval_mean_return_per_learner": eval_means,
-        "mean_episodic_return_last_10_per_learner": [float(np.mean(r[-10:])) if r else None for r in per_learner],
+        "mean_episodic_return_last_10_per_learner": [float(np.mean(r)) if r else None for r in recent],
         "best_learner": best,
         "beta": beta,
-        "foreign_sample_fraction": [done[i]["foreign_sample_fraction"] for i in range(N)],
+        **{k: [done[i][k] for i in range(N)] for k in ("foreign_sample_fraction", "rewarded_fraction")},
         "updates_per_learner": [done[i]["updates"] for i in range(N)],
-        "rewarded_fraction": [done[i]["rewarded_fraction"] for i in range(N)],
     }
-    with open(os.path.join(run_path, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    writer.close()
 
 
-def cli():
-    import tyro
+def evaluate_population(log, model):
+    """The paper's evaluation (Sec. 4.1): each learner's deterministic policy for E episodes; the score is the best
+    learner's mean, and `model` keeps that learner's policy as `actor`. With `--capture-video`, one episode of the
+    best policy (the evaluated best, else the last selected). Returns the learners' means ([] without evaluation)."""
+    from common.evaluation import evaluate
 
-    try:
-        main(with_family_defaults(tyro.cli(Args), FAMILY_DEFAULTS))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    args, step, eval_means = log.args, model["global_step"], []
+    if args.eval_episodes > 0:
+        for i, actor in enumerate(model["actors"]):
+            scores = evaluate({**model, "actor": actor}, args.eval_episodes, seed=args.seed + 10_000)
+            eval_means.append(float(np.mean(scores)))
+            log.scalars({f"charts/learner_{i}/eval_return": eval_means[-1]}, step)
+        top = int(np.argmax(eval_means))
+        model.update(actor=model["actors"][top], best_learner=top)
+        log.scalars({"charts/eval_return": eval_means[top]}, step)
+        means = ", ".join(f"learner {i} {m:.1f}" for i, m in enumerate(eval_means))
+        print(f"evaluation over {args.eval_episodes} episodes per learner: {means}; best {eval_means[top]:.1f}")
+    if args.capture_video:
+        evaluate(model, 1, num_envs=1, seed=args.seed + 10_000, video_dir=log.path)
+    return eval_means
 
 
 if __name__ == "__main__":
-    cli()
+    cli(Args, main, FAMILY_DEFAULTS)
