@@ -75,13 +75,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.actor_pool import ActorPool, UnrollWriter
+from common.actor_pool import ActorPool, act_recurrent, actor_configs
 from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
-from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
+from common.envs import UsageError, env_spec, is_atari
 from common.evaluation import PRESETS, expand_env_ids
 from common.networks import LSTMCore, PolicyValueHeads, grad_norms_by_layer, init_output_, init_weights_, make_torso
 from common.popart import PopArt
-from common.processes import WorkerError, exit_if_orphaned
+from common.processes import WorkerError
 from common.run import (
     Interrupt,
     RunLog,
@@ -448,96 +448,20 @@ def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
 
 
 def act(actor_id, cfg, link):
-    """Fig. 1's actor: steps its envs with the latest published policy μ and writes unrolls with μ's logits."""
-    n, device = cfg["num_envs"], torch.device(cfg["device"])
-    envs = make_env(
-        cfg["env_id"],
-        n,
-        cfg["seed"],
-        batch_size=cfg["env_batch_size"],
-        training=True,
-        num_threads=cfg["env_threads"],
-        full_action_space=cfg["full_action_space"],
-    )
-    agent = link.local_agent(device)
-    unrolls = UnrollWriter(link, n, cfg["unroll_length"])
-    ended = np.zeros(n, bool)
-    prev_action = torch.zeros(n, dtype=torch.long)
-    state = agent.initial_state(n, device)
-    tracker = EpisodeTracker(n)
-    envs.async_reset()
-    while True:
-        obs, reward, term, trunc, info = envs.recv()
-        ids = info["env_id"]
-        exit_if_orphaned(link.parent_pid)
-        seen = link.refresh(agent)
-        ids_t = torch.from_numpy(ids).long()
-        ids_dev = ids_t.to(device)
-        first = torch.from_numpy(ended[ids])
-        obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
-        prev = torch.where(first, 0, prev_action[ids_t])
-        state_before = tuple(s[ids_dev] for s in state)
-        with torch.no_grad():
-            logits, _, state_after = agent(
-                obs_t.to(device)[None],
-                prev.to(device)[None],
-                reward_t.to(device)[None],
-                first.to(device)[None],
-                state_before,
-            )
-            action = torch.distributions.Categorical(logits=logits[0]).sample()
-        action_cpu = action.cpu()
-        envs.send(action_cpu.numpy(), ids)  # the envs step while this process does the bookkeeping
+    """Fig. 1's actor: steps its envs with the latest published policy μ and writes unrolls with μ's logits
+    (the loop: common/actor_pool.py)."""
+    act_recurrent(link, cfg, sample_action)
 
-        done_now = term | trunc
-        row = {
-            "obs": obs_t,
-            "reward": reward_t,
-            "ended": torch.from_numpy(done_now),
-            "terminated": torch.from_numpy(term),
-            "first": first,
-            "action": action_cpu,
-            "prev_action": prev,
-            "logits": logits[0].cpu(),
-            "version": torch.full((len(ids),), seen, dtype=torch.long),
-            "task": torch.full((len(ids),), cfg["task"], dtype=torch.long),
-        }
-        core = None
-        if agent.core is not None:
-            core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))
-            for s, s_new in zip(state, state_after):
-                s[ids_dev] = s_new
-        unrolls.write(ids, row, core)
-        prev_action[ids_t] = action_cpu
-        ended[ids] = done_now
-        for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            link.report("episode", score, length, cfg["task"])
+
+def sample_action(agent, obs, prev_action, reward, first, state):
+    """The acting network's action at `[1, B, ...]` inputs: a sample of the softmax over its logits. Returns
+    (action, logits, state after)."""
+    logits, _, state_after = agent(obs, prev_action, reward, first, state)
+    return torch.distributions.Categorical(logits=logits[0]).sample(), logits[0], state_after
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Learning and process plumbing.
-
-
-def actor_configs(args, rank, device):
-    """One dict per actor process of learner `rank`: its game, envs, seeds and threads."""
-    envs_per_actor = args.num_envs // args.num_actors
-    # the cores the learner leaves free step the envs
-    env_threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
-    games = list(args.env_ids) or [args.env_id]
-    return [  # actor a plays game a mod G: every game the same share of the actors
-        dict(
-            env_id=games[a % len(games)],
-            task=a % len(games),
-            full_action_space=len(args.env_ids) > 0,
-            num_envs=envs_per_actor,
-            unroll_length=args.unroll_length,
-            env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
-            seed=args.seed + 1000 * rank + a,
-            device=str(device),
-            env_threads=env_threads,
-        )
-        for a in range(args.num_actors)
-    ]
 
 
 def check_args(args):
@@ -658,7 +582,9 @@ def main(args: Args):
     update = done_update = start_update
     try:
         specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size)
-        pool = ActorPool(act, actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
+        pool = ActorPool(
+            act, actor_configs(args, rank, device, args.env_ids), agent, specs, args.batch_size // world, device
+        )
         for update in range(start_update + 1, num_updates + 1):
             lr = args.learning_rate * (1 - (update - 1) / anneal_updates) if args.anneal_lr else args.learning_rate
             for g in optimizer.param_groups:

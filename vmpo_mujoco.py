@@ -70,9 +70,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.actor_pool import ActorPool, UnrollWriter
+from common.actor_pool import ActorPool, UnrollWriter, actor_configs
 from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs
 from common.families import given_flags, with_family_defaults
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
@@ -469,15 +469,13 @@ def buffer_specs(obs_dim, action_dim, T):
 
 def act(actor_id, cfg, link):
     """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls."""
-    n, device = cfg["num_envs"], torch.device(cfg["device"])
-    generator = torch.Generator(device=device).manual_seed(cfg["seed"])
-    envs = make_env(
-        cfg["env_id"], n, cfg["seed"], batch_size=cfg["env_batch_size"], training=True, num_threads=cfg["env_threads"]
-    )
+    n, device = cfg.num_envs, torch.device(cfg.device)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    envs = cfg.make_envs()
     low = envs.action_space.low.astype(np.float32)
     high = envs.action_space.high.astype(np.float32)
     agent = link.local_agent(device)
-    unrolls = UnrollWriter(link, n, cfg["unroll_length"])
+    unrolls = UnrollWriter(link, n, cfg.unroll_length)
     tracker = EpisodeTracker(n)
     envs.async_reset()
     while True:
@@ -509,25 +507,6 @@ def act(actor_id, cfg, link):
 
 # ---------------------------------------------------------------------------------------------------------
 # Learning and process plumbing.
-
-
-def actor_configs(args, rank, device):
-    """One dict per actor process of learner `rank`: its envs, seeds and threads."""
-    envs_per_actor = args.num_envs // args.num_actors
-    # the cores the learner leaves free step the envs
-    env_threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
-    return [
-        dict(
-            env_id=args.env_id,
-            num_envs=envs_per_actor,
-            unroll_length=args.unroll_length,
-            env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
-            seed=args.seed + 1000 * rank + a,
-            device=str(device),
-            env_threads=env_threads,
-        )
-        for a in range(args.num_actors)
-    ]
 
 
 def check_args(args):

@@ -11,12 +11,69 @@ from __future__ import annotations
 
 import os
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from common.envs import EpisodeTracker, make_env
 from common.processes import check_workers, exit_if_orphaned, raise_worker_error, stop_workers, worker_entry
+
+
+@dataclass
+class ActorConfig:
+    """What one actor process runs: its task (a game of a multi-task run: `task` is its index), its envs, their
+    seed and threads, the unroll length and the device of its copy of the network."""
+
+    env_id: str
+    num_envs: int
+    unroll_length: int
+    env_batch_size: int
+    seed: int
+    device: str
+    env_threads: int
+    task: int = 0
+    env_options: dict = field(default_factory=dict)  # more options of common.envs.make_env
+
+    def make_envs(self):
+        """The actor's envpool, in async mode: `recv` returns `env_batch_size` of the envs at a time."""
+        return make_env(
+            self.env_id,
+            self.num_envs,
+            self.seed,
+            batch_size=self.env_batch_size,
+            training=True,
+            num_threads=self.env_threads,
+            **self.env_options,
+        )
+
+
+def actor_configs(args, rank, device, games=(), **env_options) -> list[ActorConfig]:
+    """One ActorConfig per actor process of learner `rank` (`args`: num_envs, num_actors, unroll_length,
+    env_batch_size, seed, env_id). With `games` (a multi-task run), actor a plays game a mod G, so every game
+    gets the same share of the actors, with the full Atari action set. Envs per actor: num_envs / num_actors,
+    stepped `env_batch_size` at a time (0: half of them) by the cores the learner leaves free."""
+    from common.run import world_size
+
+    envs_per_actor = args.num_envs // args.num_actors
+    env_threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
+    if games:
+        env_options = {**env_options, "full_action_space": True}
+    tasks = list(games) or [args.env_id]
+    return [
+        ActorConfig(
+            env_id=tasks[a % len(tasks)],
+            num_envs=envs_per_actor,
+            unroll_length=args.unroll_length,
+            env_batch_size=args.env_batch_size or max(1, envs_per_actor // 2),
+            seed=args.seed + 1000 * rank + a,
+            device=str(device),
+            env_threads=env_threads,
+            task=a % len(tasks),
+            env_options=env_options,
+        )
+        for a in range(args.num_actors)
+    ]
 
 
 @dataclass
@@ -100,7 +157,7 @@ class ActorPool:
     def __init__(self, act, cfgs, agent, specs, batch_size, device):
         ctx = torch.multiprocessing.get_context("spawn")
         self.batch_size, self.device = batch_size, device
-        num_slots = sum(cfg["num_envs"] for cfg in cfgs) + 4 * batch_size
+        num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
         buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
         shared_agent = type(agent)(**agent.config)
         shared_agent.load_state_dict(agent.state_dict())
@@ -171,3 +228,62 @@ class ActorPool:
 
     def close(self):
         stop_workers(self.procs)
+
+
+def act_recurrent(link: ActorLink, cfg: ActorConfig, policy) -> None:
+    """The loop of a discrete-action actor whose network takes the previous action and reward and may carry an
+    LSTM state (impala_vtrace, vmpo_atari). For each batch of envs that envpool returns: the latest published
+    network, `policy(agent, obs, prev_action, reward, first, state)` → (action, logits, state after) with `[1, B,
+    ...]` inputs on the actor's device, the actions sent (the envs step during the bookkeeping), and a row written:
+    obs, reward, ended (the episode ended with this observation: the next step is envpool's reset step),
+    terminated, first, action, prev_action, logits, version (of the network that acted), task; and the LSTM state
+    before the row where it opens an unroll."""
+    n, device = cfg.num_envs, torch.device(cfg.device)
+    envs = cfg.make_envs()
+    agent = link.local_agent(device)
+    unrolls = UnrollWriter(link, n, cfg.unroll_length)
+    ended = np.zeros(n, bool)
+    prev_action = torch.zeros(n, dtype=torch.long)
+    state = agent.initial_state(n, device)
+    tracker = EpisodeTracker(n)
+    envs.async_reset()
+    while True:
+        obs, reward, term, trunc, info = envs.recv()
+        ids = info["env_id"]
+        exit_if_orphaned(link.parent_pid)
+        seen = link.refresh(agent)
+        ids_t = torch.from_numpy(ids).long()
+        ids_dev = ids_t.to(device)
+        first = torch.from_numpy(ended[ids])
+        obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
+        prev = torch.where(first, 0, prev_action[ids_t])
+        state_before = tuple(s[ids_dev] for s in state)
+        with torch.no_grad():
+            inputs = (obs_t, prev, reward_t, first)
+            action, logits, state_after = policy(agent, *(x.to(device)[None] for x in inputs), state_before)
+        action_cpu = action.cpu()
+        envs.send(action_cpu.numpy(), ids)  # the envs step while this process does the bookkeeping
+
+        done_now = term | trunc
+        row = {
+            "obs": obs_t,
+            "reward": reward_t,
+            "ended": torch.from_numpy(done_now),
+            "terminated": torch.from_numpy(term),
+            "first": first,
+            "action": action_cpu,
+            "prev_action": prev,
+            "logits": logits.cpu(),
+            "version": torch.full((len(ids),), seen, dtype=torch.long),
+            "task": torch.full((len(ids),), cfg.task, dtype=torch.long),
+        }
+        core = None
+        if agent.core is not None:
+            core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))
+            for s, s_new in zip(state, state_after):
+                s[ids_dev] = s_new
+        unrolls.write(ids, row, core)
+        prev_action[ids_t] = action_cpu
+        ended[ids] = done_now
+        for _, score, length in tracker.step(ids, reward, term, trunc, info):
+            link.report("episode", score, length, cfg.task)
