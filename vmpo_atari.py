@@ -79,11 +79,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.actor_pool import ActorPool, act_recurrent, actor_configs
+from common.actor_pool import (
+    ActorPool,
+    act_recurrent,
+    actor_configs,
+    check_games,
+    check_pool_args,
+    recurrent_buffer_specs,
+)
 from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import UsageError, env_spec, is_atari
-from common.evaluation import PRESETS, expand_env_ids
-from common.networks import LSTMCore, grad_norms_by_layer, init_output_, init_weights_, make_torso
+from common.networks import LSTMCore, check_channels, grad_norms_by_layer, init_output_, init_weights_, make_torso
 from common.popart import PopArt
 from common.processes import WorkerError
 from common.run import (
@@ -97,7 +103,6 @@ from common.run import (
     learner_process,
     log_learner_stats,
     resume_args,
-    world_size,
 )
 
 
@@ -453,24 +458,6 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 # next unroll's first.
 
 
-def buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size):
-    specs = {
-        "obs": ((T + 1, *obs_shape), obs_dtype),
-        "reward": ((T + 1,), torch.float32),
-        "ended": ((T + 1,), torch.bool),
-        "terminated": ((T + 1,), torch.bool),
-        "first": ((T + 1,), torch.bool),
-        "action": ((T + 1,), torch.long),
-        "prev_action": ((T + 1,), torch.long),
-        "logits": ((T + 1, num_actions), torch.float32),
-        "version": ((T + 1,), torch.long),
-        "task": ((T + 1,), torch.long),
-    }
-    if use_lstm:
-        specs.update(core_h=((lstm_size,), torch.float32), core_c=((lstm_size,), torch.float32))
-    return specs
-
-
 def act(actor_id, cfg, link):
     """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls
     (the loop: common/actor_pool.py)."""
@@ -491,46 +478,9 @@ def sample_action(agent, obs, prev_action, reward, first, state):
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
     of a multi-task run (presets expanded; empty for one game)."""
-    games = expand_env_ids(args.env_ids)
-    for game in games:
-        env_spec(game, discrete=True)
-        if not is_atari(game):
-            raise UsageError(
-                f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: "
-                f"{', '.join(PRESETS)}); {game} is not one"
-            )
-    if games and args.num_actors % len(games):
-        raise UsageError(
-            f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
-            "that every game gets the same share of the actors"
-        )
+    games = check_games(args)
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
-    world = world_size()
-    if args.unroll_length < 1:
-        raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
-    if args.batch_size < 1 or args.batch_size % world:
-        raise UsageError(
-            f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})"
-        )
-    if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
-        raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
-    per_actor = args.num_envs // args.num_actors
-    if not 0 <= args.env_batch_size <= per_actor:
-        raise UsageError(
-            f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
-            f"({per_actor}), or 0 for half of them"
-        )
-    steps_per_update = args.batch_size * args.unroll_length
-    if args.total_timesteps < steps_per_update:
-        raise UsageError(
-            f"--total-timesteps {args.total_timesteps} is less than one batch "
-            f"(batch-size x unroll-length = {steps_per_update} steps)"
-        )
-    if args.num_minibatches < 1 or args.num_minibatches % world or args.batch_size % args.num_minibatches:
-        raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide --batch-size {args.batch_size} and be "
-            f"a multiple of the number of learner processes ({world})"
-        )
+    check_pool_args(args)
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
     if not 0 < args.top_fraction <= 1:
@@ -540,11 +490,8 @@ def check_args(args):
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not 0 <= args.gamma <= 1:
         raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
-    pixels = len(spec.observation_space.shape) == 3
-    if pixels and args.network == "deep" and len(args.channels) not in (0, 3):
-        raise UsageError(f"--channels for the deep network takes 3 values, got {args.channels}")
-    if pixels and args.network == "shallow" and len(args.channels) not in (0, 2):
-        raise UsageError(f"--channels for the shallow network takes 2 values, got {args.channels}")
+    if len(spec.observation_space.shape) == 3:
+        check_channels(args.network, args.channels)
     return spec, games
 
 
@@ -619,7 +566,9 @@ def main(args: Args):
     update = done_update = start_update
     popart_before = None
     try:
-        specs = buffer_specs(obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size)
+        specs = recurrent_buffer_specs(
+            obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size
+        )
         pool = ActorPool(
             act,
             actor_configs(

@@ -70,7 +70,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.actor_pool import ActorPool, UnrollWriter, actor_configs
+from common.actor_pool import ActorPool, UnrollWriter, actor_configs, check_pool_args
 from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs
 from common.families import given_flags, with_family_defaults
@@ -86,7 +86,6 @@ from common.run import (
     learner_interrupted,
     learner_process,
     resume_args,
-    world_size,
 )
 
 
@@ -512,34 +511,9 @@ def act(actor_id, cfg, link):
 def check_args(args):
     """Bad input: one clear line before any work (UsageError)."""
     spec = env_spec(args.env_id, discrete=False)
-    world = world_size()
     if len(spec.action_space.shape) != 1:
         raise UsageError(f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a vector")
-    if args.unroll_length < 1:
-        raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
-    if args.batch_size < 1 or args.batch_size % world:
-        raise UsageError(
-            f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})"
-        )
-    if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
-        raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
-    per_actor = args.num_envs // args.num_actors
-    if not 0 <= args.env_batch_size <= per_actor:
-        raise UsageError(
-            f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
-            f"({per_actor}), or 0 for half of them"
-        )
-    steps_per_update = args.batch_size * args.unroll_length
-    if args.total_timesteps < steps_per_update:
-        raise UsageError(
-            f"--total-timesteps {args.total_timesteps} is less than one batch "
-            f"(batch-size x unroll-length = {steps_per_update} steps)"
-        )
-    if args.num_minibatches < 1 or args.num_minibatches % world or args.batch_size % args.num_minibatches:
-        raise UsageError(
-            f"--num-minibatches {args.num_minibatches} must divide --batch-size {args.batch_size} and be "
-            f"a multiple of the number of learner processes ({world})"
-        )
+    check_pool_args(args)
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
     if not 0 < args.top_fraction <= 1:

@@ -48,6 +48,84 @@ class ActorConfig:
         )
 
 
+def check_games(args) -> list[str]:
+    """The games of a multi-task run (`--env-ids`, presets expanded; empty for one game): Atari games, and as
+    many actors per game. Raises UsageError."""
+    from common.envs import UsageError, env_spec, is_atari
+    from common.evaluation import PRESETS, expand_env_ids
+
+    games = expand_env_ids(args.env_ids)
+    for game in games:
+        env_spec(game, discrete=True)
+        if not is_atari(game):
+            raise UsageError(
+                f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: "
+                f"{', '.join(PRESETS)}); {game} is not one"
+            )
+    if games and args.num_actors % len(games):
+        raise UsageError(
+            f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
+            "that every game gets the same share of the actors"
+        )
+    return games
+
+
+def check_pool_args(args) -> int:
+    """The options of an actor/learner run, checked before any work (UsageError): the unroll length, the batch
+    over the learner processes (and its minibatches, where the script has them), the envs per actor and their
+    async batch, a run of at least one batch. Returns the number of learner processes."""
+    from common.envs import UsageError
+    from common.run import world_size
+
+    world = world_size()
+    if args.unroll_length < 1:
+        raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
+    if args.batch_size < 1 or args.batch_size % world:
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})"
+        )
+    if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
+        raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
+    per_actor = args.num_envs // args.num_actors
+    if not 0 <= args.env_batch_size <= per_actor:
+        raise UsageError(
+            f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
+            f"({per_actor}), or 0 for half of them"
+        )
+    steps_per_update = args.batch_size * args.unroll_length
+    if args.total_timesteps < steps_per_update:
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} is less than one batch "
+            f"(batch-size x unroll-length = {steps_per_update} steps)"
+        )
+    minibatches = getattr(args, "num_minibatches", 1)
+    if minibatches < 1 or minibatches % world or args.batch_size % minibatches:
+        raise UsageError(
+            f"--num-minibatches {minibatches} must divide --batch-size {args.batch_size} and be "
+            f"a multiple of the number of learner processes ({world})"
+        )
+    return world
+
+
+def recurrent_buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size) -> dict:
+    """The unroll buffers that `act_recurrent` fills: name → (shape of one slot, dtype)."""
+    specs = {
+        "obs": ((T + 1, *obs_shape), obs_dtype),
+        "reward": ((T + 1,), torch.float32),
+        "ended": ((T + 1,), torch.bool),
+        "terminated": ((T + 1,), torch.bool),
+        "first": ((T + 1,), torch.bool),
+        "action": ((T + 1,), torch.long),
+        "prev_action": ((T + 1,), torch.long),
+        "logits": ((T + 1, num_actions), torch.float32),
+        "version": ((T + 1,), torch.long),
+        "task": ((T + 1,), torch.long),
+    }
+    if use_lstm:
+        specs.update(core_h=((lstm_size,), torch.float32), core_c=((lstm_size,), torch.float32))
+    return specs
+
+
 def actor_configs(args, rank, device, games=(), **env_options) -> list[ActorConfig]:
     """One ActorConfig per actor process of learner `rank` (`args`: num_envs, num_actors, unroll_length,
     env_batch_size, seed, env_id). With `games` (a multi-task run), actor a plays game a mod G, so every game

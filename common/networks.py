@@ -269,3 +269,12 @@ def grad_norms_by_layer(module: nn.Module) -> dict[str, torch.Tensor]:
             if grads:
                 norms[name] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     return norms
+
+
+def check_channels(network: str, channels) -> None:
+    """`--channels`: 3 values for the deep (ResNet) torso, 2 for the shallow one, or none (the defaults)."""
+    from common.envs import UsageError
+
+    count = {"deep": 3, "shallow": 2}.get(network)
+    if count and len(channels) not in (0, count):
+        raise UsageError(f"--channels for the {network} network takes {count} values, got {channels}")
