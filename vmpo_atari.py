@@ -89,6 +89,7 @@ from common.actor_pool import (
 )
 from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import UsageError, env_spec, is_atari
+from common.evaluation import recurrent_policy
 from common.networks import LSTMCore, check_channels, grad_norms_by_layer, init_output_, init_weights_, make_torso
 from common.popart import PopArt
 from common.processes import WorkerError
@@ -429,27 +430,11 @@ class Agent(nn.Module):
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: it keeps the LSTM
-    state and previous action itself; rewards are clipped as in training."""
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py` (it keeps the LSTM state and
+    the previous action itself); rewards are clipped as in training."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
-    agent.eval()
-    clip = checkpoint["reward_clip"]
-    state = agent.initial_state(num_envs, device)
-    prev_action = torch.zeros(num_envs, dtype=torch.long, device=device)
-
-    @torch.no_grad()
-    def policy(obs, rewards, first):
-        nonlocal state, prev_action
-        first_t = torch.as_tensor(first, device=device).bool()
-        r = torch.as_tensor(rewards, device=device).float()
-        r = r.clamp(-1, 1) if clip else r
-        prev = torch.where(first_t, 0, prev_action)
-        logits, _, state = agent(torch.as_tensor(obs, device=device)[None], prev[None], r[None], first_t[None], state)
-        prev_action = logits[0].argmax(-1) if greedy else torch.distributions.Categorical(logits=logits[0]).sample()
-        return prev_action.cpu().numpy()
-
-    return policy
+    return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -461,14 +446,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 def act(actor_id, cfg, link):
     """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls
     (the loop: common/actor_pool.py)."""
-    act_recurrent(link, cfg, sample_action)
-
-
-def sample_action(agent, obs, prev_action, reward, first, state):
-    """The acting network's action at `[1, B, ...]` inputs: a sample of the softmax over its logits. Returns
-    (action, logits, state after)."""
-    logits, _, state_after = agent(obs, prev_action, reward, first, state)
-    return torch.distributions.Categorical(logits=logits[0]).sample(), logits[0], state_after
+    act_recurrent(link, cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -308,7 +308,14 @@ class ActorPool:
         stop_workers(self.procs)
 
 
-def act_recurrent(link: ActorLink, cfg: ActorConfig, policy) -> None:
+def sample_action(agent, obs, prev_action, reward, first, state):
+    """The acting network's action at `[1, B, ...]` inputs: a sample of the softmax over its logits. Returns
+    (action, logits, state after)."""
+    logits, _, state_after = agent(obs, prev_action, reward, first, state)
+    return torch.distributions.Categorical(logits=logits[0]).sample(), logits[0], state_after
+
+
+def act_recurrent(link: ActorLink, cfg: ActorConfig, policy=sample_action) -> None:
     """The loop of a discrete-action actor whose network takes the previous action and reward and may carry an
     LSTM state (impala_vtrace, vmpo_atari). For each batch of envs that envpool returns: the latest published
     network, `policy(agent, obs, prev_action, reward, first, state)` → (action, logits, state after) with `[1, B,

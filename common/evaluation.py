@@ -302,3 +302,28 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def recurrent_policy(agent, num_envs, device="cpu", greedy=False, reward_clip=False):
+    """`policy(obs, rewards, first) -> actions` for a discrete-action `agent` that takes the previous action and
+    reward and may carry an LSTM state (impala_vtrace, vmpo_atari): it keeps that state and the previous action
+    itself; rewards are clipped to [-1, 1] as in training where `reward_clip`. Samples from the softmax over the
+    logits, or takes their argmax with `greedy`."""
+    import torch
+
+    agent.eval()
+    state = agent.initial_state(num_envs, device)
+    prev_action = torch.zeros(num_envs, dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        nonlocal state, prev_action
+        first_t = torch.as_tensor(first, device=device).bool()
+        r = torch.as_tensor(rewards, device=device).float()
+        r = r.clamp(-1, 1) if reward_clip else r
+        prev = torch.where(first_t, 0, prev_action)
+        logits, _, state = agent(torch.as_tensor(obs, device=device)[None], prev[None], r[None], first_t[None], state)
+        prev_action = logits[0].argmax(-1) if greedy else torch.distributions.Categorical(logits=logits[0]).sample()
+        return prev_action.cpu().numpy()
+
+    return policy
