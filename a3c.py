@@ -183,18 +183,18 @@ def n_step_returns(rewards, discounts, bootstrap_value):
     return torch.stack(out[::-1])
 
 
-def a3c_loss(log_probs, entropies, values, rewards, terminated, reset, bootstrap_value, gamma, ent_coef, value_coef):
+def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap_value, gamma, ent_coef, value_coef):
     """Algorithm S3's accumulated gradients as one loss on a rollout `[T, B]`:
 
         L = Σ_t [ −log π(a_t|s_t) (R_t − V(s_t)) − β H(π(·|s_t)) + value_coef (R_t − V(s_t))² ]
 
-    summed over time and averaged over the B environments; the advantage carries no gradient. `reset[t]` marks
-    envpool's reset step (the step after an episode ended): no loss there, and R_t = V(s_t), so a truncated
+    summed over time and averaged over the B environments; the advantage carries no gradient. `ended[t]`: obs_t
+    ended an episode, so step t is envpool's reset step: no loss there, and R_t = V(s_t), so a truncated
     episode bootstraps from its last observation. Returns (loss, stats)."""
     values_sg = values.detach()
-    discounts = torch.where(reset, 0.0, gamma * (~terminated).float())
-    returns = n_step_returns(torch.where(reset, values_sg, rewards), discounts, bootstrap_value)
-    mask = (~reset).float()
+    discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
+    returns = n_step_returns(torch.where(ended, values_sg, rewards), discounts, bootstrap_value)
+    mask = (~ended).float()
     advantages = returns - values_sg
     B = values.shape[1]
     policy_loss = -(mask * log_probs * advantages).sum() / B
@@ -436,7 +436,7 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, p
                 dst.copy_(src)
         synced_at = counter.value
         start_state = state = detach_state(state)
-        rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "reset")}
+        rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "ended")}
         with torch.no_grad():  # act; the loss takes one batched pass over the rollout afterwards
             for _ in range(T):
                 pi, _, state = local(obs[None], first[None], state)
@@ -452,7 +452,7 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, p
                     ("action", action),
                     ("reward", reward),
                     ("terminated", term),
-                    ("reset", ended),
+                    ("ended", ended),
                 ):
                     rows[k].append(torch.as_tensor(v))
                 first, ended = ended, torch.as_tensor(term | trunc)
@@ -467,7 +467,7 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, p
             values[:-1],
             torch.stack(rows["reward"]).float(),
             torch.stack(rows["terminated"]),
-            torch.stack(rows["reset"]),
+            torch.stack(rows["ended"]),
             values[-1].detach(),
             args.gamma,
             ent_coef,

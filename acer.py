@@ -233,20 +233,20 @@ def acer_loss(logits, q, avg_logits, batch, args):
     """Algorithm 2 on a segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the ACER update.
 
     `logits`, `q` `[k+1, B, A]` from the local network θ', `avg_logits` from the average network θ_a; `batch` has
-    `action`, `reward`, `terminated`, `reset` `[k+1, B]` and the behaviour probabilities `mu` `[k+1, B, A]`. The
-    policy part back-propagates −z (Eq. 12, or −ĝ without the trust region) through the softmax; the critic part
-    is value_coef · Σ (Q^ret − Q(x, a))². Summed over time, averaged over the B environments. Returns (loss,
-    stats)."""
+    `action`, `reward`, `terminated`, `ended` (obs_t ended an episode: step t is envpool's reset step) `[k+1, B]`
+    and the behaviour probabilities `mu` `[k+1, B, A]`. The policy part back-propagates −z (Eq. 12, or −ĝ without
+    the trust region) through the softmax; the critic part is value_coef · Σ (Q^ret − Q(x, a))². Summed over time,
+    averaged over the B environments. Returns (loss, stats)."""
     probs = F.softmax(logits, dim=-1)
     T, B, A = probs[:-1].shape
-    actions, reset = batch["action"][:-1].long(), batch["reset"][:-1]
-    mask = (~reset).float()
+    actions, ended = batch["action"][:-1].long(), batch["ended"][:-1]
+    mask = (~ended).float()
     with torch.no_grad():
         p = probs.detach().clamp(min=PROB_FLOOR)
         values = (probs.detach() * q.detach()).sum(-1)
         rho_all = p[:-1] / batch["mu"][:-1].clamp(min=PROB_FLOOR)
         rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        truncated = torch.where(reset, 0.0, rho.clamp(max=1.0))  # ρ̄ = min(1, ρ); 0 cuts the trace at a reset step
+        truncated = torch.where(ended, 0.0, rho.clamp(max=1.0))  # ρ̄ = min(1, ρ); 0 cuts the trace at a reset step
         discounts = args.gamma * (~batch["terminated"][:-1]).float()
         q_taken = q.detach()[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         q_ret = retrace(batch["reward"][:-1], discounts, q_taken, values[:-1], truncated, values[-1])
@@ -310,18 +310,18 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
     `mean [k+1, B, d]` and `values [k+1, B]` from the local network; `q_taken = Q̃(x_i, a_i)` `[k, B]` from the
     stochastic dueling network (Eq. 13, differentiable), `q_sampled = Q̃(x_i, a'_i)` for fresh samples a'_i ~ π
     (constants), `avg_mean` the average network's mean; `batch` has `action`, `mu` (the behaviour mean) `[k+1, B,
-    d]`, `reward`, `terminated`, `reset`. Q^ret uses the traces c_i = min(1, ρ_i^(1/d)) (Sec. 5.1), Q^opc traces of
+    d]`, `reward`, `terminated`, `ended`. Q^ret uses the traces c_i = min(1, ρ_i^(1/d)) (Sec. 5.1), Q^opc traces of
     1 (App. B); the policy back-propagates −z (Eq. 12 for ĝ of Eq. 16, k = (φ − φ_a)/σ²) through the mean; the
     critic gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V (Algorithm 3), scaled by 2 value_coef. Summed over time,
     averaged over the B environments. Returns (loss, stats)."""
     T, B, d = mean[:-1].shape
     std = args.policy_std
-    actions, reset = batch["action"][:-1], batch["reset"][:-1]
-    mask = (~reset).float()
+    actions, ended = batch["action"][:-1], batch["ended"][:-1]
+    mask = (~ended).float()
     with torch.no_grad():
         m, v, qt = mean.detach(), values.detach(), q_taken.detach()
         rho = gaussian_ratio(actions, m[:-1], batch["mu"][:-1], std)
-        traces = torch.where(reset, 0.0, rho.pow(1.0 / d).clamp(max=1.0))  # c_i; 0 cuts at a reset step
+        traces = torch.where(ended, 0.0, rho.pow(1.0 / d).clamp(max=1.0))  # c_i; 0 cuts at a reset step
         discounts = args.gamma * (~batch["terminated"][:-1]).float()
         q_ret = retrace(batch["reward"][:-1], discounts, qt, v[:-1], traces, v[-1])
         q_opc = retrace(batch["reward"][:-1], discounts, qt, v[:-1], mask, v[-1])
@@ -547,7 +547,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 class Replay:
-    """A worker's memory of whole segments `[k+1, num_envs, ...]` (obs, action, reward, terminated, reset, μ), a
+    """A worker's memory of whole segments `[k+1, num_envs, ...]` (obs, action, reward, terminated, ended, μ), a
     ring of `capacity` segments, sampled uniformly."""
 
     def __init__(self, capacity):
@@ -605,7 +605,7 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
         with torch.no_grad():
             for dst, src in zip(local_tensors, shared_tensors):
                 dst.copy_(src)
-        rows = {key: [] for key in ("obs", "action", "reward", "terminated", "reset", "mu")}
+        rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu")}
         with torch.no_grad():
             for _ in range(k):
                 if continuous:  # μ is stored as the behaviour mean (σ is fixed)
@@ -626,7 +626,7 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
                     ("action", action),
                     ("reward", reward),
                     ("terminated", term),
-                    ("reset", ended),
+                    ("ended", ended),
                     ("mu", mu),
                 ):
                     rows[key].append(torch.as_tensor(v))
@@ -634,7 +634,7 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
                 obs = obs_tensor(next_obs, pixels)
         # row k: the bootstrap observation (its other fields are never used)
         rows["obs"].append(obs)
-        for key in ("action", "reward", "terminated", "reset", "mu"):
+        for key in ("action", "reward", "terminated", "ended", "mu"):
             rows[key].append(torch.zeros_like(rows[key][-1]))
         segment = {key: torch.stack(v) for key, v in rows.items()}
         segment["reward"] = segment["reward"].float()

@@ -583,7 +583,7 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
 
     obs, _ = envs.reset()
     obs = torch.from_numpy(flatten_obs(obs))
-    after_end = np.zeros(n, bool)  # the next step is envpool's reset step, not a transition
+    ended = np.zeros(n, bool)  # the last observation ended an episode: the next step is envpool's reset step
     for t in range(start_t + 1, steps_per_learner + 1):
         exit_if_orphaned(parent_pid)
         if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
@@ -594,7 +594,7 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
             np.clip(low + (actions.numpy() + 1.0) * 0.5 * (high - low), low, high)
         )
         next_obs = torch.from_numpy(flatten_obs(next_obs))
-        real = ~after_end
+        real = ~ended
         agent_rewards = delayed(rewards, term | trunc, real)
         keep = torch.from_numpy(real)
         replay.add(
@@ -611,7 +611,7 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
         for _, score, length in tracker.step(info["env_id"], rewards, term, trunc, info):
             recent.append(score)
             msg_q.put(("episode", index, int(population.steps.sum()), score, length))
-        after_end = term | trunc
+        ended = term | trunc
         obs = next_obs
         if t <= args.t_initial:  # Algorithm 1, lines 13-14: no updates during the random phase
             continue

@@ -121,16 +121,16 @@ class EpisodeTracker:
     def __init__(self, num_envs: int):
         self.ret = np.zeros(num_envs, np.float64)
         self.len = np.zeros(num_envs, np.int64)
-        self.after_end = np.zeros(num_envs, bool)
+        self.ended = np.zeros(num_envs, bool)
 
     def step(self, env_ids, rewards, terminated, truncated, info):
         """Returns a list of (env_id, score, length) for the games that ended at this step."""
         raw = info.get("reward", rewards)
         game_over = np.asarray(info.get("terminated", terminated)).astype(bool) | truncated
-        real = ~self.after_end[env_ids]
+        real = ~self.ended[env_ids]
         self.ret[env_ids] += np.where(real, raw, 0.0)
         self.len[env_ids] += real
-        self.after_end[env_ids] = terminated | truncated
+        self.ended[env_ids] = terminated | truncated
         done = []
         for i in np.flatnonzero(game_over):
             e = env_ids[i]

@@ -147,7 +147,7 @@ def loss_inputs(T=6, B=3, A=4, seed=0):
         "action": torch.randint(A, (T + 1, B), generator=g_),
         "reward": torch.randn(T + 1, B, generator=g_, dtype=torch.float64),
         "terminated": terminated,
-        "reset": reset,
+        "ended": reset,
         "mu": torch.softmax(torch.randn(T + 1, B, A, generator=g_, dtype=torch.float64) * 2, -1),
     }
     args = SimpleNamespace(gamma=0.9, c=10.0, delta=1.0, ent_coef=0.01, trust_region=True, value_coef=0.5)
@@ -165,7 +165,7 @@ def test_acer_loss_gradients():
     v = (probs * q.detach()).sum(-1)
     a = batch["action"][:-1]
     rho = (probs[:-1] / batch["mu"][:-1]).gather(-1, a[..., None])[..., 0]
-    rho_bar = torch.where(batch["reset"][:-1], 0.0, rho.clamp(max=1))
+    rho_bar = torch.where(batch["ended"][:-1], 0.0, rho.clamp(max=1))
     q_taken = q.detach()[:-1].gather(-1, a[..., None])[..., 0]
     q_ret = retrace_reference(
         batch["reward"][:-1], 0.9 * (~batch["terminated"][:-1]).double(), q_taken, v[:-1], rho_bar, v[-1]
@@ -173,7 +173,7 @@ def test_acer_loss_gradients():
     expected_q_grad = torch.zeros_like(q)
     for t in range(T):
         for b in range(B):
-            if not batch["reset"][t, b]:
+            if not batch["ended"][t, b]:
                 expected_q_grad[t, b, a[t, b]] = 0.5 * 2 * (q_taken[t, b] - q_ret[t, b]) / B
     torch.testing.assert_close(q.grad, expected_q_grad)
     assert (logits.grad[3, 1] == 0).all() and (logits.grad[-1] == 0).all()
@@ -273,7 +273,7 @@ def test_acer_loss_continuous_gradients_follow_algorithm_3():
         "mu": behaviour,
         "reward": torch.randn(T + 1, B, generator=g_, dtype=torch.float64),
         "terminated": terminated,
-        "reset": reset,
+        "ended": reset,
     }
     args = SimpleNamespace(gamma=0.9, c=5.0, delta=0.5, trust_region=True, value_coef=0.5, policy_std=std)
     loss, stats = acer.acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, avg_mean, batch, args)
