@@ -68,7 +68,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -106,6 +106,7 @@ from common.run import (
     learner_interrupted,
     learner_process,
     log_learner_stats,
+    loss_stats,
     resume_args,
 )
 
@@ -259,60 +260,115 @@ def vtrace(
     return vs, pg_rhos * (rewards + discounts * vs_tp1 - values)
 
 
-def learner_loss(logits, values, batch, args, popart=None):
+class VtraceLoss(NamedTuple):
+    """learner_loss's result: the loss and its three parts (sums over time and batch), diagnostics (means over the
+    real steps) and the unnormalised V-trace targets v_s `[T, B]` (PopArt's update takes them)."""
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    entropy_loss: torch.Tensor
+    entropy: torch.Tensor
+    rho_mean: torch.Tensor
+    rho_clipped_fraction: torch.Tensor
+    value_mean: torch.Tensor
+    vs: torch.Tensor
+
+
+def learner_loss(
+    logits,
+    values,
+    actions,
+    behaviour_logits,
+    rewards,
+    terminated,
+    ended,
+    gamma,
+    baseline_cost=0.5,
+    entropy_cost=0.01,
+    clip_rho_threshold=1.0,
+    clip_pg_rho_threshold=1.0,
+    clip_c_threshold=1.0,
+    vtrace_lambda=1.0,
+    task=None,
+    popart_mu=None,
+    popart_sigma=None,
+) -> VtraceLoss:
     """The V-trace actor-critic loss (Sec. 4.2), summed over time and batch.
 
-    `logits [T+1, B, A]`, `values [T+1, B]` from the learner's network on rows 0..T of the unrolls; row T
-    only bootstraps. Transition k goes from row k to row k+1. With `popart`, `values` are its normalised
-    outputs `[T+1, B, num_tasks]`: each row reads its task's output n, V = σ n + μ enters V-trace, the value
-    loss is ½((v_s − μ)/σ − n)² and the policy-gradient advantage is divided by σ (PopArt-IMPALA).
-    Returns (loss, stats, vs): vs are the unnormalised V-trace targets `[T, B]` (PopArt's update takes them).
+    Rows 0..T of the unrolls, `[T+1, B]` (`logits`, `behaviour_logits` `[T+1, B, A]`); row T only bootstraps.
+    Row k holds x_k, the reward and end flags that came with it (`rewards`, `terminated`, and `ended`: x_k ended
+    an episode, so step k is envpool's reset step), the action taken at x_k and μ's logits there; transition k
+    goes from row k to row k+1. With PopArt (`task` `[T+1, B]` and the per-task statistics `popart_mu`,
+    `popart_sigma`), `values` are the normalised outputs `[T+1, B, num_tasks]`: each row reads its task's output
+    n, V = σ n + μ enters V-trace, the value loss is ½((v_s − μ)/σ − n)² and the policy-gradient advantage is
+    divided by σ (PopArt-IMPALA).
     """
-    if popart is not None:
-        task = batch["task"]
+    if task is not None:
         values = values.gather(-1, task.unsqueeze(-1)).squeeze(-1)
-        mu, sigma = popart.mu[task], popart.sigma[task]
+        mu, sigma = popart_mu[task], popart_sigma[task]
     else:
         mu, sigma = torch.zeros_like(values), torch.ones_like(values)
     logp_all = F.log_softmax(logits[:-1], dim=-1)
-    actions = batch["action"][:-1].unsqueeze(-1)
+    actions = actions[:-1].unsqueeze(-1)
     logp = logp_all.gather(-1, actions).squeeze(-1)
-    behaviour_logp = F.log_softmax(batch["logits"][:-1], dim=-1).gather(-1, actions).squeeze(-1)
+    behaviour_logp = F.log_softmax(behaviour_logits[:-1], dim=-1).gather(-1, actions).squeeze(-1)
     log_rhos = logp.detach() - behaviour_logp
 
     v = values.detach() * sigma + mu  # unnormalised values
-    reset_step = batch["ended"][:-1]  # row k ended an episode: step k is envpool's reset step
-    discounts = args.gamma * (~batch["terminated"][1:]).float()
-    discounts = torch.where(reset_step, 0.0, discounts)
-    rewards = torch.where(reset_step, v[:-1], batch["reward"][1:])  # zero TD error: v_k = V(x_k)
+    reset_step = ended[:-1]  # row k ended an episode: step k is envpool's reset step
+    discounts = torch.where(reset_step, 0.0, gamma * (~terminated[1:]).float())
+    rewards = torch.where(reset_step, v[:-1], rewards[1:])  # zero TD error: v_k = V(x_k)
     vs, pg_adv = vtrace(
         log_rhos,
         discounts,
         rewards,
         v[:-1],
         v[-1],
+        clip_rho_threshold,
+        clip_pg_rho_threshold,
+        clip_c_threshold,
+        vtrace_lambda,
+    )
+    mask = (~reset_step).float()
+    pg_loss = -(mask * pg_adv / sigma[:-1] * logp).sum()
+    baseline_loss = baseline_cost * 0.5 * (mask * ((vs - mu[:-1]) / sigma[:-1] - values[:-1]) ** 2).sum()
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy_loss = -entropy_cost * (mask * entropy).sum()
+    n = mask.sum().clamp(min=1)
+    rhos = log_rhos.exp()
+    return VtraceLoss(
+        loss=pg_loss + baseline_loss + entropy_loss,
+        policy_loss=pg_loss,
+        value_loss=baseline_loss,
+        entropy_loss=entropy_loss,
+        entropy=(mask * entropy).sum() / n,
+        rho_mean=(mask * rhos).sum() / n,
+        rho_clipped_fraction=(mask * (rhos > clip_rho_threshold)).sum() / n,
+        value_mean=(mask * v[:-1]).sum() / n,
+        vs=vs,
+    )
+
+
+def batch_loss(logits, values, batch, args, popart=None) -> VtraceLoss:
+    """learner_loss on a batch of unrolls with the run's hyperparameters."""
+    return learner_loss(
+        logits,
+        values,
+        batch["action"],
+        batch["logits"],
+        batch["reward"],
+        batch["terminated"],
+        batch["ended"],
+        args.gamma,
+        args.baseline_cost,
+        args.entropy_cost,
         args.clip_rho_threshold,
         args.clip_pg_rho_threshold,
         args.clip_c_threshold,
         args.vtrace_lambda,
+        *((batch["task"], popart.mu, popart.sigma) if popart is not None else ()),
     )
-    mask = (~reset_step).float()
-    pg_loss = -(mask * pg_adv / sigma[:-1] * logp).sum()
-    baseline_loss = args.baseline_cost * 0.5 * (mask * ((vs - mu[:-1]) / sigma[:-1] - values[:-1]) ** 2).sum()
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    entropy_loss = -args.entropy_cost * (mask * entropy).sum()
-    n = mask.sum().clamp(min=1)
-    rhos = log_rhos.exp()
-    stats = {
-        "losses/policy_loss": pg_loss,
-        "losses/value_loss": baseline_loss,
-        "losses/entropy": entropy_loss,
-        "stats/entropy": (mask * entropy).sum() / n,
-        "stats/rho_mean": (mask * rhos).sum() / n,
-        "stats/rho_clipped_fraction": (mask * (rhos > args.clip_rho_threshold)).sum() / n,
-        "stats/value_mean": (mask * v[:-1]).sum() / n,
-    }
-    return pg_loss + baseline_loss + entropy_loss, stats, vs
 
 
 class RMSpropTF(torch.optim.Optimizer):
@@ -531,7 +587,8 @@ def main(args: Args):
             batch = pool.next_batch()
             state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
             logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
-            loss, stats, vs = learner_loss(logits, values, batch, args, agent.popart)
+            out = batch_loss(logits, values, batch, args, agent.popart)
+            loss, vs, stats = out.loss, out.vs, loss_stats(out)
             optimizer.zero_grad(set_to_none=True)
             (loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
             log_due = rank == 0 and (log.due() or update == num_updates)

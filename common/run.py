@@ -195,6 +195,16 @@ class RunLog:
         return summary
 
 
+def loss_stats(result) -> dict:
+    """The TensorBoard tags of a loss function's named tuple: `losses/<name>` for the parts of the loss,
+    `stats/<name>` for the other scalars; the total (`loss`) and the tensors that are not scalars left out."""
+    return {
+        (f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v
+        for k, v in result._asdict().items()
+        if k != "loss" and v.dim() == 0
+    }
+
+
 def multitask_summary(games, groups: dict, table) -> dict:
     """summary.json's entries for a multi-task run: its games, each game's last-10 mean, the evaluation table."""
     summary = {
