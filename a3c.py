@@ -371,6 +371,86 @@ def detach_state(state):
     return tuple((h.detach(), c.detach()) for h, c in state)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The run: setup, the paper's loop, the end.
+
+
+def main(args: Args):
+    args, resumed = resume_args(args)
+    spec, derived = check_args(args)
+    args = dataclasses.replace(args, **{k: derived[k] for k in ("t_max", "num_workers", "lstm_size", "max_grad_norm")})
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    discrete = derived["discrete"]
+    agent = Agent(
+        derived["obs_shape"],
+        spec.action_space.n if discrete else 0,
+        0 if discrete else int(spec.action_space.shape[0]),
+        args.hidden,
+        args.lstm_size,
+    )
+    agent.share_memory()  # θ (and the observation statistics) in shared memory, written by every worker
+    optimizer = None
+    if args.shared_statistics:
+        optimizer = SharedRMSprop(
+            agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps
+        ).share_memory()
+    if resumed is not None:  # in place: the tensors stay in shared memory
+        agent.load_state_dict(resumed["agent"])
+        if optimizer is not None and resumed["square_avg"] is not None:
+            for p, g in zip(agent.parameters(), resumed["square_avg"]):
+                optimizer.state[p]["square_avg"].copy_(g)
+    log = RunLog(
+        args,
+        FAMILY_DEFAULTS,
+        args.env_id,
+        resumed,
+        f"{args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
+        f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
+        "RMSProp statistics",
+    )
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    counter, obs_lock, msg_q = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue()
+    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
+    procs = [
+        ctx.Process(
+            target=worker_entry,
+            name=f"worker-{w}",
+            daemon=True,
+            args=(train_worker, w, msg_q, w, args, agent, optimizer, counter, obs_lock, msg_q, os.getpid()),
+        )
+        for w in range(args.num_workers)
+    ]
+
+    def checkpoint():
+        """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
+        step = steps.value
+        check_finite_parameters(f"at step {step}", agent=agent)
+        if args.save_model:  # a run stopped early can be evaluated too
+            save_model(saved_model(args, spec, agent, step), log.path)
+        square_avg = None if optimizer is None else [optimizer.state[p]["square_avg"] for p in agent.parameters()]
+        save_checkpoint(
+            {
+                "agent": agent.state_dict(),
+                "square_avg": square_avg,
+                "global_step": step,
+                "returns": log.returns[-100:],
+                "wall_time_s": log.wall(),
+                "args": dataclasses.asdict(args),
+            },
+            log.path,
+        )
+        return step
+
+    serve_workers(procs, msg_q, log, steps, checkpoint, os.path.basename(__file__))
+    end_time = time.time()
+    global_step = checkpoint()
+    log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
+    log.end(saved_model(args, spec, agent, global_step), end_time, num_workers=args.num_workers)
+
+
 def to_env_action(action, low, high):
     """[-1, 1]^d policy actions -> the env's box, clipped (only here: the action learned from stays as sampled)."""
     return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
@@ -557,82 +637,6 @@ def check_args(args):
         num_workers=args.num_workers or os.cpu_count() or 1,
         max_grad_norm=max_grad_norm,
     )
-
-
-def main(args: Args):
-    args, resumed = resume_args(args)
-    spec, derived = check_args(args)
-    args = dataclasses.replace(args, **{k: derived[k] for k in ("t_max", "num_workers", "lstm_size", "max_grad_norm")})
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    discrete = derived["discrete"]
-    agent = Agent(
-        derived["obs_shape"],
-        spec.action_space.n if discrete else 0,
-        0 if discrete else int(spec.action_space.shape[0]),
-        args.hidden,
-        args.lstm_size,
-    )
-    agent.share_memory()  # θ (and the observation statistics) in shared memory, written by every worker
-    optimizer = None
-    if args.shared_statistics:
-        optimizer = SharedRMSprop(
-            agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps
-        ).share_memory()
-    if resumed is not None:  # in place: the tensors stay in shared memory
-        agent.load_state_dict(resumed["agent"])
-        if optimizer is not None and resumed["square_avg"] is not None:
-            for p, g in zip(agent.parameters(), resumed["square_avg"]):
-                optimizer.state[p]["square_avg"].copy_(g)
-    log = RunLog(
-        args,
-        FAMILY_DEFAULTS,
-        args.env_id,
-        resumed,
-        f"{args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
-        f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
-        "RMSProp statistics",
-    )
-
-    ctx = torch.multiprocessing.get_context("spawn")
-    counter, obs_lock, msg_q = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue()
-    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    procs = [
-        ctx.Process(
-            target=worker_entry,
-            name=f"worker-{w}",
-            daemon=True,
-            args=(train_worker, w, msg_q, w, args, agent, optimizer, counter, obs_lock, msg_q, os.getpid()),
-        )
-        for w in range(args.num_workers)
-    ]
-
-    def checkpoint():
-        """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
-        step = steps.value
-        check_finite_parameters(f"at step {step}", agent=agent)
-        if args.save_model:  # a run stopped early can be evaluated too
-            save_model(saved_model(args, spec, agent, step), log.path)
-        square_avg = None if optimizer is None else [optimizer.state[p]["square_avg"] for p in agent.parameters()]
-        save_checkpoint(
-            {
-                "agent": agent.state_dict(),
-                "square_avg": square_avg,
-                "global_step": step,
-                "returns": log.returns[-100:],
-                "wall_time_s": log.wall(),
-                "args": dataclasses.asdict(args),
-            },
-            log.path,
-        )
-        return step
-
-    serve_workers(procs, msg_q, log, steps, checkpoint, os.path.basename(__file__))
-    end_time = time.time()
-    global_step = checkpoint()
-    log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    log.end(saved_model(args, spec, agent, global_step), end_time, num_workers=args.num_workers)
 
 
 def saved_model(args, spec, agent, global_step):

@@ -508,6 +508,87 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
     return acer_loss(logits, q, avg_out, segment, args)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The run: setup, the paper's loop, the end.
+
+
+def main(args: Args):
+    args, resumed = resume_args(args)
+    spec, derived = check_args(args)
+    args = dataclasses.replace(args, **{key: v for key, v in derived.items() if key != "obs_shape"})
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    if hasattr(spec.action_space, "n"):
+        config = dict(obs_shape=derived["obs_shape"], num_actions=int(spec.action_space.n), hidden=args.hidden)
+        agent, avg_agent = Agent(**config), Agent(**config)
+    else:
+        config = dict(
+            obs_shape=derived["obs_shape"],
+            action_dim=int(spec.action_space.shape[0]),
+            hidden=args.hidden,
+            policy_std=args.policy_std,
+        )
+        agent, avg_agent = ContinuousAgent(**config), ContinuousAgent(**config)
+    avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ
+    agent.share_memory()
+    avg_agent.share_memory()
+    optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
+    optimizer.share_memory()
+    if resumed is not None:  # in place: the tensors stay in shared memory
+        agent.load_state_dict(resumed["agent"])
+        avg_agent.load_state_dict(resumed["avg_agent"])
+        for p, g in zip(agent.parameters(), resumed["square_avg"]):
+            optimizer.state[p]["square_avg"].copy_(g)
+    log = RunLog(
+        args,
+        FAMILY_DEFAULTS,
+        args.env_id,
+        resumed,
+        f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}, "
+        f"{'trust region' if args.trust_region else 'no trust region'}",
+    )
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    counter, msg_q = ctx.Value("q", log.start_step), ctx.Queue()
+    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
+    procs = [
+        ctx.Process(
+            target=worker_entry,
+            name=f"worker-{w}",
+            daemon=True,
+            args=(train_worker, w, msg_q, w, args, agent, avg_agent, optimizer, counter, msg_q, os.getpid()),
+        )
+        for w in range(args.num_workers)
+    ]
+
+    def checkpoint():
+        """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
+        step = steps.value
+        check_finite_parameters(f"at step {step}", agent=agent, avg_agent=avg_agent)
+        if args.save_model:  # a run stopped early can be evaluated too
+            save_model(saved_model(args, spec, agent, avg_agent, step), log.path)
+        save_checkpoint(
+            {
+                "agent": agent.state_dict(),
+                "avg_agent": avg_agent.state_dict(),
+                "square_avg": [optimizer.state[p]["square_avg"] for p in agent.parameters()],
+                "global_step": step,
+                "returns": log.returns[-100:],
+                "wall_time_s": log.wall(),
+                "args": dataclasses.asdict(args),
+            },
+            log.path,
+        )
+        return step
+
+    serve_workers(procs, msg_q, log, steps, checkpoint, os.path.basename(__file__))
+    end_time = time.time()
+    global_step = checkpoint()
+    log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
+    log.end(saved_model(args, spec, agent, avg_agent, global_step), end_time, num_workers=args.num_workers)
+
+
 def to_env_action(action, low, high):
     """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
     return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
@@ -741,83 +822,6 @@ def check_args(args):
     derived["obs_shape"] = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     derived["max_grad_norm"] = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
     return spec, derived
-
-
-def main(args: Args):
-    args, resumed = resume_args(args)
-    spec, derived = check_args(args)
-    args = dataclasses.replace(args, **{key: v for key, v in derived.items() if key != "obs_shape"})
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    if hasattr(spec.action_space, "n"):
-        config = dict(obs_shape=derived["obs_shape"], num_actions=int(spec.action_space.n), hidden=args.hidden)
-        agent, avg_agent = Agent(**config), Agent(**config)
-    else:
-        config = dict(
-            obs_shape=derived["obs_shape"],
-            action_dim=int(spec.action_space.shape[0]),
-            hidden=args.hidden,
-            policy_std=args.policy_std,
-        )
-        agent, avg_agent = ContinuousAgent(**config), ContinuousAgent(**config)
-    avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ
-    agent.share_memory()
-    avg_agent.share_memory()
-    optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
-    optimizer.share_memory()
-    if resumed is not None:  # in place: the tensors stay in shared memory
-        agent.load_state_dict(resumed["agent"])
-        avg_agent.load_state_dict(resumed["avg_agent"])
-        for p, g in zip(agent.parameters(), resumed["square_avg"]):
-            optimizer.state[p]["square_avg"].copy_(g)
-    log = RunLog(
-        args,
-        FAMILY_DEFAULTS,
-        args.env_id,
-        resumed,
-        f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}, "
-        f"{'trust region' if args.trust_region else 'no trust region'}",
-    )
-
-    ctx = torch.multiprocessing.get_context("spawn")
-    counter, msg_q = ctx.Value("q", log.start_step), ctx.Queue()
-    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    procs = [
-        ctx.Process(
-            target=worker_entry,
-            name=f"worker-{w}",
-            daemon=True,
-            args=(train_worker, w, msg_q, w, args, agent, avg_agent, optimizer, counter, msg_q, os.getpid()),
-        )
-        for w in range(args.num_workers)
-    ]
-
-    def checkpoint():
-        """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
-        step = steps.value
-        check_finite_parameters(f"at step {step}", agent=agent, avg_agent=avg_agent)
-        if args.save_model:  # a run stopped early can be evaluated too
-            save_model(saved_model(args, spec, agent, avg_agent, step), log.path)
-        save_checkpoint(
-            {
-                "agent": agent.state_dict(),
-                "avg_agent": avg_agent.state_dict(),
-                "square_avg": [optimizer.state[p]["square_avg"] for p in agent.parameters()],
-                "global_step": step,
-                "returns": log.returns[-100:],
-                "wall_time_s": log.wall(),
-                "args": dataclasses.asdict(args),
-            },
-            log.path,
-        )
-        return step
-
-    serve_workers(procs, msg_q, log, steps, checkpoint, os.path.basename(__file__))
-    end_time = time.time()
-    global_step = checkpoint()
-    log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    log.end(saved_model(args, spec, agent, avg_agent, global_step), end_time, num_workers=args.num_workers)
 
 
 def saved_model(args, spec, agent, avg_agent, global_step):

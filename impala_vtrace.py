@@ -469,41 +469,8 @@ class Agent(nn.Module):
         return logits.view(T, B, -1), values.view(T, B), state
 
 
-def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py` (it keeps the LSTM state and
-    the previous action itself); rewards are clipped as in training."""
-    agent = Agent(**checkpoint["agent_config"]).to(device)
-    agent.load_state_dict(checkpoint["agent"])
-    return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Acting. Row t of an unroll holds obs_t, the reward and end flags that came with obs_t, the action taken at
-# obs_t and its behaviour logits. An unroll has T+1 rows; its last row is the next unroll's first.
-
-
-def act(actor_id, cfg, link):
-    """Fig. 1's actor: steps its envs with the latest published policy μ and writes unrolls with μ's logits
-    (the loop: common/actor_pool.py)."""
-    act_recurrent(link, cfg)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Learning and process plumbing.
-
-
-def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
-    of a multi-task run (presets expanded; empty for one game)."""
-    games = check_games(args)
-    spec = env_spec(games[0] if games else args.env_id, discrete=True)
-    check_pool_args(args)
-    if args.lr_anneal_steps < 0:
-        raise UsageError(f"--lr-anneal-steps must be 0 (automatic) or a number of steps, got {args.lr_anneal_steps}")
-    check_channels(args.network, args.channels)
-    if not 0 < args.popart_beta <= 1:
-        raise UsageError(f"--popart-beta must be in (0, 1], got {args.popart_beta}")
-    return spec, games
+# The run: setup, the paper's loop, the end.
 
 
 def main(args: Args):
@@ -634,6 +601,43 @@ def main(args: Args):
         log.end(saved_model(args, agent, games, atari, global_step), end_time, device, games)
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py` (it keeps the LSTM state and
+    the previous action itself); rewards are clipped as in training."""
+    agent = Agent(**checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])
+    return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Acting. Row t of an unroll holds obs_t, the reward and end flags that came with obs_t, the action taken at
+# obs_t and its behaviour logits. An unroll has T+1 rows; its last row is the next unroll's first.
+
+
+def act(actor_id, cfg, link):
+    """Fig. 1's actor: steps its envs with the latest published policy μ and writes unrolls with μ's logits
+    (the loop: common/actor_pool.py)."""
+    act_recurrent(link, cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Learning and process plumbing.
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
+    of a multi-task run (presets expanded; empty for one game)."""
+    games = check_games(args)
+    spec = env_spec(games[0] if games else args.env_id, discrete=True)
+    check_pool_args(args)
+    if args.lr_anneal_steps < 0:
+        raise UsageError(f"--lr-anneal-steps must be 0 (automatic) or a number of steps, got {args.lr_anneal_steps}")
+    check_channels(args.network, args.channels)
+    if not 0 < args.popart_beta <= 1:
+        raise UsageError(f"--popart-beta must be in (0, 1], got {args.popart_beta}")
+    return spec, games
 
 
 def make_optimizer(args, params):

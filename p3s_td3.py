@@ -694,78 +694,8 @@ def synchronise(index, learner, replay, population, recent, best, beta, generati
     )
 
 
-def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
-    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: the deterministic policy
-    of `checkpoint["actor"]` (the best learner's; TD3 evaluates without noise, so `greedy` changes nothing)."""
-    actor = Actor(**checkpoint["actor_config"]).to(device)
-    actor.load_state_dict(checkpoint["actor"])
-    actor.eval()
-    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
-
-    @torch.no_grad()
-    def policy(obs, rewards, first):
-        a = actor(torch.from_numpy(flatten_obs(obs)).to(device)).cpu().numpy()
-        return np.clip(low + (a + 1.0) * 0.5 * (high - low), low, high)
-
-    return policy
-
-
-def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
-    spec = env_spec(args.env_id, discrete=False)
-    if len(spec.action_space.shape) != 1:
-        raise UsageError(
-            f"{args.env_id} does not have a vector of continuous actions; this script needs one "
-            "(e.g. HalfCheetah-v4, Pendulum-v1)"
-        )
-    if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
-        raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
-    for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if not args.hidden or min(args.hidden) < 1:
-        raise UsageError(f"--hidden needs one or more positive layer sizes, got {args.hidden}")
-    if args.buffer_size // args.num_learners < args.batch_size:
-        raise UsageError(
-            f"--buffer-size {args.buffer_size} leaves each of the {args.num_learners} learners fewer "
-            f"than --batch-size {args.batch_size} rows; use at least {args.batch_size * args.num_learners}"
-        )
-    for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not args.beta_min <= args.beta_init <= args.beta_max:
-        raise UsageError(
-            f"--beta-init {args.beta_init} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
-        )
-    if not 0 < args.tau <= 1:
-        raise UsageError(f"--tau must be in (0, 1], got {args.tau}")
-    if not 0 <= args.gamma <= 1:
-        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
-    for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    t_initial, d_min = task_defaults(args.env_id, args.reward_delay > 1)
-    t_initial = args.t_initial if args.t_initial >= 0 else t_initial
-    d_min = args.d_min if args.d_min >= 0 else d_min
-    per_step = args.num_learners * args.num_envs
-    if args.total_timesteps < per_step * (t_initial + 1):
-        raise UsageError(
-            f"--total-timesteps {args.total_timesteps} ends before the first update: the random phase "
-            f"takes {per_step * t_initial} steps (T_initial {t_initial} x {args.num_learners} learners x "
-            f"{args.num_envs} envs); give more, or a smaller --t-initial"
-        )
-    if args.capture_video and not env_id_renders(args.env_id):
-        raise UsageError(
-            "--capture-video is available for classic control (e.g. Pendulum-v1) only: envpool renders "
-            "MuJoCo only with an OpenGL context, which it does not create; leave the flag out"
-        )
-    return spec, dict(
-        t_initial=t_initial, d_min=d_min, obs_dim=flat_obs_dim(spec), action_dim=int(spec.action_space.shape[0])
-    )
-
-
-def env_id_renders(env_id):
-    return env_id.split("-")[0] in ("Pendulum", "MountainCarContinuous")
+# ---------------------------------------------------------------------------------------------------------
+# The run: setup, the paper's loop, the end.
 
 
 def main(args: Args):
@@ -891,6 +821,80 @@ def main(args: Args):
         end_time,
         **population_summary(log, done, best, beta, eval_means),
     )
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: the deterministic policy
+    of `checkpoint["actor"]` (the best learner's; TD3 evaluates without noise, so `greedy` changes nothing)."""
+    actor = Actor(**checkpoint["actor_config"]).to(device)
+    actor.load_state_dict(checkpoint["actor"])
+    actor.eval()
+    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        a = actor(torch.from_numpy(flatten_obs(obs)).to(device)).cpu().numpy()
+        return np.clip(low + (a + 1.0) * 0.5 * (high - low), low, high)
+
+    return policy
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
+    spec = env_spec(args.env_id, discrete=False)
+    if len(spec.action_space.shape) != 1:
+        raise UsageError(
+            f"{args.env_id} does not have a vector of continuous actions; this script needs one "
+            "(e.g. HalfCheetah-v4, Pendulum-v1)"
+        )
+    if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
+        raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
+    for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.hidden or min(args.hidden) < 1:
+        raise UsageError(f"--hidden needs one or more positive layer sizes, got {args.hidden}")
+    if args.buffer_size // args.num_learners < args.batch_size:
+        raise UsageError(
+            f"--buffer-size {args.buffer_size} leaves each of the {args.num_learners} learners fewer "
+            f"than --batch-size {args.batch_size} rows; use at least {args.batch_size * args.num_learners}"
+        )
+    for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not args.beta_min <= args.beta_init <= args.beta_max:
+        raise UsageError(
+            f"--beta-init {args.beta_init} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
+        )
+    if not 0 < args.tau <= 1:
+        raise UsageError(f"--tau must be in (0, 1], got {args.tau}")
+    if not 0 <= args.gamma <= 1:
+        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+    for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    t_initial, d_min = task_defaults(args.env_id, args.reward_delay > 1)
+    t_initial = args.t_initial if args.t_initial >= 0 else t_initial
+    d_min = args.d_min if args.d_min >= 0 else d_min
+    per_step = args.num_learners * args.num_envs
+    if args.total_timesteps < per_step * (t_initial + 1):
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} ends before the first update: the random phase "
+            f"takes {per_step * t_initial} steps (T_initial {t_initial} x {args.num_learners} learners x "
+            f"{args.num_envs} envs); give more, or a smaller --t-initial"
+        )
+    if args.capture_video and not env_id_renders(args.env_id):
+        raise UsageError(
+            "--capture-video is available for classic control (e.g. Pendulum-v1) only: envpool renders "
+            "MuJoCo only with an OpenGL context, which it does not create; leave the flag out"
+        )
+    return spec, dict(
+        t_initial=t_initial, d_min=d_min, obs_dim=flat_obs_dim(spec), action_dim=int(spec.action_space.shape[0])
+    )
+
+
+def env_id_renders(env_id):
+    return env_id.split("-")[0] in ("Pendulum", "MountainCarContinuous")
 
 
 STOPPING = "interrupted: a checkpoint at the next selection (every {} steps), then stop (Ctrl-C again: stop now)"

@@ -429,48 +429,8 @@ class Agent(nn.Module):
         return self.policy(self.policy_mlp(x)), self.value_mlp(x), state
 
 
-def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py` (it keeps the LSTM state and
-    the previous action itself); rewards are clipped as in training."""
-    agent = Agent(**checkpoint["agent_config"]).to(device)
-    agent.load_state_dict(checkpoint["agent"])
-    return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Acting (with the target network). Row t of an unroll holds obs_t, the reward and end flags that came with
-# obs_t, the action taken at obs_t and the target policy's logits. An unroll has T+1 rows; its last row is the
-# next unroll's first.
-
-
-def act(actor_id, cfg, link):
-    """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls
-    (the loop: common/actor_pool.py)."""
-    act_recurrent(link, cfg)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Learning and process plumbing.
-
-
-def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
-    of a multi-task run (presets expanded; empty for one game)."""
-    games = check_games(args)
-    spec = env_spec(games[0] if games else args.env_id, discrete=True)
-    check_pool_args(args)
-    if args.target_update_period < 1:
-        raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
-    if not 0 < args.top_fraction <= 1:
-        raise UsageError(f"--top-fraction must be in (0, 1], got {args.top_fraction}")
-    for name in ("eps_eta", "eps_alpha", "init_eta", "init_alpha", "learning_rate"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.gamma <= 1:
-        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
-    if len(spec.observation_space.shape) == 3:
-        check_channels(args.network, args.channels)
-    return spec, games
+# The run: setup, the paper's loop, the end.
 
 
 def main(args: Args):
@@ -613,6 +573,50 @@ def main(args: Args):
         log.end(saved_model(args, agent, multipliers, games, atari, global_step), end_time, device, games)
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
+    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py` (it keeps the LSTM state and
+    the previous action itself); rewards are clipped as in training."""
+    agent = Agent(**checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])
+    return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Acting (with the target network). Row t of an unroll holds obs_t, the reward and end flags that came with
+# obs_t, the action taken at obs_t and the target policy's logits. An unroll has T+1 rows; its last row is the
+# next unroll's first.
+
+
+def act(actor_id, cfg, link):
+    """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls
+    (the loop: common/actor_pool.py)."""
+    act_recurrent(link, cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Learning and process plumbing.
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
+    of a multi-task run (presets expanded; empty for one game)."""
+    games = check_games(args)
+    spec = env_spec(games[0] if games else args.env_id, discrete=True)
+    check_pool_args(args)
+    if args.target_update_period < 1:
+        raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
+    if not 0 < args.top_fraction <= 1:
+        raise UsageError(f"--top-fraction must be in (0, 1], got {args.top_fraction}")
+    for name in ("eps_eta", "eps_alpha", "init_eta", "init_alpha", "learning_rate"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.gamma <= 1:
+        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+    if len(spec.observation_space.shape) == 3:
+        check_channels(args.network, args.channels)
+    return spec, games
 
 
 def minibatch_gradients(agent, multipliers, batch, args, chunks):

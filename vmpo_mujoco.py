@@ -425,6 +425,127 @@ class Agent(nn.Module):
         return mean, F.softplus(raw_std) + self.MIN_STD, self.value_mlp(x)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The run: setup, the paper's loop, the end.
+
+
+def main(args: Args):
+    args, resumed = resume_args(args)
+    spec = check_args(args)
+    rank, world, device = learner_process(args)
+    obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
+    agent = Agent(
+        obs_dim,
+        action_dim,
+        args.hidden,
+        args.head_hidden,
+        args.init_std,
+        1,
+        args.popart_beta,
+        args.popart_scale_lower,
+        args.popart_scale_upper,
+    ).to(device)
+    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
+    params = list(agent.parameters()) + list(multipliers.parameters())
+    broadcast_parameters(params, world)
+    optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
+    start_update, target_state = 0, None
+    if resumed is not None:
+        agent.load_state_dict(resumed["agent"])
+        multipliers.load_state_dict(resumed["multipliers"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        start_update, target_state = resumed["update"], resumed["target_agent"]
+    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
+    log = RunLog(args, FAMILY_DEFAULTS, args.env_id, resumed, describe + f"{args.num_envs * world} envs", rank == 0)
+    steps_per_update = args.batch_size * args.unroll_length
+    num_updates = args.total_timesteps // steps_per_update
+    groups = args.num_minibatches // world  # E-step minibatches of this learner process
+    global_step, last_checkpoint = log.start_step, time.time()
+
+    def checkpoint(update):
+        if rank == 0:
+            check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
+            if args.save_model:  # a run stopped early can be evaluated too
+                save_model(saved_model(args, spec, agent, multipliers, global_step), log.path)
+            state = dict(
+                agent=agent.state_dict(),
+                target_agent=pool.agent.state_dict(),
+                multipliers=multipliers.state_dict(),
+                optimizer=optimizer.state_dict(),
+                update=update,
+            )
+            save_checkpoint(log.state(global_step, args, **state), log.path)
+        return global_step
+
+    def save_last():
+        if before is not None:  # the update in progress is dropped, with what it did to the normalisers
+            agent.load_state_dict(before, strict=False)
+        return checkpoint(done_update)
+
+    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update's
+    # state; only the lines that change the training state (the optimiser step to the target refresh) finish first.
+    interrupt, pool = Interrupt(), None
+    done_update, before = start_update, None
+    try:
+        specs = buffer_specs(obs_dim, action_dim, args.unroll_length)
+        pool = ActorPool(act, actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
+        if target_state is not None:  # the target network the run was acting with
+            pool.publish(target_state)
+        for update in range(start_update + 1, num_updates + 1):
+            batch = pool.next_batch()
+            before = {k: v.clone() for k, v in agent.state_dict().items() if k.startswith(("obs_norm", "popart"))}
+            agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
+            mean, std, value_features = agent(batch["obs"])
+            loss, stats = vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            if world > 1:
+                average_gradients(params, world)
+            grad_norm = nn.utils.clip_grad_norm_(
+                agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+            )
+            where = f"at update {update} (step {update * steps_per_update})"
+            check_finite(where, loss=loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+            with interrupt.commit():
+                optimizer.step()
+                multipliers.project(args.min_multiplier)
+                stale = (batch["version"][:-1] != pool.version.item()).float().mean()
+                if update % args.target_update_period == 0:
+                    pool.publish(agent.state_dict())  # θ_target ← θ_online
+                global_step = update * steps_per_update
+                log.first_update(global_step)
+                done_update, before = update, None
+            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
+                checkpoint(update)
+                last_checkpoint = time.time()
+            episodes = list(pool.episodes)
+            pool.episodes.clear()
+            if rank != 0:
+                continue
+            for score, length in episodes:
+                log.episode(score, length, global_step)
+            if log.due() or update == num_updates:
+                stats.update({"stats/stale_fraction": stale, "stats/target_version": pool.version.item()})
+                log.scalars({**stats, "charts/learning_rate": args.learning_rate}, global_step)
+                log.console(
+                    global_step,
+                    f"η {stats['stats/eta'].item():.3f} α_μ {stats['stats/alpha_mu'].item():.3f} "
+                    f"α_Σ {stats['stats/alpha_sigma'].item():.3f} σ {stats['stats/policy_std'].item():.3f}",
+                )
+    except (WorkerError, NonFiniteError) as e:
+        learner_failed(e, log.path, pool)
+    except KeyboardInterrupt:
+        save = save_last if done_update > start_update else None
+        learner_interrupted(pool, interrupt, save, log, os.path.basename(__file__), world)
+    pool.close()
+    end_time = time.time()
+    checkpoint(num_updates)
+    if rank == 0:
+        log.end(saved_model(args, spec, agent, multipliers, global_step), end_time, device)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
 def to_env_action(action, low, high):
     """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
     return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
@@ -543,123 +664,6 @@ def check_args(args):
     if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
         raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
     return spec
-
-
-def main(args: Args):
-    args, resumed = resume_args(args)
-    spec = check_args(args)
-    rank, world, device = learner_process(args)
-    obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    agent = Agent(
-        obs_dim,
-        action_dim,
-        args.hidden,
-        args.head_hidden,
-        args.init_std,
-        1,
-        args.popart_beta,
-        args.popart_scale_lower,
-        args.popart_scale_upper,
-    ).to(device)
-    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
-    params = list(agent.parameters()) + list(multipliers.parameters())
-    broadcast_parameters(params, world)
-    optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
-    start_update, target_state = 0, None
-    if resumed is not None:
-        agent.load_state_dict(resumed["agent"])
-        multipliers.load_state_dict(resumed["multipliers"])
-        optimizer.load_state_dict(resumed["optimizer"])
-        start_update, target_state = resumed["update"], resumed["target_agent"]
-    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
-    log = RunLog(args, FAMILY_DEFAULTS, args.env_id, resumed, describe + f"{args.num_envs * world} envs", rank == 0)
-    steps_per_update = args.batch_size * args.unroll_length
-    num_updates = args.total_timesteps // steps_per_update
-    groups = args.num_minibatches // world  # E-step minibatches of this learner process
-    global_step, last_checkpoint = log.start_step, time.time()
-
-    def checkpoint(update):
-        if rank == 0:
-            check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
-            if args.save_model:  # a run stopped early can be evaluated too
-                save_model(saved_model(args, spec, agent, multipliers, global_step), log.path)
-            state = dict(
-                agent=agent.state_dict(),
-                target_agent=pool.agent.state_dict(),
-                multipliers=multipliers.state_dict(),
-                optimizer=optimizer.state_dict(),
-                update=update,
-            )
-            save_checkpoint(log.state(global_step, args, **state), log.path)
-        return global_step
-
-    def save_last():
-        if before is not None:  # the update in progress is dropped, with what it did to the normalisers
-            agent.load_state_dict(before, strict=False)
-        return checkpoint(done_update)
-
-    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update's
-    # state; only the lines that change the training state (the optimiser step to the target refresh) finish first.
-    interrupt, pool = Interrupt(), None
-    done_update, before = start_update, None
-    try:
-        specs = buffer_specs(obs_dim, action_dim, args.unroll_length)
-        pool = ActorPool(act, actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
-        if target_state is not None:  # the target network the run was acting with
-            pool.publish(target_state)
-        for update in range(start_update + 1, num_updates + 1):
-            batch = pool.next_batch()
-            before = {k: v.clone() for k, v in agent.state_dict().items() if k.startswith(("obs_norm", "popart"))}
-            agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
-            mean, std, value_features = agent(batch["obs"])
-            loss, stats = vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
-            optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-            if world > 1:
-                average_gradients(params, world)
-            grad_norm = nn.utils.clip_grad_norm_(
-                agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            )
-            where = f"at update {update} (step {update * steps_per_update})"
-            check_finite(where, loss=loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
-            with interrupt.commit():
-                optimizer.step()
-                multipliers.project(args.min_multiplier)
-                stale = (batch["version"][:-1] != pool.version.item()).float().mean()
-                if update % args.target_update_period == 0:
-                    pool.publish(agent.state_dict())  # θ_target ← θ_online
-                global_step = update * steps_per_update
-                log.first_update(global_step)
-                done_update, before = update, None
-            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
-                checkpoint(update)
-                last_checkpoint = time.time()
-            episodes = list(pool.episodes)
-            pool.episodes.clear()
-            if rank != 0:
-                continue
-            for score, length in episodes:
-                log.episode(score, length, global_step)
-            if log.due() or update == num_updates:
-                stats.update({"stats/stale_fraction": stale, "stats/target_version": pool.version.item()})
-                log.scalars({**stats, "charts/learning_rate": args.learning_rate}, global_step)
-                log.console(
-                    global_step,
-                    f"η {stats['stats/eta'].item():.3f} α_μ {stats['stats/alpha_mu'].item():.3f} "
-                    f"α_Σ {stats['stats/alpha_sigma'].item():.3f} σ {stats['stats/policy_std'].item():.3f}",
-                )
-    except (WorkerError, NonFiniteError) as e:
-        learner_failed(e, log.path, pool)
-    except KeyboardInterrupt:
-        save = save_last if done_update > start_update else None
-        learner_interrupted(pool, interrupt, save, log, os.path.basename(__file__), world)
-    pool.close()
-    end_time = time.time()
-    checkpoint(num_updates)
-    if rank == 0:
-        log.end(saved_model(args, spec, agent, multipliers, global_step), end_time, device)
-    if world > 1:
-        torch.distributed.destroy_process_group()
 
 
 def saved_model(args, spec, agent, multipliers, global_step):
