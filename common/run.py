@@ -199,7 +199,7 @@ def loss_stats(result) -> dict:
     """The TensorBoard tags of a loss function's named tuple: `losses/<name>` for the parts of the loss,
     `stats/<name>` for the other scalars; the total (`loss`) and the tensors that are not scalars left out."""
     return {
-        (f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v
+        (f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v.detach()
         for k, v in result._asdict().items()
         if k != "loss" and v.dim() == 0
     }
