@@ -69,7 +69,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -80,7 +80,7 @@ from common.checkpoint import check_finite, check_finite_parameters, save_checkp
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
 from common.networks import MLPTorso, init_output_, init_weights_
 from common.processes import exit_if_orphaned, worker_entry
-from common.run import RunLog, cli, resume_args, serve_workers
+from common.run import RunLog, cli, loss_stats, resume_args, serve_workers
 
 
 @dataclass
@@ -229,56 +229,86 @@ def acer_policy_gradient(probs, actions, behaviour_probs, q, q_ret, c, ent_coef=
     return g, rho_bar, rho
 
 
-def acer_loss(logits, q, avg_logits, batch, args):
+class AcerLoss(NamedTuple):
+    """The ACER losses' result: the loss and its parts (summed over time, averaged over the B environments) and
+    diagnostics (means over the real steps)."""
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    rho_mean: torch.Tensor  # min(c, ρ), the truncated weight
+    truncated_fraction: torch.Tensor  # ρ > c
+    trust_region_adjustment: torch.Tensor  # ‖z − ĝ‖ / ‖ĝ‖
+    kl_avg: torch.Tensor  # KL(average policy ‖ policy)
+    value_mean: torch.Tensor
+    entropy: torch.Tensor
+
+
+def acer_loss(
+    logits,
+    q,
+    avg_logits,
+    actions,
+    rewards,
+    terminated,
+    ended,
+    behaviour_probs,
+    gamma=0.99,
+    c=10.0,
+    delta=1.0,
+    ent_coef=1e-3,
+    value_coef=0.5,
+    trust_region=True,
+) -> AcerLoss:
     """Algorithm 2 on a segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the ACER update.
 
-    `logits`, `q` `[k+1, B, A]` from the local network θ', `avg_logits` from the average network θ_a; `batch` has
-    `action`, `reward`, `terminated`, `ended` (obs_t ended an episode: step t is envpool's reset step) `[k+1, B]`
-    and the behaviour probabilities `mu` `[k+1, B, A]`. The policy part back-propagates −z (Eq. 12, or −ĝ without
-    the trust region) through the softmax; the critic part is value_coef · Σ (Q^ret − Q(x, a))². Summed over time,
-    averaged over the B environments. Returns (loss, stats)."""
+    `logits`, `q` `[k+1, B, A]` from the local network θ', `avg_logits` from the average network θ_a; `actions`,
+    `rewards`, `terminated`, `ended` (obs_t ended an episode: step t is envpool's reset step) `[k+1, B]` and the
+    behaviour probabilities μ `[k+1, B, A]`. The policy part back-propagates −z (Eq. 12, or −ĝ without the trust
+    region) through the softmax; the critic part is value_coef · Σ (Q^ret − Q(x, a))²."""
     probs = F.softmax(logits, dim=-1)
     T, B, A = probs[:-1].shape
-    actions, ended = batch["action"][:-1].long(), batch["ended"][:-1]
+    actions, ended = actions[:-1].long(), ended[:-1]
     mask = (~ended).float()
     with torch.no_grad():
         p = probs.detach().clamp(min=PROB_FLOOR)
         values = (probs.detach() * q.detach()).sum(-1)
-        rho_all = p[:-1] / batch["mu"][:-1].clamp(min=PROB_FLOOR)
+        rho_all = p[:-1] / behaviour_probs[:-1].clamp(min=PROB_FLOOR)
         rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         truncated = torch.where(ended, 0.0, rho.clamp(max=1.0))  # ρ̄ = min(1, ρ); 0 cuts the trace at a reset step
-        discounts = args.gamma * (~batch["terminated"][:-1]).float()
+        discounts = gamma * (~terminated[:-1]).float()
         q_taken = q.detach()[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        q_ret = retrace(batch["reward"][:-1], discounts, q_taken, values[:-1], truncated, values[-1])
+        q_ret = retrace(rewards[:-1], discounts, q_taken, values[:-1], truncated, values[-1])
         g, rho_bar, _ = acer_policy_gradient(
             p[:-1].reshape(-1, A),
             actions.reshape(-1),
-            batch["mu"][:-1].reshape(-1, A),
+            behaviour_probs[:-1].reshape(-1, A),
             q.detach()[:-1].reshape(-1, A),
             q_ret.reshape(-1),
-            args.c,
-            args.ent_coef,
+            c,
+            ent_coef,
         )
         avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A).clamp(min=PROB_FLOOR)
         k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
-        z = trust_region_step(g, k, args.delta) if args.trust_region else g
+        z = trust_region_step(g, k, delta) if trust_region else g
         z = z.view(T, B, A) * mask[..., None]
         g = g.view(T, B, A) * mask[..., None]
         n = mask.sum().clamp(min=1)
         kl = (avg_probs * (avg_probs.log() - p[:-1].reshape(-1, A).log())).sum(-1).view(T, B)
-        stats = {
-            "stats/rho_mean": (mask * rho_bar.view(T, B)).sum() / n,
-            "stats/truncated_fraction": (mask * (rho > args.c).float()).sum() / n,
-            "stats/trust_region_adjustment": (z - g).norm() / g.norm().clamp(min=1e-12),
-            "stats/kl_avg": (mask * kl).sum() / n,
-            "stats/value_mean": (mask * values[:-1]).sum() / n,
-            "losses/entropy": -(mask * (p[:-1] * p[:-1].log()).sum(-1)).sum() / n,
-        }
     policy_loss = -(z * probs[:-1]).sum() / B  # ∂/∂φ = −z/B: ascent along z
     q_sa = q[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     value_loss = (mask * (q_ret - q_sa) ** 2).sum() / B
-    stats.update({"losses/policy_loss": policy_loss.detach(), "losses/value_loss": value_loss.detach()})
-    return policy_loss + args.value_coef * value_loss, stats
+    return AcerLoss(
+        loss=policy_loss + value_coef * value_loss,
+        policy_loss=policy_loss,
+        value_loss=value_loss,
+        rho_mean=(mask * rho_bar.view(T, B)).sum() / n,
+        truncated_fraction=(mask * (rho > c).float()).sum() / n,
+        trust_region_adjustment=(z - g).norm() / g.norm().clamp(min=1e-12),
+        kl_avg=(mask * kl).sum() / n,
+        value_mean=(mask * values[:-1]).sum() / n,
+        entropy=-(mask * (p[:-1] * p[:-1].log()).sum(-1)).sum() / n,
+    )
 
 
 def gaussian_ratio(actions, mean, behaviour_mean, std):
@@ -304,56 +334,75 @@ def gaussian_policy_gradient(mean, actions, behaviour_mean, q_opc, values, sampl
     return g, rho_bar, rho
 
 
-def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_mean, batch, args):
+def acer_loss_continuous(
+    mean,
+    values,
+    q_taken,
+    q_sampled,
+    sampled_actions,
+    avg_mean,
+    actions,
+    rewards,
+    terminated,
+    ended,
+    behaviour_mean,
+    std=0.3,
+    gamma=0.99,
+    c=5.0,
+    delta=1.0,
+    value_coef=0.5,
+    trust_region=True,
+) -> AcerLoss:
     """Algorithm 3 on a replayed segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the update.
 
     `mean [k+1, B, d]` and `values [k+1, B]` from the local network; `q_taken = Q̃(x_i, a_i)` `[k, B]` from the
     stochastic dueling network (Eq. 13, differentiable), `q_sampled = Q̃(x_i, a'_i)` for fresh samples a'_i ~ π
-    (constants), `avg_mean` the average network's mean; `batch` has `action`, `mu` (the behaviour mean) `[k+1, B,
-    d]`, `reward`, `terminated`, `ended`. Q^ret uses the traces c_i = min(1, ρ_i^(1/d)) (Sec. 5.1), Q^opc traces of
-    1 (App. B); the policy back-propagates −z (Eq. 12 for ĝ of Eq. 16, k = (φ − φ_a)/σ²) through the mean; the
-    critic gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V (Algorithm 3), scaled by 2 value_coef. Summed over time,
-    averaged over the B environments. Returns (loss, stats)."""
+    (constants), `avg_mean` the average network's mean; `actions` and the behaviour means `[k+1, B, d]`,
+    `rewards`, `terminated`, `ended` `[k+1, B]`; σ the policy's fixed std. Q^ret uses the traces c_i = min(1,
+    ρ_i^(1/d)) (Sec. 5.1), Q^opc traces of 1 (App. B); the policy back-propagates −z (Eq. 12 for ĝ of Eq. 16,
+    k = (φ − φ_a)/σ²) through the mean; the critic gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V (Algorithm 3),
+    scaled by 2 value_coef. Summed over time, averaged over the B environments; `entropy` is NaN (σ is fixed)."""
     T, B, d = mean[:-1].shape
-    std = args.policy_std
-    actions, ended = batch["action"][:-1], batch["ended"][:-1]
+    actions, ended = actions[:-1], ended[:-1]
     mask = (~ended).float()
     with torch.no_grad():
         m, v, qt = mean.detach(), values.detach(), q_taken.detach()
-        rho = gaussian_ratio(actions, m[:-1], batch["mu"][:-1], std)
+        rho = gaussian_ratio(actions, m[:-1], behaviour_mean[:-1], std)
         traces = torch.where(ended, 0.0, rho.pow(1.0 / d).clamp(max=1.0))  # c_i; 0 cuts at a reset step
-        discounts = args.gamma * (~batch["terminated"][:-1]).float()
-        q_ret = retrace(batch["reward"][:-1], discounts, qt, v[:-1], traces, v[-1])
-        q_opc = retrace(batch["reward"][:-1], discounts, qt, v[:-1], mask, v[-1])
+        discounts = gamma * (~terminated[:-1]).float()
+        q_ret = retrace(rewards[:-1], discounts, qt, v[:-1], traces, v[-1])
+        q_opc = retrace(rewards[:-1], discounts, qt, v[:-1], mask, v[-1])
         g, rho_bar, _ = gaussian_policy_gradient(
             m[:-1].reshape(-1, d),
             actions.reshape(-1, d),
-            batch["mu"][:-1].reshape(-1, d),
+            behaviour_mean[:-1].reshape(-1, d),
             q_opc.reshape(-1),
             v[:-1].reshape(-1),
             sampled_actions.reshape(-1, d),
             q_sampled.reshape(-1),
             std,
-            args.c,
+            c,
         )
         k = (m[:-1] - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
-        z = trust_region_step(g, k, args.delta) if args.trust_region else g
+        z = trust_region_step(g, k, delta) if trust_region else g
         z = z.view(T, B, d) * mask[..., None]
         g = g.view(T, B, d) * mask[..., None]
         n = mask.sum().clamp(min=1)
         kl = 0.5 * ((m[:-1] - avg_mean[:-1]) ** 2).sum(-1) / (std * std)
-        stats = {
-            "stats/rho_mean": (mask * rho_bar.view(T, B)).sum() / n,
-            "stats/truncated_fraction": (mask * (rho > args.c).float()).sum() / n,
-            "stats/trust_region_adjustment": (z - g).norm() / g.norm().clamp(min=1e-12),
-            "stats/kl_avg": (mask * kl).sum() / n,
-            "stats/value_mean": (mask * v[:-1]).sum() / n,
-        }
     policy_loss = -(z * mean[:-1]).sum() / B
     td = q_ret - q_taken
     value_loss = (mask * (td**2 - 2 * rho.clamp(max=1.0) * td.detach() * values[:-1])).sum() / B
-    stats.update({"losses/policy_loss": policy_loss.detach(), "losses/value_loss": (mask * td**2).sum().detach() / B})
-    return policy_loss + args.value_coef * value_loss, stats
+    return AcerLoss(
+        loss=policy_loss + value_coef * value_loss,
+        policy_loss=policy_loss,
+        value_loss=(mask * td**2).sum().detach() / B,  # the squared error (value_loss's gradient is Algorithm 3's)
+        rho_mean=(mask * rho_bar.view(T, B)).sum() / n,
+        truncated_fraction=(mask * (rho > c).float()).sum() / n,
+        trust_region_adjustment=(z - g).norm() / g.norm().clamp(min=1e-12),
+        kl_avg=(mask * kl).sum() / n,
+        value_mean=(mask * v[:-1]).sum() / n,
+        entropy=torch.tensor(float("nan")),
+    )
 
 
 @torch.no_grad()
@@ -503,9 +552,34 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
         with torch.no_grad():
             sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape, generator=generator)
             q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples, generator)
-        return acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, avg_out, segment, args)
+        return acer_loss_continuous(
+            mean,
+            values,
+            q_taken,
+            q_sampled,
+            sampled,
+            avg_out,
+            *(segment[key] for key in ("action", "reward", "terminated", "ended", "mu")),
+            args.policy_std,
+            args.gamma,
+            args.c,
+            args.delta,
+            args.value_coef,
+            args.trust_region,
+        )
     logits, q = local(segment["obs"])
-    return acer_loss(logits, q, avg_out, segment, args)
+    return acer_loss(
+        logits,
+        q,
+        avg_out,
+        *(segment[key] for key in ("action", "reward", "terminated", "ended", "mu")),
+        args.gamma,
+        args.c,
+        args.delta,
+        args.ent_coef,
+        args.value_coef,
+        args.trust_region,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -675,7 +749,8 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q, 
         with torch.no_grad():  # θ' ← θ
             for dst, src in zip(local_tensors, shared_tensors):
                 dst.copy_(src)
-        loss, stats = segment_loss(local, avg_agent, segment, args, generator)
+        out = segment_loss(local, avg_agent, segment, args, generator)
+        loss, stats = out.loss, {k: v for k, v in loss_stats(out).items() if not v.isnan()}
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
         update_average(avg_agent, shared, args.avg_decay)
         stats["stats/grad_norm"] = grad_norm

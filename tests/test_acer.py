@@ -30,6 +30,17 @@ from tests.helpers import (
 # Math against plain loops written from the paper.
 
 
+def segment_fields(batch):
+    """A segment's tensors in the order the ACER losses take them."""
+    return tuple(batch[key] for key in ("action", "reward", "terminated", "ended", "mu"))
+
+
+def hyperparameters(args):
+    """The ACER losses' hyperparameters from a namespace of them (the continuous loss has no entropy term)."""
+    names = ("gamma", "c", "delta", "ent_coef", "value_coef", "trust_region")
+    return {k: getattr(args, k) for k in names if hasattr(args, k)}
+
+
 def retrace_reference(rewards, discounts, q_taken, values, rho_bar, bootstrap):
     """Algorithm 2 per environment: Q^ret ← V(x_k); for i = k−1..0: Q^ret ← r_i + γ_i Q^ret (the target of step
     i), then Q^ret ← ρ̄_i (Q^ret − Q(x_i, a_i)) + V(x_i)."""
@@ -159,7 +170,8 @@ def test_acer_loss_gradients():
     ρ̄ = min(1, π/μ), 0 at the reset step), the policy −z/B through the softmax, and a reset step gets nothing."""
     logits, q, avg_logits, batch, args = loss_inputs()
     T, B, A = logits.shape[0] - 1, logits.shape[1], logits.shape[2]
-    loss, stats = acer_loss(logits, q, avg_logits, batch, args)
+    out = acer_loss(logits, q, avg_logits, *segment_fields(batch), **hyperparameters(args))
+    loss = out.loss
     loss.backward()
     probs = torch.softmax(logits.detach(), -1)
     v = (probs * q.detach()).sum(-1)
@@ -194,7 +206,7 @@ def test_acer_loss_gradients():
     jac_logits = logits.detach()[:-1].clone().requires_grad_()
     torch.softmax(jac_logits, -1).backward(-z / B)
     torch.testing.assert_close(logits.grad[:-1], jac_logits.grad)
-    assert stats["stats/trust_region_adjustment"] > 0
+    assert out.trust_region_adjustment > 0
 
 
 def test_no_trust_region_with_a_huge_delta():
@@ -203,7 +215,7 @@ def test_no_trust_region_with_a_huge_delta():
     for trust_region, delta in ((True, 1e12), (False, 1.0)):
         logits, q, avg_logits, batch, args = loss_inputs(seed=3)
         args.trust_region, args.delta = trust_region, delta
-        acer_loss(logits, q, avg_logits, batch, args)[0].backward()
+        acer_loss(logits, q, avg_logits, *segment_fields(batch), **hyperparameters(args)).loss.backward()
         grads.append(logits.grad)
     torch.testing.assert_close(grads[0], grads[1])
 
@@ -276,7 +288,10 @@ def test_acer_loss_continuous_gradients_follow_algorithm_3():
         "ended": reset,
     }
     args = SimpleNamespace(gamma=0.9, c=5.0, delta=0.5, trust_region=True, value_coef=0.5, policy_std=std)
-    loss, stats = acer.acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, avg_mean, batch, args)
+    out = acer.acer_loss_continuous(
+        mean, values, q_taken, q_sampled, sampled, avg_mean, *segment_fields(batch), std=std, **hyperparameters(args)
+    )
+    loss = out.loss
     loss.backward()
     m, v, qt = mean.detach(), values.detach(), q_taken.detach()
     normal = lambda loc: torch.distributions.Normal(loc, std)  # noqa: E731
@@ -304,7 +319,7 @@ def test_acer_loss_continuous_gradients_follow_algorithm_3():
     )
     z = trust_region_step(g, ((m - avg_mean)[:-1] / std**2).reshape(-1, d), 0.5).view(T, B, d)
     torch.testing.assert_close(mean.grad[:-1], -keep[..., None] * z / B, rtol=1e-5, atol=1e-6)
-    assert (mean.grad[2, 0] == 0).all() and stats["stats/trust_region_adjustment"] > 0
+    assert (mean.grad[2, 0] == 0).all() and out.trust_region_adjustment > 0
 
 
 def test_average_network_moves():
