@@ -72,7 +72,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -103,6 +103,7 @@ from common.run import (
     learner_interrupted,
     learner_process,
     log_learner_stats,
+    loss_stats,
     resume_args,
 )
 
@@ -282,66 +283,76 @@ def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
-def vmpo_loss(logits, value_features, batch, agent, multipliers, args, popart_beta=None):
-    """Eq. (10): L_V + L_π + L_η + L_α on a batch of unrolls; updates PopArt's statistics first (step size
-    `popart_beta`, default PopArt's own β).
+def n_step_targets(values, rewards, terminated, ended, gamma):
+    """The value targets G_k of Sec. 4.1 for rows 0..T-1 of unrolls `[T+1, B]`: Eq. (1)'s n-step returns
+    bootstrapped from V(x_T) (`values` unnormalised), with γ_k = 0 after a termination. Row k holds x_k and the
+    reward and end flags that came with it; where x_k ended an episode (`ended`), step k is envpool's reset step:
+    G_k = V(x_k) there, so a truncated episode bootstraps from its last observation."""
+    reset_step = ended[:-1]
+    discounts = torch.where(reset_step, 0.0, gamma * (~terminated[1:]).float())
+    rewards = torch.where(reset_step, values[:-1], rewards[1:])
+    return n_step_returns(rewards, discounts, values[-1])
 
-    `logits [T+1, B, A]`, `value_features [T+1, B, H]` from the online network on rows 0..T of the unrolls (row T
-    only bootstraps); transition k goes from row k to row k+1; `batch["logits"]` are π_target's (the actors').
-    Returns (loss, stats).
-    """
-    popart = agent.popart
-    task = batch.get("task")  # each row's game (multi-task); one task otherwise
-    if task is None:
-        task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
 
-    def own(outputs):  # each row's output for its own task
-        return outputs.gather(-1, task[: outputs.shape[0]].unsqueeze(-1)).squeeze(-1)
+class VmpoLoss(NamedTuple):
+    """vmpo_loss's result: the loss and its four parts, and diagnostics (means over the real steps)."""
 
-    with torch.no_grad():
-        values = popart.unnormalize(own(popart(value_features)), task)  # online V, unnormalised
-    reset_step = batch["ended"][:-1]  # row k ended an episode: step k is envpool's reset step
-    mask = ~reset_step
-    discounts = args.gamma * (~batch["terminated"][1:]).float()
-    discounts = torch.where(reset_step, 0.0, discounts)
-    rewards = torch.where(reset_step, values[:-1], batch["reward"][1:])  # G_k = V(x_k) at a reset step
-    returns = n_step_returns(rewards, discounts, values[-1])
+    loss: torch.Tensor
+    value_loss: torch.Tensor
+    policy_loss: torch.Tensor
+    eta_loss: torch.Tensor
+    alpha_loss: torch.Tensor
+    kl: torch.Tensor  # KL(π_target ‖ π), the batch mean
+    kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃)
+    entropy: torch.Tensor
+    advantage_mean: torch.Tensor
 
-    popart.update(returns[mask], task[:-1][mask], popart_beta)  # new μ, σ; the layer is rescaled to keep V(s) unchanged
-    value_norm = own(popart(value_features[:-1]))
-    returns_norm = popart.normalize(returns, task[:-1])
+
+def vmpo_loss(
+    logits,
+    target_logits,
+    actions,
+    value_norm,
+    returns_norm,
+    ended,
+    eta,
+    alpha,
+    eps_eta=0.01,
+    eps_alpha=5e-3,
+    top_fraction=0.5,
+) -> VmpoLoss:
+    """Eq. (10): L_V + L_π + L_η + L_α on a batch of unrolls, in PopArt's normalised units.
+
+    `logits [T+1, B, A]` from the online network on rows 0..T (row T only bootstraps), `target_logits` π_target's
+    (the actors'), `actions` and `ended` `[T+1, B]`; `value_norm` the online network's normalised values and
+    `returns_norm` the normalised targets (G − μ)/σ of rows 0..T-1 `[T, B]`; η and α the Lagrange multipliers.
+    A reset step (`ended`) takes no part. The advantages are returns_norm − sg[value_norm] = (G − V)/σ."""
+    mask = ~ended[:-1]
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
-
-    advantages = returns_norm - value_norm.detach()  # (G − V)/σ
-    psi, eta_loss = vmpo_weights(advantages, multipliers.eta, args.eps_eta, mask, args.top_fraction)
+    advantages = returns_norm - value_norm.detach()
+    psi, eta_loss = vmpo_weights(advantages, eta, eps_eta, mask, top_fraction)
     logp_all = F.log_softmax(logits[:-1], dim=-1)
-    logp = logp_all.gather(-1, batch["action"][:-1].unsqueeze(-1)).squeeze(-1)
+    logp = logp_all.gather(-1, actions[:-1].unsqueeze(-1)).squeeze(-1)
     policy_loss = -(psi * logp).sum()
-    kl = categorical_kl(batch["logits"][:-1], logits[:-1])
-    alpha_loss, kl_mean = kl_constraint_loss(kl, multipliers.alpha, args.eps_alpha, mask)
-
+    kl = categorical_kl(target_logits[:-1], logits[:-1])
+    alpha_loss, kl_mean = kl_constraint_loss(kl, alpha, eps_alpha, mask)
     with torch.no_grad():
         selected = psi > 0
         k = selected.sum().clamp(min=1)
+        kl_psi = (psi[selected] * (psi[selected] * k).log()).sum()
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-        stats = {
-            "losses/value_loss": value_loss,
-            "losses/policy_loss": policy_loss,
-            "losses/eta_loss": eta_loss,
-            "losses/alpha_loss": alpha_loss,
-            "stats/kl": kl_mean,
-            "stats/eta": multipliers.eta.detach(),
-            "stats/alpha": multipliers.alpha.detach(),
-            "stats/kl_psi": (psi[selected] * (psi[selected] * k).log()).sum(),  # KL(ψ ‖ uniform on D̃)
-            "stats/entropy": (mask * entropy).sum() / n,
-            "stats/advantage_mean": (mask * advantages).sum() / n,
-            "stats/value_mean": (mask * values[:-1]).sum() / n,
-            "stats/popart_mu": popart.mu[0].clone(),
-            "stats/popart_sigma": popart.sigma[0].clone(),
-        }
-    stats = {k: v.detach() for k, v in stats.items()}  # logging must not keep a minibatch's graph alive
-    return value_loss + policy_loss + eta_loss + alpha_loss, stats
+    return VmpoLoss(
+        loss=value_loss + policy_loss + eta_loss + alpha_loss,
+        value_loss=value_loss,
+        policy_loss=policy_loss,
+        eta_loss=eta_loss,
+        alpha_loss=alpha_loss,
+        kl=kl_mean,
+        kl_psi=kl_psi,
+        entropy=(mask * entropy).sum() / n,
+        advantage_mean=(mask * advantages).sum() / n,
+    )
 
 
 class LagrangeMultipliers(nn.Module):
@@ -619,6 +630,49 @@ def check_args(args):
     return spec, games
 
 
+def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_beta=None):
+    """vmpo_loss on a batch of unrolls: the n-step targets from the online network's unnormalised values, PopArt's
+    statistics moved toward them first (step `popart_beta`, default PopArt's own β; the layer is rescaled so
+    that V(s) is unchanged), then the loss in the new normalised units. Returns (VmpoLoss, stats)."""
+    popart = agent.popart
+    task = batch.get("task")  # each row's game (multi-task); one task otherwise
+    if task is None:
+        task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
+
+    def own(outputs):  # each row's output for its own task
+        return outputs.gather(-1, task[: outputs.shape[0]].unsqueeze(-1)).squeeze(-1)
+
+    with torch.no_grad():
+        values = popart.unnormalize(own(popart(value_features)), task)  # online V, unnormalised
+    returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
+    real = ~batch["ended"][:-1]
+    popart.update(returns[real], task[:-1][real], popart_beta)
+    value_norm, returns_norm = own(popart(value_features[:-1])), popart.normalize(returns, task[:-1])
+    out = vmpo_loss(
+        logits,
+        batch["logits"],
+        batch["action"],
+        value_norm,
+        returns_norm,
+        batch["ended"],
+        multipliers.eta,
+        multipliers.alpha,
+        args.eps_eta,
+        args.eps_alpha,
+        args.top_fraction,
+    )
+    n = real.sum().clamp(min=1)
+    stats = {
+        **loss_stats(out),
+        "stats/eta": multipliers.eta.detach(),
+        "stats/alpha": multipliers.alpha.detach(),
+        "stats/value_mean": (real * values[:-1]).sum() / n,
+        "stats/popart_mu": popart.mu[0].clone(),
+        "stats/popart_sigma": popart.sigma[0].clone(),
+    }
+    return out, stats
+
+
 def minibatch_gradients(agent, multipliers, batch, args, chunks):
     """Accumulates the gradient of vmpo_loss over the batch's `chunks` minibatches of columns, one after the
     other. Returns the stats averaged over them, and the last minibatch's logits and observations."""
@@ -627,8 +681,8 @@ def minibatch_gradients(agent, multipliers, batch, args, chunks):
         mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
         state = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
         logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], state)
-        loss, mb_stats = vmpo_loss(logits, value_features, mb, agent, multipliers, args, args.popart_beta / chunks)
-        (loss / chunks).backward()
+        out, mb_stats = batch_loss(logits, value_features, mb, agent, multipliers, args, args.popart_beta / chunks)
+        (out.loss / chunks).backward()
         for k, v in mb_stats.items():
             stats[k] = stats.get(k, 0) + v / chunks
     return stats, logits, mb["obs"]

@@ -92,7 +92,7 @@ def make_learner(script, envs, network, script_args, device):
             agent = m.Agent(obs_shape, num_actions, network, args.channels, args.use_lstm).to(device)
             multipliers = m.LagrangeMultipliers().to(device)
             opt = torch.optim.Adam([*agent.parameters(), *multipliers.parameters()], lr=1e-4)
-            loss = lambda logits, feats, mb: m.vmpo_loss(logits, feats, mb, agent, multipliers, args)[0]  # noqa: E731
+            loss = lambda logits, feats, mb: m.batch_loss(logits, feats, mb, agent, multipliers, args)[0].loss  # noqa: E731
 
         def policy_step(obs, state):
             z = torch.zeros(1, obs.shape[0], device=device)

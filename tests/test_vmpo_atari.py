@@ -227,7 +227,8 @@ def test_vmpo_loss_reset_steps_and_truncation():
 
     vmpo_atari.vmpo_weights = spy
     try:
-        loss, stats = vmpo_atari.vmpo_loss(logits, feats, batch, agent, m, _args())
+        out, stats = vmpo_atari.batch_loss(logits, feats, batch, agent, m, _args())
+        loss = out.loss
     finally:
         vmpo_atari.vmpo_weights = original
     assert torch.isfinite(loss)
@@ -280,7 +281,7 @@ def test_vmpo_loss_multitask_popart_per_game():
 
     vmpo_atari.vmpo_weights = spy
     try:
-        loss, _ = vmpo_atari.vmpo_loss(logits, feats, batch, agent, m, _args())
+        loss = vmpo_atari.batch_loss(logits, feats, batch, agent, m, _args())[0].loss
     finally:
         vmpo_atari.vmpo_weights = original
     returns = vmpo_atari.n_step_returns(batch["reward"][1:], torch.full((T, B), 0.9), v_before[-1])
