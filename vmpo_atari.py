@@ -317,8 +317,8 @@ def vmpo_loss(
     ended,
     eta,
     alpha,
-    eps_eta=0.01,
-    eps_alpha=5e-3,
+    eps_eta=0.1,
+    eps_alpha=0.007,
     top_fraction=0.5,
 ) -> VmpoLoss:
     """Eq. (10): L_V + L_π + L_η + L_α on a batch of unrolls, in PopArt's normalised units.

@@ -63,7 +63,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -85,6 +85,7 @@ from common.run import (
     learner_failed,
     learner_interrupted,
     learner_process,
+    loss_stats,
     resume_args,
 )
 
@@ -285,70 +286,88 @@ def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
-def vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1):
-    """Eq. (26): L_V + L_π + L_η + L_αμ + L_αΣ on a batch of unrolls; updates PopArt's statistics first.
+def n_step_targets(values, rewards, terminated, ended, gamma):
+    """The value targets G_k for rows 0..T-1 of unrolls `[T+1, B]`: Eq. (1)'s n-step returns bootstrapped from
+    V(x_T) (`values` unnormalised), with γ_k = 0 after a termination. Row k holds x_k and the reward and end flags
+    that came with it; where x_k ended an episode (`ended`), step k is envpool's reset step: G_k = V(x_k) there,
+    so a truncated episode bootstraps from its last observation."""
+    reset_step = ended[:-1]
+    discounts = torch.where(reset_step, 0.0, gamma * (~terminated[1:]).float())
+    rewards = torch.where(reset_step, values[:-1], rewards[1:])
+    return n_step_returns(rewards, discounts, values[-1])
 
-    `mean, std [T+1, B, d]` and `value_features [T+1, B, H]` from the online network on rows 0..T of the unrolls
-    (row T only bootstraps); transition k goes from row k to row k+1; `batch["mean"], batch["std"]` are
-    π_target's (the actors'). The E-step runs on `num_minibatches` groups of columns, ψ of each scaled by
-    1/num_minibatches. Returns (loss, stats).
-    """
-    popart = agent.popart
-    task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
-    with torch.no_grad():
-        values = popart.unnormalize(popart(value_features)[..., 0], task)  # online V, unnormalised
-    reset_step = batch["ended"][:-1]  # row k ended an episode: step k is envpool's reset step
-    mask = ~reset_step
-    discounts = args.gamma * (~batch["terminated"][1:]).float()
-    discounts = torch.where(reset_step, 0.0, discounts)
-    rewards = torch.where(reset_step, values[:-1], batch["reward"][1:])  # G_k = V(x_k) at a reset step
-    returns = n_step_returns(rewards, discounts, values[-1])
 
-    popart.update(returns[mask], task[:-1][mask])  # new μ, σ; the layer is rescaled to keep V(s) unchanged
-    value_norm = popart(value_features[:-1])[..., 0]
-    returns_norm = popart.normalize(returns, task[:-1])
+class VmpoLoss(NamedTuple):
+    """vmpo_loss's result: the loss and its five parts, and diagnostics (means over the real steps)."""
+
+    loss: torch.Tensor
+    value_loss: torch.Tensor
+    policy_loss: torch.Tensor
+    eta_loss: torch.Tensor
+    alpha_mu_loss: torch.Tensor
+    alpha_sigma_loss: torch.Tensor
+    kl_mu: torch.Tensor
+    kl_sigma: torch.Tensor
+    kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃), averaged over the E-step's minibatches
+    policy_std: torch.Tensor
+    advantage_mean: torch.Tensor
+
+
+def vmpo_loss(
+    mean,
+    std,
+    target_mean,
+    target_std,
+    actions,
+    value_norm,
+    returns_norm,
+    ended,
+    eta,
+    alpha_mu,
+    alpha_sigma,
+    eps_eta=0.01,
+    eps_alpha_mu=0.007,
+    eps_alpha_sigma=1.6e-5,
+    top_fraction=0.5,
+    num_minibatches=1,
+) -> VmpoLoss:
+    """Eq. (26): L_V + L_π + L_η + L_αμ + L_αΣ on a batch of unrolls, in PopArt's normalised units.
+
+    `mean, std [T+1, B, d]` from the online network on rows 0..T (row T only bootstraps), `target_mean,
+    target_std` π_target's (the actors'), `actions [T+1, B, d]`, `ended [T+1, B]`; `value_norm` the online
+    network's normalised values and `returns_norm` the normalised targets (G − μ)/σ of rows 0..T-1 `[T, B]`; η,
+    α_μ, α_Σ the Lagrange multipliers. The E-step runs on `num_minibatches` groups of columns, ψ of each scaled
+    by 1/num_minibatches. A reset step (`ended`) takes no part."""
+    mask = ~ended[:-1]
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
-
     advantages = returns_norm - value_norm.detach()  # (G − V)/σ
     psi = torch.zeros_like(advantages)
     eta_loss, kl_psi = 0.0, 0.0
     for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
-        psi_mb, eta_loss_mb = vmpo_weights(
-            advantages[:, cols], multipliers.eta, args.eps_eta, mask[:, cols], args.top_fraction
-        )
+        psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], eta, eps_eta, mask[:, cols], top_fraction)
         psi[:, cols] = psi_mb / num_minibatches
         eta_loss = eta_loss + eta_loss_mb / num_minibatches
-        top = psi_mb[psi_mb > 0]
-        kl_psi = kl_psi + (top * (top * top.numel()).log()).sum() / num_minibatches  # KL(ψ ‖ uniform on D̃)
-    logp = gaussian_log_prob(batch["action"][:-1], mean[:-1], std[:-1])
+        top = psi_mb[psi_mb > 0].detach()
+        kl_psi = kl_psi + (top * (top * top.numel()).log()).sum() / num_minibatches
+    logp = gaussian_log_prob(actions[:-1], mean[:-1], std[:-1])
     policy_loss = -(psi * logp).sum()
-    kl_mu, kl_sigma = gaussian_kl_parts(batch["mean"][:-1], batch["std"][:-1], mean[:-1], std[:-1])
-    alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, multipliers.alpha_mu, args.eps_alpha_mu, mask)
-    alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, multipliers.alpha_sigma, args.eps_alpha_sigma, mask)
-
-    with torch.no_grad():
-        stats = {
-            "losses/value_loss": value_loss,
-            "losses/policy_loss": policy_loss,
-            "losses/eta_loss": eta_loss,
-            "losses/alpha_mu_loss": alpha_mu_loss,
-            "losses/alpha_sigma_loss": alpha_sigma_loss,
-            "stats/kl_mu": kl_mu_mean,
-            "stats/kl_sigma": kl_sigma_mean,
-            "stats/eta": multipliers.eta,
-            "stats/alpha_mu": multipliers.alpha_mu,
-            "stats/alpha_sigma": multipliers.alpha_sigma,
-            "stats/kl_psi": kl_psi,
-            "stats/policy_std": (mask[..., None] * std[:-1]).sum() / (n * std.shape[-1]),
-            "stats/advantage_mean": (mask * advantages).sum() / n,
-            "stats/value_mean": (mask * values[:-1]).sum() / n,
-            "stats/popart_mu": popart.mu[0],
-            "stats/popart_sigma": popart.sigma[0],
-        }
-        stats = {k: torch.as_tensor(v).detach().clone() for k, v in stats.items()}
-    loss = value_loss + policy_loss + eta_loss + alpha_mu_loss + alpha_sigma_loss
-    return loss, stats
+    kl_mu, kl_sigma = gaussian_kl_parts(target_mean[:-1], target_std[:-1], mean[:-1], std[:-1])
+    alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, alpha_mu, eps_alpha_mu, mask)
+    alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, alpha_sigma, eps_alpha_sigma, mask)
+    return VmpoLoss(
+        loss=value_loss + policy_loss + eta_loss + alpha_mu_loss + alpha_sigma_loss,
+        value_loss=value_loss,
+        policy_loss=policy_loss,
+        eta_loss=torch.as_tensor(eta_loss),
+        alpha_mu_loss=alpha_mu_loss,
+        alpha_sigma_loss=alpha_sigma_loss,
+        kl_mu=kl_mu_mean,
+        kl_sigma=kl_sigma_mean,
+        kl_psi=torch.as_tensor(kl_psi),
+        policy_std=((mask[..., None] * std[:-1]).sum() / (n * std.shape[-1])).detach(),
+        advantage_mean=((mask * advantages).sum() / n).detach(),
+    )
 
 
 class LagrangeMultipliers(nn.Module):
@@ -496,7 +515,8 @@ def main(args: Args):
             before = {k: v.clone() for k, v in agent.state_dict().items() if k.startswith(("obs_norm", "popart"))}
             agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
             mean, std, value_features = agent(batch["obs"])
-            loss, stats = vmpo_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
+            out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
+            loss = out.loss
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
             if world > 1:
@@ -664,6 +684,49 @@ def check_args(args):
     if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
         raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
     return spec
+
+
+def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1):
+    """vmpo_loss on a batch of unrolls: the n-step targets from the online network's unnormalised values, PopArt's
+    statistics moved toward them first (the layer is rescaled so that V(s) is unchanged), then the loss in the new
+    normalised units. Returns (VmpoLoss, stats)."""
+    popart = agent.popart
+    task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
+    with torch.no_grad():
+        values = popart.unnormalize(popart(value_features)[..., 0], task)  # online V, unnormalised
+    returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
+    real = ~batch["ended"][:-1]
+    popart.update(returns[real], task[:-1][real])
+    value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
+    out = vmpo_loss(
+        mean,
+        std,
+        batch["mean"],
+        batch["std"],
+        batch["action"],
+        value_norm,
+        returns_norm,
+        batch["ended"],
+        multipliers.eta,
+        multipliers.alpha_mu,
+        multipliers.alpha_sigma,
+        args.eps_eta,
+        args.eps_alpha_mu,
+        args.eps_alpha_sigma,
+        args.top_fraction,
+        num_minibatches,
+    )
+    n = real.sum().clamp(min=1)
+    stats = {
+        **loss_stats(out),
+        "stats/eta": multipliers.eta.detach().clone(),
+        "stats/alpha_mu": multipliers.alpha_mu.detach().clone(),
+        "stats/alpha_sigma": multipliers.alpha_sigma.detach().clone(),
+        "stats/value_mean": (real * values[:-1]).sum() / n,
+        "stats/popart_mu": popart.mu[0].clone(),
+        "stats/popart_sigma": popart.sigma[0].clone(),
+    }
+    return out, stats
 
 
 def saved_model(args, spec, agent, multipliers, global_step):

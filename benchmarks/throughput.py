@@ -133,7 +133,7 @@ def make_learner(script, envs, network, script_args, device):
             mean, std, feats = agent(mb["obs"])
             B = mb["obs"].shape[1]
             groups = args.num_minibatches if B % args.num_minibatches == 0 else 1
-            return m.vmpo_loss(mean, std, feats, mb, agent, multipliers, args, groups)[0]
+            return m.batch_loss(mean, std, feats, mb, agent, multipliers, args, groups)[0].loss
     else:
         raise SystemExit(f"error: unknown --script {script!r}")
     return opt, policy_step, loss_fn

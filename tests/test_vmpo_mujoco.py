@@ -174,7 +174,8 @@ def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved):
     else:
         batch["std"] *= 1.5
     mean, std, feats = agent(batch["obs"])
-    loss, stats = vmpo_mujoco.vmpo_loss(mean, std, feats, batch, agent, m, _args())
+    out, stats = vmpo_mujoco.batch_loss(mean, std, feats, batch, agent, m, _args())
+    loss = out.loss
     if moved == "mean":
         assert float(stats["stats/kl_mu"]) > 0.007 and float(stats["stats/kl_sigma"]) == pytest.approx(0, abs=1e-9)
     else:
@@ -235,7 +236,8 @@ def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
 
     vmpo_mujoco.vmpo_weights = spy
     try:
-        loss, stats = vmpo_mujoco.vmpo_loss(mean, std, feats, batch, agent, m, _args(), num_minibatches=M)
+        out, stats = vmpo_mujoco.batch_loss(mean, std, feats, batch, agent, m, _args(), num_minibatches=M)
+        loss = out.loss
     finally:
         vmpo_mujoco.vmpo_weights = original
     assert torch.isfinite(loss) and len(captured) == M
