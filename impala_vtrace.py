@@ -70,7 +70,6 @@ import time
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -481,7 +480,6 @@ def main(args: Args):
     args = dataclasses.replace(args, env_ids=tuple(games), popart="on" if use_popart else "off")
     rank, world, device = learner_process(args)
     obs_shape = spec.observation_space.shape
-    obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
     num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
     atari = is_atari(games[0] if multitask else args.env_id)
     agent = Agent(
@@ -541,12 +539,9 @@ def main(args: Args):
     interrupt, pool = Interrupt(), None
     update = done_update = start_update
     try:
-        specs = recurrent_buffer_specs(
-            obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size
-        )
-        pool = ActorPool(
-            act, actor_configs(args, rank, device, args.env_ids), agent, specs, args.batch_size // world, device
-        )
+        specs = recurrent_buffer_specs(spec.observation_space, num_actions, args)
+        cfgs = actor_configs(args, rank, device, args.env_ids)
+        pool = ActorPool(act, cfgs, agent, specs, args.batch_size // world, device)
         for update in range(start_update + 1, num_updates + 1):
             lr = args.learning_rate * (1 - (update - 1) / anneal_updates) if args.anneal_lr else args.learning_rate
             for g in optimizer.param_groups:

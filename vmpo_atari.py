@@ -74,7 +74,6 @@ import time
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -451,7 +450,6 @@ def main(args: Args):
     args = dataclasses.replace(args, env_ids=tuple(games))
     rank, world, device = learner_process(args)
     obs_shape = spec.observation_space.shape
-    obs_dtype = torch.uint8 if spec.observation_space.dtype == np.uint8 else torch.float32
     num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
     atari = is_atari(games[0] if multitask else args.env_id)
     agent = Agent(
@@ -515,19 +513,10 @@ def main(args: Args):
     update = done_update = start_update
     popart_before = None
     try:
-        specs = recurrent_buffer_specs(
-            obs_shape, obs_dtype, num_actions, args.unroll_length, args.use_lstm, args.lstm_size
-        )
-        pool = ActorPool(
-            act,
-            actor_configs(
-                args, rank, device, args.env_ids, episodic_life=args.episodic_life, reward_clip=args.reward_clip
-            ),
-            agent,
-            specs,
-            args.batch_size // world,
-            device,
-        )
+        specs = recurrent_buffer_specs(spec.observation_space, num_actions, args)
+        env_options = dict(episodic_life=args.episodic_life, reward_clip=args.reward_clip)
+        cfgs = actor_configs(args, rank, device, args.env_ids, **env_options)
+        pool = ActorPool(act, cfgs, agent, specs, args.batch_size // world, device)
         if target_state is not None:  # the target network the run was acting with
             pool.publish(target_state)
         for update in range(start_update + 1, num_updates + 1):
@@ -574,9 +563,8 @@ def main(args: Args):
     except (WorkerError, NonFiniteError) as e:
         learner_failed(e, log.path, pool)
     except KeyboardInterrupt:
-        learner_interrupted(
-            pool, interrupt, save_last if done_update > start_update else None, log, os.path.basename(__file__), world
-        )
+        save = save_last if done_update > start_update else None
+        learner_interrupted(pool, interrupt, save, log, os.path.basename(__file__), world)
     pool.close()
     end_time = time.time()
     checkpoint(num_updates)

@@ -107,8 +107,11 @@ def check_pool_args(args) -> int:
     return world
 
 
-def recurrent_buffer_specs(obs_shape, obs_dtype, num_actions, T, use_lstm, lstm_size) -> dict:
-    """The unroll buffers that `act_recurrent` fills: name → (shape of one slot, dtype)."""
+def recurrent_buffer_specs(observation_space, num_actions, args) -> dict:
+    """The unroll buffers that `act_recurrent` fills: name → (shape of one slot, dtype); uint8 frames stay uint8,
+    T = `args.unroll_length`, and with `args.use_lstm` the LSTM state (`args.lstm_size`) before each unroll."""
+    obs_dtype = torch.uint8 if observation_space.dtype == np.uint8 else torch.float32
+    T, obs_shape, use_lstm, lstm_size = args.unroll_length, observation_space.shape, args.use_lstm, args.lstm_size
     specs = {
         "obs": ((T + 1, *obs_shape), obs_dtype),
         "reward": ((T + 1,), torch.float32),
