@@ -502,3 +502,127 @@ def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
         slot, filled = writer.slot[e], writer.pos[e]
         k = (t[e] - 1) // T if t[e] > 0 else 0
         torch.testing.assert_close(buffers["x"][slot, :filled], 100.0 * e + torch.arange(k * T, k * T + filled).float())
+
+
+# --------------------------------------------------------------------------------------------------------
+# common/run.py: what every main does around its loop.
+
+
+def _run_args(tmp_path, **kw):
+    import dataclasses
+
+    @dataclasses.dataclass
+    class A:
+        env_id: str = "CartPole-v1"
+        exp_name: str = "x"
+        seed: int = 3
+        run_dir: str = str(tmp_path)
+        resume: str = ""
+        preset: str = "family"
+        total_timesteps: int = 1000
+        log_interval: float = 0.0
+        eval_episodes: int = 0
+        capture_video: bool = False
+        hidden: tuple = (8, 8)
+
+    return A(**kw)
+
+
+def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, capsys):
+    """A fresh run: args.json with the family, return(100) over the episodes logged, per-group returns, and
+    summary.json with the house keys. A resumed run: the same folder, its returns and groups continued, the
+    steps and wall time counted on from the checkpoint's."""
+    import json
+
+    from common.run import RunLog, resume_args
+
+    args = _run_args(tmp_path)
+    log = RunLog(args, {}, args.env_id, None, "test run")
+    assert os.path.basename(log.path).startswith("CartPole-v1__x__3__")
+    saved = json.load(open(os.path.join(log.path, "args.json")))
+    assert saved["task_family"] == "classic" and saved["hidden"] == [8, 8]
+    for i in range(12):
+        log.episode(float(i), 10, 100 * i, "learner_0" if i % 2 else "learner_1")
+    assert log.groups["learner_0"] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    log.console(1200)
+    assert "return(100)      5.5 | episodes 12" in capsys.readouterr().out
+    state = log.state(1200, args, update=7)
+    assert (state["update"], state["global_step"], len(state["returns"])) == (7, 1200, 12)
+    assert state["groups"]["learner_1"] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0] and state["args"]["seed"] == 3
+    log.first_update(200)
+    summary = log.finish(1200, None, log.start + 2.0, num_workers=2)
+    keys = {"env_id", "total_timesteps", "wall_time_s", "sps", "mean_episodic_return_last_100", "eval_mean_return"}
+    assert keys <= set(summary) and summary["num_workers"] == 2 and summary["mean_episodic_return_last_100"] == 5.5
+    assert json.load(open(os.path.join(log.path, "summary.json"))) == summary
+
+    torch.save({**state, "wall_time_s": 30.0}, os.path.join(log.path, "checkpoint.pt"))
+    resumed_args, resumed = resume_args(_run_args(tmp_path, seed=99, resume=log.path))
+    assert resumed_args.seed == 3 and resumed_args.hidden == (8, 8) and resumed_args.resume == log.path
+    again = RunLog(resumed_args, {}, args.env_id, resumed, "resumed")
+    assert again.path == log.path and again.start_step == 1200 and again.returns == state["returns"]
+    assert again.groups["learner_1"] == state["groups"]["learner_1"] and again.wall() >= 30.0
+
+
+def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once():
+    """Ctrl-C outside a commit stops at once; inside, the commit finishes and the stop follows right after it;
+    a second Ctrl-C inside a commit stops at once."""
+    import signal as _signal
+
+    from common.run import Interrupt
+
+    old = _signal.getsignal(_signal.SIGINT), _signal.getsignal(_signal.SIGTERM)
+    try:
+        interrupt = Interrupt()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), _signal.SIGINT)
+        assert interrupt.requested and interrupt.once
+        interrupt, done = Interrupt(), []
+        with pytest.raises(KeyboardInterrupt):
+            with interrupt.commit():
+                os.kill(os.getpid(), _signal.SIGTERM)
+                done.append("the rest of the commit")
+        assert done == ["the rest of the commit"] and interrupt.once
+        interrupt, done = Interrupt(), []
+        with pytest.raises(KeyboardInterrupt):
+            with interrupt.commit():
+                os.kill(os.getpid(), _signal.SIGINT)
+                os.kill(os.getpid(), _signal.SIGINT)
+                done.append("not reached")
+        assert done == [] and not interrupt.once
+    finally:
+        _signal.signal(_signal.SIGINT, old[0])
+        _signal.signal(_signal.SIGTERM, old[1])
+
+
+def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics():
+    from typing import NamedTuple
+
+    from common.run import loss_stats
+
+    class Out(NamedTuple):
+        loss: torch.Tensor
+        value_loss: torch.Tensor
+        kl: torch.Tensor
+        targets: torch.Tensor
+
+    w = torch.tensor(2.0, requires_grad=True)
+    stats = loss_stats(Out(w * 3, w * 2, w.detach() + 1, torch.ones(4)))
+    assert set(stats) == {"losses/value_loss", "stats/kl"}
+    assert float(stats["losses/value_loss"]) == 4.0 and not stats["losses/value_loss"].requires_grad
+
+
+def test_actor_configs_share_envs_games_and_seeds():
+    """Envs split evenly over the actors, actor a plays game a mod G with the full action set, seeds apart by
+    learner and actor, env batch half an actor's envs by default."""
+    from types import SimpleNamespace
+
+    from common.actor_pool import actor_configs
+
+    args = SimpleNamespace(num_envs=8, num_actors=4, unroll_length=5, env_batch_size=0, seed=10, env_id="Pong-v5")
+    cfgs = actor_configs(args, 1, "cpu", ("Pong-v5", "Breakout-v5"), reward_clip=False)
+    assert [c.env_id for c in cfgs] == ["Pong-v5", "Breakout-v5"] * 2 and [c.task for c in cfgs] == [0, 1, 0, 1]
+    assert {c.num_envs for c in cfgs} == {2} and {c.env_batch_size for c in cfgs} == {1}
+    assert [c.seed for c in cfgs] == [1010, 1011, 1012, 1013]
+    assert cfgs[0].env_options == {"reward_clip": False, "full_action_space": True}
+    one = actor_configs(args, 0, "cpu")
+    assert {c.env_id for c in one} == {"Pong-v5"} and one[0].env_options == {}
