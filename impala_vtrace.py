@@ -13,7 +13,7 @@ c_t = λ min(c̄, π/μ), and the policy gradient uses ρ_t (r_t + γ v_{t+1} �
 | Eq. (1) V-trace target v_s; Remark 1 (recursion); Remark 2 (λ) | `vtrace` -> vs                           |
 | Sec. 4.2 policy gradient ρ_s ∇log π (r_s + γ v_{s+1} − V(x_s)) | `vtrace` -> pg_advantages, `learner_loss` |
 | Sec. 4.2 value loss (v_s − V(x_s))², entropy bonus             | `learner_loss`                            |
-| Fig. 1, Sec. 3: actors send unrolls + μ, learner batches       | `act`, `ActorPool.next_batch`   |
+| Fig. 1, Sec. 3: actors send unrolls + μ, learner batches       | `act`, common/actor_pool.py               |
 | Fig. 3: shallow / deep (ResNet) agent, optional LSTM           | `Agent` (parts in common/networks.py)     |
 | Table G.1 Atari hyperparameters                                | `Args` defaults                           |
 | Sec. 5.3 multi-task Atari (one agent, 57 games); PopArt-IMPALA | `--env-ids`, `--popart` (common/popart.py) |

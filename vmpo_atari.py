@@ -15,8 +15,8 @@ value loss on the same scale whatever the game's reward scale, so no reward clip
 | paper                                                           | here                                     |
 |-----------------------------------------------------------------|------------------------------------------|
 | Algorithm 1: target network, refreshed every T_target steps      | `pool.publish` every `--target-update-period` |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `n_step_returns`                         |
-| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `vmpo_loss`, `common/popart.py`          |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `n_step_returns`, `n_step_targets`       |
+| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `vmpo_loss`, `batch_loss`, common/popart |
 | Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `vmpo_loss`        |
 | Eq. (13) temperature loss L_η                                    | `vmpo_weights` -> eta_loss               |
 | Eq. (14) KL trust region L_α with stop-gradients                 | `categorical_kl`, `kl_constraint_loss`   |

@@ -17,8 +17,8 @@ keeps exploring. A PopArt value head keeps the value loss on one scale whatever 
 | paper                                                          | here                                       |
 |----------------------------------------------------------------|--------------------------------------------|
 | Algorithm 1: target network, refreshed every T_target steps     | `pool.publish` every `--target-update-period` |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V     | `n_step_returns`                           |
-| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt              | `vmpo_loss`, `common/popart.py`            |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V     | `n_step_returns`, `n_step_targets`         |
+| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt              | `vmpo_loss`, `batch_loss`, common/popart   |
 | Eq. (12) ψ over the top half of the advantages, L_π             | `vmpo_weights` -> psi, `vmpo_loss`          |
 | Eq. (13) temperature loss L_η                                   | `vmpo_weights` -> eta_loss                 |
 | Eqs. (23)-(25) KL of Gaussians split into mean and covariance   | `gaussian_kl_parts`                        |
