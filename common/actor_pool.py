@@ -98,7 +98,7 @@ def check_pool_args(args) -> int:
             f"--total-timesteps {args.total_timesteps} is less than one batch "
             f"(batch-size x unroll-length = {steps_per_update} steps)"
         )
-    minibatches = getattr(args, "num_minibatches", 1)
+    minibatches = getattr(args, "num_minibatches", world)  # the V-MPO scripts' minibatches, one set per learner
     if minibatches < 1 or minibatches % world or args.batch_size % minibatches:
         raise UsageError(
             f"--num-minibatches {minibatches} must divide --batch-size {args.batch_size} and be "
