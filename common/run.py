@@ -129,12 +129,12 @@ class RunLog:
             return None, None
         from common.evaluation import evaluate, score_table, write_score_table
 
-        video = self.path if self.args.capture_video else None
+        films = [self.path if self.args.capture_video else None] + [None] * (len(games) - 1)  # the first game only
         seed, step = self.args.seed + 10_000, model["global_step"]
         table = score_table(
             {
-                g: evaluate(model, self.args.eval_episodes, seed=seed, device=str(device), env_id=g, video_dir=video)
-                for g, video in zip(games, [video] + [None] * (len(games) - 1))
+                g: evaluate(model, self.args.eval_episodes, seed=seed, device=str(device), env_id=g, video_dir=film)
+                for g, film in zip(games, films)
             }
         )
         print(write_score_table(table, os.path.join(self.path, "evaluation")), flush=True)
