@@ -14,16 +14,16 @@ search around it. With one learner this is plain TD3, the paper's baseline.
 
 | paper                                                              | here                                   |
 |--------------------------------------------------------------------|----------------------------------------|
-| Alg. 1 lines 5-11: N learners act in their own env copies and      | `run_learner`, `SharedReplay`          |
+| Alg. 1 lines 5-11: N learners act in their own env copies and      | `run_population`, `SharedReplay`       |
 |   store into one shared replay D                                   |                                        |
 | Eqs. (80), (83): y = r + γ min_j Q'_j(s', π'(s') + clip(ε)),       | `smoothed_target_action`, `td3_target`,|
 |   L(θ_j) = E[(y − Q_j(s, a))²]                                     | `critic_loss`                          |
 | Eq. (84): L(φ_i) = E[−Q_1(s, π_i(s)) + 1{i≠b} β ½‖π_i(s) − π_b(s)‖²] | `p3s_actor_loss`, `policy_distance`  |
-| Eq. (82): target networks θ' ← (1 − τ)θ' + τθ every d updates      | `soft_update`, `Learner.update`        |
+| Eq. (82): target networks θ' ← (1 − τ)θ' + τθ every d updates      | `soft_update`, `Learners.update`       |
 | Alg. 1 lines 24-26: every M steps select b on the last E_r returns | `synchronise`, `select_best`           |
 | Eq. (6) = Eq. (76): β ← 2β or β/2 against max{ρ D_change, d_min}    | `adapt_beta`                           |
-| Sec. 3, D_spread and D_change averaged over the non-best learners   | `Learner.period_distances`             |
-| App. I: 400-300 ReLU networks, tanh policy, Adam 1e-3, τ, B, σ, c   | `Actor`, `TwinQ`, `Args` defaults       |
+| Sec. 3, D_spread and D_change averaged over the non-best learners   | `Learners.period_distances`            |
+| App. I: 400-300 ReLU networks, tanh policy, Adam 1e-3, τ, B, σ, c   | `Actor`, `TwinQ`, `Args` defaults      |
 | Sec. 4.2: delayed MuJoCo, rewards given every f_reward = 20 steps   | `DelayedReward`, `--reward-delay`      |
 
 Choices the paper leaves open, and what is done here:
@@ -40,15 +40,16 @@ Choices the paper leaves open, and what is done here:
 - Actions live in [-1, 1]^d (the tanh policy, the noises, the distance) and are mapped to the env's box
   only when sent to it. envpool's reset step (the step after an episode ended) is not a transition and is
   not stored; time-limit truncation bootstraps (only termination has discount 0).
-- A learner that finishes a period waits for the others (a barrier), so selection, β and π_b are the same
-  for all, as in Algorithm 1; between barriers the learners run freely.
+- The learners run in lockstep (below), so selection, β and π_b are the same for all, as in Algorithm 1.
 
-Processes and the GPU: `main` starts one process per learner and only watches (console, TensorBoard, the end
-of the run, and the traceback or exit code of a learner that dies). The replay lives in shared CPU memory,
-every learner writing its own part of it and sampling from all of it. With a GPU (`--cuda`, on when there
-is one) each learner process puts its own networks on it and copies its minibatches there: the learners'
-small kernels interleave on the device while their environments and acting run on separate CPU cores.
-See the README for the measurements behind this choice.
+The population as one set of kernels: the N learners' networks are stacked (`Linears`: weights `[N, out, in]`,
+one batched matmul per layer), so one forward, backward and Adam step update all N learners at once, each on its
+own minibatch of the shared replay, with exactly the gradients and Adam steps of N separate TD3 learners (the
+tests check this). One process (`run_population`) steps every learner's environments (one envpool), acts for
+all, stores into D and updates; with a GPU (`--cuda`, on when there is one) the networks and the replay live
+on it. `main` only watches (console, TensorBoard, checkpoints, the end of the run, and the traceback or exit
+code of the population's process if it dies). The README has the measurements behind this choice (one process
+per learner was the earlier design).
 
     python p3s_td3.py --env-id HalfCheetah-v4
     python p3s_td3.py --env-id Hopper-v4 --reward-delay 20 --num-learners 1   # TD3 on delayed Hopper
@@ -71,7 +72,7 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import vector_to_parameters
 
 from common.checkpoint import check_finite, check_finite_parameters, save_checkpoint, save_model
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
@@ -104,11 +105,11 @@ class Args:
     torch_deterministic: bool = True
     """torch.backends.cudnn.deterministic"""
     cuda: bool = True
-    """put each learner's networks on the GPU when there is one"""
+    """put the learners' networks and the replay on the GPU when there is one"""
     total_timesteps: int = 1_000_000
     """environment steps of all learners together (the x axis of the paper's Figs. 3-4: one million)"""
     num_learners: int = 4
-    """N, learners, one process each (Sec. 4.1); 1 is plain TD3"""
+    """N, learners (Sec. 4.1), updated together as one batch; 1 is plain TD3"""
     num_envs: int = 1
     """environment copies per learner (1 in the paper); a learner makes one update per interaction"""
     t_initial: int = -1
@@ -163,9 +164,9 @@ class Args:
     log_interval: float = 5.0
     """seconds between console progress lines"""
     checkpoint_interval: float = 300.0
-    """seconds between checkpoints, taken at the next selection (every M steps), when all learners are at the
-    same step: runs/<run>/checkpoint.pt (counters, β, best learner) and learner_<i>.pt per learner (networks,
-    Adam states, π_b, π_old, its part of the replay); written atomically; also at the end and on Ctrl-C"""
+    """seconds between checkpoints, taken at the next selection (every M steps): runs/<run>/checkpoint.pt
+    (counters, β, best learner) and population.<t>.pt (the learners' networks, Adam states, π_b, π_old, the
+    replay); written atomically; also at the end and on Ctrl-C"""
     resume: str = ""
     """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
 
@@ -197,7 +198,8 @@ FAMILY_DEFAULTS = {
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The paper's math: pure functions of tensors `[B, ...]` (a minibatch).
+# The paper's math: pure functions of tensors `[B, ...]` (a minibatch), or `[N, B, ...]` (one minibatch per
+# learner of the population): the reductions run over the minibatch only, one value per learner.
 
 
 def adapt_beta(
@@ -235,7 +237,7 @@ def select_best(recent_returns, previous_best: int) -> int:
 
 def policy_distance(actions, other_actions):
     """D(π, π') = ½‖π(s) − π'(s)‖² (Sec. 3.2), summed over action dimensions, averaged over the minibatch."""
-    return 0.5 * ((actions - other_actions) ** 2).sum(-1).mean()
+    return 0.5 * ((actions - other_actions) ** 2).sum(-1).mean(-1)
 
 
 def smoothed_target_action(target_actions, noise_std, noise_clip, generator=None):
@@ -251,25 +253,24 @@ def td3_target(rewards, terminated, next_q1, next_q2, gamma):
 
 def critic_loss(q1, q2, targets):
     """Eq. (83) for both Q-functions, summed: E[(y − Q_1)²] + E[(y − Q_2)²]."""
-    return ((q1 - targets) ** 2).mean() + ((q2 - targets) ** 2).mean()
+    return ((q1 - targets) ** 2).mean(-1) + ((q2 - targets) ** 2).mean(-1)
 
 
-def p3s_actor_loss(q1_of_policy, policy_actions, best_actions, beta, guided: bool):
+def p3s_actor_loss(q1_of_policy, policy_actions, best_actions, beta, guided):
     """Eq. (84): E_s[−Q_1(s, π_i(s))] + 1{i≠b} β E_s[½‖π_i(s) − π_b(s)‖²]. `best_actions` come from the frozen
-    copy of π_b (no gradient). The best learner (`guided=False`) has the plain TD3 loss (Eq. 81). Returns the
-    loss and the distance (logged for every learner)."""
+    copy of π_b (no gradient). The best learner (`guided` False) has the plain TD3 loss (Eq. 81); with one
+    minibatch per learner, `guided` holds 1{i≠b} per learner. Returns the loss and the distance (logged for
+    every learner)."""
     distance = policy_distance(policy_actions, best_actions.detach())
-    loss = -q1_of_policy.mean()
-    if guided:
-        loss = loss + beta * distance
+    loss = -q1_of_policy.mean(-1)
+    loss = torch.where(torch.as_tensor(guided, device=loss.device), loss + beta * distance, loss)
     return loss, distance.detach()
 
 
 @torch.no_grad()
 def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
-    """Eq. (82): θ' ← (1 − τ) θ' + τ θ."""
-    for t, s in zip(target.parameters(), source.parameters()):
-        t.lerp_(s, tau)
+    """Eq. (82): θ' ← (1 − τ) θ' + τ θ (one fused operation over all the parameters)."""
+    torch._foreach_lerp_(list(target.parameters()), list(source.parameters()), tau)
 
 
 class DelayedReward:
@@ -295,13 +296,29 @@ class DelayedReward:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The networks (App. I): 400-300 ReLU, a tanh policy and two linear Q-functions of (s, a).
+# The networks (App. I): 400-300 ReLU, a tanh policy and two linear Q-functions of (s, a), for N learners at once.
 
 
-def mlp(sizes, out_activation=None):
+class Linears(nn.Module):
+    """N linear layers side by side, one per learner: `[N, B, in] -> [N, B, out]` as one batched matmul, so that
+    the whole population's forward and backward passes are one set of kernels. Slice i of `weight` `[N, out, in]`
+    and `bias` `[N, out]` is learner i's `nn.Linear`; all N start as the same `nn.Linear` (Algorithm 1, line 1:
+    φ_i and θ_i initialised to the same parameters for every learner)."""
+
+    def __init__(self, num_learners, in_features, out_features):
+        super().__init__()
+        init = nn.Linear(in_features, out_features)  # PyTorch's default initialisation, as TD3's code has it
+        self.weight = nn.Parameter(init.weight.detach().expand(num_learners, -1, -1).clone())
+        self.bias = nn.Parameter(init.bias.detach().expand(num_learners, -1).clone())
+
+    def forward(self, x):
+        return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight.transpose(1, 2))
+
+
+def mlp(sizes, num_learners, out_activation=None):
     layers = []
     for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        layers.append(Linears(num_learners, sizes[i], sizes[i + 1]))
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
     if out_activation is not None:
@@ -310,24 +327,29 @@ def mlp(sizes, out_activation=None):
 
 
 class Actor(nn.Module):
-    """Deterministic policy π_φ(s) in [-1, 1]^d."""
+    """Deterministic policies π_φi(s) in [-1, 1]^d of N learners: `[N, B, obs] -> [N, B, d]`. With N = 1 it is
+    one policy (model.pt holds one per learner)."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300)):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1):
         super().__init__()
         self.config = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden))
-        self.net = mlp([obs_dim, *hidden, action_dim], nn.Tanh())
+        self.net = mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh())
 
     def forward(self, obs):
         return self.net(obs)
 
+    def learner_state(self, i):
+        """Learner i's policy as the state of an `Actor` with N = 1."""
+        return {k: v[i : i + 1].detach().clone() for k, v in self.state_dict().items()}
+
 
 class TwinQ(nn.Module):
-    """Q_θ1 and Q_θ2, each an MLP of the concatenated state and action."""
+    """Q_θ1 and Q_θ2 of N learners, each an MLP of the concatenated state and action: `[N, B, ...] -> [N, B]`."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300)):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1):
         super().__init__()
-        self.q1 = mlp([obs_dim + action_dim, *hidden, 1])
-        self.q2 = mlp([obs_dim + action_dim, *hidden, 1])
+        self.q1 = mlp([obs_dim + action_dim, *hidden, 1], num_learners)
+        self.q2 = mlp([obs_dim + action_dim, *hidden, 1], num_learners)
 
     def forward(self, obs, actions):
         x = torch.cat([obs, actions], -1)
@@ -338,103 +360,112 @@ class TwinQ(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The shared replay and one learner.
+# The shared replay and the population of learners.
 
 
 class SharedReplay:
-    """One experience replay D for all learners in shared CPU memory (created before the learner processes
-    start, so every process maps the same tensors). Learner i writes into its own part (a ring of
-    capacity // N rows), so writers never collide; `sample` draws uniformly from every row written by anyone.
-    There are no locks: once a part is full, a row being overwritten can be sampled half-written, with a
-    probability of about one in capacity // N per sampled row; a rare stale transition is accepted for speed."""
+    """One experience replay D for all learners (on the learners' device). Learner i writes into its own part (a
+    ring of capacity // N rows, so that each learner's oldest rows go first); `sample` draws uniformly from every
+    row written by anyone. The write counts live on the CPU, so that neither writing nor sampling waits for the
+    device."""
 
-    def __init__(self, capacity, num_learners, obs_dim, action_dim):
-        self.num_learners, self.part = num_learners, capacity // num_learners
+    FIELDS = ("obs", "next_obs", "actions", "rewards", "terminated")
+
+    def __init__(self, capacity, num_learners, obs_dim, action_dim, device="cpu"):
+        self.num_learners, self.part, self.device = num_learners, capacity // num_learners, torch.device(device)
         n = self.part * num_learners
-        self.obs = torch.zeros(n, obs_dim)
-        self.next_obs = torch.zeros(n, obs_dim)
-        self.actions = torch.zeros(n, action_dim)
-        self.rewards = torch.zeros(n)
-        self.terminated = torch.zeros(n)
+        self.obs = torch.zeros(n, obs_dim, device=self.device)
+        self.next_obs = torch.zeros(n, obs_dim, device=self.device)
+        self.actions = torch.zeros(n, action_dim, device=self.device)
+        self.rewards = torch.zeros(n, device=self.device)
+        self.terminated = torch.zeros(n, device=self.device)
         self.writes = torch.zeros(num_learners, dtype=torch.int64)  # rows ever written by each learner
-        for t in (self.obs, self.next_obs, self.actions, self.rewards, self.terminated, self.writes):
-            t.share_memory_()
 
-    def add(self, learner, obs, actions, rewards, next_obs, terminated):
-        k = len(rewards)
-        if k == 0:
+    def add(self, learners, obs, actions, rewards, next_obs, terminated):
+        """Rows `[k, ...]`, row j written by learner `learners[j]` (a CPU tensor `[k]`); each learner's rows go to
+        the next places of its ring, in order."""
+        if len(learners) == 0:
             return
-        start = int(self.writes[learner])
-        rows = learner * self.part + (start + torch.arange(k)) % self.part
-        self.obs[rows] = obs
-        self.next_obs[rows] = next_obs
-        self.actions[rows] = actions
-        self.rewards[rows] = rewards
-        self.terminated[rows] = terminated
-        self.writes[learner] = start + k  # published after the rows: a reader never sees unwritten rows
+        mine = nn.functional.one_hot(learners, self.num_learners)  # [k, N]
+        rank = (mine.cumsum(0) - 1).gather(1, learners[:, None])[:, 0]  # earlier rows of the same learner
+        rows = (learners * self.part + (self.writes[learners] + rank) % self.part).to(self.device)
+        self.obs[rows] = obs.to(self.device)
+        self.next_obs[rows] = next_obs.to(self.device)
+        self.actions[rows] = actions.to(self.device)
+        self.rewards[rows] = rewards.to(self.device)
+        self.terminated[rows] = terminated.to(self.device)
+        self.writes += mine.sum(0)
 
     def sizes(self):
         return self.writes.clamp(max=self.part)
 
-    def part_state(self, learner):
-        """Learner `learner`'s part (the rows it wrote) and its write count, for a checkpoint."""
-        rows = slice(learner * self.part, learner * self.part + int(self.sizes()[learner]))
-        return {"writes": int(self.writes[learner]), **{k: getattr(self, k)[rows].clone() for k in self.FIELDS}}
-
-    def load_part(self, learner, state):
-        k = len(state["rewards"])
-        for name in self.FIELDS:
-            getattr(self, name)[learner * self.part : learner * self.part + k] = state[name]
-        self.writes[learner] = state["writes"]
-
-    FIELDS = ("obs", "next_obs", "actions", "rewards", "terminated")
-
     def sample(self, batch_size, generator=None):
         """A uniform minibatch over all rows written so far: (obs, actions, rewards, next_obs, terminated) and
-        the index of the learner that wrote each row."""
+        the index of the learner that wrote each row (on the CPU). `batch_size` may be a shape, e.g. (N, B)."""
+        shape = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
         sizes = self.sizes()
         ends = sizes.cumsum(0)
-        u = torch.randint(int(ends[-1]), (batch_size,), generator=generator)
-        writer = torch.searchsorted(ends, u, right=True)
-        rows = writer * self.part + u - (ends[writer] - sizes[writer])
-        return (
-            self.obs[rows],
-            self.actions[rows],
-            self.rewards[rows],
-            self.next_obs[rows],
-            self.terminated[rows],
-        ), writer
+        u = torch.randint(int(ends[-1]), shape, generator=generator)
+        writer = torch.searchsorted(ends, u.flatten(), right=True).view(shape)
+        rows = (writer * self.part + u - (ends[writer] - sizes[writer])).to(self.device)
+        return tuple(getattr(self, k)[rows] for k in ("obs", "actions", "rewards", "next_obs", "terminated")), writer
+
+    def state(self):
+        """Every learner's part (the rows it wrote) and write count, for a checkpoint (on the CPU)."""
+        parts = []
+        for i in range(self.num_learners):
+            rows = slice(i * self.part, i * self.part + int(self.sizes()[i]))
+            parts.append({"writes": int(self.writes[i]), **{k: getattr(self, k)[rows].cpu() for k in self.FIELDS}})
+        return parts
+
+    def load_state(self, parts):
+        for i, part in enumerate(parts):
+            k = len(part["rewards"])
+            for name in self.FIELDS:
+                getattr(self, name)[i * self.part : i * self.part + k] = part[name].to(self.device)
+            self.writes[i] = part["writes"]
 
 
-class Learner:
-    """One TD3 learner of the population: its policy, two Q-functions, their targets and Adam optimisers, the
-    frozen copy of the best policy π_b that guides it, and its own policy at the start of the period (π_old)."""
+class Learners:
+    """The N TD3 learners of the population, their parameters stacked (`Linears`): their policies and Q-functions,
+    the targets and Adam optimisers, each learner's own policy at the start of the period (π_old), and the frozen
+    copy of the best policy π_b that guides them (one network). Adam works element by element, so one Adam over the
+    stacked parameters takes each learner's own step, and the sum of the learners' losses gives each learner's
+    parameters exactly its own gradient: one update of all N is N independent TD3 updates."""
 
-    def __init__(self, obs_dim, action_dim, args: Args, device="cpu", generator=None):
+    def __init__(self, num_learners, obs_dim, action_dim, args: Args, device="cpu", generator=None):
         self.args, self.device, self.generator = args, torch.device(device), generator
-        self.actor = Actor(obs_dim, action_dim, args.hidden).to(self.device)
-        self.qf = TwinQ(obs_dim, action_dim, args.hidden).to(self.device)
+        self.num_learners = num_learners
+        self.actor = Actor(obs_dim, action_dim, args.hidden, num_learners).to(self.device)
+        self.qf = TwinQ(obs_dim, action_dim, args.hidden, num_learners).to(self.device)
         self.actor_target = copy.deepcopy(self.actor)
         self.qf_target = copy.deepcopy(self.qf)
-        self.best_actor = copy.deepcopy(self.actor)  # π_b, frozen: Algorithm 1, line 1 (φ_b = φ_i at start)
-        self.old_actor = copy.deepcopy(self.actor)  # π_old, the policy at the start of the period
+        self.old_actor = copy.deepcopy(self.actor)  # π_old, each learner's policy at the start of the period
+        self.best_actor = Actor(obs_dim, action_dim, args.hidden).to(self.device)  # π_b, frozen
+        self.best_actor.load_state_dict(self.actor.learner_state(0))  # Algorithm 1, line 1: φ_b = φ_i at start
         for frozen in (self.actor_target, self.qf_target, self.best_actor, self.old_actor):
             frozen.requires_grad_(False)
-        self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.learning_rate)
-        self.qf_opt = torch.optim.Adam(self.qf.parameters(), lr=args.learning_rate)
+        # fused: one kernel per parameter tensor for the whole population (measured faster on CPU, README)
+        self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.learning_rate, fused=True)
+        self.qf_opt = torch.optim.Adam(self.qf.parameters(), lr=args.learning_rate, fused=True)
         self.updates = 0
+
+    def best_actions(self, obs):
+        """π_b(s) for every learner's states `[N, B, obs]` (one network, all states in one batch)."""
+        return self.best_actor(obs.reshape(1, -1, obs.shape[-1])).view(*obs.shape[:-1], -1)
 
     @torch.no_grad()
     def act(self, obs, noise_std):
-        """π(s) + N(0, σ²), kept in [-1, 1] (Algorithm 1, line 9)."""
+        """π_i(s) + N(0, σ²), kept in [-1, 1] (Algorithm 1, line 9), for every learner's states `[N, n, obs]`."""
         a = self.actor(obs.to(self.device))
         if noise_std > 0:
             a = a + noise_std * torch.randn(a.shape, generator=self.generator, device=self.device)
         return a.clamp(-1.0, 1.0)
 
     def update(self, batch, beta, guided):
-        """One gradient step of both Q-functions (Eq. 83) and, every d-th call, of the policy (Eq. 84) and the
-        targets (Eq. 82). Returns the statistics of this step (policy ones only on policy steps)."""
+        """One gradient step of every learner's Q-functions (Eq. 83) on its own minibatch (`batch` of tensors
+        `[N, B, ...]`) and, every d-th call, of the policies (Eq. 84; `guided[i]` = 1{i≠b}) and the targets
+        (Eq. 82). Returns the statistics of this step per learner (policy ones only on policy steps)."""
         obs, actions, rewards, next_obs, terminated = (x.to(self.device, non_blocking=True) for x in batch)
         a = self.args
         with torch.no_grad():
@@ -446,18 +477,18 @@ class Learner:
         qf_loss = critic_loss(q1, q2, y)
         check_finite(f"at update {self.updates + 1} (nothing applied)", critic_loss=qf_loss)
         self.qf_opt.zero_grad(set_to_none=True)
-        qf_loss.backward()
+        qf_loss.sum().backward()
         self.qf_opt.step()
         self.updates += 1
-        stats = {"qf_loss": qf_loss.detach(), "q1_mean": q1.detach().mean()}
+        stats = {"qf_loss": qf_loss.detach(), "q1_mean": q1.detach().mean(-1)}
         if self.updates % a.policy_delay == 0:
             pi = self.actor(obs)
             with torch.no_grad():
-                best = self.best_actor(obs)
+                best = self.best_actions(obs)
             actor_loss, distance = p3s_actor_loss(self.qf.q1_only(obs, pi), pi, best, beta, guided)
             check_finite(f"at update {self.updates} (policy step not applied)", actor_loss=actor_loss)
             self.actor_opt.zero_grad(set_to_none=True)
-            actor_loss.backward()
+            actor_loss.sum().backward()
             self.actor_opt.step()
             soft_update(self.qf_target, self.qf, a.tau)
             soft_update(self.actor_target, self.actor, a.tau)
@@ -466,11 +497,17 @@ class Learner:
 
     @torch.no_grad()
     def period_distances(self, obs):
-        """(E_s D(π_new, π_b), E_s D(π_new, π_old)) on the states `obs`: this learner's terms of D_spread and
-        D_change (Sec. 3.2)."""
+        """(E_s D(π_i, π_b), E_s D(π_i, π_old,i)) per learner on the states `obs` `[N, B, obs]`: the learners'
+        terms of D_spread and D_change (Sec. 3.2)."""
         obs = obs.to(self.device)
         pi = self.actor(obs)
-        return float(policy_distance(pi, self.best_actor(obs))), float(policy_distance(pi, self.old_actor(obs)))
+        return policy_distance(pi, self.best_actions(obs)), policy_distance(pi, self.old_actor(obs))
+
+    @torch.no_grad()
+    def adopt(self, best):
+        """Start a period: π_b ← a frozen copy of learner `best`'s policy; π_old ← every learner's policy now."""
+        self.best_actor.load_state_dict(self.actor.learner_state(best))
+        self.old_actor.load_state_dict(self.actor.state_dict())
 
     def state_dict(self):
         nets = ("actor", "qf", "actor_target", "qf_target", "best_actor", "old_actor", "actor_opt", "qf_opt")
@@ -483,113 +520,95 @@ class Learner:
             else:
                 getattr(self, k).load_state_dict(v)
 
-    def policy_vector(self):
-        return parameters_to_vector(self.actor.parameters()).detach()
-
-    @torch.no_grad()
-    def adopt(self, best_policy_vector):
-        """Start a period: π_b ← a frozen copy of the best learner's policy; π_old ← this learner's policy now."""
-        vector_to_parameters(best_policy_vector.to(self.device), self.best_actor.parameters())
-        self.old_actor.load_state_dict(self.actor.state_dict())
-
 
 # ---------------------------------------------------------------------------------------------------------
-# Learner processes and the process that watches them.
+# The population's process and the process that watches it.
 
 
-class Population:
-    """What the learner processes share besides the replay: every learner's policy (published at the end of
-    each period and of the run), its period statistics, a barrier, the environment steps of each learner."""
+class Shared:
+    """What the population's process shares with the main process: every learner's policy (published at each
+    checkpoint and at the end of the run, for model.pt), the environment steps of all learners together, and the
+    main process's request for a checkpoint (taken at the next selection)."""
 
-    STATS = 3  # recent mean return (NaN: no episode yet), E_s D(π_new, π_b), E_s D(π_new, π_old)
-
-    def __init__(self, ctx, num_learners, policy_size):
+    def __init__(self, num_learners, policy_size):
         self.policies = torch.zeros(num_learners, policy_size).share_memory_()
-        self.stats = torch.zeros(num_learners, self.STATS, dtype=torch.float64).share_memory_()
-        self.steps = torch.zeros(num_learners, dtype=torch.int64).share_memory_()
-        self.arrivals = ctx.Value("q", 0)
-        # checkpoints: the main process raises `save_request`; learner 0 turns it into `save_at` (the period at
-        # which every learner saves) before the selection's first barrier, so that all read the same value
+        self.steps = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.save_request = torch.zeros(1, dtype=torch.int64).share_memory_()
-        self.save_at = torch.full((1,), -1, dtype=torch.int64).share_memory_()
 
-    def barrier(self, generation, num_learners, parent_pid):
-        """The `generation`-th meeting point (1, 2, ...): returns once every learner has arrived at it. Polls, so
-        that a learner whose main process is gone exits instead of waiting for ever."""
-        with self.arrivals.get_lock():
-            self.arrivals.value += 1
-        target = generation * num_learners
-        value = self.arrivals.get_obj()
-        while value.value < target:
-            exit_if_orphaned(parent_pid)
-            time.sleep(0.0005)
+    def publish(self, learners):
+        for i in range(learners.num_learners):
+            self.policies[i] = torch.cat([v.flatten() for v in learners.actor.learner_state(i).values()]).cpu()
 
 
-def learner_file(run_path, index, t):
-    """Learner `index`'s part of the checkpoint taken at its time step `t` (the same for every learner)."""
-    return os.path.join(run_path, f"learner_{index}.{t}.pt")
+def population_file(run_path, t):
+    """The population's part of the checkpoint taken at time step `t`."""
+    return os.path.join(run_path, f"population.{t}.pt")
 
 
-def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=None, resume_file=None):
-    """Algorithm 1 for learner `index`: act in its own envs, store into D, update, and every M steps meet the
-    others to select the best learner and adapt β."""
+def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=None):
+    """Algorithm 1 for all N learners in lockstep: each acts in its own envs (one envpool of N x n envs, learner
+    i's the i-th n of them), all store into D, each updates on its own minibatch (one batched update), and every
+    M steps the best learner is selected and β adapted."""
     N, n = args.num_learners, args.num_envs
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(os.cpu_count() or 1)  # one process does all the learning: every core for its matmuls
     torch.manual_seed(args.seed)  # the same initial weights for every learner (Algorithm 1, line 1)
-    envs = make_env(args.env_id, n, args.seed + index * n, num_threads=1)
+    envs = make_env(args.env_id, N * n, args.seed, num_threads=min(N * n, os.cpu_count() or 1))
     obs_dim, action_dim = flat_obs_dim(envs.spec), int(envs.action_space.shape[0])
-    generator = torch.Generator(device=device).manual_seed(args.seed + index + 1)
-    cpu_generator = torch.Generator().manual_seed(args.seed + index + 1)
-    learner = Learner(obs_dim, action_dim, args, device, generator)
+    generator = torch.Generator(device=device).manual_seed(args.seed + 1)
+    cpu_generator = torch.Generator().manual_seed(args.seed + 1)
+    learners = Learners(N, obs_dim, action_dim, args, device, generator)
+    replay = SharedReplay(args.buffer_size, N, obs_dim, action_dim, device)
+    owner = torch.arange(N).repeat_interleave(n)  # the learner of each env
     low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
-    tracker, delayed = EpisodeTracker(n), DelayedReward(n, args.reward_delay)
-    recent = deque(maxlen=args.recent_episodes)
+    tracker, delayed = EpisodeTracker(N * n), DelayedReward(N * n, args.reward_delay)
+    recent = [deque(maxlen=args.recent_episodes) for _ in range(N)]
     steps_per_learner = args.total_timesteps // (N * n)  # time steps t of Algorithm 1
     best, beta, generation = 0, args.beta_init, 0
-    foreign, sampled, stored, rewarded, last_report = 0, 0, 0, 0, 0.0
-    start_t = 0
-    if resume_file is not None:  # this learner's state at the checkpoint; its envs start new episodes
+    foreign, sampled, stored, rewarded = torch.zeros(N, dtype=torch.int64), 0, torch.zeros(N), torch.zeros(N)
+    start_t, last_report = 0, 0.0
+    if resume_file is not None:  # the population's state at the checkpoint; the envs start new episodes
         saved = torch.load(resume_file, map_location="cpu", weights_only=False)
-        learner.load_state_dict(saved["learner"])
-        replay.load_part(index, saved["replay"])
+        learners.load_state_dict(saved["learners"])
+        replay.load_state(saved["replay"])
         start_t, best, beta, generation = saved["t"], saved["best"], saved["beta"], saved["generation"]
         foreign, sampled, stored, rewarded = saved["counts"]
-        recent.extend(saved["recent"])
+        for r, s in zip(recent, saved["recent"]):
+            r.extend(s)
         generator.set_state(saved["generator"])
         cpu_generator.set_state(saved["cpu_generator"])
-        population.steps[index] = start_t * n
+        shared.steps[0] = start_t * N * n
 
     def save(t):
-        """This learner's part of a checkpoint, then a note to the main process, which writes checkpoint.pt once
-        every learner has saved the same period."""
-        check_finite_parameters(f"in learner {index} at its step {t * n}", actor=learner.actor, qf=learner.qf)
+        """The population's part of a checkpoint, then a note to the main process, which writes checkpoint.pt."""
+        check_finite_parameters(f"at step {t * N * n}", actor=learners.actor, qf=learners.qf)
         state = {
-            "learner": learner.state_dict(),
-            "replay": replay.part_state(index),
+            "learners": learners.state_dict(),
+            "replay": replay.state(),
             "t": t,
             "best": best,
             "beta": beta,
             "generation": generation,
             "counts": (foreign, sampled, stored, rewarded),
-            "recent": list(recent),
+            "recent": [list(r) for r in recent],
             "generator": generator.get_state(),
             "cpu_generator": cpu_generator.get_state(),
         }
-        population.policies[index] = learner.policy_vector().cpu()  # for model.pt
-        path = learner_file(run_path, index, t)
+        shared.publish(learners)  # for model.pt
+        path = population_file(run_path, t)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
-        msg_q.put(("saved", index, t, generation))
+        msg_q.put(("saved", t, generation))
 
     obs, _ = envs.reset()
     obs = torch.from_numpy(flatten_obs(obs))
-    ended = np.zeros(n, bool)  # the last observation ended an episode: the next step is envpool's reset step
+    ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
     for t in range(start_t + 1, steps_per_learner + 1):
         exit_if_orphaned(parent_pid)
         if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
-            actions = torch.rand(n, action_dim, generator=cpu_generator) * 2.0 - 1.0
+            actions = torch.rand(N * n, action_dim, generator=cpu_generator) * 2.0 - 1.0
         else:
-            actions = learner.act(obs, args.exploration_noise).cpu()
+            actions = learners.act(obs.view(N, n, obs_dim), args.exploration_noise).view(N * n, action_dim).cpu()
         next_obs, rewards, term, trunc, info = envs.step(
             np.clip(low + (actions.numpy() + 1.0) * 0.5 * (high - low), low, high)
         )
@@ -598,87 +617,75 @@ def run_learner(index, args, replay, population, msg_q, parent_pid, run_path=Non
         agent_rewards = delayed(rewards, term | trunc, real)
         keep = torch.from_numpy(real)
         replay.add(
-            index,
+            owner[keep],
             obs[keep],
             actions[keep],
             torch.from_numpy(agent_rewards)[keep],
             next_obs[keep],
             torch.from_numpy(term.astype(np.float32))[keep],
         )
-        stored += int(real.sum())
-        rewarded += int((agent_rewards[real] != 0).sum())
-        population.steps[index] = t * n
-        for _, score, length in tracker.step(info["env_id"], rewards, term, trunc, info):
-            recent.append(score)
-            msg_q.put(("episode", index, int(population.steps.sum()), score, length))
+        stored += torch.bincount(owner[keep], minlength=N)
+        rewarded += torch.bincount(owner[keep], torch.from_numpy(agent_rewards != 0)[keep].float(), minlength=N)
+        shared.steps[0] = t * N * n
+        for env, score, length in tracker.step(info["env_id"], rewards, term, trunc, info):
+            recent[env // n].append(score)
+            msg_q.put(("episode", env // n, int(shared.steps[0]), score, length))
         ended = term | trunc
         obs = next_obs
         if t <= args.t_initial:  # Algorithm 1, lines 13-14: no updates during the random phase
             continue
-        guided = N > 1 and index != best
+        guided = (torch.arange(N) != best) & (N > 1)
         for _ in range(n):  # one update per interaction (Sec. 4.1)
-            batch, writers = replay.sample(args.batch_size, cpu_generator)
-            foreign += int((writers != index).sum())
+            batch, writers = replay.sample((N, args.batch_size), cpu_generator)
+            foreign += (writers != torch.arange(N)[:, None]).sum(1)
             sampled += args.batch_size
-            stats = learner.update(batch, beta, guided)
+            stats = learners.update(batch, beta, guided.to(device))
         if t % args.best_period == 0:
-            period = t // args.best_period
-            if index == 0 and int(population.save_request[0]):  # decided before the barrier: all see the same
-                population.save_request[0] = 0
-                population.save_at[0] = period
             if N > 1:
                 generation += 1
-                best, beta, sync = synchronise(
-                    index, learner, replay, population, recent, best, beta, generation, args, parent_pid, cpu_generator
-                )
-                if index == 0:
-                    msg_q.put(("sync", int(population.steps.sum()), sync))
-            if int(population.save_at[0]) == period and run_path is not None:
+                best, beta, sync = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
+                msg_q.put(("sync", int(shared.steps[0]), sync))
+            if int(shared.save_request[0]) and run_path is not None:
+                shared.save_request[0] = 0
                 save(t)
         now = time.time()
         if now - last_report >= 2.0 and "actor_loss" in stats:
-            stats = {k: float(v) for k, v in stats.items()}
-            stats.update(beta=beta, guided=float(guided), foreign_sample_fraction=foreign / max(sampled, 1))
-            msg_q.put(("stats", index, int(population.steps.sum()), stats))
+            for i in range(N):
+                learner_stats = {k: float(v[i]) for k, v in stats.items()}
+                learner_stats.update(
+                    beta=beta, guided=float(guided[i]), foreign_sample_fraction=int(foreign[i]) / sampled
+                )
+                msg_q.put(("stats", i, int(shared.steps[0]), learner_stats))
             last_report = now
-    population.policies[index] = learner.policy_vector().cpu()
-    if run_path is not None and (
-        steps_per_learner % args.best_period or int(population.save_at[0]) != steps_per_learner // args.best_period
+    shared.publish(learners)
+    if run_path is not None and not (
+        steps_per_learner % args.best_period == 0 and os.path.exists(population_file(run_path, steps_per_learner))
     ):
         save(steps_per_learner)  # the end of the run (unless just saved at this very step)
     msg_q.put(
         (
             "done",
-            index,
             {
-                "foreign_sample_fraction": foreign / max(sampled, 1),
-                "updates": learner.updates,
-                "rewarded_fraction": rewarded / max(stored, 1),
+                "foreign_sample_fraction": (foreign / max(sampled, 1)).tolist(),
+                "updates": [learners.updates] * N,
+                "rewarded_fraction": (rewarded / stored.clamp(min=1)).tolist(),
             },
         )
     )
 
 
-def synchronise(index, learner, replay, population, recent, best, beta, generation, args, parent_pid, generator):
-    """Algorithm 1, lines 24-26, done identically by every learner on the same shared numbers: publish this
-    learner's score, distances and policy; meet; D_spread and D_change over the period's non-best learners →
-    new β (Eq. 76); the new best b; copy π_b; meet again (so no policy is overwritten while being read)."""
+def synchronise(learners, replay, recent, best, beta, args, generator):
+    """Algorithm 1, lines 24-26: every learner's score and distances (on one minibatch of B states of D); D_spread
+    and D_change over the period's non-best learners → new β (Eq. 76); the new best b; copy π_b, start π_old."""
     N = args.num_learners
     states = replay.sample(args.batch_size, generator)[0][0]
-    d_spread_i, d_change_i = learner.period_distances(states)
-    population.stats[index] = torch.tensor(
-        [np.mean(recent) if recent else math.nan, d_spread_i, d_change_i], dtype=torch.float64
-    )
-    population.policies[index] = learner.policy_vector().cpu()
-    population.barrier(2 * generation - 1, N, parent_pid)
-    table = population.stats.clone()
+    d_spread_i, d_change_i = learners.period_distances(states.expand(N, -1, -1))
     others = [i for i in range(N) if i != best]
-    d_spread, d_change = float(table[others, 1].mean()), float(table[others, 2].mean())
+    d_spread, d_change = float(d_spread_i[others].mean()), float(d_change_i[others].mean())
     beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min, args.beta_min, args.beta_max)
-    scores = table[:, 0].tolist()
+    scores = [float(np.mean(r)) if r else math.nan for r in recent]
     new_best = select_best([[] if math.isnan(s) else [s] for s in scores], best)
-    learner.adopt(population.policies[new_best].clone())
-    population.barrier(2 * generation, N, parent_pid)
+    learners.adopt(new_best)
     return (
         new_best,
         beta,
@@ -715,33 +722,28 @@ def main(args: Args):
         f"{', rewards delayed by ' + str(args.reward_delay) if args.reward_delay > 1 else ''}",
     )
     best, beta = (resumed["best"], resumed["beta"]) if resumed else (0, args.beta_init)
-    resume_files = [learner_file(log.path, i, resumed["t"]) if resumed else None for i in range(N)]
+    resume_file = population_file(log.path, resumed["t"]) if resumed else None
     ctx = torch.multiprocessing.get_context("spawn")
-    replay = SharedReplay(args.buffer_size, N, derived["obs_dim"], derived["action_dim"])
     actor = Actor(derived["obs_dim"], derived["action_dim"], args.hidden)
-    population = Population(ctx, N, sum(p.numel() for p in actor.parameters()))
-    if resumed is not None:  # the barrier counts on from the selections already made
-        population.arrivals.value = 2 * resumed["generation"] * N
+    shared = Shared(N, sum(p.numel() for p in actor.parameters()))
     msg_q = ctx.Queue()
     procs = [
         ctx.Process(
             target=worker_entry,
-            name=f"learner-{i}",
+            name="population",
             daemon=True,
-            args=(run_learner, i, msg_q, i, args, replay, population, msg_q, os.getpid(), log.path, resume_files[i]),
+            args=(run_population, 0, msg_q, args, shared, msg_q, os.getpid(), log.path, resume_file),
         )
-        for i in range(N)
     ]
-    saved_by = {}  # learner time step → learners that saved their part there
     stop = []  # Ctrl-C or SIGTERM: a checkpoint at the next selection, then stop
 
     def checkpoint(t, generation):
-        """checkpoint.pt names the time step whose learner files make up the checkpoint; older ones go."""
+        """checkpoint.pt names the time step whose population file completes the checkpoint; older ones go."""
         step = t * N * args.num_envs
         save_checkpoint(log.state(step, args, t=t, generation=generation, best=best, beta=beta), log.path)
         if args.save_model:  # a run stopped early can be evaluated too
-            save_model(saved_model(args, spec, actor, population, best, step), log.path)
-        for old in glob.glob(os.path.join(log.path, "learner_*.pt")):
+            save_model(saved_model(args, spec, actor, shared, best, step), log.path)
+        for old in glob.glob(os.path.join(log.path, "population.*.pt")):
             if not old.endswith(f".{t}.pt"):
                 os.remove(old)
         return step
@@ -750,15 +752,15 @@ def main(args: Args):
         stop.append(signum)
         if len(stop) > 1:  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
-        population.save_request[0] = 1
+        shared.save_request[0] = 1
 
     interrupt_on_signals(on_signal)
-    done, last_checkpoint, stop_deadline = {}, time.time(), None
+    done, last_checkpoint, stop_deadline = None, time.time(), None
     selections = open(os.path.join(log.path, "population.jsonl"), "a" if resumed else "w", buffering=1)
     try:
         for p in procs:
             p.start()
-        while len(done) < N:
+        while done is None:
             msg = receive(msg_q)
             kind = msg[0] if msg is not None else None
             if kind == "episode":
@@ -772,25 +774,23 @@ def main(args: Args):
             elif kind == "sync":
                 best, beta = log_selection(log, selections, *msg[1:])
             elif kind == "saved":
-                saved_by.setdefault(msg[2], set()).add(msg[1])
-                if len(saved_by[msg[2]]) == N:
-                    step = checkpoint(msg[2], msg[3])
-                    if stop:
-                        resume_hint(step, log.path, os.path.basename(__file__))
-                        raise KeyboardInterrupt
+                step = checkpoint(msg[1], msg[2])
+                if stop:
+                    resume_hint(step, log.path, os.path.basename(__file__))
+                    raise KeyboardInterrupt
             elif kind == "done":
-                done[msg[1]] = msg[2]
+                done = msg[1]
             elif kind is not None:
-                raise_worker_error(msg, "learner")
-            check_workers(procs, msg_q, "learner")
-            step = int(population.steps.sum())
+                raise_worker_error(msg, "population")
+            check_workers(procs, msg_q, "population")
+            step = int(shared.steps[0])
             if stop and stop_deadline is None:
                 stop_deadline = time.time() + 120.0
                 print(STOPPING.format(args.best_period), file=sys.stderr, flush=True)
             if stop_deadline is not None and time.time() > stop_deadline:
                 raise KeyboardInterrupt
             if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
-                population.save_request[0] = 1
+                shared.save_request[0] = 1
                 last_checkpoint = time.time()
             if step > max(N * args.num_envs * args.t_initial, log.start_step):
                 log.first_update(step)
@@ -802,16 +802,16 @@ def main(args: Args):
         sys.exit(1)
     except KeyboardInterrupt:
         ignore_further_interrupts()
-        print("interrupted: stopping learners", file=sys.stderr, flush=True)
+        print("interrupted: stopping the learners", file=sys.stderr, flush=True)
         stop_workers(procs)
         sys.exit(130)
     for p in procs:
         p.join()
     selections.close()
     end_time = time.time()
-    global_step = int(population.steps.sum())
+    global_step = int(shared.steps[0])
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    model = saved_model(args, spec, actor, population, best, global_step)
+    model = saved_model(args, spec, actor, shared, best, global_step)
     eval_means = evaluate_population(log, model)
     if args.save_model:
         torch.save(model, os.path.join(log.path, "model.pt"))
@@ -833,7 +833,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
 
     @torch.no_grad()
     def policy(obs, rewards, first):
-        a = actor(torch.from_numpy(flatten_obs(obs)).to(device)).cpu().numpy()
+        a = actor(torch.from_numpy(flatten_obs(obs)).to(device)[None])[0].cpu().numpy()
         return np.clip(low + (a + 1.0) * 0.5 * (high - low), low, high)
 
     return policy
@@ -900,11 +900,11 @@ def env_id_renders(env_id):
 STOPPING = "interrupted: a checkpoint at the next selection (every {} steps), then stop (Ctrl-C again: stop now)"
 
 
-def saved_model(args, spec, actor, population, best, global_step):
+def saved_model(args, spec, actor, shared, best, global_step):
     """What model.pt holds (common/evaluation.py plays `actor`): every learner's published policy."""
     actors = []
     for i in range(args.num_learners):
-        vector_to_parameters(population.policies[i], actor.parameters())
+        vector_to_parameters(shared.policies[i], actor.parameters())
         actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
     return {
         "script": "p3s_td3",
@@ -943,8 +943,9 @@ def population_summary(log, done, best, beta, eval_means):
         "mean_episodic_return_last_10_per_learner": [float(np.mean(r)) if r else None for r in recent],
         "best_learner": best,
         "beta": beta,
-        **{k: [done[i][k] for i in range(N)] for k in ("foreign_sample_fraction", "rewarded_fraction")},
-        "updates_per_learner": [done[i]["updates"] for i in range(N)],
+        "foreign_sample_fraction": done["foreign_sample_fraction"],
+        "rewarded_fraction": done["rewarded_fraction"],
+        "updates_per_learner": done["updates"],
     }
 
 

@@ -28,6 +28,10 @@ P3S-TD3 the same way, the whole population against `--num-learners 1` (plain TD3
 
     python benchmarks/throughput.py --script p3s_td3 --env-id HalfCheetah-v4 --num-envs 1 --learners 1 2 4 \
         --timesteps 6000 -- --t-initial 1000
+
+Every script in one run, each with the settings of `all_settings` (the README's throughput table of a machine kind):
+
+    python benchmarks/throughput.py --script all [--cuda]
 """
 
 from __future__ import annotations
@@ -235,9 +239,6 @@ def process_scaling(a):
             }
         )
     device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores" + (
-        f", {torch.cuda.get_device_name()}" if device == "cuda" else ""
-    )
     print(
         f"| {unit} | envs per process | raw envpool (same envs) | {a.script}.py | script / raw | "
         f"speed-up over {counts[0]} |\n|---|---|---|---|---|---|"
@@ -248,36 +249,99 @@ def process_scaling(a):
             f"({r['script_sps_with_startup']:.0f} with start-up) | {r['script_over_raw']:.3f} | "
             f"{r['script_sps'] / rows[0]['script_sps']:.2f} |"
         )
+    result = {"script": a.script, "env_id": a.env_id, "machine": machine_name(device), "script_args": a.extra}
+    result["rows"] = rows
     out = a.out or os.path.join(ROOT, "benchmarks", f"throughput_{a.script}_{a.env_id}_{a.num_envs}envs_{device}.json")
     with open(out, "w") as f:
-        json.dump(
-            {"script": a.script, "env_id": a.env_id, "machine": machine, "script_args": a.extra, "rows": rows},
-            f,
-            indent=2,
-        )
+        json.dump(result, f, indent=2)
+    return result
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--script",
-        default="impala_vtrace",
-        choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"],
+def machine_name(device):
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores" + (
+        f", {torch.cuda.get_device_name()}" if device == "cuda" else ""
     )
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="a3c, acer: worker counts to measure")
-    p.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4], help="p3s_td3: learner counts to measure")
-    p.add_argument("--env-id", default="Breakout-v5")
-    p.add_argument("--num-envs", type=int, default=32)
-    p.add_argument("--network", default="shallow", help="Atari scripts' torso (vmpo_mujoco has its MLP)")
-    p.add_argument("--unroll-length", type=int, default=20)
-    p.add_argument("--seconds", type=float, default=20.0, help="length of the raw and synchronous measurements")
-    p.add_argument("--timesteps", type=int, default=100_000, help="length of the script's run (a3c: per worker)")
-    p.add_argument("--cuda", action="store_true")
-    p.add_argument("--out", default=None)
-    p.add_argument("extra", nargs="*", help="more arguments of the script, after --")
-    a = p.parse_args()
-    if a.script in ("a3c", "acer", "p3s_td3"):
-        return process_scaling(a)
+
+
+# `--script all`: one setting per script, the task of its paper (Atari, MuJoCo), sized for a short run. On the GPU
+# machine the actor/learner scripts get 64 envs and the Hogwild scripts one worker per core (a3c, acer: CPU only).
+def all_settings(cuda):
+    cores = os.cpu_count() or 1
+    envs = 64 if cuda else 32
+    atari = dict(env_id="Breakout-v5", num_envs=envs, network="shallow", unroll_length=20, timesteps=64_000)
+    return [
+        dict(script="impala_vtrace", **atari, extra=[]),
+        dict(
+            script="vmpo_atari",
+            **atari,
+            extra=["--no-use-lstm", "--batch-size", str(envs), "--num-minibatches", "1"],
+        ),
+        dict(
+            script="vmpo_mujoco",
+            env_id="HalfCheetah-v4",
+            num_envs=64,
+            network="mlp",
+            unroll_length=39,
+            timesteps=300_000,
+            extra=["--batch-size", "64"],
+        ),
+        dict(script="a3c", env_id="Breakout-v5", num_envs=1, workers=sorted({1, cores}), timesteps=20_000, extra=[]),
+        dict(script="acer", env_id="Breakout-v5", num_envs=1, workers=sorted({1, cores}), timesteps=10_000, extra=[]),
+        dict(
+            script="p3s_td3",
+            env_id="HalfCheetah-v4",
+            num_envs=1,
+            learners=[1, 4],
+            timesteps=3_000,
+            extra=["--t-initial", "1000"],
+        ),
+    ]
+
+
+def measure_all(a):
+    """Every script of `all_settings`, one after the other, each against raw envpool measured in the same run; one
+    table with the ratio of each script (and of each process count of the Hogwild and population scripts)."""
+    device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
+    table = []
+    for setting in all_settings(a.cuda):
+        b = argparse.Namespace(**{**vars(a), "out": os.path.join(tempfile.gettempdir(), "throughput_one.json")})
+        b.__dict__.update(setting)
+        print(f"\n## {b.script} on {b.env_id}", flush=True)
+        result = process_scaling(b) if b.script in ("a3c", "acer", "p3s_td3") else actor_learner(b)
+        for r in result.get("rows", [result]):
+            count = next((f"{r[k]} {k}" for k in ("workers", "learners") if k in r), f"{b.num_envs} envs")
+            table.append(
+                {
+                    "script": b.script,
+                    "env_id": b.env_id,
+                    "setting": f"{count}, {r.get('envs_per_process', b.num_envs)} env(s) each"
+                    if "envs_per_process" in r
+                    else f"{count}, {result['network']}",
+                    "script_args": b.extra,
+                    "raw_envpool_sps": r["raw_envpool_sps"],
+                    "script_sps": r["script_sps"],
+                    "script_over_raw": r["script_over_raw"],
+                    "script_over_sync": r.get("script_over_sync"),
+                }
+            )
+    print(
+        "\n| script | env | setting | raw envpool | script | script / raw | script / sync |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    for r in table:
+        sync = f"{r['script_over_sync']:.2f}" if r["script_over_sync"] is not None else "–"
+        print(
+            f"| {r['script']} | {r['env_id']} | {r['setting']} | {r['raw_envpool_sps']:.0f} | {r['script_sps']:.0f} | "
+            f"{r['script_over_raw']:.3f} | {sync} |"
+        )
+    out = a.out or os.path.join(ROOT, "benchmarks", f"throughput_all_{device}.json")
+    with open(out, "w") as f:
+        json.dump({"machine": machine_name(device), "rows": table}, f, indent=2)
+
+
+def actor_learner(a):
+    """The actor/learner scripts (impala_vtrace, vmpo_atari, vmpo_mujoco): raw envpool, the two synchronous loops
+    and the script, one after the other."""
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
     script_args = {}
     if "--no-use-lstm" in a.extra or "--use-lstm" in a.extra:
@@ -295,9 +359,7 @@ def main():
     extra = ["--unroll-length", str(a.unroll_length), *a.extra] + ([] if a.cuda else ["--no-cuda"])
     total, steady = script_sps(a.script, a.env_id, a.num_envs, a.timesteps, a.network, extra)
     network = a.network if a.script in ("impala_vtrace", "vmpo_atari") else "mlp"
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores" + (
-        f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ""
-    )
+    machine = machine_name(device.type)
     result = {
         "script": a.script,
         "env_id": a.env_id,
@@ -323,6 +385,33 @@ def main():
     out = a.out or os.path.join(ROOT, "benchmarks", f"throughput_{a.script}_{a.env_id}_{network}_{device.type}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--script",
+        default="impala_vtrace",
+        choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3", "all"],
+    )
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="a3c, acer: worker counts to measure")
+    p.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4], help="p3s_td3: learner counts to measure")
+    p.add_argument("--env-id", default="Breakout-v5")
+    p.add_argument("--num-envs", type=int, default=32)
+    p.add_argument("--network", default="shallow", help="Atari scripts' torso (vmpo_mujoco has its MLP)")
+    p.add_argument("--unroll-length", type=int, default=20)
+    p.add_argument("--seconds", type=float, default=20.0, help="length of the raw and synchronous measurements")
+    p.add_argument("--timesteps", type=int, default=100_000, help="length of the script's run (a3c: per worker)")
+    p.add_argument("--cuda", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("extra", nargs="*", help="more arguments of the script, after --")
+    a = p.parse_args()
+    if a.script == "all":
+        return measure_all(a)
+    if a.script in ("a3c", "acer", "p3s_td3"):
+        return process_scaling(a)
+    return actor_learner(a)
 
 
 if __name__ == "__main__":

@@ -117,8 +117,8 @@ def assert_two_ctrl_cs_end_cleanly(proc):
 
 
 def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
-    """Starts `script` for a long run; `victim` "actor" (or "worker", "learner") SIGKILLs one of its spawned
-    processes (the run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must
+    """Starts `script` for a long run; `victim` "actor" (or "worker", "learner", "population") SIGKILLs one of its
+    spawned processes (the run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must
     end), "sigint-twice" sends it twice 0.3 s apart (the run must end with 130 and no traceback); either way no
     spawned process may outlive the run."""
     import signal
@@ -133,7 +133,7 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
     try:
         actors = wait_for_actors(proc)
         time.sleep(3.0)
-        if victim in ("actor", "worker", "learner"):
+        if victim in ("actor", "worker", "learner", "population"):
             os.kill(actors[0], signal.SIGKILL)
             assert proc.wait(timeout=30) != 0
             assert re.search(rf"{victim} \d+ died with exit code -9", proc.stderr.read())

@@ -21,7 +21,7 @@ import p3s_td3  # noqa: E402
 from p3s_td3 import (
     Args,
     DelayedReward,
-    Learner,
+    Learners,
     SharedReplay,
     adapt_beta,
     critic_loss,
@@ -107,7 +107,7 @@ def test_best_learner_is_chosen_on_its_last_episodes():
     ]
     windows = []
     for h in histories:
-        window = deque(maxlen=e_r)  # what a learner keeps (run_learner)
+        window = deque(maxlen=e_r)  # what a learner keeps (run_population)
         for r in h:
             window.append(r)
         windows.append(list(window))
@@ -159,28 +159,41 @@ def test_actor_loss_gradient_matches_eq_84(guided):
     """∇φ of E_s[−Q_1(s, π_φ(s))] + 1{i≠b} β E_s[½‖π_φ(s) − π_b(s)‖²] written per sample, against the function."""
     torch.manual_seed(3)
     args = Args(hidden=(16, 16))
-    learner = Learner(5, 2, args)
+    learner = Learners(1, 5, 2, args)  # a population of one: tensors [1, B, ...]
     with torch.no_grad():  # a π_b that differs from π_i
         for p in learner.best_actor.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    obs = torch.randn(6, 5)
+    obs = torch.randn(1, 6, 5)
     beta = 0.7
     pi = learner.actor(obs)
-    loss, distance = p3s_actor_loss(learner.qf.q1_only(obs, pi), pi, learner.best_actor(obs), beta, guided)
-    grads = torch.autograd.grad(loss, list(learner.actor.parameters()))
+    loss, distance = p3s_actor_loss(learner.qf.q1_only(obs, pi), pi, learner.best_actions(obs), beta, guided)
+    grads = torch.autograd.grad(loss[0], list(learner.actor.parameters()))
     ref_loss = 0.0
     for i in range(6):  # a plain loop over the minibatch
-        a = learner.actor(obs[i : i + 1])
-        term = -learner.qf.q1_only(obs[i : i + 1], a)[0]
+        a = learner.actor(obs[:, i : i + 1])[0]
+        term = -learner.qf.q1_only(obs[:, i : i + 1], a[None])[0, 0]
         if guided:
-            term = term + beta * 0.5 * ((a[0] - learner.best_actor(obs[i : i + 1])[0].detach()) ** 2).sum()
+            term = term + beta * 0.5 * ((a[0] - learner.best_actor(obs[:, i : i + 1])[0, 0].detach()) ** 2).sum()
         ref_loss = ref_loss + term / 6
     ref_grads = torch.autograd.grad(ref_loss, list(learner.actor.parameters()))
     for got, ref in zip(grads, ref_grads):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    assert float(loss[0].detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
     assert float(distance) > 0  # logged for every learner, guided or not
     assert all(p.grad is None for p in learner.best_actor.parameters())  # π_b gets nothing
+
+
+def test_actor_loss_per_learner_guides_all_but_the_best():
+    """Eq. (84) for a population, one minibatch per learner (`[N, B, ...]`): learner i's loss is its own
+    E_s[−Q_1] plus β E_s[½‖π_i − π_b‖²] only where i ≠ b; the distance is reported for every learner."""
+    g = torch.Generator().manual_seed(9)
+    q, pi, best = torch.randn(3, 5, generator=g), torch.randn(3, 5, 2, generator=g), torch.randn(3, 5, 2, generator=g)
+    guided = torch.tensor([False, True, True])  # learner 0 is the best
+    loss, distance = p3s_actor_loss(q, pi, best, 0.7, guided)
+    for i in range(3):
+        d = sum(0.5 * float(((pi[i, s] - best[i, s]) ** 2).sum()) for s in range(5)) / 5
+        ref = -sum(float(q[i, s]) for s in range(5)) / 5 + (0.7 * d if i != 0 else 0.0)
+        assert float(loss[i]) == pytest.approx(ref, rel=1e-5) and float(distance[i]) == pytest.approx(d, rel=1e-5)
 
 
 class SpyAdam(torch.optim.Adam):
@@ -196,12 +209,13 @@ class SpyAdam(torch.optim.Adam):
 
 
 def test_learner_update_applies_eq_83_and_84_with_delay_and_targets():
-    """`Learner.update`: the Q gradient of Eq. (83) with Eq. (80)'s target (same noise draw), the policy gradient of
-    Eq. (84) only on every d-th update, the targets moved by Eq. (82) only then; π_b unchanged."""
+    """`Learners.update` (a population of one): the Q gradient of Eq. (83) with Eq. (80)'s target (same noise
+    draw), the policy gradient of Eq. (84) only on every d-th update, the targets moved by Eq. (82) only then;
+    π_b unchanged."""
     torch.manual_seed(4)
     args = Args(hidden=(16, 16), policy_delay=2)
     g = torch.Generator().manual_seed(5)
-    learner = Learner(4, 2, args, generator=g)
+    learner = Learners(1, 4, 2, args, generator=g)
     learner.qf_opt = SpyAdam(learner.qf.parameters(), lr=1e-3)
     learner.actor_opt = SpyAdam(learner.actor.parameters(), lr=1e-3)
     with torch.no_grad():
@@ -211,11 +225,11 @@ def test_learner_update_applies_eq_83_and_84_with_delay_and_targets():
     B = 8
     for step in range(1, 5):
         batch = (
-            torch.randn(B, 4),
-            torch.rand(B, 2) * 2 - 1,
-            torch.randn(B),
-            torch.randn(B, 4),
-            (torch.rand(B) < 0.3).float(),
+            torch.randn(1, B, 4),
+            torch.rand(1, B, 2) * 2 - 1,
+            torch.randn(1, B),
+            torch.randn(1, B, 4),
+            (torch.rand(1, B) < 0.3).float(),
         )
         obs, actions, rewards, next_obs, term = batch
         targets_before = [
@@ -234,7 +248,7 @@ def test_learner_update_applies_eq_83_and_84_with_delay_and_targets():
         q1, q2 = learner.qf(obs, actions)
         ref_q = torch.autograd.grad(((y - q1) ** 2).mean() + ((y - q2) ** 2).mean(), list(learner.qf.parameters()))
         g.set_state(state)
-        learner.update(batch, beta=0.5, guided=True)
+        learner.update(batch, beta=0.5, guided=torch.tensor([True]))
         for got, ref in zip(learner.qf_opt.seen[-1], ref_q):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
         policy_step = step % 2 == 0
@@ -266,36 +280,96 @@ def test_adopt_makes_a_frozen_copy_of_the_best_policy():
     own policy at that time."""
     torch.manual_seed(6)
     args = Args(hidden=(8,))
-    best, other = Learner(3, 1, args), Learner(3, 1, args)
+    learners = Learners(2, 3, 1, args)  # learner 0 will be the best, learner 1 the other
+
+    def policy_vector(actor, i):
+        return torch.cat([p[i].flatten() for p in actor.parameters()])
+
     with torch.no_grad():
-        for p in best.actor.parameters():
-            p.add_(1.0)
-    vector = best.policy_vector().clone()
+        for p in learners.actor.parameters():
+            p[0].add_(1.0)
+    vector = policy_vector(learners.actor, 0).clone()
     with torch.no_grad():
-        for p in other.actor.parameters():  # the learner has moved since it was built
-            p.mul_(0.5)
-    other.adopt(vector)
-    torch.testing.assert_close(p3s_td3.parameters_to_vector(other.best_actor.parameters()), vector)
-    torch.testing.assert_close(p3s_td3.parameters_to_vector(other.old_actor.parameters()), other.policy_vector())
+        for p in learners.actor.parameters():  # the other learner has moved since it was built
+            p[1].mul_(0.5)
+    learners.adopt(0)
+    torch.testing.assert_close(policy_vector(learners.best_actor, 0), vector)
+    torch.testing.assert_close(policy_vector(learners.old_actor, 1), policy_vector(learners.actor, 1))
     with torch.no_grad():
-        for p in best.actor.parameters():  # the best learner keeps learning
-            p.add_(5.0)
-    torch.testing.assert_close(p3s_td3.parameters_to_vector(other.best_actor.parameters()), vector)
-    obs = torch.randn(10, 3)
-    d_spread, d_change = other.period_distances(obs)
-    assert d_change == 0.0 and d_spread > 0  # π_new = π_old right after adopting
+        for p in learners.actor.parameters():  # the best learner keeps learning
+            p[0].add_(5.0)
+    torch.testing.assert_close(policy_vector(learners.best_actor, 0), vector)
+    obs = torch.randn(10, 3).expand(2, -1, -1)
+    d_spread, d_change = learners.period_distances(obs)
+    assert d_change[1] == 0.0 and d_spread[1] > 0  # π_new = π_old right after adopting
     with torch.no_grad():
-        for p in other.actor.parameters():
-            p.add_(0.1)
-    assert other.period_distances(obs)[1] > 0  # π_old stays where the period started
-    assert not any(p.requires_grad for p in other.best_actor.parameters())
+        for p in learners.actor.parameters():
+            p[1].add_(0.1)
+    assert learners.period_distances(obs)[1][1] > 0  # π_old stays where the period started
+    assert not any(p.requires_grad for p in learners.best_actor.parameters())
+
+
+def learner_slice(module, i):
+    """Learner i's state of a stacked module (`[N, ...]` parameters), for a module of one learner."""
+    return {k: v[i : i + 1].clone() for k, v in module.state_dict().items()}
+
+
+def test_population_update_is_n_separate_td3_updates():
+    """One update of the stacked population equals N separate learners' updates, each on its own minibatch, the
+    best one unguided: the same Q-functions, policies, targets and Adam moments after a policy step."""
+    torch.manual_seed(8)
+    N, B, args = 3, 8, Args(hidden=(16, 16), policy_noise=0.0)  # no smoothing noise: no draws to line up
+    population = Learners(N, 4, 2, args)
+    with torch.no_grad():  # learners that differ, as they do after some training
+        for net in (population.actor, population.qf, population.actor_target, population.qf_target):
+            for p in net.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+    singles = []
+    for i in range(N):
+        single = Learners(1, 4, 2, args)
+        for name in ("actor", "qf", "actor_target", "qf_target", "old_actor"):
+            getattr(single, name).load_state_dict(learner_slice(getattr(population, name), i))
+        single.best_actor.load_state_dict(population.best_actor.state_dict())
+        singles.append(single)
+    guided = torch.tensor([False, True, True])  # learner 0 is the best
+    for _ in range(2):  # a Q step, then a Q and policy step (d = 2)
+        batch = (
+            torch.randn(N, B, 4),
+            torch.rand(N, B, 2) * 2 - 1,
+            torch.randn(N, B),
+            torch.randn(N, B, 4),
+            (torch.rand(N, B) < 0.3).float(),
+        )
+        stats = population.update(batch, 0.8, guided)
+        for i, single in enumerate(singles):
+            single_stats = single.update(tuple(x[i : i + 1] for x in batch), 0.8, guided[i : i + 1])
+            for k, v in single_stats.items():
+                torch.testing.assert_close(stats[k][i : i + 1], v, rtol=1e-5, atol=1e-6)
+    assert "actor_loss" in stats
+    for i, single in enumerate(singles):
+        for name in ("actor", "qf", "actor_target", "qf_target"):
+            for k, v in getattr(single, name).state_dict().items():
+                torch.testing.assert_close(
+                    getattr(population, name).state_dict()[k][i : i + 1], v, rtol=1e-5, atol=1e-6
+                )
+        for opt in ("actor_opt", "qf_opt"):
+            for p_pop, p_single in zip(
+                getattr(population, opt).param_groups[0]["params"], getattr(single, opt).param_groups[0]["params"]
+            ):
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(
+                        getattr(population, opt).state[p_pop][moment][i : i + 1],
+                        getattr(single, opt).state[p_single][moment],
+                        rtol=1e-5,
+                        atol=1e-7,
+                    )
 
 
 def test_shared_replay_samples_uniformly_over_every_learners_rows():
     replay = SharedReplay(capacity=300, num_learners=3, obs_dim=1, action_dim=1)
     for learner, k in ((0, 100), (1, 50), (2, 10)):
         obs = torch.full((k, 1), float(learner))
-        replay.add(learner, obs, torch.zeros(k, 1), torch.arange(k).float(), obs, torch.zeros(k))
+        replay.add(torch.full((k,), learner), obs, torch.zeros(k, 1), torch.arange(k).float(), obs, torch.zeros(k))
     g = torch.Generator().manual_seed(7)
     (obs, _, rewards, _, _), writers = replay.sample(32000, g)
     assert torch.equal(obs[:, 0].long(), writers)  # each row comes from the part its writer owns
@@ -304,7 +378,7 @@ def test_shared_replay_samples_uniformly_over_every_learners_rows():
     assert rewards[writers == 2].max() == 9  # only rows written are sampled
     # the ring: learner 2 overwrites its oldest rows once its part (100 rows) is full
     replay.add(
-        2,
+        torch.full((120,), 2),
         torch.full((120, 1), 2.0),
         torch.zeros(120, 1),
         100 + torch.arange(120).float(),
@@ -316,24 +390,17 @@ def test_shared_replay_samples_uniformly_over_every_learners_rows():
     assert rewards[writers == 2].min() >= 30  # rows 10..29 of the second batch overwrote everything older
 
 
-def _replay_child(replay):
-    """Another process writes 20 rows as learner 1 and samples: it must see the parent's rows too."""
-    replay.add(1, torch.full((20, 2), 1.0), torch.zeros(20, 1), torch.ones(20), torch.zeros(20, 2), torch.zeros(20))
-    _, writers = replay.sample(2000)
-    if not (writers == 0).any():
-        sys.exit(3)
-
-
-def test_replay_is_shared_between_processes():
-    ctx = torch.multiprocessing.get_context("spawn")
-    replay = SharedReplay(capacity=200, num_learners=2, obs_dim=2, action_dim=1)
-    replay.add(0, torch.zeros(30, 2), torch.zeros(30, 1), torch.zeros(30), torch.zeros(30, 2), torch.zeros(30))
-    proc = ctx.Process(target=_replay_child, args=(replay,))
-    proc.start()
-    proc.join(timeout=120)
-    assert proc.exitcode == 0  # the child sampled the parent's rows
-    (obs, _, _, _, _), writers = replay.sample(2000)
-    assert (writers == 1).any() and (obs[writers == 1] == 1.0).all()  # the parent samples the child's rows
+def test_replay_rows_of_several_learners_in_one_add_go_to_each_learners_ring_in_order():
+    """One step of the population stores the rows of every learner at once (some envs at a reset step store
+    nothing): each row lands in its writer's part, after that learner's earlier rows, in order."""
+    replay = SharedReplay(capacity=12, num_learners=3, obs_dim=1, action_dim=1)
+    writers = torch.tensor([0, 2, 0, 1, 2, 0])
+    rewards = torch.arange(6).float()
+    for _ in range(2):  # the second add wraps learner 0's ring (4 rows) after 6 of its rows
+        replay.add(writers, rewards[:, None], torch.zeros(6, 1), rewards, rewards[:, None], torch.zeros(6))
+    assert replay.writes.tolist() == [6, 2, 4]
+    assert replay.rewards[0:4].tolist() == [2.0, 5.0, 5.0, 0.0]  # rows 0, 2, 5, then 0, 2, 5 into a ring of 4
+    assert replay.rewards[4:6].tolist() == [3.0, 3.0] and replay.rewards[8:12].tolist() == [1.0, 4.0, 1.0, 4.0]
 
 
 def test_delayed_reward_gives_the_sum_every_f_steps_or_at_the_end():
@@ -493,7 +560,7 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("victim", ["learner", "sigint", "sigint-twice"])
+@pytest.mark.parametrize("victim", ["population", "sigint", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     assert_killed_process_ends_the_run(
         "p3s_td3.py",
@@ -518,8 +585,8 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 
 @pytest.mark.e2e
 def test_learners_exit_when_the_main_process_is_killed(tmp_path):
-    """SIGKILL leaves the main process no chance to stop its learners: they notice and exit, even while one
-    waits for the other at a selection."""
+    """SIGKILL leaves the main process no chance to stop the population's process: it notices and exits, also
+    when it was stopped (SIGSTOP) at the time and continues afterwards."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -546,7 +613,7 @@ def test_learners_exit_when_the_main_process_is_killed(tmp_path):
     try:
         learners = wait_for_actors(proc)
         time.sleep(3.0)
-        os.kill(learners[0], signal.SIGSTOP)  # the other learner soon waits for it at a barrier
+        os.kill(learners[0], signal.SIGSTOP)
         time.sleep(1.0)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -594,9 +661,9 @@ SMALL = [
 
 @pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
-    """A run SIGKILLed after a checkpoint continues with --resume: each learner's networks, Adam states, π_b,
-    π_old and replay part as saved at the same selection, β and the best learner, the step counters; curves go
-    on from the checkpoint's step and population.jsonl is appended to."""
+    """A run SIGKILLed after a checkpoint continues with --resume: the learners' networks, Adam states, π_b,
+    π_old and replay parts as saved at a selection, β and the best learner, the step counters; curves go on from
+    the checkpoint's step and population.jsonl is appended to."""
     ckpt = kill_after_first_checkpoint(
         "p3s_td3.py", [*SMALL, "--total-timesteps", "12000", "--checkpoint-interval", "0.5", "--save-model"], tmp_path
     )
@@ -605,11 +672,12 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     saved = torch.load(ckpt, weights_only=False)
     t = saved["t"]
     assert t % 50 == 0 and 100 < t < 6000 and saved["global_step"] == 2 * t
-    parts = [torch.load(os.path.join(run, f"learner_{i}.{t}.pt"), weights_only=False) for i in range(2)]
-    for part in parts:
-        assert part["t"] == t and 0 < part["replay"]["writes"] <= t  # reset steps are not stored
-        assert len(part["replay"]["rewards"]) == min(part["replay"]["writes"], 1_000_000 // 2)
-        assert part["learner"]["updates"] > 0 and part["beta"] == saved["beta"] and part["best"] == saved["best"]
+    population = torch.load(os.path.join(run, f"population.{t}.pt"), weights_only=False)
+    assert population["t"] == t and population["learners"]["updates"] > 0
+    assert population["beta"] == saved["beta"] and population["best"] == saved["best"]
+    for part in population["replay"]:  # each learner's part of the shared replay
+        assert 0 < part["writes"] <= t  # reset steps are not stored
+        assert len(part["rewards"]) == min(part["writes"], 1_000_000 // 2)
     selections_before = open(os.path.join(run, "population.jsonl")).read().splitlines()
     assert run_script("p3s_td3.py", ["--resume", run], tmp_path, timeout=600) == run
     summary = json.load(open(os.path.join(run, "summary.json")))
@@ -617,8 +685,8 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     # the updates went on from the saved count: (steps after T_initial) x envs, across both sessions
     assert summary["updates_per_learner"] == [6000 - 100] * 2
     final = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
-    assert final["t"] == 6000 and sorted(glob.glob(os.path.join(run, "learner_*.pt"))) == [
-        os.path.join(run, f"learner_{i}.6000.pt") for i in range(2)
+    assert final["t"] == 6000 and glob.glob(os.path.join(run, "population.*.pt")) == [
+        os.path.join(run, "population.6000.pt")
     ]
     selections = open(os.path.join(run, "population.jsonl")).read().splitlines()
     assert selections[: len(selections_before)] == selections_before and len(selections) > len(selections_before)

@@ -1,0 +1,192 @@
+"""Where an actor's step goes: the real actor loop of impala_vtrace / vmpo_atari (`common.actor_pool.act_recurrent`)
+run in this process for a few seconds, its parts timed.
+
+    python benchmarks/actor_profile.py --script impala_vtrace --env-id Breakout-v5 --num-envs 32 --seconds 20
+    python benchmarks/actor_profile.py --script vmpo_atari --cuda -- --network shallow --no-use-lstm
+
+One actor process as the scripts start it (`--num-envs` envs, envpool's async batches of half of them, the
+script's network on `--cuda` or the CPU), with a learner that takes nothing: full unroll slots go straight back
+to the free ones. Per envpool batch, the mean time of:
+- `recv`: waiting for envpool to return the next batch (the emulators' share the actor cannot hide);
+- `refresh`: checking for (and loading) a newer network from the learner;
+- `inference`: the inputs to the device, the network's forward pass and the sampled actions back on the CPU;
+- `send`: handing the actions to envpool;
+- `unroll write`: the row copied into the shared unroll buffers;
+- the rest: Python bookkeeping of the loop (the row's tensors, the episode tracker).
+The sum is the actor's time per batch; steps/s = batch size / that. Prints a Markdown table, and writes it as JSON
+to `--out` if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from common import actor_pool  # noqa: E402
+from common.envs import env_spec  # noqa: E402
+
+
+class Timer:
+    """Sums the seconds spent in each named part."""
+
+    def __init__(self):
+        self.total = defaultdict(float)
+        self.count = defaultdict(int)
+
+    def wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[name] += time.perf_counter() - t0
+                self.count[name] += 1
+
+        return timed
+
+
+class Done(Exception):
+    pass
+
+
+class Recycle:
+    """A full-slot queue whose learner takes nothing: each full slot is free again at once."""
+
+    def __init__(self, free_q):
+        self.free_q = free_q
+
+    def put(self, slot):
+        self.free_q.put(slot)
+
+
+class Messages:
+    def put(self, msg):
+        pass
+
+
+def profile(script, env_id, num_envs, unroll_length, seconds, device, script_flags):
+    import importlib
+
+    m = importlib.import_module(script)
+    args = m.Args(env_id=env_id, num_envs=num_envs, num_actors=1, unroll_length=unroll_length)
+    if "--no-use-lstm" in script_flags:
+        args.use_lstm = False
+    if "--network" in script_flags:
+        args.network = script_flags[script_flags.index("--network") + 1]
+    spec = env_spec(env_id, discrete=True)
+    obs_shape, num_actions = spec.observation_space.shape, spec.action_space.n
+    agent = m.Agent(obs_shape, num_actions, args.network, args.channels, args.use_lstm)
+    specs = actor_pool.recurrent_buffer_specs(spec.observation_space, num_actions, args)
+    num_slots = num_envs + 8
+    buffers = {k: torch.zeros((num_slots, *shape), dtype=dt) for k, (shape, dt) in specs.items()}
+    free_q = queue.Queue()
+    for i in range(num_slots):
+        free_q.put(i)
+    link = actor_pool.ActorLink(
+        agent, torch.zeros(1, dtype=torch.long), buffers, free_q, Recycle(free_q), Messages(), os.getpid()
+    )
+    cfg = actor_pool.actor_configs(args, 0, device)[0]
+    timer = Timer()
+    deadline = [None]
+    batches = [0]
+    make_envs = cfg.make_envs
+
+    def timed_envs():
+        envs = make_envs()
+        recv, send = timer.wrap("recv", envs.recv), timer.wrap("send", envs.send)
+
+        class Envs:
+            def __getattr__(self, name):
+                return getattr(envs, name)
+
+            def recv(self):
+                now = time.perf_counter()
+                if deadline[0] is None and batches[0] == 20:  # warm-up: start the clock after 20 batches
+                    timer.total.clear()
+                    timer.count.clear()
+                    deadline[0] = now + seconds
+                    timer.start = now
+                if deadline[0] is not None and now >= deadline[0]:
+                    timer.end = now
+                    raise Done
+                batches[0] += 1
+                return recv()
+
+            def send(self, *a):
+                return send(*a)
+
+        return Envs()
+
+    cfg.make_envs = timed_envs
+    link.refresh = timer.wrap("refresh", link.refresh)
+    write = actor_pool.UnrollWriter.write
+    actor_pool.UnrollWriter.write = timer.wrap("unroll write", write)
+    policy = timer.wrap("inference", actor_pool.sample_action)
+    try:
+        actor_pool.act_recurrent(link, cfg, policy)
+    except Done:
+        pass
+    finally:
+        actor_pool.UnrollWriter.write = write
+    wall = timer.end - timer.start
+    n = timer.count["recv"]
+    parts = {k: timer.total[k] / n for k in ("recv", "refresh", "inference", "send", "unroll write")}
+    parts["rest (Python bookkeeping)"] = wall / n - sum(parts.values())
+    return {
+        "script": script,
+        "env_id": env_id,
+        "num_envs": num_envs,
+        "env_batch_size": cfg.env_batch_size,
+        "network": args.network,
+        "use_lstm": args.use_lstm,
+        "device": str(device),
+        "batches": n,
+        "steps_per_second": n * cfg.env_batch_size / wall,
+        "ms_per_batch": {k: 1e3 * v for k, v in parts.items()},
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--script", default="impala_vtrace", choices=["impala_vtrace", "vmpo_atari"])
+    p.add_argument("--env-id", default="Breakout-v5")
+    p.add_argument("--num-envs", type=int, default=32)
+    p.add_argument("--unroll-length", type=int, default=20)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--cuda", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("extra", nargs="*", help="--network NAME, --no-use-lstm (after --)")
+    a = p.parse_args()
+    device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
+    r = profile(a.script, a.env_id, a.num_envs, a.unroll_length, a.seconds, device, a.extra)
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores" + (
+        f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ""
+    )
+    r["machine"] = machine
+    total = sum(r["ms_per_batch"].values())
+    print(
+        f"{r['script']} actor on {r['env_id']}, {r['num_envs']} envs in batches of {r['env_batch_size']}, "
+        f"{r['network']} network{' + LSTM' if r['use_lstm'] else ''} on {r['device']}, {machine}: "
+        f"{r['steps_per_second']:.0f} steps/s over {r['batches']} batches\n\n"
+        "| part | ms per batch | share |\n|---|---|---|"
+    )
+    for k, v in r["ms_per_batch"].items():
+        print(f"| {k} | {v:.3f} | {v / total:.0%} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(r, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
