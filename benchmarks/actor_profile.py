@@ -13,8 +13,15 @@ to the free ones. Per envpool batch, the mean time of:
 - `send`: handing the actions to envpool;
 - `unroll write`: the row copied into the shared unroll buffers;
 - the rest: Python bookkeeping of the loop (the row's tensors, the episode tracker).
-The sum is the actor's time per batch; steps/s = batch size / that. Prints a Markdown table, and writes it as JSON
-to `--out` if given.
+The sum is the actor's time per batch; steps/s = batch size / that. Then the learner's side: one update of the
+script's loss on a batch of `--num-envs` of the unrolls just written (the learner's torch threads: half the cores,
+as the scripts set them), in ms per environment step; and raw envpool stepping the same envs with random actions.
+
+On a CPU every part runs on the same cores, so the script cannot go faster than
+cores / (emulator + actor + learner CPU-seconds per step), the budget printed at the end (the emulator's share
+taken as cores / raw envpool SPS: its threads keep every core busy). On a GPU machine the learner's and the
+inference's time are the device's, and the budget says where the CPU goes. Prints Markdown, and writes JSON to
+`--out` if given.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from throughput import raw_envpool_sps  # noqa: E402
 
 from common import actor_pool  # noqa: E402
 from common.envs import env_spec  # noqa: E402
@@ -78,6 +89,7 @@ class Messages:
 def profile(script, env_id, num_envs, unroll_length, seconds, device, script_flags):
     import importlib
 
+    torch.set_num_threads(1)  # as in an actor process (common/processes.py: worker_entry)
     m = importlib.import_module(script)
     args = m.Args(env_id=env_id, num_envs=num_envs, num_actors=1, unroll_length=unroll_length)
     if "--no-use-lstm" in script_flags:
@@ -94,7 +106,7 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
     for i in range(num_slots):
         free_q.put(i)
     link = actor_pool.ActorLink(
-        agent, torch.zeros(1, dtype=torch.long), buffers, free_q, Recycle(free_q), Messages(), os.getpid()
+        agent, torch.zeros(1, dtype=torch.long), buffers, free_q, Recycle(free_q), Messages(), os.getppid()
     )
     cfg = actor_pool.actor_configs(args, 0, device)[0]
     timer = Timer()
@@ -143,6 +155,8 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
     n = timer.count["recv"]
     parts = {k: timer.total[k] / n for k in ("recv", "refresh", "inference", "send", "unroll write")}
     parts["rest (Python bookkeeping)"] = wall / n - sum(parts.values())
+    learner = learner_ms_per_step(script, spec, args, buffers, num_envs, device, seconds)
+    raw = raw_envpool_sps(env_id, num_envs, cfg.env_batch_size, seconds)
     return {
         "script": script,
         "env_id": env_id,
@@ -154,7 +168,37 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
         "batches": n,
         "steps_per_second": n * cfg.env_batch_size / wall,
         "ms_per_batch": {k: 1e3 * v for k, v in parts.items()},
+        "learner_ms_per_step": learner,
+        "raw_envpool_sps": raw,
     }
+
+
+def learner_ms_per_step(script, spec, args, buffers, batch_size, device, seconds):
+    """One update of the script's loss (benchmarks/throughput.py's learner) on `batch_size` unrolls from the actor's
+    buffers, in ms per environment step of the batch, with the scripts' default learner threads."""
+    from types import SimpleNamespace
+
+    from throughput import make_learner
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    envs = SimpleNamespace(spec=spec, action_space=spec.action_space)
+    flags = {"use_lstm": args.use_lstm, "channels": args.channels}
+    opt, _, loss_fn = make_learner(script, envs, args.network, flags, device)
+    keys = ("obs", "action", "logits", "reward", "ended", "terminated")
+    mb = {k: buffers[k][:batch_size].transpose(0, 1).to(device) for k in keys}
+    steps, t0, n = mb["action"].shape[0] - 1, None, 0
+    while True:
+        loss = loss_fn(mb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        n += 1
+        if t0 is None and n == 3:
+            t0, n = time.perf_counter(), 0
+        elif t0 is not None and time.perf_counter() - t0 >= seconds / 2:
+            return 1e3 * (time.perf_counter() - t0) / n / (steps * batch_size)
 
 
 def main():
@@ -183,6 +227,16 @@ def main():
     )
     for k, v in r["ms_per_batch"].items():
         print(f"| {k} | {v:.3f} | {v / total:.0%} |")
+    cores = os.cpu_count() or 1
+    emulator = 1e3 * cores / r["raw_envpool_sps"]
+    actor = (total - r["ms_per_batch"]["recv"]) / r["env_batch_size"]  # the actor's own CPU time, not its waiting
+    learner = r["learner_ms_per_step"]
+    print(
+        f"\nCPU-ms per environment step: emulators {emulator:.3f} (raw envpool {r['raw_envpool_sps']:.0f} SPS on "
+        f"{cores} cores), actor {actor:.3f}, learner {learner:.3f} (one update per step of the batch)"
+    )
+    if device.type == "cpu":
+        print(f"budget on {cores} cores: at most {cores / ((emulator + actor + learner) / 1e3):.0f} SPS")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(r, f, indent=2)
