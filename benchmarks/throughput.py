@@ -184,25 +184,41 @@ def sync_loop_sps(script, env_id, num_envs, unroll, network, script_args, second
             return steps / (time.time() - t0)
 
 
+def script_command(script, env_id, num_envs, timesteps, network, extra, run_dir):
+    """The command line of the script's run: `--timesteps` steps, no evaluation, its run folder in `run_dir`."""
+    net = ["--network", network] if script in ("impala_vtrace", "vmpo_atari") else []
+    return [
+        sys.executable,
+        os.path.join(ROOT, f"{script}.py"),
+        "--env-id",
+        env_id,
+        "--num-envs",
+        str(num_envs),
+        "--total-timesteps",
+        str(timesteps),
+        *net,
+        "--eval-episodes",
+        "0",
+        "--run-dir",
+        run_dir,
+        *extra,
+    ]
+
+
+def script_extra(a, count=None):
+    """The script's own flags: the benchmark's `extra`, the unroll length (actor/learner scripts) or the process
+    count (`--num-workers`, `--num-learners`), and `--no-cuda` without `--cuda` (a3c and acer have no GPU)."""
+    if a.script in ("a3c", "acer"):
+        return ["--num-workers", str(count), *a.extra]
+    cuda = [] if a.cuda else ["--no-cuda"]
+    if a.script == "p3s_td3":
+        return ["--num-learners", str(count), *a.extra, *cuda]
+    return ["--unroll-length", str(a.unroll_length), *a.extra, *cuda]
+
+
 def script_sps(script, env_id, num_envs, timesteps, network, extra):
     with tempfile.TemporaryDirectory() as d:
-        net = ["--network", network] if script in ("impala_vtrace", "vmpo_atari") else []
-        cmd = [
-            sys.executable,
-            os.path.join(ROOT, f"{script}.py"),
-            "--env-id",
-            env_id,
-            "--num-envs",
-            str(num_envs),
-            "--total-timesteps",
-            str(timesteps),
-            *net,
-            "--eval-episodes",
-            "0",
-            "--run-dir",
-            d,
-            *extra,
-        ]
+        cmd = script_command(script, env_id, num_envs, timesteps, network, extra, d)
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         summary = json.load(open(glob.glob(os.path.join(d, "*", "summary.json"))[0]))
         return summary["sps"], summary["sps_after_first_update"]
@@ -211,11 +227,7 @@ def script_sps(script, env_id, num_envs, timesteps, network, extra):
 def process_scaling(a):
     """SPS of a3c.py against its number of workers, or of p3s_td3.py against its number of learners, each count
     next to raw envpool stepping as many environments (`--num-envs` per process)."""
-    flag, unit, counts = (
-        ("--num-workers", "workers", a.workers)
-        if a.script in ("a3c", "acer")
-        else ("--num-learners", "learners", a.learners)
-    )
+    unit, counts = ("workers", a.workers) if a.script in ("a3c", "acer") else ("learners", a.learners)
     rows = []
     for w in counts:
         envs = w * a.num_envs
@@ -226,7 +238,7 @@ def process_scaling(a):
             a.num_envs,
             a.timesteps * w,
             None,
-            [flag, str(w), *a.extra] + ([] if a.cuda or a.script in ("a3c", "acer") else ["--no-cuda"]),
+            script_extra(a, w),
         )
         rows.append(
             {
@@ -356,8 +368,7 @@ def actor_learner(a):
     ppo = sync_loop_sps(
         a.script, a.env_id, a.num_envs, a.unroll_length, a.network, script_args, a.seconds, device, 4, 4
     )
-    extra = ["--unroll-length", str(a.unroll_length), *a.extra] + ([] if a.cuda else ["--no-cuda"])
-    total, steady = script_sps(a.script, a.env_id, a.num_envs, a.timesteps, a.network, extra)
+    total, steady = script_sps(a.script, a.env_id, a.num_envs, a.timesteps, a.network, script_extra(a))
     network = a.network if a.script in ("impala_vtrace", "vmpo_atari") else "mlp"
     machine = machine_name(device.type)
     result = {

@@ -121,3 +121,79 @@ def test_time_limit_stops_a_run_with_ctrl_c(tmp_path):
             if "__" in f
         ]
     )
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_throughput_all_runs_every_script_with_flags_it_accepts(cuda):
+    """`benchmarks/throughput.py --script all`: one setting per script, and every command it will run (each
+    process count) parses with that script's own command line."""
+    import argparse
+    import importlib
+
+    import throughput
+    import tyro
+
+    settings = throughput.all_settings(cuda)
+    assert [s["script"] for s in settings] == [
+        "impala_vtrace",
+        "vmpo_atari",
+        "vmpo_mujoco",
+        "a3c",
+        "acer",
+        "p3s_td3",
+    ]
+    for setting in settings:
+        a = argparse.Namespace(cuda=cuda, **setting)
+        m = importlib.import_module(a.script)
+        for count in setting.get("workers", setting.get("learners", [None])):
+            cmd = throughput.script_command(
+                a.script,
+                a.env_id,
+                a.num_envs,
+                a.timesteps,
+                a.network if "network" in setting else None,
+                throughput.script_extra(a, count),
+                "runs",
+            )
+            args = tyro.cli(m.Args, args=cmd[2:])
+            assert args.env_id == a.env_id and args.num_envs == a.num_envs and args.eval_episodes == 0
+            if count is not None:
+                assert getattr(args, "num_workers", getattr(args, "num_learners", None)) == count
+            if a.script not in ("a3c", "acer"):  # Hogwild workers on CPU cores: measured without a GPU
+                assert args.cuda == cuda
+
+
+@pytest.mark.e2e
+def test_actor_profile_times_the_parts_of_the_actor_loop(tmp_path):
+    """benchmarks/actor_profile.py runs the real actor loop briefly: every part timed, the parts add up to the
+    measured rate, and the learner's cost and raw envpool are there."""
+    out = tmp_path / "profile.json"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/actor_profile.py",
+            "--script",
+            "impala_vtrace",
+            "--env-id",
+            "Breakout-v5",
+            "--num-envs",
+            "4",
+            "--seconds",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.load(open(out))
+    parts = r["ms_per_batch"]
+    assert set(parts) == {"recv", "refresh", "inference", "send", "unroll write", "rest (Python bookkeeping)"}
+    assert all(v > 0 for k, v in parts.items() if k != "rest (Python bookkeeping)")
+    ms_per_step = sum(parts.values()) / r["env_batch_size"]
+    assert r["steps_per_second"] == pytest.approx(1e3 / ms_per_step, rel=1e-6)
+    assert r["batches"] > 20 and r["learner_ms_per_step"] > 0 and r["raw_envpool_sps"] > 0
+    assert "budget on" in res.stdout
