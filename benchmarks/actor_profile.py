@@ -1,15 +1,17 @@
 """Where an actor's step goes: the real actor loop of impala_vtrace / vmpo_atari (`common.actor_pool.act_recurrent`)
-run in this process for a few seconds, its parts timed.
+or vmpo_mujoco (its `act`) run in this process for a few seconds, its parts timed.
 
     python benchmarks/actor_profile.py --script impala_vtrace --env-id Breakout-v5 --num-envs 32 --seconds 20
     python benchmarks/actor_profile.py --script vmpo_atari --cuda -- --network shallow --no-use-lstm
+    python benchmarks/actor_profile.py --script vmpo_mujoco --env-id HalfCheetah-v4 --num-envs 64 --unroll-length 39
 
 One actor process as the scripts start it (`--num-envs` envs, envpool's async batches of half of them, the
 script's network on `--cuda` or the CPU), with a learner that takes nothing: full unroll slots go straight back
 to the free ones. Per envpool batch, the mean time of:
 - `recv`: waiting for envpool to return the next batch (the emulators' share the actor cannot hide);
 - `refresh`: checking for (and loading) a newer network from the learner;
-- `inference`: the inputs to the device, the network's forward pass and the sampled actions back on the CPU;
+- `inference`: the inputs to the device, the network's forward pass and the sampled actions back on the CPU
+  (vmpo_mujoco: the forward pass only; its copies back to the CPU fall in the rest);
 - `send`: handing the actions to envpool;
 - `unroll write`: the row copied into the shared unroll buffers;
 - the rest: Python bookkeeping of the loop (the row's tensors, the episode tracker).
@@ -45,7 +47,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from throughput import raw_envpool_sps  # noqa: E402
 
 from common import actor_pool  # noqa: E402
-from common.envs import env_spec  # noqa: E402
+from common.envs import env_spec, flat_obs_dim  # noqa: E402
 
 
 class Timer:
@@ -96,10 +98,16 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
         args.use_lstm = False
     if "--network" in script_flags:
         args.network = script_flags[script_flags.index("--network") + 1]
-    spec = env_spec(env_id, discrete=True)
-    obs_shape, num_actions = spec.observation_space.shape, spec.action_space.n
-    agent = m.Agent(obs_shape, num_actions, args.network, args.channels, args.use_lstm)
-    specs = actor_pool.recurrent_buffer_specs(spec.observation_space, num_actions, args)
+    if script == "vmpo_mujoco":
+        spec = env_spec(env_id, discrete=False)
+        obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
+        agent = m.Agent(obs_dim, action_dim, args.hidden)
+        specs = m.buffer_specs(obs_dim, action_dim, args.unroll_length)
+    else:
+        spec = env_spec(env_id, discrete=True)
+        obs_shape, num_actions = spec.observation_space.shape, spec.action_space.n
+        agent = m.Agent(obs_shape, num_actions, args.network, args.channels, args.use_lstm)
+        specs = actor_pool.recurrent_buffer_specs(spec.observation_space, num_actions, args)
     num_slots = num_envs + 8
     buffers = {k: torch.zeros((num_slots, *shape), dtype=dt) for k, (shape, dt) in specs.items()}
     free_q = queue.Queue()
@@ -144,9 +152,19 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
     link.refresh = timer.wrap("refresh", link.refresh)
     write = actor_pool.UnrollWriter.write
     actor_pool.UnrollWriter.write = timer.wrap("unroll write", write)
-    policy = timer.wrap("inference", actor_pool.sample_action)
     try:
-        actor_pool.act_recurrent(link, cfg, policy)
+        if script == "vmpo_mujoco":  # its own loop (`act`): the forward pass timed, the copies back in "rest"
+            local_agent = link.local_agent
+
+            def timed_agent(device):
+                a = local_agent(device)
+                a.forward = timer.wrap("inference", a.forward)
+                return a
+
+            link.local_agent = timed_agent
+            m.act(0, cfg, link)
+        else:
+            actor_pool.act_recurrent(link, cfg, timer.wrap("inference", actor_pool.sample_action))
     except Done:
         pass
     finally:
@@ -162,8 +180,8 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
         "env_id": env_id,
         "num_envs": num_envs,
         "env_batch_size": cfg.env_batch_size,
-        "network": args.network,
-        "use_lstm": args.use_lstm,
+        "network": getattr(args, "network", "mlp"),
+        "use_lstm": getattr(args, "use_lstm", False),
         "device": str(device),
         "batches": n,
         "steps_per_second": n * cfg.env_batch_size / wall,
@@ -182,10 +200,9 @@ def learner_ms_per_step(script, spec, args, buffers, batch_size, device, seconds
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     envs = SimpleNamespace(spec=spec, action_space=spec.action_space)
-    flags = {"use_lstm": args.use_lstm, "channels": args.channels}
-    opt, _, loss_fn = make_learner(script, envs, args.network, flags, device)
-    keys = ("obs", "action", "logits", "reward", "ended", "terminated")
-    mb = {k: buffers[k][:batch_size].transpose(0, 1).to(device) for k in keys}
+    flags = {"use_lstm": getattr(args, "use_lstm", False), "channels": getattr(args, "channels", ())}
+    opt, _, loss_fn = make_learner(script, envs, getattr(args, "network", None), flags, device)
+    mb = {k: v[:batch_size].transpose(0, 1).to(device) for k, v in buffers.items() if not k.startswith("core_")}
     steps, t0, n = mb["action"].shape[0] - 1, None, 0
     while True:
         loss = loss_fn(mb)
@@ -203,7 +220,7 @@ def learner_ms_per_step(script, spec, args, buffers, batch_size, device, seconds
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--script", default="impala_vtrace", choices=["impala_vtrace", "vmpo_atari"])
+    p.add_argument("--script", default="impala_vtrace", choices=["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
     p.add_argument("--env-id", default="Breakout-v5")
     p.add_argument("--num-envs", type=int, default=32)
     p.add_argument("--unroll-length", type=int, default=20)
