@@ -164,7 +164,8 @@ def test_throughput_all_runs_every_script_with_flags_it_accepts(cuda):
 
 
 @pytest.mark.e2e
-def test_actor_profile_times_the_parts_of_the_actor_loop(tmp_path):
+@pytest.mark.parametrize("script, env_id", [("impala_vtrace", "Breakout-v5"), ("vmpo_mujoco", "HalfCheetah-v4")])
+def test_actor_profile_times_the_parts_of_the_actor_loop(tmp_path, script, env_id):
     """benchmarks/actor_profile.py runs the real actor loop briefly: every part timed, the parts add up to the
     measured rate, and the learner's cost and raw envpool are there."""
     out = tmp_path / "profile.json"
@@ -173,9 +174,9 @@ def test_actor_profile_times_the_parts_of_the_actor_loop(tmp_path):
             sys.executable,
             "benchmarks/actor_profile.py",
             "--script",
-            "impala_vtrace",
+            script,
             "--env-id",
-            "Breakout-v5",
+            env_id,
             "--num-envs",
             "4",
             "--seconds",
