@@ -536,8 +536,8 @@ class Shared:
         self.save_request = torch.zeros(1, dtype=torch.int64).share_memory_()
 
     def publish(self, learners):
-        for i in range(learners.num_learners):
-            self.policies[i] = torch.cat([v.flatten() for v in learners.actor.learner_state(i).values()]).cpu()
+        """Row i: learner i's policy parameters in the order of an `Actor`'s (`vector_to_parameters` reads it)."""
+        self.policies.copy_(torch.cat([p.detach().flatten(1) for p in learners.actor.parameters()], 1))
 
 
 def population_file(run_path, t):
@@ -600,6 +600,9 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
         os.replace(path + ".tmp", path)
         msg_q.put(("saved", t, generation))
 
+    learner_ids = torch.arange(N)
+    guided = (learner_ids != best) & (N > 1)  # 1{i≠b}: on the CPU for the logs, on the device for the loss
+    guided_on_device = guided.to(device)
     obs, _ = envs.reset()
     obs = torch.from_numpy(flatten_obs(obs))
     ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
@@ -634,16 +637,17 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
         obs = next_obs
         if t <= args.t_initial:  # Algorithm 1, lines 13-14: no updates during the random phase
             continue
-        guided = (torch.arange(N) != best) & (N > 1)
         for _ in range(n):  # one update per interaction (Sec. 4.1)
             batch, writers = replay.sample((N, args.batch_size), cpu_generator)
-            foreign += (writers != torch.arange(N)[:, None]).sum(1)
+            foreign += (writers != learner_ids[:, None]).sum(1)
             sampled += args.batch_size
-            stats = learners.update(batch, beta, guided.to(device))
+            stats = learners.update(batch, beta, guided_on_device)
         if t % args.best_period == 0:
             if N > 1:
                 generation += 1
                 best, beta, sync = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
+                guided = learner_ids != best
+                guided_on_device = guided.to(device)
                 msg_q.put(("sync", int(shared.steps[0]), sync))
             if int(shared.save_request[0]) and run_path is not None:
                 shared.save_request[0] = 0

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import sys
 import time
@@ -44,7 +43,7 @@ sys.path.insert(0, ROOT)
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from throughput import raw_envpool_sps  # noqa: E402
+from throughput import machine_name, raw_envpool_sps  # noqa: E402
 
 from common import actor_pool  # noqa: E402
 from common.envs import env_spec, flat_obs_dim  # noqa: E402
@@ -231,9 +230,7 @@ def main():
     a = p.parse_args()
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
     r = profile(a.script, a.env_id, a.num_envs, a.unroll_length, a.seconds, device, a.extra)
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores" + (
-        f", {torch.cuda.get_device_name()}" if device.type == "cuda" else ""
-    )
+    machine = machine_name(device.type)
     r["machine"] = machine
     total = sum(r["ms_per_batch"].values())
     print(

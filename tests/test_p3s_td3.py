@@ -728,3 +728,19 @@ def test_non_finite_loss_stops_the_run(tmp_path):
         "p3s_td3.py", SMALL[:-6] + ["--total-timesteps", "100000"], tmp_path, checkpoint_expected=False
     )
     assert "loss" in line
+
+
+def test_published_policies_are_each_learners_own():
+    """`Shared.publish` (what model.pt is made of): row i, read back into a one-learner `Actor`, is learner i."""
+    torch.manual_seed(10)
+    learners = Learners(3, 4, 2, Args(hidden=(8, 8)))
+    with torch.no_grad():
+        for p in learners.actor.parameters():
+            p.add_(torch.randn_like(p))
+    actor = p3s_td3.Actor(4, 2, (8, 8))
+    shared = p3s_td3.Shared(3, sum(p.numel() for p in actor.parameters()))
+    shared.publish(learners)
+    obs = torch.randn(1, 5, 4)
+    for i in range(3):
+        p3s_td3.vector_to_parameters(shared.policies[i], actor.parameters())
+        torch.testing.assert_close(actor(obs)[0], learners.actor(obs.expand(3, -1, -1))[i])
