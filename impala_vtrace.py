@@ -151,10 +151,13 @@ class Args:
     lr_anneal_steps: int = 0
     """steps over which the learning rate anneals to 0; 0: Atari 50M (the paper's 200M frames, Table G.1, so that a
     shorter run has the paper's learning rate at every step), other tasks the run's own length; at least the run"""
-    optimizer: Literal["rmsprop_torch", "rmsprop_tf", "rmsprop_optax"] = "rmsprop_torch"
+    optimizer: Literal["rmsprop_torch", "rmsprop_tf", "rmsprop_optax", "adam"] = "rmsprop_torch"
     """rmsprop_tf: RMSProp with ε inside the square root and the mean square starting at 1, as TensorFlow (the
     paper's code) computes it; rmsprop_optax: ε inside the root, mean square from 0 (optax, as Cleanba runs it);
-    rmsprop_torch: torch.optim.RMSprop (mean square from 0, ε outside the root)"""
+    rmsprop_torch: torch.optim.RMSprop (mean square from 0, ε outside the root); adam: torch.optim.Adam
+    (`--adam-eps`)"""
+    adam_eps: float = 1e-8
+    """Adam ε (with --optimizer adam)"""
     rmsprop_decay: float = 0.99
     """RMSProp decay (the paper's code default; Table G.1 gives momentum and ε)"""
     rmsprop_eps: float = 0.01
@@ -214,6 +217,7 @@ class Args:
 # family"); the paper's settings are for 50M Atari steps and learn CartPole far more slowly.
 FAMILY_DEFAULTS = {
     "atari": ("the paper's Atari settings (Table G.1)", {}),
+    "atari_cpu": ("the CPU Atari settings measured on Breakout-v5 (README)", dict(learning_rate=1.2e-3)),
     "classic": (
         "settings measured on CartPole-v1 (README)",
         dict(total_timesteps=300_000, num_envs=16, batch_size=8, learning_rate=3e-3, baseline_cost=0.1),
@@ -546,7 +550,9 @@ def main(args: Args):
             lr = args.learning_rate * (1 - (update - 1) / anneal_updates) if args.anneal_lr else args.learning_rate
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            batch = pool.next_batch()
+            batch = pool.next_batch(  # a progress line also while the batch is being collected
+                lambda ready: rank == 0 and log.collecting(global_step, ready, pool.batch_size, args.unroll_length)
+            )
             state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
             logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
             out = batch_loss(logits, values, batch, args, agent.popart)
@@ -638,6 +644,8 @@ def check_args(args):
 def make_optimizer(args, params):
     """RMSProp as TensorFlow's (ε inside the square root, the mean square starting at 1: `rmsprop_tf`), as optax's
     (starting at 0: `rmsprop_optax`), or PyTorch's (`rmsprop_torch`)."""
+    if args.optimizer == "adam":
+        return torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
     kwargs = dict(lr=args.learning_rate, alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
     if args.optimizer in ("rmsprop_tf", "rmsprop_optax"):
         return RMSpropTF(params, initial_scale=1.0 if args.optimizer == "rmsprop_tf" else 0.0, **kwargs)

@@ -20,7 +20,7 @@ value loss on the same scale whatever the game's reward scale, so no reward clip
 | Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `vmpo_loss`        |
 | Eq. (13) temperature loss L_η                                    | `vmpo_weights` -> eta_loss               |
 | Eq. (14) KL trust region L_α with stop-gradients                 | `categorical_kl`, `kl_constraint_loss`   |
-| Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step         | `LagrangeMultipliers.project`            |
+| Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step         | `LagrangeMultipliers` (`--multipliers`)  |
 | Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
 | Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target              | `Args` defaults                          |
 
@@ -35,11 +35,21 @@ Choices the paper leaves open, and what is done here:
   against them, with no second forward pass. Unrolls collected just before a target refresh and consumed
   just after it (a fraction of about lag/T_target, logged as `stats/stale_fraction`) use the previous
   target's logits, the policy that actually produced them.
-- η and α are plain parameters projected to at least 1e-8 after every Adam step, as in the paper.
+- The multipliers (`--multipliers`, `--dual-learning-rate`). The paper's form (`paper`): η and α are plain parameters
+  projected to at least 1e-8 after every step, learned by the networks' Adam at 1e-4. Adam moves a scalar by about its
+  learning rate an update, so from Table 1's α = 5 it takes about 50,000 updates to reach 0: a run of hundreds of
+  thousands of updates (the paper's) can afford that, a CPU run of 1,500 cannot, and its trust region stays far
+  tighter than ε_α (KL about 1e-4). The Atari family's default departs from the paper here, as Acme's MPO does:
+  η = softplus(η̃) + 1e-8 and α likewise, with η̃, α̃ in a parameter group of their own at learning rate 1e-2, so
+  that they reach the values their constraints ask for within a few hundred updates (README, "V-MPO on two cores").
 - Initialisation (`--init`; the paper gives only the zero policy readout): orthogonal with gain √2 and zero
   biases, the PopArt readout gain 1 (CleanRL's). With PyTorch's default the torso's features barely differ between
   Atari frames (spread across states about 8e-4 on Breakout against 1.2e-2), so the policy learns per-action biases
   first. `stats/logits_std_across_states` and `stats/dead_units` (torso units off on the whole minibatch) show it.
+- Without a GPU (no CUDA device, or `--no-cuda`) the Atari family runs CPU settings, measured on Breakout-v5 (README):
+  the shallow torso without LSTM, 32 x 20-step batches in one minibatch, T_target = 10 learning steps, learning
+  rate 1e-3, and Table 6's multi-task end-of-life episodes and γ = 0.99. The paper's ResNet + LSTM and 128 x 63-step
+  batches run at about 11 steps per second on 2 CPU cores; `--preset paper` still runs them.
 - For single-task Atari the paper uses a Transformer-XL core; this script has the multi-task agent's LSTM
   (Appendix F) or no core (`--no-use-lstm`). Table 6's single-task settings are the defaults: γ = 0.997, no
   reward clipping, no end-of-life episodes; `--reward-clip --episodic-life --gamma 0.99 --target-update-period
@@ -158,7 +168,12 @@ class Args:
     init_alpha: float = 5.0
     """initial α, KL multiplier (Table 1)"""
     min_multiplier: float = 1e-8
-    """η_min = α_min, projection of η and α after every step (Sec. 4.2.2)"""
+    """η_min = α_min: the projection of η and α after every step (Sec. 4.2.2), or the floor added to softplus"""
+    multipliers: Literal["paper", "softplus"] = "paper"
+    """paper: η and α are parameters projected to ≥ η_min after every step (Sec. 4.2.2); softplus: η = softplus(η̃) +
+    η_min and α likewise, the parameters η̃, α̃ unconstrained (Acme's MPO)"""
+    dual_learning_rate: float = 0.0
+    """learning rate of a separate Adam for η and α; 0: they share the networks' Adam and learning rate (Sec. 4.3)"""
     top_fraction: float = 0.5
     """fraction of the batch's highest advantages used in the E-step (Sec. 4.2.1, 'top-k')"""
     popart_beta: float = 1e-4
@@ -209,7 +224,27 @@ class Args:
 # (the Args defaults above). Classic control: measured on CartPole-v1, seeds 1-3 (README, "Defaults by task
 # family"); the paper's settings (T_target 1000, learning rate 1e-4) are for billions of Atari frames.
 FAMILY_DEFAULTS = {
-    "atari": ("the paper's Atari settings (Appendix F, Tables 1 and 6)", {}),
+    "atari": (
+        "the paper's Atari settings (Appendix F, Tables 1 and 6) with Acme's multipliers (the docstring)",
+        dict(multipliers="softplus", dual_learning_rate=1e-2),
+    ),
+    "atari_cpu": (
+        "the CPU Atari settings measured on Breakout-v5 (README)",
+        dict(
+            network="shallow",
+            use_lstm=False,
+            num_envs=32,
+            batch_size=32,
+            num_minibatches=1,
+            unroll_length=20,
+            target_update_period=10,
+            learning_rate=1e-3,
+            multipliers="softplus",
+            dual_learning_rate=1e-2,
+            episodic_life=True,
+            gamma=0.99,
+        ),
+    ),
     "classic": (
         "settings measured on CartPole-v1 (README)",
         dict(
@@ -355,18 +390,34 @@ def vmpo_loss(
 
 
 class LagrangeMultipliers(nn.Module):
-    """η (temperature, Eq. 13) and α (KL multiplier, Eq. 14), learned by the same Adam as the networks."""
+    """η (temperature, Eq. 13) and α (KL multiplier, Eq. 14) as two scalar parameters `eta`, `alpha`.
 
-    def __init__(self, eta=1.0, alpha=5.0):
+    form "paper": the parameters are η and α themselves, projected to at least η_min after every step (Sec. 4.2.2).
+    form "softplus": the parameters are unconstrained, η = softplus(eta) + η_min, α = softplus(alpha) + η_min (Acme's
+    MPO); near zero a step of the parameter then changes α by a factor rather than by an amount.
+    `values()` gives (η, α), differentiable in the parameters."""
+
+    def __init__(self, eta=1.0, alpha=5.0, form="paper", minimum=1e-8):
         super().__init__()
-        self.eta = nn.Parameter(torch.tensor(float(eta)))
-        self.alpha = nn.Parameter(torch.tensor(float(alpha)))
+        self.form, self.minimum = form, minimum
+
+        def raw(v):  # the parameter whose image is v
+            return float(v) if form == "paper" else math.log(math.expm1(max(float(v) - minimum, 1e-12)))
+
+        self.eta = nn.Parameter(torch.tensor(raw(eta)))
+        self.alpha = nn.Parameter(torch.tensor(raw(alpha)))
+
+    def values(self):
+        if self.form == "paper":
+            return self.eta, self.alpha
+        return F.softplus(self.eta) + self.minimum, F.softplus(self.alpha) + self.minimum
 
     @torch.no_grad()
-    def project(self, minimum=1e-8):
-        """Sec. 4.2.2: η ← max(η, η_min), α ← max(α, α_min)."""
-        self.eta.clamp_(min=minimum)
-        self.alpha.clamp_(min=minimum)
+    def project(self, minimum=None):
+        """Sec. 4.2.2 (form "paper"): η ← max(η, η_min), α ← max(α, α_min); the softplus form needs none."""
+        if self.form == "paper":
+            self.eta.clamp_(min=self.minimum if minimum is None else minimum)
+            self.alpha.clamp_(min=self.minimum if minimum is None else minimum)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -467,10 +518,10 @@ def main(args: Args):
         args.popart_scale_upper,
         args.init,
     ).to(device)
-    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha).to(device)
+    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
     broadcast_parameters(params, world)
-    optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
+    optimizer = make_optimizer(args, agent, multipliers)
     start_update, target_state = 0, None
     if resumed is not None:
         agent.load_state_dict(resumed["agent"])
@@ -520,7 +571,9 @@ def main(args: Args):
         if target_state is not None:  # the target network the run was acting with
             pool.publish(target_state)
         for update in range(start_update + 1, num_updates + 1):
-            batch = pool.next_batch()
+            batch = pool.next_batch(  # a progress line also while the batch is being collected
+                lambda ready: rank == 0 and log.collecting(global_step, ready, pool.batch_size, args.unroll_length)
+            )
             popart_before = {k: v.clone() for k, v in agent.popart.state_dict().items()}  # the loss moves PopArt
             optimizer.zero_grad(set_to_none=False)
             stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks)
@@ -535,7 +588,7 @@ def main(args: Args):
             check_finite(where, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
             with interrupt.commit():
                 optimizer.step()
-                multipliers.project(args.min_multiplier)
+                multipliers.project()
                 stale = (batch["version"][:-1] != pool.version.item()).float().mean()
                 if update % args.target_update_period == 0:
                     pool.publish(agent.state_dict())  # θ_target ← θ_online
@@ -623,6 +676,7 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
     statistics moved toward them first (step `popart_beta`, default PopArt's own β; the layer is rescaled so
     that V(s) is unchanged), then the loss in the new normalised units. Returns (VmpoLoss, stats)."""
     popart = agent.popart
+    eta, alpha = multipliers.values()
     task = batch.get("task")  # each row's game (multi-task); one task otherwise
     if task is None:
         task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
@@ -643,8 +697,8 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
         value_norm,
         returns_norm,
         batch["ended"],
-        multipliers.eta,
-        multipliers.alpha,
+        eta,
+        alpha,
         args.eps_eta,
         args.eps_alpha,
         args.top_fraction,
@@ -652,8 +706,8 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
     n = real.sum().clamp(min=1)
     stats = {
         **loss_stats(out),
-        "stats/eta": multipliers.eta.detach(),
-        "stats/alpha": multipliers.alpha.detach(),
+        "stats/eta": eta.detach(),
+        "stats/alpha": alpha.detach(),
         "stats/value_mean": (real * values[:-1]).sum() / n,
         "stats/popart_mu": popart.mu[0].clone(),
         "stats/popart_sigma": popart.sigma[0].clone(),
@@ -674,6 +728,19 @@ def minibatch_gradients(agent, multipliers, batch, args, chunks):
         for k, v in mb_stats.items():
             stats[k] = stats.get(k, 0) + v / chunks
     return stats, logits, mb["obs"]
+
+
+def make_optimizer(args, agent, multipliers):
+    """Adam for the networks and the multipliers (Sec. 4.3); with `--dual-learning-rate` the multipliers in a
+    parameter group of their own with that learning rate (per-parameter Adam: the same as an Adam of their own)."""
+    if args.dual_learning_rate <= 0:
+        params = [*agent.parameters(), *multipliers.parameters()]
+        return torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
+    groups = [
+        dict(params=list(agent.parameters())),
+        dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate),
+    ]
+    return torch.optim.Adam(groups, lr=args.learning_rate, eps=args.adam_eps)
 
 
 def saved_model(args, agent, multipliers, games, atari, global_step):

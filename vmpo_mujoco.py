@@ -511,7 +511,9 @@ def main(args: Args):
         if target_state is not None:  # the target network the run was acting with
             pool.publish(target_state)
         for update in range(start_update + 1, num_updates + 1):
-            batch = pool.next_batch()
+            batch = pool.next_batch(  # a progress line also while the batch is being collected
+                lambda ready: rank == 0 and log.collecting(global_step, ready, pool.batch_size, args.unroll_length)
+            )
             before = {k: v.clone() for k, v in agent.state_dict().items() if k.startswith(("obs_norm", "popart"))}
             agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
             mean, std, value_features = agent(batch["obs"])

@@ -269,14 +269,17 @@ class ActorPool:
                 raise_worker_error(msg, "actor")
         check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
 
-    def next_batch(self):
-        """`batch_size` unrolls on the learner's device: time-major `[T+1, B, ...]`, `core_*` as `[B, ...]`."""
+    def next_batch(self, on_wait=None):
+        """`batch_size` unrolls on the learner's device: time-major `[T+1, B, ...]`, `core_*` as `[B, ...]`.
+        `on_wait(ready)` is called while the batch is being collected, with the number of unrolls it has so far."""
         idx = []
         while len(idx) < self.batch_size:
             try:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
                 self.poll()
+            if on_wait is not None:
+                on_wait(len(idx))
         self.poll()
         idx_t = torch.tensor(idx)
         batch = {k: v[idx_t] for k, v in self.link.buffers.items()}

@@ -8,7 +8,8 @@ Each script keeps its own table next to its `Args`:
     }
 
 A family missing from the table, and every family under `--preset paper`, runs with the `Args` defaults,
-which are the paper's.
+which are the paper's. A table may also hold `"<family>_cpu"`: the settings for a run with no usable GPU (no
+CUDA device, or `--no-cuda`), where the paper's network and batch would be far too slow (Atari on a CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +41,23 @@ def family_of(args) -> str:
     return "atari" if getattr(args, "env_ids", ()) else task_family(args.env_id)
 
 
+def uses_gpu(args) -> bool:
+    """Whether the run will have a GPU: `--cuda` (the default) and a CUDA device."""
+    if not getattr(args, "cuda", False):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def family_key(args, table: dict) -> str:
+    """The table entry of the run: its family, or `<family>_cpu` where the table has one and no GPU is used."""
+    family = family_of(args)
+    if f"{family}_cpu" in table and not uses_gpu(args):
+        return f"{family}_cpu"
+    return family
+
+
 def given_flags(argv: list[str]) -> set[str]:
     """The `Args` field names that a command line sets (`--num-envs 4`, `--num-envs=4`, `--no-use-lstm`)."""
     names = set()
@@ -59,7 +77,7 @@ def with_family_defaults(args, table: dict, argv: list[str] | None = None):
     table does not list. Returns the new args."""
     if args.preset == "paper" or getattr(args, "resume", ""):
         return args
-    _, overrides = table.get(family_of(args), (PAPER, {}))
+    _, overrides = table.get(family_key(args, table), (PAPER, {}))
     given = given_flags(sys.argv[1:] if argv is None else argv)
     return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
 
@@ -69,7 +87,10 @@ def describe_defaults(args, table: dict) -> tuple[str, str]:
     family = family_of(args)
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper"
-    source, overrides = table.get(family, (PAPER, {}))
+    key = family_key(args, table)
+    source, overrides = table.get(key, (PAPER, {}))
+    if key.endswith("_cpu"):
+        source = f"no GPU: {source}; --preset paper for the paper's"
     if overrides:
         source += ": " + ", ".join(f"{k.replace('_', '-')} {_show(v)}" for k, v in overrides.items())
     return family, source

@@ -121,6 +121,21 @@ class RunLog:
         self.last_log = now
         return sps
 
+    def collecting(self, step: int, ready: int, needed: int, steps_per_unroll: int) -> None:
+        """The progress line while the learner waits for a batch (`ready` of `needed` unrolls in): printed every
+        `--log-interval` seconds, so that a run whose first update takes minutes (a large network on a CPU) still
+        shows progress. Its SPS counts the steps of the unrolls in hand."""
+        now = time.time()
+        if now - self.last_log < max(self.args.log_interval, 1.0):
+            return
+        acted = step - self.start_step + ready * steps_per_unroll
+        print(
+            f"step {step:>10d}/{self.args.total_timesteps} | SPS {acted / max(now - self.start, 1e-9):7.0f} | "
+            f"collecting a batch: {ready}/{needed} unrolls of {steps_per_unroll} steps",
+            flush=True,
+        )
+        self.last_log = now
+
     def evaluate_games(self, model: dict, games, device="cpu"):
         """A multi-task model on every game (the first game's first episode filmed with `--capture-video`): the
         per-game table with human-normalised scores, written to the run folder and logged. Returns (mean of the

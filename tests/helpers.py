@@ -260,7 +260,7 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
     import signal
 
     def updates_done(text):
-        return sum(line.startswith("step ") for line in text.splitlines())
+        return sum(line.startswith("step ") and "collecting" not in line for line in text.splitlines())
 
     log = os.path.join(str(run_dir), "console.log")
     with open(log, "w") as out:

@@ -464,6 +464,36 @@ def test_family_defaults_fill_what_the_user_did_not_give():
     assert describe_defaults(A(preset="paper"), table)[1].endswith("forced by --preset paper")
 
 
+def test_family_defaults_split_by_device():
+    """A table with `<family>_cpu` gives those settings to a run with no usable GPU (`--no-cuda`, or no CUDA device),
+    says so on the start-up line, and still lets a given flag and `--preset paper` win."""
+    import dataclasses
+
+    import torch
+
+    from common.families import describe_defaults, with_family_defaults
+
+    @dataclasses.dataclass
+    class A:
+        env_id: str = "Breakout-v5"
+        preset: str = "family"
+        cuda: bool = True
+        network: str = "deep"
+        lr: float = 1e-4
+        resume: str = ""
+
+    table = {"atari": ("the paper's", {}), "atari_cpu": ("the CPU settings", dict(network="shallow", lr=5e-4))}
+    cpu = A(cuda=False)
+    assert with_family_defaults(cpu, table, argv=[]) == A(cuda=False, network="shallow", lr=5e-4)
+    assert with_family_defaults(cpu, table, argv=["--network", "deep"]) == A(cuda=False, lr=5e-4)
+    assert with_family_defaults(A(cuda=False, preset="paper"), table, argv=[]) == A(cuda=False, preset="paper")
+    family, source = describe_defaults(cpu, table)
+    assert family == "atari" and source.startswith("no GPU: the CPU settings") and "--preset paper" in source
+    gpu = A()  # --cuda (the default): the paper's table where a GPU is there, the CPU one where none is
+    expected = A() if torch.cuda.is_available() else A(network="shallow", lr=5e-4)
+    assert with_family_defaults(gpu, table, argv=[]) == expected
+
+
 def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
     """Rows arrive for any subset of envs in any order (envpool's async mode). Each env's unroll k must hold its
     rows kT..kT+T (T+1 rows: the last row of an unroll is the first of the next), its core state must be the one
