@@ -642,7 +642,18 @@ def test_ctrl_c_with_the_default_network_stops_within_seconds(tmp_path):
     """The default ResNet + LSTM on a CPU, where one update takes long: Ctrl-C while an update is in progress ends
     the run within 10 s with exit 130, and the checkpoint holds the last completed update; the update in progress
     is dropped rather than waited for."""
-    argv = ["--env-id", "Breakout-v5", "--preset", "paper", "--num-envs", "8", "--batch-size", "8", "--num-minibatches", "1"]
+    argv = [
+        "--env-id",
+        "Breakout-v5",
+        "--preset",
+        "paper",
+        "--num-envs",
+        "8",
+        "--batch-size",
+        "8",
+        "--num-minibatches",
+        "1",
+    ]
     ctrl_c_during_second_update("vmpo_atari.py", argv, tmp_path, steps_per_update=8 * 63)
 
 
