@@ -48,7 +48,7 @@ Choices the paper leaves open, and what is done here:
   first. `stats/logits_std_across_states` and `stats/dead_units` (torso units off on the whole minibatch) show it.
 - Without a GPU (no CUDA device, or `--no-cuda`) the Atari family runs CPU settings, measured on Breakout-v5 (README):
   the shallow torso without LSTM, 32 x 20-step batches in one minibatch, T_target = 10 learning steps, learning
-  rate 2e-3, and Table 6's multi-task end-of-life episodes and γ = 0.99. The paper's ResNet + LSTM and 128 x 63-step
+  rate 1e-3, and Table 6's multi-task end-of-life episodes and γ = 0.99. The paper's ResNet + LSTM and 128 x 63-step
   batches run at about 11 steps per second on 2 CPU cores; `--preset paper` still runs them.
 - For single-task Atari the paper uses a Transformer-XL core; this script has the multi-task agent's LSTM
   (Appendix F) or no core (`--no-use-lstm`). Table 6's single-task settings are the defaults: γ = 0.997, no
@@ -238,7 +238,7 @@ FAMILY_DEFAULTS = {
             num_minibatches=1,
             unroll_length=20,
             target_update_period=10,
-            learning_rate=2e-3,
+            learning_rate=1e-3,
             multipliers="softplus",
             dual_learning_rate=1e-2,
             episodic_life=True,
