@@ -41,7 +41,7 @@ Choices the paper leaves open, and what is done here:
   thousands of updates (the paper's) can afford that, a CPU run of 1,500 cannot, and its trust region stays far
   tighter than ε_α (KL about 1e-4). The Atari family's default departs from the paper here, as Acme's MPO does:
   η = softplus(η̃) + 1e-8 and α likewise, with η̃, α̃ in a parameter group of their own at learning rate 1e-2, so
-  that they reach the values their constraints ask for within a few hundred updates (README, "V-MPO on two cores").
+  that they reach the values their constraints ask for within a few hundred updates (README, "Atari on two cores").
 - Initialisation (`--init`; the paper gives only the zero policy readout): orthogonal with gain √2 and zero
   biases, the PopArt readout gain 1 (CleanRL's). With PyTorch's default the torso's features barely differ between
   Atari frames (spread across states about 8e-4 on Breakout against 1.2e-2), so the policy learns per-action biases

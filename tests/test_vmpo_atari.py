@@ -212,7 +212,7 @@ def breakout_unrolls(num_envs=8, unroll_length=20, seed=0):
 def test_cpu_atari_multipliers_reach_their_constraints_within_a_few_hundred_updates():
     """α starts at Table 1's 5 and η at 1; learned with the networks' Adam at the paper's 1e-4 they move by about 1e-4
     an update, so over a 1M-step CPU run (1,560 updates) α stayed near 5 while the KL sat about 100x inside ε_α (README,
-    "V-MPO on two cores"). The CPU Atari defaults (what `--env-id Breakout-v5` runs without a GPU) learn them at their
+    "Atari on two cores"). The CPU Atari defaults (what `--env-id Breakout-v5` runs without a GPU) learn them at their
     own pace. Here those defaults run the learner's update (the script's `minibatch_gradients` and optimiser) on real
     Breakout frames, with the target network refreshed every T_target updates as in a run: within 300 updates α must
     fall by more than 1 and the KL must reach the scale of ε_α (the trust region binds), without running away from
