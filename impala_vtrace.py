@@ -32,9 +32,8 @@ Two choices outside the paper, both measured on Breakout-v5 (README, "Atari on t
   option); its first few hundred steps are about lr·g, a warm-up that left the policy state-blind for 200k steps
   of a 400k-step run.
 Without a GPU (no CUDA device, or `--no-cuda`) the Atari family takes four times Table G.1's learning rate, 2.4e-3,
-measured on Breakout-v5 at 1M steps on 2 CPU cores against the paper's 6e-4, twice it, Adam at RLlib's 5e-4 and
-unrolls of 50 (README, "Atari on two cores"); with a GPU it runs Table G.1 as it is. `--optimizer adam` is there
-for comparison.
+chosen on Breakout-v5 at 1M steps (README, "Atari on two cores"); with a GPU it runs Table G.1 as it is.
+`--optimizer adam` (RLlib's optimiser) is there for comparison.
 The learning rate anneals linearly to 0 over the paper's 200M frames (50M steps) on Atari whatever the run's
 length (`--lr-anneal-steps`), so that a short run has the paper's learning rate at every step: annealed over its
 own 1M steps instead, a Breakout run had half the average learning rate and half the return at 750k steps.

@@ -37,9 +37,9 @@ Choices the paper leaves open, and what is done here:
   target's logits, the policy that actually produced them.
 - The multipliers (`--multipliers`, `--dual-learning-rate`). The paper's form (`paper`): η and α are plain parameters
   projected to at least 1e-8 after every step, learned by the networks' Adam at 1e-4. Adam moves a scalar by about its
-  learning rate an update, so from Table 1's α = 5 it takes about 50,000 updates to reach 0: a run of hundreds of
-  thousands of updates (the paper's) can afford that, a CPU run of 1,500 cannot, and its trust region stays far
-  tighter than ε_α (KL about 1e-4). The Atari family's default departs from the paper here, as Acme's MPO does:
+  learning rate an update, so from Table 1's α = 5 it takes about 50,000 updates to reach 0: the paper's runs of
+  hundreds of thousands of updates can afford that, a shorter run keeps a trust region far tighter than ε_α. The
+  Atari family's default departs from the paper here, as Acme's MPO does:
   η = softplus(η̃) + 1e-8 and α likewise, with η̃, α̃ in a parameter group of their own at learning rate 1e-2, so
   that they reach the values their constraints ask for within a few hundred updates (README, "Atari on two cores").
 - Initialisation (`--init`; the paper gives only the zero policy readout): orthogonal with gain √2 and zero
