@@ -660,7 +660,9 @@ def main(args: Args):
     end_time = time.time()
     global_step = checkpoint()
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    log.end(saved_model(args, spec, agent, avg_agent, global_step), end_time, num_workers=args.num_workers)
+    log.end(
+        saved_model(args, spec, agent, avg_agent, global_step), make_eval_policy, end_time, num_workers=args.num_workers
+    )
 
 
 def to_env_action(action, low, high):

@@ -962,7 +962,8 @@ def evaluate_population(log, model):
     args, step, eval_means = log.args, model["global_step"], []
     if args.eval_episodes > 0:
         for i, actor in enumerate(model["actors"]):
-            scores = evaluate({**model, "actor": actor}, args.eval_episodes, seed=args.seed + 10_000)
+            policy = lambda n, actor=actor: make_eval_policy({**model, "actor": actor}, n)  # noqa: E731
+            scores = evaluate(policy, model["env_id"], args.eval_episodes, seed=args.seed + 10_000)
             eval_means.append(float(np.mean(scores)))
             log.scalars({f"charts/learner_{i}/eval_return": eval_means[-1]}, step)
         top = int(np.argmax(eval_means))
@@ -971,7 +972,7 @@ def evaluate_population(log, model):
         means = ", ".join(f"learner {i} {m:.1f}" for i, m in enumerate(eval_means))
         print(f"evaluation over {args.eval_episodes} episodes per learner: {means}; best {eval_means[top]:.1f}")
     if args.capture_video:
-        evaluate(model, 1, num_envs=1, seed=args.seed + 10_000, video_dir=log.path)
+        evaluate(lambda n: make_eval_policy(model, n), model["env_id"], 1, 1, args.seed + 10_000, log.path)
     return eval_means
 
 

@@ -622,7 +622,9 @@ def main(args: Args):
     end_time = time.time()
     checkpoint(num_updates)
     if rank == 0:
-        log.end(saved_model(args, agent, multipliers, games, atari, global_step), end_time, device, games)
+        log.end(
+            saved_model(args, agent, multipliers, games, atari, global_step), make_eval_policy, end_time, device, games
+        )
     if world > 1:
         torch.distributed.destroy_process_group()
 

@@ -563,7 +563,7 @@ def main(args: Args):
     end_time = time.time()
     checkpoint(num_updates)
     if rank == 0:
-        log.end(saved_model(args, spec, agent, multipliers, global_step), end_time, device)
+        log.end(saved_model(args, spec, agent, multipliers, global_step), make_eval_policy, end_time, device)
     if world > 1:
         torch.distributed.destroy_process_group()
 

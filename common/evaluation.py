@@ -1,25 +1,18 @@
-"""Evaluate a saved model of any script: N episodes with envpool, game scores per episode; for Atari, human-
-normalised scores over one game or a list.
+"""Evaluation with envpool: N episodes of a policy callable, game scores per episode; for Atari, human-normalised
+scores over one game or a list. The scripts call `evaluate` at the end of a run; `evaluate.py` (the repository
+root) reloads a saved model.pt through its script and calls it.
 
-    python -m common.evaluation runs/<run>/model.pt --episodes 10 [--capture-video] [--greedy]
-    python -m common.evaluation runs/<run>/model.pt --env-ids atari57 --episodes 30   # a multi-task model
-
-A `model.pt` is a dict with at least `script` (the module that wrote it), `env_id`, and what that script's
-`make_eval_policy(checkpoint, num_envs, device, greedy)` needs to rebuild its policy. Episodes are played
-with the evaluation settings (for Atari: no end-of-life episodes, no reward clipping, up to 30 no-ops,
-108,000 frames at most) and scored as the raw reward summed over the whole game.
+Episodes are played with the evaluation settings (for Atari: no end-of-life episodes, no reward clipping, up to
+30 no-ops, 108,000 frames at most) and scored as the raw reward summed over the whole game.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
-import importlib
 import json
 import math
 import os
 import struct
-import sys
 import zlib
 
 import numpy as np
@@ -159,30 +152,23 @@ def write_score_table(table: dict, prefix: str) -> str:
 
 
 def evaluate(
-    checkpoint: dict,
+    make_policy,
+    env_id: str,
     episodes: int = 10,
     num_envs: int | None = None,
     seed: int = 0,
-    device="cpu",
-    greedy: bool = False,
     video_dir: str | None = None,
-    env_id: str | None = None,
+    full_action_space: bool = False,
 ) -> list[float]:
-    """Plays `episodes` episodes of `env_id` (by default the checkpoint's) and returns their game scores. Each
-    env plays a fixed quota of episodes, so short episodes are not favoured. With `video_dir`, env 0's first
-    episode is written there. A checkpoint with `full_action_space` plays with all 18 Atari actions."""
-    module = importlib.import_module(checkpoint["script"])
+    """Plays `episodes` episodes of `env_id` with `make_policy(num_envs)`, a callable `policy(obs, rewards, first)
+    -> actions`, and returns their game scores. Each env plays a fixed quota of episodes, so short episodes are not
+    favoured. With `video_dir`, env 0's first episode is written there."""
     num_envs = num_envs or min(episodes, 8)
     quota = np.full(num_envs, episodes // num_envs) + (np.arange(num_envs) < episodes % num_envs)
     env = make_env(
-        env_id or checkpoint["env_id"],
-        num_envs,
-        seed,
-        training=False,
-        render=video_dir is not None,
-        full_action_space=checkpoint.get("full_action_space", False),
+        env_id, num_envs, seed, training=False, render=video_dir is not None, full_action_space=full_action_space
     )
-    policy = module.make_eval_policy(checkpoint, num_envs, device, greedy)
+    policy = make_policy(num_envs)
     tracker = EpisodeTracker(num_envs)
     obs, info = env.reset()
     ids = info["env_id"]
@@ -232,76 +218,6 @@ def write_apng(path: str, frames: list, fps: int = 30) -> None:
     out.append(chunk(b"IEND", b""))
     with open(path, "wb") as f:
         f.write(b"".join(out))
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Evaluate a saved model.pt of any script of this project.")
-    p.add_argument("model", help="path to a run's model.pt")
-    p.add_argument("--episodes", type=int, default=10)
-    p.add_argument("--num-envs", type=int, default=None)
-    p.add_argument("--seed", type=int, default=12345)
-    p.add_argument("--greedy", action="store_true", help="take the most probable action instead of sampling")
-    p.add_argument("--capture-video", action="store_true", help="write the first episode under <run>/videos/")
-    p.add_argument("--cuda", action="store_true")
-    p.add_argument(
-        "--env-ids",
-        nargs="+",
-        default=None,
-        help="evaluate on each of these games (or presets: atari57, atari5) and write a per-game table "
-        "with human-normalised scores; default: the model's own game",
-    )
-    p.add_argument(
-        "--out", default=None, help="--env-ids: path prefix of the .json/.csv table (default: <run>/evaluation)"
-    )
-    a = p.parse_args(argv)
-    if not os.path.isfile(a.model):
-        sys.exit(f"error: no such file: {a.model}")
-    if a.episodes < 1:
-        sys.exit(f"error: --episodes must be at least 1, got {a.episodes}")
-    import torch
-
-    checkpoint = torch.load(a.model, map_location="cpu", weights_only=False)
-    sys.path.insert(0, os.getcwd())
-    device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
-    run = os.path.dirname(os.path.abspath(a.model))
-    if a.env_ids:
-        from common.envs import UsageError, env_spec
-
-        env_ids = expand_env_ids(a.env_ids)
-        try:
-            for e in env_ids:
-                env_spec(e)
-        except UsageError as e:
-            sys.exit(f"error: {e}")
-        scores = {e: evaluate(checkpoint, a.episodes, a.num_envs, a.seed, device, a.greedy, env_id=e) for e in env_ids}
-        table = score_table(scores)
-        print(write_score_table(table, a.out or os.path.join(run, "evaluation")))
-        print(
-            json.dumps(
-                {
-                    "median_human_normalized": table["median_human_normalized"],
-                    "mean_human_normalized": table["mean_human_normalized"],
-                }
-            )
-        )
-        return scores
-    scores = evaluate(checkpoint, a.episodes, a.num_envs, a.seed, device, a.greedy, run if a.capture_video else None)
-    print(
-        json.dumps(
-            {
-                "env_id": checkpoint["env_id"],
-                "episodes": len(scores),
-                "mean": float(np.mean(scores)),
-                "std": float(np.std(scores)),
-                "scores": scores,
-            }
-        )
-    )
-    return scores
-
-
-if __name__ == "__main__":
-    main()
 
 
 def recurrent_policy(agent, num_envs, device="cpu", greedy=False, reward_clip=False):

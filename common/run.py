@@ -136,7 +136,7 @@ class RunLog:
         )
         self.last_log = now
 
-    def evaluate_games(self, model: dict, games, device="cpu"):
+    def evaluate_games(self, model: dict, games, make_eval_policy, device="cpu"):
         """A multi-task model on every game (the first game's first episode filmed with `--capture-video`): the
         per-game table with human-normalised scores, written to the run folder and logged. Returns (mean of the
         games' means, table), (None, None) with no evaluation episodes."""
@@ -148,7 +148,15 @@ class RunLog:
         seed, step = self.args.seed + 10_000, model["global_step"]
         table = score_table(
             {
-                g: evaluate(model, self.args.eval_episodes, seed=seed, device=str(device), env_id=g, video_dir=film)
+                g: evaluate(
+                    lambda n: make_eval_policy(model, n, str(device)),
+                    g,
+                    self.args.eval_episodes,
+                    None,
+                    seed,
+                    film,
+                    True,
+                )
                 for g, film in zip(games, films)
             }
         )
@@ -158,7 +166,7 @@ class RunLog:
         self.writer.add_scalar("charts/eval_median_human_normalized", table["median_human_normalized"], step)
         return float(np.mean([row["mean"] for row in table["games"]])), table
 
-    def evaluate(self, model: dict, device="cpu") -> float | None:
+    def evaluate(self, model: dict, make_eval_policy, device="cpu") -> float | None:
         """`--eval-episodes` episodes of the saved model (common/evaluation.py), the first one filmed with
         `--capture-video`: their mean, logged as charts/eval_return; None with no evaluation episodes."""
         if self.args.eval_episodes <= 0:
@@ -167,14 +175,18 @@ class RunLog:
 
         video = self.path if self.args.capture_video else None
         scores = evaluate(
-            model, self.args.eval_episodes, seed=self.args.seed + 10_000, device=str(device), video_dir=video
+            lambda n: make_eval_policy(model, n, str(device)),
+            model["env_id"],
+            self.args.eval_episodes,
+            seed=self.args.seed + 10_000,
+            video_dir=video,
         )
         mean = float(np.mean(scores))
         self.writer.add_scalar("charts/eval_return", mean, model["global_step"])
         print(f"evaluation over {len(scores)} episodes: mean {mean:.1f}", flush=True)
         return mean
 
-    def end(self, model: dict, end_time: float, device="cpu", games=(), **extra) -> dict:
+    def end(self, model: dict, make_eval_policy, end_time: float, device="cpu", games=(), **extra) -> dict:
         """The end of a run: model.pt (with `--save-model`), the evaluation (of every game for a multi-task
         model), summary.json. `end_time`: when training ended."""
         if self.args.save_model:
@@ -182,8 +194,8 @@ class RunLog:
 
             torch.save(model, os.path.join(self.path, "model.pt"))
         if not games:
-            return self.finish(model["global_step"], self.evaluate(model, device), end_time, **extra)
-        eval_mean, table = self.evaluate_games(model, games, device)
+            return self.finish(model["global_step"], self.evaluate(model, make_eval_policy, device), end_time, **extra)
+        eval_mean, table = self.evaluate_games(model, games, make_eval_policy, device)
         extra.update(multitask_summary(games, self.groups, table))
         return self.finish(model["global_step"], eval_mean, end_time, f"{len(games)}games", **extra)
 

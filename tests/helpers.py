@@ -177,9 +177,9 @@ def kill_after_first_checkpoint(script, argv, run_dir, settle=1.0):
 
 
 def evaluate_cli(run, episodes=2):
-    """Plays a run's model.pt through `python -m common.evaluation` and returns its JSON report."""
+    """Plays a run's model.pt through `python evaluate.py` and returns its JSON report."""
     out = subprocess.run(
-        [sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", str(episodes)],
+        [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", str(episodes)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -399,7 +399,7 @@ def test_smoke_breakout(tmp_path):
     } <= tags
     assert set(events_tags(run, "stats/replay_updates")) == {2.0}
     out = subprocess.run(
-        [sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2"],
+        [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", "2"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -463,7 +463,7 @@ def test_smoke_halfcheetah(tmp_path):
     assert checkpoint["agent_config"]["action_dim"] == 6 and len(checkpoint["action_low"]) == 6
     assert {"stats/rho_mean", "stats/kl_avg", "stats/trust_region_adjustment"} <= events_tags(run)
     out = subprocess.run(
-        [sys.executable, "-m", "common.evaluation", os.path.join(run, "model.pt"), "--episodes", "2", "--greedy"],
+        [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", "2", "--greedy"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -302,7 +302,7 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
-        [sys.executable, "-m", "common.evaluation", str(model), "--env-ids", "Pong-v5", "Boxing-v5", "--episodes", "2"],
+        [sys.executable, "evaluate.py", str(model), "--env-ids", "Pong-v5", "Boxing-v5", "--episodes", "2"],
         cwd=root,
         capture_output=True,
         text=True,
@@ -320,7 +320,7 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     with open(tmp_path / "evaluation.csv") as f:
         assert [r["env_id"] for r in csv.DictReader(f)] == ["Pong-v5", "Boxing-v5"]
     bad = subprocess.run(
-        [sys.executable, "-m", "common.evaluation", str(model), "--env-ids", "Pongg-v5"],
+        [sys.executable, "evaluate.py", str(model), "--env-ids", "Pongg-v5"],
         cwd=root,
         capture_output=True,
         text=True,

@@ -252,7 +252,7 @@ def check_run(run_path, expect_model=True):
     for tag in ("charts/SPS", "losses/value_loss", "losses/policy_loss", "stats/policy_lag", "stats/rho_mean"):
         assert tag in tags, (tag, tags)
     if expect_model:
-        from common.evaluation import main as eval_main
+        from evaluate import main as eval_main
 
         scores = eval_main([os.path.join(run_path, "model.pt"), "--episodes", "2", "--num-envs", "2"])
         assert len(scores) == 2
@@ -337,7 +337,7 @@ def test_smoke_multitask_three_games(tmp_path):
     assert [r["env_id"] for r in table["games"]] == games and table["median_human_normalized"] is not None
     summary = json.load(open(os.path.join(run_path, "summary.json")))
     assert summary["env_ids"] == games and set(summary["mean_episodic_return_last_10_per_game"]) == set(games)
-    from common.evaluation import main as eval_main
+    from evaluate import main as eval_main
 
     scores = eval_main(
         [

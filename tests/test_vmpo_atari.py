@@ -386,7 +386,7 @@ def check_run(run_path, expect_model=True):
     for tag in ("stats/eta", "stats/alpha"):
         assert min(events_tags(run_path, values_of=tag)) >= 1e-8
     if expect_model:
-        from common.evaluation import main as eval_main
+        from evaluate import main as eval_main
 
         scores = eval_main([os.path.join(run_path, "model.pt"), "--episodes", "2", "--num-envs", "2"])
         assert len(scores) == 2

@@ -343,7 +343,7 @@ def check_run(run_path):
         "stats/policy_std",
     ):
         assert tag in tags, (tag, tags)
-    from common.evaluation import main as eval_main
+    from evaluate import main as eval_main
 
     scores = eval_main([os.path.join(run_path, "model.pt"), "--episodes", "2", "--num-envs", "2"])
     assert len(scores) == 2 and all(math.isfinite(s) for s in scores)

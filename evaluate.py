@@ -1,0 +1,76 @@
+"""Plays a saved model.pt of any script of this project: the model names its script, whose `make_eval_policy`
+rebuilds the policy; `common/evaluation.py` plays it.
+
+    python evaluate.py runs/<run>/model.pt --episodes 10 [--capture-video] [--greedy]
+    python evaluate.py runs/<run>/model.pt --env-ids atari57 --episodes 30   # a multi-task model, per game
+"""
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+import numpy as np
+
+from common.envs import UsageError, env_spec
+from common.evaluation import evaluate, expand_env_ids, score_table, write_score_table
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Evaluate a saved model.pt of any script of this project.")
+    p.add_argument("model", help="path to a run's model.pt")
+    p.add_argument("--episodes", type=int, default=10)
+    p.add_argument("--num-envs", type=int, default=None)
+    p.add_argument("--seed", type=int, default=12345)
+    p.add_argument("--greedy", action="store_true", help="take the most probable (or the mean) action")
+    p.add_argument("--capture-video", action="store_true", help="write the first episode under <run>/videos/")
+    p.add_argument("--cuda", action="store_true")
+    p.add_argument(
+        "--env-ids", nargs="+", default=None, help="games (or presets: atari57, atari5) for a per-game table"
+    )
+    p.add_argument("--out", default=None, help="--env-ids: path prefix of the .json/.csv table (<run>/evaluation)")
+    a = p.parse_args(argv)
+    if not os.path.isfile(a.model):
+        sys.exit(f"error: no such file: {a.model}")
+    if a.episodes < 1:
+        sys.exit(f"error: --episodes must be at least 1, got {a.episodes}")
+    import torch
+
+    model = torch.load(a.model, map_location="cpu", weights_only=False)
+    sys.path.insert(0, os.getcwd())
+    script = importlib.import_module(model["script"])
+    device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
+    run = os.path.dirname(os.path.abspath(a.model))
+
+    def play(env_id, video_dir=None):
+        return evaluate(
+            lambda n: script.make_eval_policy(model, n, device, a.greedy),
+            env_id,
+            a.episodes,
+            a.num_envs,
+            a.seed,
+            video_dir,
+            model.get("full_action_space", False),
+        )
+
+    if a.env_ids:
+        env_ids = expand_env_ids(a.env_ids)
+        try:
+            for e in env_ids:
+                env_spec(e)
+        except UsageError as e:
+            sys.exit(f"error: {e}")
+        scores = {e: play(e) for e in env_ids}
+        table = score_table(scores)
+        print(write_score_table(table, a.out or os.path.join(run, "evaluation")))
+        print(json.dumps({k: table[k] for k in ("median_human_normalized", "mean_human_normalized")}))
+        return scores
+    scores = play(model["env_id"], run if a.capture_video else None)
+    summary = dict(env_id=model["env_id"], episodes=len(scores), mean=float(np.mean(scores)), std=float(np.std(scores)))
+    print(json.dumps({**summary, "scores": scores}))
+    return scores
+
+
+if __name__ == "__main__":
+    main()
