@@ -1,75 +1,31 @@
-"""V-MPO for discrete actions (Atari and any envpool discrete task).
-
-Song, Abdolmaleki, Springenberg, Clark, Soyer, Rae, Noury, Ahuja, Liu, Tirumala, Heess, Belov, Riedmiller,
-Botvinick (2020), "V-MPO: On-Policy Maximum a Posteriori Policy Optimization for Discrete and Continuous
-Control".
+"""V-MPO for discrete actions: Song, Abdolmaleki, Springenberg, Clark, Soyer, Rae, Noury, Ahuja, Liu, Tirumala,
+Heess, Belov, Riedmiller, Botvinick (2020), "V-MPO: On-Policy Maximum a Posteriori Policy Optimization for
+Discrete and Continuous Control".
 
 An approximate policy iteration: a *target* network acts in the environments and stays fixed for T_target
-learning steps; meanwhile the *online* network learns its value function from n-step returns and improves its
-policy in two steps. The E-step builds a non-parametric distribution ψ over the batch's state-action pairs:
-the top half of the advantages, weighted by exp(A/η), with the temperature η a Lagrange multiplier that keeps
-ψ within ε_η (in KL) of the data. The M-step fits the policy to ψ by weighted maximum likelihood, inside a KL
-trust region KL(π_target ‖ π_online) < ε_α enforced by a second multiplier α. A PopArt value head keeps the
-value loss on the same scale whatever the game's reward scale, so no reward clipping is needed.
+learning steps; the *online* network learns its value from n-step returns and improves its policy in two steps.
+The E-step weights the top half of the batch's advantages by exp(A/η), the temperature η a Lagrange multiplier
+keeping ψ within ε_η of the data; the M-step fits the policy to ψ by weighted maximum likelihood inside a KL trust
+region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopArt keeps the value loss on one scale.
 
-| paper                                                           | here                                     |
-|-----------------------------------------------------------------|------------------------------------------|
-| Algorithm 1: target network, refreshed every T_target steps      | `pool.publish` every `--target-update-period` |
+| paper                                                            | here                                     |
+|------------------------------------------------------------------|------------------------------------------|
+| Algorithm 1: target network, refreshed every T_target steps      | `act`, `pool.publish` in `main`          |
 | Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `n_step_returns`, `n_step_targets`       |
 | Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `vmpo_loss`, `batch_loss`, common/popart |
-| Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `vmpo_loss`        |
+| Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `vmpo_loss`       |
 | Eq. (13) temperature loss L_η                                    | `vmpo_weights` -> eta_loss               |
 | Eq. (14) KL trust region L_α with stop-gradients                 | `categorical_kl`, `kl_constraint_loss`   |
 | Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step         | `LagrangeMultipliers` (`--multipliers`)  |
 | Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
 | Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target              | `Args` defaults                          |
 
-Choices the paper leaves open, and what is done here:
-- Losses are means: ψ sums to one over the batch, L_V = 1/(2|D|) Σ (V − G)², the KL is averaged over |D|.
-- The value loss is computed in PopArt's normalised space, and the advantages too: A = (G − V)/σ. This makes η
-  comparable across tasks (multi-task) and across training; the top-half selection and ψ are unchanged by
-  any positive scaling except through η, which adapts.
-- PopArt's statistics are updated with the batch's returns first, then the loss is taken with the new
-  statistics (van Hasselt et al. 2016, Algorithm 1).
-- The actors act with the target network, so the logits they store are π_target's: the KL of Eq. (14) is taken
-  against them, with no second forward pass. Unrolls collected just before a target refresh and consumed
-  just after it (a fraction of about lag/T_target, logged as `stats/stale_fraction`) use the previous
-  target's logits, the policy that actually produced them.
-- The multipliers (`--multipliers`, `--dual-learning-rate`). The paper's form (`paper`): η and α are plain parameters
-  projected to at least 1e-8 after every step, learned by the networks' Adam at 1e-4. Adam moves a scalar by about its
-  learning rate an update, so from Table 1's α = 5 it takes about 50,000 updates to reach 0: the paper's runs of
-  hundreds of thousands of updates can afford that, a shorter run keeps a trust region far tighter than ε_α. The
-  Atari family's default departs from the paper here, as Acme's MPO does:
-  η = softplus(η̃) + 1e-8 and α likewise, with η̃, α̃ in a parameter group of their own at learning rate 1e-2, so
-  that they reach the values their constraints ask for within a few hundred updates (README, "Atari on two cores").
-- Initialisation (`--init`; the paper gives only the zero policy readout): orthogonal with gain √2 and zero
-  biases, the PopArt readout gain 1 (CleanRL's). With PyTorch's default the torso's features barely differ between
-  Atari frames (spread across states about 8e-4 on Breakout against 1.2e-2), so the policy learns per-action biases
-  first. `stats/logits_std_across_states` and `stats/dead_units` (torso units off on the whole minibatch) show it.
-- Without a GPU (no CUDA device, or `--no-cuda`) the Atari family runs CPU settings, measured on Breakout-v5 (README):
-  the shallow torso without LSTM, 32 x 20-step batches in one minibatch, T_target = 10 learning steps, learning
-  rate 1e-3, and Table 6's multi-task end-of-life episodes and γ = 0.99. The paper's ResNet + LSTM and 128 x 63-step
-  batches run at about 11 steps per second on 2 CPU cores; `--preset paper` still runs them.
-- For single-task Atari the paper uses a Transformer-XL core; this script has the multi-task agent's LSTM
-  (Appendix F) or no core (`--no-use-lstm`). Table 6's single-task settings are the defaults: γ = 0.997, no
-  reward clipping, no end-of-life episodes; `--reward-clip --episodic-life --gamma 0.99 --target-update-period
-  100` gives the multi-task settings.
-- The batch is split into `--num-minibatches` minibatches (8 by default), each taking its own top half and
-  normalising ψ within itself, with gradients averaged: what the paper's 8 TPU replicas did (Appendix F,
-  implementation note). They run one after the other in a learner process (this also bounds the memory of
-  the wide ResNet), or spread over the learner processes under torchrun. PopArt's statistics take one step of
-  β / (minibatches per process) per minibatch (to first order one step of β per learning step).
-
-Multi-task (`--env-ids Pong-v5 Breakout-v5 ...`, or a preset: `atari57`, `atari5`; Table 4's one agent for all
-games): actor a plays game a mod G (`--num-actors` a multiple of the number of games G, so every game gets the
-same share of the actors), every game with the full set of 18 actions, and each unroll carries its game's task id.
-The policy does not see it; PopArt does, with one normalised value output and one pair of statistics μ, σ per
-game, so that the advantages (G − V)/σ of all games share one scale in the top-half selection and ψ. Table 6's
-multi-task settings are flags: `--reward-clip --episodic-life --gamma 0.99 --target-update-period 100`.
-
-envpool resets an environment on the step *after* an episode ends; that step is no transition and is masked
-out of every loss. Its n-step return is set to V(x_k), so that a time-limit truncation bootstraps from the value
-of the last observation; termination has discount 0.
+Losses are means; values and advantages are taken in PopArt's normalised space; the actors act with the target
+network, so the KL of Eq. (14) is taken against the logits they stored. The batch is split into
+`--num-minibatches` minibatches (the paper's 8 replicas). envpool's reset step (the step after an episode ends) is
+masked out of every loss. What departs from the paper (the softplus multipliers with their own learning rate, the
+initialisation, the CPU settings of the Atari family, the LSTM in place of the Transformer-XL) and why:
+docs/vmpo_atari.md. Multi-task: `--env-ids` (Table 4's one agent), one PopArt output per game.
 
     python vmpo_atari.py --env-id Breakout-v5
     torchrun --nproc_per_node 2 vmpo_atari.py --env-id Pong-v5 --num-envs 128
@@ -77,44 +33,46 @@ of the last observation; termination has discount 0.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import json
 import math
 import os
+import queue
+import signal
+import sys
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.actor_pool import (
-    ActorPool,
-    act_recurrent,
-    actor_configs,
-    check_games,
-    check_pool_args,
-    recurrent_buffer_specs,
+from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, task_family
+from common.evaluation import (
+    PRESETS,
+    evaluate,
+    expand_env_ids,
+    human_normalized_score,
+    recurrent_policy,
+    score_table,
+    write_score_table,
 )
-from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
-from common.envs import UsageError, env_spec, is_atari
-from common.evaluation import recurrent_policy
-from common.networks import LSTMCore, check_channels, grad_norms_by_layer, init_output_, init_weights_, make_torso
+from common.networks import (
+    LSTMCore,
+    check_channels,
+    dead_units,
+    grad_norms_by_layer,
+    init_output_,
+    init_weights_,
+    logits_std_across_states,
+    make_torso,
+)
 from common.popart import PopArt
-from common.processes import WorkerError
-from common.run import (
-    Interrupt,
-    RunLog,
-    average_gradients,
-    broadcast_parameters,
-    cli,
-    learner_failed,
-    learner_interrupted,
-    learner_process,
-    log_learner_stats,
-    loss_stats,
-    resume_args,
-)
 
 
 @dataclass
@@ -446,21 +404,7 @@ class Agent(nn.Module):
         init="orthogonal",
     ):
         super().__init__()
-        self.config = dict(
-            obs_shape=tuple(obs_shape),
-            num_actions=num_actions,
-            network=network,
-            channels=tuple(channels),
-            use_lstm=use_lstm,
-            lstm_size=lstm_size,
-            head_hidden=head_hidden,
-            mlp_hidden=tuple(mlp_hidden),
-            num_tasks=num_tasks,
-            popart_beta=popart_beta,
-            popart_scale_lower=popart_scale_lower,
-            popart_scale_upper=popart_scale_upper,
-            init=init,
-        )
+        self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         if network == "deep" and not channels and len(obs_shape) == 3:
             channels = (64, 128, 128)  # four times IMPALA's channels (App. F)
         self.config["channels"] = tuple(channels)
@@ -491,7 +435,51 @@ class Agent(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The run: setup, the paper's loop, the end.
+# Acting (Algorithm 1). Row t of an unroll holds obs_t, the reward and end flags that came with obs_t, the action
+# taken at obs_t and the target policy's logits there. An unroll has T+1 rows; its last row is the next one's first.
+
+
+def act(cfg: ActorConfig, link: ActorLink) -> None:
+    """Algorithm 1, 'use π_θtarget to act': for each batch of envs that envpool returns, the target network samples
+    actions, the envs step while the row is written, and every full unroll goes to the learner."""
+    n, device = cfg.num_envs, torch.device(cfg.device)
+    envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
+    agent = link.local_agent(device)
+    unrolls = UnrollWriter(link, n, cfg.unroll_length)
+    ended, prev_action = np.zeros(n, bool), torch.zeros(n, dtype=torch.long)
+    state, tracker = agent.initial_state(n, device), EpisodeTracker(n)
+    envs.async_reset()
+    while True:
+        obs, reward, term, trunc, info = envs.recv()
+        ids = info["env_id"]
+        exit_if_orphaned(link.parent_pid)
+        version = link.refresh(agent)
+        ids_t = torch.from_numpy(ids).long()
+        ids_dev, first = ids_t.to(device), torch.from_numpy(ended[ids])
+        obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
+        prev = torch.where(first, 0, prev_action[ids_t])
+        state_before = tuple(s[ids_dev] for s in state)
+        with torch.no_grad():
+            inputs = (x.to(device)[None] for x in (obs_t, prev, reward_t, first))
+            logits, _, state_after = agent(*inputs, state_before)
+            action = torch.distributions.Categorical(logits=logits[0]).sample().cpu()
+        envs.send(action.numpy(), ids)  # the envs step while this process does the bookkeeping
+        row = dict(obs=obs_t, reward=reward_t, ended=torch.from_numpy(term | trunc), terminated=torch.from_numpy(term))
+        row.update(first=first, action=action, prev_action=prev, logits=logits[0].cpu())
+        row.update(version=torch.full((len(ids),), version), task=torch.full((len(ids),), cfg.task))
+        core = None
+        if agent.core is not None:
+            core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))
+            for s, s_new in zip(state, state_after):
+                s[ids_dev] = s_new
+        unrolls.write(ids, row, core)
+        prev_action[ids_t], ended[ids] = action, term | trunc
+        for _, score, length in tracker.step(ids, reward, term, trunc, info):
+            link.msg_q.put(("episode", score, length, cfg.task))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Learning: setup, the learner's loop (Algorithm 1), the end.
 
 
 def main(args: Args):
@@ -520,7 +508,9 @@ def main(args: Args):
     ).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
-    broadcast_parameters(params, world)
+    if world > 1:  # the same initial weights in every learner (rank 0's)
+        for p in params:
+            torch.distributed.broadcast(p.data, 0)
     optimizer = make_optimizer(args, agent, multipliers)
     start_update, target_state = 0, None
     if resumed is not None:
@@ -531,7 +521,7 @@ def main(args: Args):
     task_name = f"{len(games)}games" if multitask else args.env_id
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
     describe += f"{args.num_envs * world} envs{', ' + str(len(games)) + ' games' if multitask else ''}"
-    log = RunLog(args, FAMILY_DEFAULTS, task_name, resumed, describe, write=rank == 0)
+    log = RunLog(args, task_name, resumed, describe, write=rank == 0)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     chunks = args.num_minibatches // world  # minibatches of this learner process, one after the other
@@ -539,9 +529,10 @@ def main(args: Args):
 
     def checkpoint(update):
         if rank == 0:
-            check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
+            check_finite_parameters(f"at update {update}", agent, multipliers)
             if args.save_model:  # a run stopped early can be evaluated too
-                save_model(saved_model(args, agent, multipliers, games, atari, global_step), log.path)
+                model = saved_model(args, agent, multipliers, games, atari, global_step)
+                save_atomic(model, os.path.join(log.path, "model.pt"))
             state = dict(
                 agent=agent.state_dict(),
                 target_agent=pool.agent.state_dict(),
@@ -549,7 +540,7 @@ def main(args: Args):
                 optimizer=optimizer.state_dict(),
                 update=update,
             )
-            save_checkpoint(log.state(global_step, args, **state), log.path)
+            save_atomic(log.state(global_step, **state), os.path.join(log.path, "checkpoint.pt"))
         return global_step
 
     def save_last():
@@ -564,10 +555,10 @@ def main(args: Args):
     update = done_update = start_update
     popart_before = None
     try:
-        specs = recurrent_buffer_specs(spec.observation_space, num_actions, args)
+        specs = buffer_specs(spec.observation_space, num_actions, args)
         env_options = dict(episodic_life=args.episodic_life, reward_clip=args.reward_clip)
         cfgs = actor_configs(args, rank, device, args.env_ids, **env_options)
-        pool = ActorPool(act, cfgs, agent, specs, args.batch_size // world, device)
+        pool = ActorPool(cfgs, agent, specs, args.batch_size // world, device)
         if target_state is not None:  # the target network the run was acting with
             pool.publish(target_state)
         for update in range(start_update + 1, num_updates + 1):
@@ -607,58 +598,57 @@ def main(args: Args):
             if log_due:
                 stats.update({"stats/stale_fraction": stale, "stats/target_version": pool.version.item()})
                 stats["charts/learning_rate"] = args.learning_rate
-                log_learner_stats(log, agent, games or [args.env_id], stats, layer_norms, logits, obs, global_step)
+                tasks = games or [args.env_id]
+                log_diagnostics(log, agent, tasks, stats, layer_norms, logits, {"obs": obs}, global_step)
                 log.console(
                     global_step,
                     f"entropy {stats['stats/entropy'].item():.2f} | η {stats['stats/eta'].item():.3f} "
                     f"α {stats['stats/alpha'].item():.3f} KL {stats['stats/kl'].item():.4f}",
                 )
     except (WorkerError, NonFiniteError) as e:
-        learner_failed(e, log.path, pool)
+        fail(e, log.path, pool)
     except KeyboardInterrupt:
         save = save_last if done_update > start_update else None
-        learner_interrupted(pool, interrupt, save, log, os.path.basename(__file__), world)
+        stop_on_interrupt(pool, interrupt, save, log, world)
     pool.close()
     end_time = time.time()
     checkpoint(num_updates)
     if rank == 0:
-        log.end(
-            saved_model(args, agent, multipliers, games, atari, global_step), make_eval_policy, end_time, device, games
-        )
+        log.end(saved_model(args, agent, multipliers, games, atari, global_step), end_time, device, games)
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
+def log_diagnostics(log, agent, tasks, stats, layer_norms, logits, batch, step) -> None:
+    """The learner's stats, gradient norms per layer, whether the policy depends on the state yet (logits' spread
+    across states), the torso's dead units, PopArt's statistics per game, several games' median human-normalised
+    score (of their last 10 episodes)."""
+    log.scalars({**stats, **{f"grad_norm/{name}": v for name, v in layer_norms.items()}}, step)
+    with torch.no_grad():
+        features = agent.torso(batch["obs"][:-1].flatten(0, 1))
+        log.scalars({"stats/logits_std_across_states": logits_std_across_states(logits[:-1])}, step)
+        log.scalars({"stats/dead_units": dead_units(features)}, step)
+    for k, task in enumerate(tasks if agent.popart is not None else []):
+        log.scalars(
+            {f"stats/popart_sigma/{task}": agent.popart.sigma[k], f"stats/popart_mu/{task}": agent.popart.mu[k]}, step
+        )
+    hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in tasks if log.groups.get(g)]
+    if len(tasks) > 1 and len(hns) == len(tasks):
+        log.scalars({"charts/median_human_normalized": float(np.median(hns))}, step)
+
+
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py` (it keeps the LSTM state and
+    """A callable `policy(obs, rewards, first) -> actions` of a saved model (it keeps the LSTM state and
     the previous action itself); rewards are clipped as in training."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
     return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Acting (with the target network). Row t of an unroll holds obs_t, the reward and end flags that came with
-# obs_t, the action taken at obs_t and the target policy's logits. An unroll has T+1 rows; its last row is the
-# next unroll's first.
-
-
-def act(actor_id, cfg, link):
-    """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls
-    (the loop: common/actor_pool.py)."""
-    act_recurrent(link, cfg)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Learning and process plumbing.
-
-
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
     of a multi-task run (presets expanded; empty for one game)."""
-    games = check_games(args)
-    spec = env_spec(games[0] if games else args.env_id, discrete=True)
-    check_pool_args(args)
+    spec, games = check_actor_args(args)
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
     if not 0 < args.top_fraction <= 1:
@@ -746,7 +736,7 @@ def make_optimizer(args, agent, multipliers):
 
 
 def saved_model(args, agent, multipliers, games, atari, global_step):
-    """What model.pt holds (common/evaluation.py plays it)."""
+    """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
     return {
         "script": "vmpo_atari",
         "env_id": games[0] if games else args.env_id,
@@ -761,5 +751,622 @@ def saved_model(args, agent, multipliers, games, atari, global_step):
     }
 
 
+def average_gradients(params, world: int) -> None:
+    """Averages gradients over the learner processes (one all-reduce of a flat buffer), in place of DDP, so that
+    PopArt can rescale its layer between the forward pass and the loss."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plumbing: the actor processes and their shared-memory unrolls, the learner processes, the run folder and its
+# console line, checkpoints, Ctrl-C and failures, the task family's defaults. No equation below.
+
+
+@dataclass
+class ActorConfig:
+    """What one actor process runs: its game (`task`: its index in a multi-task run), envs, seed and threads."""
+
+    env_id: str
+    num_envs: int
+    unroll_length: int
+    env_batch_size: int
+    seed: int
+    device: str
+    env_threads: int
+    task: int = 0
+    env_options: dict = field(default_factory=dict)  # more options of common.envs.make_env
+
+
+def actor_configs(args, rank, device, games=(), **env_options) -> list[ActorConfig]:
+    """The actors of learner `rank`: actor a plays game a mod G (every game the same share, all 18 actions), its
+    envs stepped `--env-batch-size` at a time (0: half of them) by the cores the learner leaves free."""
+    per_actor = args.num_envs // args.num_actors
+    threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
+    env_options = {**env_options, "full_action_space": True} if games else env_options
+    tasks = list(games) or [args.env_id]
+    return [
+        ActorConfig(
+            tasks[a % len(tasks)],
+            per_actor,
+            args.unroll_length,
+            args.env_batch_size or max(1, per_actor // 2),
+            args.seed + 1000 * rank + a,
+            str(device),
+            threads,
+            a % len(tasks),
+            env_options,
+        )
+        for a in range(args.num_actors)
+    ]
+
+
+def buffer_specs(observation_space, num_actions, args) -> dict:
+    """The unroll buffers `act` fills: name → (shape of one slot, dtype); with an LSTM its state before each slot."""
+    T, obs_dtype = args.unroll_length, torch.uint8 if observation_space.dtype == np.uint8 else torch.float32
+    specs = {
+        k: ((T + 1,), dt) for k, dt in [("reward", torch.float32), ("ended", torch.bool), ("terminated", torch.bool)]
+    }
+    specs.update({k: ((T + 1,), torch.long) for k in ("action", "prev_action", "version", "task")})
+    specs.update(obs=((T + 1, *observation_space.shape), obs_dtype), first=((T + 1,), torch.bool))
+    specs.update(logits=((T + 1, num_actions), torch.float32))
+    if args.use_lstm:
+        specs.update(core_h=((args.lstm_size,), torch.float32), core_c=((args.lstm_size,), torch.float32))
+    return specs
+
+
+@dataclass
+class ActorLink:
+    """What an actor shares with its learner: the published network and its version, the unroll buffers, the free
+    and full slot queues, the message queue and the learner's pid."""
+
+    agent: nn.Module
+    version: torch.Tensor
+    buffers: dict
+    free_q: object
+    full_q: object
+    msg_q: object
+    parent_pid: int
+    seen: int = -1  # the version the actor's copy holds
+
+    def local_agent(self, device):
+        agent = copy.deepcopy(self.agent).to(device)
+        self.seen = -1
+        self.refresh(agent)
+        return agent
+
+    def refresh(self, agent) -> int:
+        """Load the published network into `agent` if the learner has published since; returns its version."""
+        latest = int(self.version.item())
+        if latest != self.seen:
+            agent.load_state_dict(self.agent.state_dict())
+            self.seen = latest
+        return latest
+
+
+class UnrollWriter:
+    """The actor's side of the slots: `write(ids, row, core_state)` stores one row for each env in `ids` (any subset:
+    envpool's async mode); a slot that reaches T+1 rows goes to the learner and the env continues in a free slot
+    whose row 0 is a copy of the full one's row T. `core_state`: the LSTM state before the row, kept where the row
+    opens a slot."""
+
+    def __init__(self, link: ActorLink, num_envs: int, unroll_length: int):
+        self.link, self.T = link, unroll_length
+        self.slot = np.array([self.next_slot() for _ in range(num_envs)])
+        self.pos = np.zeros(num_envs, np.int64)
+
+    def next_slot(self):
+        while True:
+            try:
+                return self.link.free_q.get(timeout=1.0)
+            except queue.Empty:
+                exit_if_orphaned(self.link.parent_pid)
+
+    def write(self, ids, row, core_state=None):
+        buffers, T, core_state = self.link.buffers, self.T, core_state or {}
+        sl, p = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
+        for k, v in row.items():
+            buffers[k][sl, p] = v
+        for k, v in core_state.items():
+            buffers[k][sl[p == 0]] = v[p == 0]
+        self.pos[ids] += 1
+        for i in np.flatnonzero(self.pos[ids] == T + 1):
+            e, new = ids[i], self.next_slot()
+            for k in row:
+                buffers[k][new, 0] = buffers[k][self.slot[e], T]
+            for k, v in core_state.items():  # row T's state opens the next slot
+                buffers[k][new] = v[i]
+            self.link.full_q.put(int(self.slot[e]))
+            self.slot[e], self.pos[e] = new, 1
+
+
+class ActorPool:
+    """The learner's side: one process per config running `act`, batches of full unrolls (`next_batch`), the
+    learner's weights published to the actors (`publish`), their episodes collected (`episodes`), `close`."""
+
+    def __init__(self, cfgs, agent, specs, batch_size, device):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.batch_size, self.device, self.episodes = batch_size, device, []
+        num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
+        buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
+        shared = copy.deepcopy(agent).cpu().share_memory()
+        version = torch.zeros(1, dtype=torch.long).share_memory_()
+        self.link = ActorLink(shared, version, buffers, ctx.Queue(), ctx.Queue(), ctx.Queue(), os.getpid())
+        for i in range(num_slots):
+            self.link.free_q.put(i)
+        self.procs = [
+            ctx.Process(target=worker_entry, args=(act, a, self.link.msg_q, cfg, self.link), daemon=True)
+            for a, cfg in enumerate(cfgs)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def poll(self):
+        """Collect episode reports; raise WorkerError with the traceback if an actor died."""
+        while True:
+            try:
+                msg = self.link.msg_q.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] != "episode":
+                raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
+            self.episodes.append(msg[1:])
+        check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
+
+    def next_batch(self, on_wait=None):
+        """`batch_size` unrolls on the learner's device: `[T+1, B, ...]`, `core_*` `[B, ...]`; `on_wait(ready)`
+        while the batch is collected."""
+        idx = []
+        while len(idx) < self.batch_size:
+            try:
+                idx.append(self.link.full_q.get(timeout=1.0))
+            except queue.Empty:
+                self.poll()
+            if on_wait is not None:
+                on_wait(len(idx))
+        self.poll()
+        batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
+        for i in idx:
+            self.link.free_q.put(i)
+        pin = self.device.type == "cuda"
+        batch = {k: v if k.startswith("core_") else v.transpose(0, 1) for k, v in batch.items()}
+        return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    @property
+    def agent(self):
+        return self.link.agent  # the network the actors act with
+
+    @property
+    def version(self):
+        return self.link.version
+
+    def publish(self, state):
+        """Copy `state` (a state_dict) into the network the actors act with; they load it at their next step."""
+        with torch.no_grad():
+            for dst, src in zip(self.link.agent.state_dict().values(), state.values()):
+                dst.copy_(src)
+        self.link.version += 1
+
+    def close(self):
+        stop_workers(self.procs)
+
+
+def check_actor_args(args):
+    """The games and the actors' options, checked before any work (UsageError): the games of a multi-task run (Atari,
+    as many actors per game), the unroll, the batch over the learner processes and its minibatches, the envs per
+    actor and their async batch, a run of at least one batch. Returns the (first) game's spec and the games."""
+    games = expand_env_ids(args.env_ids)
+    for game in games:
+        env_spec(game, discrete=True)
+        if not is_atari(game):
+            raise UsageError(
+                f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: {', '.join(PRESETS)}); "
+                f"{game} is not one"
+            )
+    if games and args.num_actors % len(games):
+        raise UsageError(
+            f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
+            "that every game gets the same share of the actors"
+        )
+    spec, world = env_spec(games[0] if games else args.env_id, discrete=True), world_size()
+    if args.unroll_length < 1:
+        raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
+    if args.batch_size < 1 or args.batch_size % world:
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})"
+        )
+    if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
+        raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
+    if not 0 <= args.env_batch_size <= args.num_envs // args.num_actors:
+        raise UsageError(
+            f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
+            f"({args.num_envs // args.num_actors}), or 0 for half of them"
+        )
+    if args.total_timesteps < args.batch_size * args.unroll_length:
+        raise UsageError(
+            f"--total-timesteps {args.total_timesteps} is less than one batch "
+            f"(batch-size x unroll-length = {args.batch_size * args.unroll_length} steps)"
+        )
+    minibatches = getattr(args, "num_minibatches", world)
+    if minibatches < 1 or minibatches % world or args.batch_size % minibatches:
+        raise UsageError(
+            f"--num-minibatches {minibatches} must divide --batch-size {args.batch_size} and be "
+            f"a multiple of the number of learner processes ({world})"
+        )
+    return spec, games
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed: its traceback, or its exit code when no traceback came."""
+
+
+class ParentGone(Exception):
+    """The learner died (SIGKILL): its actors exit by themselves."""
+
+
+def exit_if_orphaned(parent_pid: int) -> None:
+    if os.getppid() != parent_pid:
+        raise ParentGone
+
+
+def worker_entry(target, name, msg_q, *args):
+    """A worker process: Ctrl-C is the learner's to handle, one torch thread, a failure reported with its
+    traceback before exit code 1."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(1)
+        target(*args)
+    except ParentGone:
+        msg_q.cancel_join_thread()
+    except Exception:
+        msg_q.put(("error", name, traceback.format_exc()))
+        sys.exit(1)
+
+
+def check_workers(procs, msg_q, what="worker", must_live=False, grace=2.0):
+    """WorkerError if a process has ended with an error (`must_live`: ended at all), with its traceback if it
+    reaches the queue within `grace` seconds."""
+    for i, p in enumerate(procs):
+        if p.is_alive() or (p.exitcode == 0 and not must_live):
+            continue
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            try:
+                msg = msg_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg[0] == "error":
+                raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
+        raise WorkerError(f"{what} {i} died with exit code {p.exitcode}")
+
+
+def stop_workers(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def learner_process(args):
+    """(rank, world, device) of this learner: the process group under torchrun, seeds (seed + rank), cudnn's
+    determinism and torch's threads (`--learner-threads`, or the cores shared among the learners)."""
+    rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
+    return rank, world, device
+
+
+class Interrupt:
+    """Ctrl-C and SIGTERM: stop at once, dropping the update in progress, except inside `with commit():` (the lines
+    that change the training state), which finishes first; a second Ctrl-C stops at once wherever it is."""
+
+    def __init__(self):
+        self.signals, self.committing = [], False
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.signals.append(signum)
+        if len(self.signals) > 1 or not self.committing:
+            raise KeyboardInterrupt
+
+    @property
+    def once(self) -> bool:
+        return len(self.signals) <= 1
+
+    @contextlib.contextmanager
+    def commit(self):
+        self.committing = True
+        try:
+            yield
+        finally:
+            self.committing = False
+        if self.signals:
+            raise KeyboardInterrupt
+
+
+def fail(error: Exception, run_path: str, pool) -> None:
+    """A failed actor or a non-finite value: the error line (and where the last good checkpoint is), the actors
+    stopped, exit 1 (torchrun stops the other learners)."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    if isinstance(error, NonFiniteError) or "NonFiniteError" in str(error):
+        path = os.path.join(run_path, "checkpoint.pt")
+        step = torch.load(path, weights_only=False).get("global_step") if os.path.isfile(path) else None
+        advice = "no checkpoint was written before it; try a lower --learning-rate"
+        if step is not None:
+            advice = (
+                f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again "
+                "with a lower --learning-rate"
+            )
+        print(advice, file=sys.stderr, flush=True)
+    if pool is not None:
+        pool.close()
+    os._exit(1)
+
+
+def stop_on_interrupt(pool, interrupt: Interrupt, save, log, world: int) -> None:
+    """Ctrl-C or SIGTERM: the actors stopped; after one signal `save()` (the last completed update; None where
+    there is none yet) and how to continue; exit 130."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+    print("interrupted: stopping actors", file=sys.stderr, flush=True)
+    if pool is not None:
+        pool.close()
+        if interrupt.once and save is not None:
+            step = save()
+            if log.writer is not None:
+                script = os.path.basename(__file__)
+                again = f"torchrun --standalone --nproc_per_node {world} {script}" if world > 1 else f"python {script}"
+                print(f"checkpoint at step {step}: continue with {again} --resume {log.path}", file=sys.stderr)
+    sys.exit(130)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or parameter became NaN or infinite: the run stops before it spoils its checkpoint."""
+
+
+def check_finite(where: str, **named) -> None:
+    """NonFiniteError naming the first of `named` (tensors or numbers) that holds a NaN or an infinity (one host
+    synchronisation per device)."""
+    flags = {}
+    for name, value in named.items():
+        t = torch.as_tensor(value).detach()
+        flags.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
+    for items in flags.values():
+        if not bool(torch.stack([ok for _, ok in items]).all()):
+            raise NonFiniteError(f"non-finite {next(name for name, ok in items if not bool(ok))} {where}")
+
+
+def check_finite_parameters(where: str, *modules) -> None:
+    check_finite(where, **{k: v for m in modules for k, v in m.state_dict().items() if v.is_floating_point()})
+
+
+def save_atomic(obj, path: str) -> None:
+    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def loss_stats(result) -> dict:
+    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
+    scalars (the total and the tensors that are not scalars left out)."""
+    return {
+        (f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v.detach()
+        for k, v in result._asdict().items()
+        if k != "loss" and v.dim() == 0
+    }
+
+
+# The task family's defaults: `--env-id` alone picks the settings of its family; a flag the user gives wins.
+PAPER = "the paper's settings (the Args defaults)"
+FAMILY_NAMES = {"atari": "Atari", "mujoco": "MuJoCo / dm_control", "classic": "classic control"}
+
+
+def family_key(args, table=FAMILY_DEFAULTS) -> str:
+    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
+    family = "atari" if getattr(args, "env_ids", ()) else task_family(args.env_id)
+    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
+    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
+
+
+def given_flags(argv) -> set:
+    """The `Args` fields a command line sets (`--num-envs 4`, `--num-envs=4`, `--no-use-lstm`)."""
+    names = {t[2:].split("=", 1)[0].replace("-", "_") for t in argv if t.startswith("--") and len(t) > 2}
+    return names | {n[3:] for n in names if n.startswith("no_")}
+
+
+def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
+    """`args` with its family's defaults for every field the command line did not set (none under `--preset
+    paper` or on `--resume`, where the run keeps its own arguments)."""
+    if args.preset == "paper" or args.resume:
+        return args
+    _, overrides = table.get(family_key(args, table), (PAPER, {}))
+    given = given_flags(sys.argv[1:] if argv is None else argv)
+    return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
+
+
+def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
+    """(family, where the defaults came from) for the start-up line and args.json."""
+    key = family_key(args, table)
+    if args.preset == "paper":
+        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
+    source, overrides = table.get(key, (PAPER, {}))
+    if key.endswith("_cpu"):
+        source = f"no GPU: {source}; --preset paper for the paper's"
+    shown = {k: " ".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v) for k, v in overrides.items()}
+    return key.removesuffix("_cpu"), source + "".join(
+        ": " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in shown.items()) for _ in [0] if shown
+    )
+
+
+def resume_args(args):
+    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
+    if not args.resume:
+        return args, None
+    path = os.path.join(args.resume, "checkpoint.pt")
+    if not os.path.isfile(path):
+        raise UsageError(
+            f"--resume {args.resume}: no checkpoint.pt there (is it a run folder of a run that saved one?)"
+        )
+    resumed = torch.load(path, map_location="cpu", weights_only=False)
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+    return dataclasses.replace(Args(**saved), resume=args.resume), resumed
+
+
+class RunLog:
+    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
+    None) gives the step, returns and wall time to continue from. Only rank 0 (`write`) writes."""
+
+    def __init__(self, args, task_name, resumed, describe, write=True):
+        self.args, self.writer, self.first = args, None, None
+        self.path = args.resume or os.path.join(
+            args.run_dir, f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        )
+        self.returns = list(resumed["returns"]) if resumed else []
+        self.groups = dict(resumed.get("groups", {})) if resumed else {}  # returns per game
+        self.start_step = resumed["global_step"] if resumed else 0
+        self.previous_wall = resumed["wall_time_s"] if resumed else 0.0
+        self.start = self.last_log = time.time()
+        if write:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.path, exist_ok=True)
+            family, source = describe_defaults(args)
+            print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
+            with open(os.path.join(self.path, "args.json"), "w") as f:
+                json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+            self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
+            print(f"run folder: {self.path}  ({describe})", flush=True)
+
+    def scalars(self, values: dict, step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, float(value), step)
+
+    def episode(self, score, length, step, *groups) -> None:
+        self.returns.append(score)
+        self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
+        for group in groups:
+            self.groups.setdefault(group, []).append(score)
+            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+
+    def first_update(self, step: int) -> None:
+        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
+
+    def state(self, step: int, **script_state) -> dict:
+        """A checkpoint: the script's state, what this log continues from, the run's arguments."""
+        groups = {g: r[-10:] for g, r in self.groups.items()}
+        wall = self.previous_wall + time.time() - self.start
+        common = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=wall)
+        return {**script_state, **common, "args": dataclasses.asdict(self.args)}
+
+    def due(self) -> bool:
+        return time.time() - self.last_log >= self.args.log_interval
+
+    def console(self, step: int, extra: str = "") -> None:
+        now = time.time()
+        sps = (step - self.start_step) / max(now - self.start, 1e-9)
+        self.writer.add_scalar("charts/SPS", sps, step)
+        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
+        print(
+            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
+            flush=True,
+        )
+        self.last_log = now
+
+    def collecting(self, step: int, ready: int, needed: int, steps_per_unroll: int) -> None:
+        """A progress line while a batch is collected (a first update may take minutes on a CPU)."""
+        now = time.time()
+        if now - self.last_log >= max(self.args.log_interval, 1.0):
+            sps = (step - self.start_step + ready * steps_per_unroll) / max(now - self.start, 1e-9)
+            print(
+                f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | "
+                f"collecting a batch: {ready}/{needed} unrolls of {steps_per_unroll} steps",
+                flush=True,
+            )
+            self.last_log = now
+
+    def end(self, model: dict, end_time: float, device, games=()) -> dict:
+        """model.pt (with `--save-model`), the evaluation (of each game, with a table, for a multi-task model; the
+        first game's first episode filmed with `--capture-video`), summary.json."""
+        if self.args.save_model:
+            torch.save(model, os.path.join(self.path, "model.pt"))
+        step, extra, eval_mean = model["global_step"], {}, None
+        film = self.path if self.args.capture_video else None
+        if self.args.eval_episodes > 0:
+            policy = lambda n: make_eval_policy(model, n, str(device))  # noqa: E731
+            episodes, seed = self.args.eval_episodes, self.args.seed + 10_000
+            scores = {
+                g: evaluate(policy, g, episodes, None, seed, film if i == 0 else None, bool(games))
+                for i, g in enumerate(games or [model["env_id"]])
+            }
+            eval_mean = float(np.mean([np.mean(s) for s in scores.values()]))
+            if games:
+                table = score_table(scores)
+                print(write_score_table(table, os.path.join(self.path, "evaluation")), flush=True)
+                for row in table["games"]:
+                    self.writer.add_scalar(f"charts/{row['env_id']}/eval_return", row["mean"], step)
+                self.writer.add_scalar("charts/eval_median_human_normalized", table["median_human_normalized"], step)
+                extra = dict(
+                    eval_median_human_normalized=table["median_human_normalized"],
+                    eval_mean_human_normalized=table["mean_human_normalized"],
+                    eval_per_game=table["games"],
+                )
+            else:
+                self.writer.add_scalar("charts/eval_return", eval_mean, step)
+                print(f"evaluation over {episodes} episodes: mean {eval_mean:.1f}", flush=True)
+        if games:
+            last10 = {g: float(np.mean(self.groups[g][-10:])) if self.groups.get(g) else None for g in games}
+            extra.update(env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
+        steady = None
+        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
+            steady = (step - self.first[1]) / (end_time - self.first[0])
+        summary = {
+            "env_id": f"{len(games)}games" if games else self.args.env_id,
+            "total_timesteps": step,
+            "wall_time_s": self.previous_wall + end_time - self.start,
+            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
+            "sps_after_first_update": steady,
+            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
+            "eval_mean_return": eval_mean,
+            **extra,
+        }
+        with open(os.path.join(self.path, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.writer.close()
+        return summary
+
+
+def cli():
+    """tyro's flags, the task family's defaults for the flags not given, bad input as one line (exit status 2)."""
+    import tyro
+
+    try:
+        main(with_family_defaults(tyro.cli(Args)))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    cli(Args, main, FAMILY_DEFAULTS)
+    cli()

@@ -1,5 +1,5 @@
-"""Where an actor's step goes: the real actor loop of impala_vtrace / vmpo_atari (`common.actor_pool.act_recurrent`)
-or vmpo_mujoco (its `act`) run in this process for a few seconds, its parts timed.
+"""Where an actor's step goes: the real actor loop of impala_vtrace, vmpo_atari or vmpo_mujoco (the script's `act`)
+run in this process for a few seconds, its parts timed.
 
     python benchmarks/actor_profile.py --script impala_vtrace --env-id Breakout-v5 --num-envs 32 --seconds 20
     python benchmarks/actor_profile.py --script vmpo_atari --cuda -- --network shallow --no-use-lstm
@@ -10,8 +10,7 @@ script's network on `--cuda` or the CPU), with a learner that takes nothing: ful
 to the free ones. Per envpool batch, the mean time of:
 - `recv`: waiting for envpool to return the next batch (the emulators' share the actor cannot hide);
 - `refresh`: checking for (and loading) a newer network from the learner;
-- `inference`: the inputs to the device, the network's forward pass and the sampled actions back on the CPU
-  (vmpo_mujoco: the forward pass only; its copies back to the CPU fall in the rest);
+- `inference`: the network's forward pass (the copies to and from the device and the sampling fall in the rest);
 - `send`: handing the actions to envpool;
 - `unroll write`: the row copied into the shared unroll buffers;
 - the rest: Python bookkeeping of the loop (the row's tensors, the episode tracker).
@@ -106,23 +105,25 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
         spec = env_spec(env_id, discrete=True)
         obs_shape, num_actions = spec.observation_space.shape, spec.action_space.n
         agent = m.Agent(obs_shape, num_actions, args.network, args.channels, args.use_lstm)
-        specs = actor_pool.recurrent_buffer_specs(spec.observation_space, num_actions, args)
+        specs = m.buffer_specs(spec.observation_space, num_actions, args)
     num_slots = num_envs + 8
     buffers = {k: torch.zeros((num_slots, *shape), dtype=dt) for k, (shape, dt) in specs.items()}
     free_q = queue.Queue()
     for i in range(num_slots):
         free_q.put(i)
-    link = actor_pool.ActorLink(
+    pool = actor_pool if script == "vmpo_mujoco" else m  # the recurrent scripts' actor plumbing is their own
+    link = pool.ActorLink(
         agent, torch.zeros(1, dtype=torch.long), buffers, free_q, Recycle(free_q), Messages(), os.getppid()
     )
-    cfg = actor_pool.actor_configs(args, 0, device)[0]
+    cfg = pool.actor_configs(args, 0, device)[0]
     timer = Timer()
     deadline = [None]
     batches = [0]
-    make_envs = cfg.make_envs
+    make_envs = cfg.make_envs if script == "vmpo_mujoco" else None
+    make_env = getattr(m, "make_env", None)
 
-    def timed_envs():
-        envs = make_envs()
+    def timed_envs(*a, **kw):
+        envs = make_envs() if make_envs is not None else make_env(*a, **kw)
         recv, send = timer.wrap("recv", envs.recv), timer.wrap("send", envs.send)
 
         class Envs:
@@ -147,27 +148,29 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
 
         return Envs()
 
-    cfg.make_envs = timed_envs
+    if script == "vmpo_mujoco":
+        cfg.make_envs = timed_envs
+    else:
+        m.make_env = timed_envs
     link.refresh = timer.wrap("refresh", link.refresh)
-    write = actor_pool.UnrollWriter.write
-    actor_pool.UnrollWriter.write = timer.wrap("unroll write", write)
+    write = pool.UnrollWriter.write
+    pool.UnrollWriter.write = timer.wrap("unroll write", write)
+    local_agent = link.local_agent
+
+    def timed_agent(device):  # the forward pass timed; the sampling and copies back fall in "rest"
+        a = local_agent(device)
+        a.forward = timer.wrap("inference", a.forward)
+        return a
+
+    link.local_agent = timed_agent
     try:
-        if script == "vmpo_mujoco":  # its own loop (`act`): the forward pass timed, the copies back in "rest"
-            local_agent = link.local_agent
-
-            def timed_agent(device):
-                a = local_agent(device)
-                a.forward = timer.wrap("inference", a.forward)
-                return a
-
-            link.local_agent = timed_agent
-            m.act(0, cfg, link)
-        else:
-            actor_pool.act_recurrent(link, cfg, timer.wrap("inference", actor_pool.sample_action))
+        m.act(0, cfg, link) if script == "vmpo_mujoco" else m.act(cfg, link)
     except Done:
         pass
     finally:
-        actor_pool.UnrollWriter.write = write
+        pool.UnrollWriter.write = write
+        if make_env is not None:
+            m.make_env = make_env
     wall = timer.end - timer.start
     n = timer.count["recv"]
     parts = {k: timer.total[k] / n for k in ("recv", "refresh", "inference", "send", "unroll write")}

@@ -66,6 +66,13 @@ def is_atari(env_id: str) -> bool:
     return "episodic_life" in _envpool().make_spec(env_id).config._fields
 
 
+def task_family(env_id: str) -> str:
+    """'atari', 'mujoco' (Gym MuJoCo and dm_control) or 'classic' (classic control, Box2D, ...): the family whose
+    defaults a script takes for `env_id` (a UsageError for an unknown id)."""
+    kind = type(env_spec(env_id)).__name__
+    return "atari" if kind.startswith("Atari") else "mujoco" if kind.startswith(("Gym", "Dmc")) else "classic"
+
+
 def make_env(
     env_id: str,
     num_envs: int,

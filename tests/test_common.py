@@ -1,5 +1,6 @@
 """common/: networks, envs (episode bookkeeping, checks), evaluation helpers."""
 
+import importlib
 import math
 import os
 import struct
@@ -418,11 +419,16 @@ def test_grad_norms_by_layer():
 
 
 # --------------------------------------------------------------------------------------------------------
-# Defaults by task family.
+# Defaults by task family (common/families.py, and the copies in the scripts that carry their own plumbing).
+
+
+def _family_functions(where):
+    module = importlib.import_module(where)
+    return module.describe_defaults, module.with_family_defaults
 
 
 def test_task_family_of_env_ids():
-    from common.families import task_family
+    from common.envs import task_family
 
     assert [
         task_family(e)
@@ -432,17 +438,19 @@ def test_task_family_of_env_ids():
         task_family("CartPol-v1")
 
 
-def test_given_flags_reads_every_form_tyro_accepts():
-    from common.families import given_flags
+@pytest.mark.parametrize("where", ["common.families", "impala_vtrace", "vmpo_atari"])
+def test_given_flags_reads_every_form_tyro_accepts(where):
+    given_flags = importlib.import_module(where).given_flags
 
     argv = ["--env-id", "CartPole-v1", "--num-envs=4", "--no-use-lstm", "--channels", "8", "16", "-h", "--"]
     assert given_flags(argv) == {"env_id", "num_envs", "no_use_lstm", "use_lstm", "channels"}
 
 
-def test_family_defaults_fill_what_the_user_did_not_give():
+@pytest.mark.parametrize("where", ["common.families", "impala_vtrace", "vmpo_atari"])
+def test_family_defaults_fill_what_the_user_did_not_give(where):
     import dataclasses
 
-    from common.families import describe_defaults, with_family_defaults
+    describe_defaults, with_family_defaults = _family_functions(where)
 
     @dataclasses.dataclass
     class A:
@@ -464,14 +472,15 @@ def test_family_defaults_fill_what_the_user_did_not_give():
     assert describe_defaults(A(preset="paper"), table)[1].endswith("forced by --preset paper")
 
 
-def test_family_defaults_split_by_device():
+@pytest.mark.parametrize("where", ["common.families", "impala_vtrace", "vmpo_atari"])
+def test_family_defaults_split_by_device(where):
     """A table with `<family>_cpu` gives those settings to a run with no usable GPU (`--no-cuda`, or no CUDA device),
     says so on the start-up line, and still lets a given flag and `--preset paper` win."""
     import dataclasses
 
     import torch
 
-    from common.families import describe_defaults, with_family_defaults
+    describe_defaults, with_family_defaults = _family_functions(where)
 
     @dataclasses.dataclass
     class A:
@@ -494,13 +503,14 @@ def test_family_defaults_split_by_device():
     assert with_family_defaults(gpu, table, argv=[]) == expected
 
 
-def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
+@pytest.mark.parametrize("where", ["common.actor_pool", "impala_vtrace", "vmpo_atari"])
+def test_unroll_writer_fills_overlapping_unrolls_in_async_order(where):
     """Rows arrive for any subset of envs in any order (envpool's async mode). Each env's unroll k must hold its
     rows kT..kT+T (T+1 rows: the last row of an unroll is the first of the next), its core state must be the one
     before row kT, and a slot goes to the learner as soon as its env has written row T."""
     import queue
 
-    from common.actor_pool import ActorLink, UnrollWriter
+    ActorLink, UnrollWriter = importlib.import_module(where).ActorLink, importlib.import_module(where).UnrollWriter
 
     T, n, num_slots = 3, 3, 64
     buffers = {"x": torch.zeros(num_slots, T + 1), "core_h": torch.zeros(num_slots, 2)}
@@ -593,12 +603,13 @@ def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, cap
     assert again.groups["learner_1"] == state["groups"]["learner_1"] and again.wall() >= 30.0
 
 
-def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once():
+@pytest.mark.parametrize("where", ["common.run", "impala_vtrace", "vmpo_atari"])
+def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once(where):
     """Ctrl-C outside a commit stops at once; inside, the commit finishes and the stop follows right after it;
     a second Ctrl-C inside a commit stops at once."""
     import signal as _signal
 
-    from common.run import Interrupt
+    Interrupt = importlib.import_module(where).Interrupt
 
     old = _signal.getsignal(_signal.SIGINT), _signal.getsignal(_signal.SIGTERM)
     try:
@@ -624,10 +635,11 @@ def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once():
         _signal.signal(_signal.SIGTERM, old[1])
 
 
-def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics():
+@pytest.mark.parametrize("where", ["common.run", "impala_vtrace", "vmpo_atari"])
+def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics(where):
     from typing import NamedTuple
 
-    from common.run import loss_stats
+    loss_stats = importlib.import_module(where).loss_stats
 
     class Out(NamedTuple):
         loss: torch.Tensor
@@ -641,12 +653,13 @@ def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics():
     assert float(stats["losses/value_loss"]) == 4.0 and not stats["losses/value_loss"].requires_grad
 
 
-def test_actor_configs_share_envs_games_and_seeds():
+@pytest.mark.parametrize("where", ["common.actor_pool", "impala_vtrace", "vmpo_atari"])
+def test_actor_configs_share_envs_games_and_seeds(where):
     """Envs split evenly over the actors, actor a plays game a mod G with the full action set, seeds apart by
     learner and actor, env batch half an actor's envs by default."""
     from types import SimpleNamespace
 
-    from common.actor_pool import actor_configs
+    actor_configs = importlib.import_module(where).actor_configs
 
     args = SimpleNamespace(num_envs=8, num_actors=4, unroll_length=5, env_batch_size=0, seed=10, env_id="Pong-v5")
     cfgs = actor_configs(args, 1, "cpu", ("Pong-v5", "Breakout-v5"), reward_clip=False)

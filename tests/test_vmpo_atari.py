@@ -217,11 +217,11 @@ def test_cpu_atari_multipliers_reach_their_constraints_within_a_few_hundred_upda
     Breakout frames, with the target network refreshed every T_target updates as in a run: within 300 updates α must
     fall by more than 1 and the KL must reach the scale of ε_α (the trust region binds), without running away from
     it, and η must move by more than 0.1. The paper's form leaves α above 4.8 here."""
-    from common.families import with_family_defaults
-
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    args = with_family_defaults(vmpo_atari.Args(env_id="Breakout-v5", cuda=False), vmpo_atari.FAMILY_DEFAULTS, [])
+    args = vmpo_atari.with_family_defaults(
+        vmpo_atari.Args(env_id="Breakout-v5", cuda=False), vmpo_atari.FAMILY_DEFAULTS, []
+    )
     assert args.network == "shallow" and not args.use_lstm  # the CPU family's agent
     batch = breakout_unrolls(8, args.unroll_length)
     agent = vmpo_atari.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm, init=args.init)
