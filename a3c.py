@@ -1,58 +1,27 @@
-"""A3C: asynchronous advantage actor-critic, discrete (Atari, any envpool discrete task) and continuous actions.
-
+"""A3C, asynchronous advantage actor-critic, discrete (Atari, any envpool discrete task) and continuous actions:
 Mnih, Badia, Mirza, Graves, Lillicrap, Harley, Silver, Kavukcuoglu (2016), "Asynchronous Methods for Deep
 Reinforcement Learning".
 
-Several actor-learner processes share one network in shared memory. Each keeps a local copy: it copies the
-shared weights, acts for t_max steps in its own environments, computes n-step returns bootstrapped from its
-value estimate, and applies the gradient of its actor-critic loss straight to the shared weights, without
-locks (Hogwild). Parallel actors exploring different parts of the environment decorrelate the updates, the
-role a replay memory plays in DQN. The optimiser is the paper's *shared* RMSProp: the running average of
-squared gradients is itself in shared memory, updated by every worker.
+Several actor-learner processes share one network in shared memory. Each copies the shared weights, acts t_max
+steps in its own environments, computes n-step returns bootstrapped from its value estimate, and applies the
+gradient of its actor-critic loss straight to the shared weights, without locks (Hogwild). The optimiser is the
+paper's *shared* RMSProp: the running average of squared gradients is itself in shared memory.
 
-| paper                                                             | here                                  |
-|-------------------------------------------------------------------|---------------------------------------|
-| Algorithm S3: sync θ' ← θ, act t_max steps, R ← r_i + γR backwards  | `train_worker`, `n_step_returns`       |
-| Algorithm S3: dθ ← ∇ log π(a|s)(R − V) + β∇H, dθ_v ← ∂(R − V)²/∂θ_v | `a3c_loss`                             |
-| Algorithm S3: "asynchronous update of θ using dθ" (Hogwild)         | `hogwild_update`                       |
-| Sec. 4 Eq. (1), Supp. Eqs. (S2)-(S3): shared RMSProp               | `SharedRMSprop`                        |
-| Supp. 8: Atari network (16 8x8/4, 32 4x4/2, 256), softmax + value  | `Agent` (ShallowTorso from common/)    |
-| Sec. 5.1: 256 LSTM cells after the last hidden layer               | `--lstm` (LSTMCore from common/)       |
-| Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V   | `Agent` with continuous actions        |
-| Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0             | `Args` defaults                        |
+| paper                                                               | here                          |
+|---------------------------------------------------------------------|-------------------------------|
+| Algorithm S3: sync θ' ← θ, act t_max steps, R ← r_i + γR backwards  | `train_worker`, `n_step_returns` |
+| Algorithm S3: dθ ← ∇ log π(a|s)(R − V) + β∇H, dθ_v ← ∂(R − V)²/∂θ_v | `a3c_loss`                    |
+| Algorithm S3: "asynchronous update of θ using dθ" (Hogwild)         | `hogwild_update`              |
+| Sec. 4 Eq. (1), Supp. Eqs. (S2)-(S3): shared RMSProp                | `SharedRMSprop`               |
+| Supp. 8: Atari network (16 8x8/4, 32 4x4/2, 256), softmax + value   | `Agent` (common/networks.py)  |
+| Sec. 5.1: 256 LSTM cells after the last hidden layer                | `--lstm`                      |
+| Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V    | `Agent`, continuous actions   |
+| Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0              | `Args` defaults               |
 
-Choices the paper leaves open, and what is done here:
-- Losses are summed over the t_max steps of a rollout, as Algorithm S3 accumulates its gradients, and
-  averaged over a worker's environments (`--num-envs`, 1 in the paper). The value loss is
-  value_coef · Σ (R − V)² with value_coef 0.5, so its gradient is (V − R)∇V.
-- The learning rate is the geometric middle of the paper's LogUniform(1e-4, 1e-2) search (Supp. 8): 1e-3.
-  RMSProp's ε (inside the square root as in Eq. S3) and the gradient-norm clipping threshold are not given in
-  the paper, which tuned the clipping on six Atari games. ε is 1e-5 on Atari, where the squared gradients stay
-  far below 0.1 (FAMILY_DEFAULTS), and 0.1 elsewhere. Atari (clipped rewards) clips at 40; vector
-  tasks do not clip by default: their unclipped returns (in the hundreds) make most gradients exceed 40, and
-  clipped gradients are so small next to ε = 0.1 that shared RMSProp turns into plain gradient steps of
-  lr/√ε; measured with 2 workers x 4 envs, CartPole-v1 and InvertedPendulum-v4 then collapse (entropy near 0,
-  values diverging), and learn without clipping.
-- Continuous actions live in [-1, 1]^d and are mapped to the env's box (and clipped) only when sent to it.
-  The covariance is spherical, σ²I with σ² = softplus(·) + 1e-5 (the floor keeps log-probabilities finite).
-  The paper updates once per episode without bootstrapping on MuJoCo; here MuJoCo uses t_max-step rollouts
-  like Atari. Vector observations are normalised by running statistics (not in the paper), kept in shared
-  memory, updated by the workers under a lock and saved in `model.pt`.
-- The LSTM sees only the torso's features (no previous action or reward): `--lstm` makes t_max 20.
-- Initialisation (not in the paper): the pixel torso is orthogonal with gain √2 and zero biases, the policy readout
-  orthogonal with gain 0.01 and the value readout gain 1 (CleanRL's). With PyTorch's default the torso's features
-  barely differ between Breakout frames (spread across states 9e-4 against 1.4e-2), so the first policy is
-  state-blind. Vector tasks keep PyTorch's default, under which their learning tests were measured.
-
-envpool resets an environment on the step *after* an episode ends; that step ignores the action and gives
-reward 0. It is no transition: it gets no gradient, and its return is set to V(x_k), so a time-limit
-truncation bootstraps from the value of its last observation; only termination (and, for Atari in training,
-a lost life) has discount 0.
-
-Processes: `main` starts `--num-workers` spawned worker processes (one per CPU core by default; the paper ran
-16 threads on 16 cores) and monitors them: it logs what they report, ends the run when the shared step
-counter reaches `--total-timesteps`, and ends it with the traceback if a worker dies. Workers use one torch
-thread each. A3C is a CPU algorithm: the workers share parameters in CPU memory, and `--cuda` is refused.
+Losses are summed over the t_max steps of a rollout, as Algorithm S3 accumulates its gradients. envpool's reset
+step (after an episode ends) gets no gradient and its return is V(x_k), so a time-limit truncation bootstraps.
+What the paper leaves open (RMSProp's ε, gradient clipping, the initialisation, observation normalisation) and
+the measurements behind the defaults: docs/a3c.md. A3C is a CPU algorithm: `--cuda` is refused.
 
     python a3c.py --env-id Breakout-v5
     python a3c.py --env-id HalfCheetah-v4 --num-workers 8 --lstm
@@ -60,10 +29,16 @@ thread each. A3C is a CPU algorithm: the workers share parameters in CPU memory,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import os
+import queue
+import signal
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Literal
 
@@ -72,98 +47,67 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import check_finite, check_finite_parameters, save_checkpoint, save_model
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
+from common.envs import (
+    EpisodeTracker,
+    UsageError,
+    env_spec,
+    flat_obs_dim,
+    flatten_obs,
+    is_atari,
+    make_env,
+    task_family,
+)
+from common.evaluation import evaluate
 from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, init_output_, init_weights_
-from common.processes import exit_if_orphaned, worker_entry
-from common.run import RunLog, cli, resume_args, serve_workers
 
 
 @dataclass
 class Args:
-    env_id: str = "Breakout-v5"
-    """envpool task id, discrete (Atari *-v5, CartPole-v1, ...) or continuous actions (HalfCheetah-v4, ...)"""
-    preset: Literal["family", "paper"] = "family"
-    """family: the defaults of the env id's task family (FAMILY_DEFAULTS); paper: the paper's settings (the
-    defaults below) for every task"""
-    exp_name: str = "a3c"
-    """name of this experiment, part of the run folder's name"""
-    seed: int = 1
-    """seed of the shared initial weights; worker w seeds torch with seed + w and its envs from seed + w·num_envs"""
-    torch_deterministic: bool = True
-    """torch.backends.cudnn.deterministic (kept for the common command line; the workers run on CPU)"""
-    cuda: bool = False
-    """not available: Hogwild workers share their parameters in CPU memory (the paper: 16 CPU cores, no GPU)"""
-    total_timesteps: int = 20_000_000
-    """environment steps over all workers (80M frames on Atari; the paper trains for 1-4 days on 16 cores)"""
-    num_workers: int = 0
-    """actor-learner processes; 0: one per CPU core (the paper: 16 threads, Supp. 8)"""
-    num_envs: int = 1
-    """environments per worker, stepped together (1 in the paper)"""
-    t_max: int = 0
-    """t_max, steps per rollout and update; 0: 5 (Supp. 8), or 20 with --lstm"""
-    learning_rate: float = 1e-3
-    """η, initial learning rate (the geometric middle of the paper's LogUniform(1e-4, 1e-2), Supp. 8)"""
-    anneal_lr: bool = True
-    """anneal η linearly to 0 over the run (Supp. 8)"""
-    rmsprop_alpha: float = 0.99
-    """α, RMSProp decay of the squared-gradient average g (Supp. 8)"""
-    rmsprop_eps: float = 0.1
-    """ε of RMSProp, inside the square root (Eq. S3; its value is not given in the paper); the Atari family
-    uses 1e-5 (FAMILY_DEFAULTS)"""
-    shared_statistics: bool = True
-    """shared RMSProp: one g for all workers (Sec. 4); --no-shared-statistics gives each worker its own g"""
-    gamma: float = 0.99
-    """γ, discount (Supp. 8)"""
-    ent_coef: float = -1.0
-    """β, entropy regularisation; negative: 0.01 for discrete (Supp. 8), 1e-4 for continuous actions (Supp. 9)"""
-    value_coef: float = 0.5
-    """weight of the value loss Σ (R − V)²"""
-    max_grad_norm: float = -1.0
-    """gradient-norm clipping of a worker's gradient (tuned in the paper, value not given); 0: none; negative: 40
-    for pixel observations (Atari), none for vector observations (see the docstring)"""
-    lstm: bool = False
-    """recurrent agent: an LSTM after the last hidden layer (Sec. 5.1 'A3C, LSTM'; Supp. 9)"""
-    lstm_size: int = 0
-    """LSTM cells; 0: 256 for pixel observations (Sec. 5.1), 128 for vector observations (Supp. 9)"""
-    hidden: int = 200
-    """ReLU units of the one hidden layer for vector observations (Supp. 9)"""
-    save_model: bool = False
-    """write model.pt (weights, observation statistics, what evaluation needs) in the run folder"""
-    capture_video: bool = False
-    """record the first evaluation episode as runs/<run>/videos/eval_episode_0.png (Atari and classic control)"""
-    eval_episodes: int = 10
-    """evaluation episodes at the end of training, sampling from the policy (0: none)"""
-    run_dir: str = "runs"
-    """folder of the run folders"""
-    log_interval: float = 5.0
-    """seconds between console progress lines"""
-    checkpoint_interval: float = 300.0
-    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights with the observation statistics, shared
-    RMSProp statistics, step counter; written atomically); also at the end and on Ctrl-C; 0: only then"""
-    resume: str = ""
-    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
+    env_id: str = "Breakout-v5"  # envpool task id, discrete (Atari *-v5, CartPole-v1) or continuous (HalfCheetah-v4)
+    preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
+    exp_name: str = "a3c"  # name of this experiment, part of the run folder's name
+    seed: int = 1  # seed of the initial weights; worker w: torch seed + w, envs from seed + w·num_envs
+    torch_deterministic: bool = True  # torch.backends.cudnn.deterministic (the workers run on CPU)
+    cuda: bool = False  # not available: Hogwild workers share their parameters in CPU memory
+    total_timesteps: int = 20_000_000  # environment steps over all workers (80M frames on Atari)
+    num_workers: int = 0  # actor-learner processes; 0: one per CPU core (the paper: 16 threads, Supp. 8)
+    num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
+    t_max: int = 0  # t_max, steps per rollout and update; 0: 5 (Supp. 8), or 20 with --lstm
+    learning_rate: float = 1e-3  # η, initial learning rate (middle of the paper's LogUniform(1e-4, 1e-2), Supp. 8)
+    anneal_lr: bool = True  # anneal η linearly to 0 over the run (Supp. 8)
+    rmsprop_alpha: float = 0.99  # α, RMSProp decay of the squared-gradient average g (Supp. 8)
+    rmsprop_eps: float = 0.1  # ε of RMSProp, inside the square root (Eq. S3; not given in the paper)
+    shared_statistics: bool = True  # shared RMSProp: one g for all workers (Sec. 4); off: each worker its own
+    gamma: float = 0.99  # γ, discount (Supp. 8)
+    ent_coef: float = -1.0  # β, entropy regularisation; negative: 0.01 discrete (Supp. 8), 1e-4 continuous (Supp. 9)
+    value_coef: float = 0.5  # weight of the value loss Σ (R − V)²
+    max_grad_norm: float = (
+        -1.0
+    )  # gradient-norm clipping (not given in the paper); 0: none; negative: 40 pixels, none else
+    lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
+    lstm_size: int = 0  # LSTM cells; 0: 256 pixels (Sec. 5.1), 128 vectors (Supp. 9)
+    hidden: int = 200  # ReLU units of the hidden layer for vector observations (Supp. 9)
+    save_model: bool = False  # write model.pt (weights, observation statistics) in the run folder
+    capture_video: bool = False  # record the first evaluation episode (an animated PNG; Atari and classic control)
+    eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
+    run_dir: str = "runs"  # folder of the run folders
+    log_interval: float = 5.0  # seconds between console progress lines
+    checkpoint_interval: float = 300.0  # seconds between checkpoints (also at the end and on Ctrl-C); 0: only then
+    resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family (common/families.py); a flag on the command line wins. Atari runs the paper's settings
-# (the Args defaults above, Supp. 8) with RMSProp's ε at 1e-5: on Breakout-v5 the gradients' squares stay far
-# below 0.1, so with ε = 0.1 RMSProp is plain SGD and the policy barely moved in 1.76M steps (mean score 2.2);
-# with 1e-5 it scored 17.9 after 600k (README); the other families keep 0.1 (with 1e-5 two of three
-# InvertedPendulum-v4 seeds collapsed). MuJoCo: the paper's (Supp. 9) with four envs per worker: with one, 2 workers
-# on InvertedPendulum-v4 collapsed in seeds 1 and 2 (a gradient spike, then σ near 0.08 and the pole down in 3
-# steps), with four all three seeds balanced it (README, "Defaults by task family"). Classic control: the paper's
-# settings learn CartPole-v1; the family gives the run a budget of its size.
+# Defaults by task family (a flag the user gives wins; measurements in docs/a3c.md): Atari takes RMSProp's ε at 1e-5
+# (with 0.1 RMSProp is plain SGD on Breakout's small gradients), MuJoCo 4 envs per worker, classic control a budget.
 FAMILY_DEFAULTS = {
     "atari": (
-        "the paper's Atari settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5 (README)",
+        "the paper's Atari settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5",
         dict(rmsprop_eps=1e-5),
     ),
     "mujoco": (
-        "the paper's continuous-control settings (Supp. 9) with 4 envs per worker, measured on "
-        "InvertedPendulum-v4 (README)",
+        "the paper's settings (Supp. 9) with 4 envs per worker, measured on InvertedPendulum-v4",
         dict(num_envs=4),
     ),
-    "classic": ("the paper's settings, with a budget measured on CartPole-v1 (README)", dict(total_timesteps=300_000)),
+    "classic": ("the paper's settings, with a budget measured on CartPole-v1", dict(total_timesteps=300_000)),
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -403,8 +347,6 @@ def main(args: Args):
                 optimizer.state[p]["square_avg"].copy_(g)
     log = RunLog(
         args,
-        FAMILY_DEFAULTS,
-        args.env_id,
         resumed,
         f"{args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
         f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
@@ -416,7 +358,7 @@ def main(args: Args):
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
     procs = [
         ctx.Process(
-            target=worker_entry,
+            target=worker,
             name=f"worker-{w}",
             daemon=True,
             args=(train_worker, w, msg_q, w, args, agent, optimizer, counter, obs_lock, msg_q, os.getpid()),
@@ -429,26 +371,17 @@ def main(args: Args):
         step = steps.value
         check_finite_parameters(f"at step {step}", agent=agent)
         if args.save_model:  # a run stopped early can be evaluated too
-            save_model(saved_model(args, spec, agent, step), log.path)
+            save_atomic(saved_model(args, spec, agent, step), os.path.join(log.path, "model.pt"))
         square_avg = None if optimizer is None else [optimizer.state[p]["square_avg"] for p in agent.parameters()]
-        save_checkpoint(
-            {
-                "agent": agent.state_dict(),
-                "square_avg": square_avg,
-                "global_step": step,
-                "returns": log.returns[-100:],
-                "wall_time_s": log.wall(),
-                "args": dataclasses.asdict(args),
-            },
-            log.path,
-        )
+        state = log.state(step, agent=agent.state_dict(), square_avg=square_avg)
+        save_atomic(state, os.path.join(log.path, "checkpoint.pt"))
         return step
 
-    serve_workers(procs, msg_q, log, steps, checkpoint, os.path.basename(__file__))
+    serve_workers(procs, msg_q, log, steps, checkpoint)
     end_time = time.time()
     global_step = checkpoint()
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    log.end(saved_model(args, spec, agent, global_step), make_eval_policy, end_time, num_workers=args.num_workers)
+    log.end(saved_model(args, spec, agent, global_step), end_time, num_workers=args.num_workers)
 
 
 def to_env_action(action, low, high):
@@ -462,7 +395,7 @@ def obs_tensor(obs, pixels):
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: it keeps the LSTM state
+    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): it keeps the LSTM state
     itself; the saved observation statistics normalise; actions are sampled (or the most probable / the mean)."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
@@ -640,7 +573,7 @@ def check_args(args):
 
 
 def saved_model(args, spec, agent, global_step):
-    """What model.pt holds (common/evaluation.py plays it)."""
+    """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
     model = {
         "script": "a3c",
         "env_id": args.env_id,
@@ -657,5 +590,313 @@ def saved_model(args, spec, agent, global_step):
     return model
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Plumbing: the worker processes and the process that serves them, the run folder, checkpoints, Ctrl-C and
+# failures, the task family's defaults. No equation below.
+
+
+def serve_workers(procs, msg_q, log, steps, checkpoint) -> None:
+    """The main process: starts the workers and serves them until each has sent `("done", w)`: their episodes
+    `("episode", w, step, return, length)` and stats `("stats", w, step, {tag: value})` to the log, the console
+    line, a checkpoint every --checkpoint-interval seconds (`checkpoint()` saves the shared state, returns its step).
+    A failed worker or a non-finite value: the error line, the workers stopped, exit 1. Ctrl-C or SIGTERM: the
+    workers stopped, a checkpoint and how to continue, exit 130."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    for s in (signal.SIGINT, signal.SIGTERM):  # set explicitly: also where the shell started us ignoring Ctrl-C
+        signal.signal(s, interrupt)
+    done, last_checkpoint = set(), time.time()
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < len(procs):
+            with contextlib.suppress(queue.Empty):
+                msg = msg_q.get(timeout=0.2)
+                if msg[0] == "episode":
+                    log.episode(msg[3], msg[4], msg[2])
+                elif msg[0] == "stats":
+                    log.scalars(msg[3], msg[2])
+                elif msg[0] == "done":
+                    done.add(msg[1])
+                else:
+                    raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
+            check_workers(procs, msg_q, "worker")
+            if steps.value > 0:
+                log.first_update(steps.value)
+            if 0 < log.args.checkpoint_interval <= time.time() - last_checkpoint and steps.value > log.start_step:
+                checkpoint()
+                last_checkpoint = time.time()
+            if log.due():
+                log.console(steps.value)
+    except (WorkerError, NonFiniteError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if "NonFiniteError" in f"{type(e).__name__} {e}":
+            print(non_finite_advice(log.path), file=sys.stderr, flush=True)
+        stop_workers(procs)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        print("interrupted: stopping workers", file=sys.stderr, flush=True)
+        stop_workers(procs)
+        if steps.value > log.start_step:
+            step, script = checkpoint(), os.path.basename(__file__)
+            print(f"checkpoint at step {step}: continue with python {script} --resume {log.path}", file=sys.stderr)
+        sys.exit(130)
+    for p in procs:
+        p.join()
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed: its traceback, or its exit code when no traceback came."""
+
+
+class ParentGone(Exception):
+    """The main process has died (SIGKILL): its workers exit by themselves."""
+
+
+def exit_if_orphaned(parent_pid: int) -> None:
+    if os.getppid() != parent_pid:
+        raise ParentGone
+
+
+def worker(target, name, msg_q, *args):
+    """A worker process: Ctrl-C is the main process's to handle, one torch thread, a failure reported with its
+    traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(1)
+        target(*args)
+    except ParentGone:
+        msg_q.cancel_join_thread()
+    except Exception:
+        msg_q.put(("error", name, traceback.format_exc()))
+        sys.exit(1)
+
+
+def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
+    """WorkerError if a process ended with an error (`must_live`: ended at all), with the traceback it sends within
+    `grace` seconds."""
+    for i, p in enumerate(procs):
+        if p.is_alive() or (p.exitcode == 0 and not must_live):
+            continue
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            with contextlib.suppress(queue.Empty):
+                msg = msg_q.get(timeout=0.2)
+                if msg[0] == "error":
+                    raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
+        raise WorkerError(f"{what} {i} died with exit code {p.exitcode}")
+
+
+def stop_workers(procs) -> None:
+    for p in (p for p in procs if p.is_alive()):
+        p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or parameter became NaN or infinite: the run stops before it spoils its checkpoint."""
+
+
+def check_finite(where: str, **named) -> None:
+    """NonFiniteError naming the first of `named` (tensors or numbers) with a NaN or an infinity (one host sync)."""
+    flags = [torch.isfinite(torch.as_tensor(v).detach()).all() for v in named.values()]
+    ok = torch.stack([f.to(flags[0].device) for f in flags])
+    if not bool(ok.all()):
+        raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
+
+
+def check_finite_parameters(where: str, **modules) -> None:
+    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
+    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
+    check_finite(where, **named)
+
+
+def non_finite_advice(run_path: str) -> str:
+    path = os.path.join(run_path, "checkpoint.pt")
+    if not os.path.isfile(path):
+        return "no checkpoint was written before it; try a lower --learning-rate"
+    step = torch.load(path, weights_only=False)["global_step"]
+    return (
+        f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again with a "
+        "lower --learning-rate"
+    )
+
+
+def save_atomic(obj, path: str) -> None:
+    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
+PAPER = "the paper's settings (the Args defaults)"
+FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
+
+
+def family_key(args, table) -> str:
+    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
+    family = task_family(args.env_id)
+    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
+    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
+
+
+def given_flags(argv) -> set:
+    """The `Args` fields a command line sets (`--num-envs 4`, `--num-envs=4`, `--no-lstm`)."""
+    names = {t[2:].split("=", 1)[0].replace("-", "_") for t in argv if t.startswith("--") and len(t) > 2}
+    return names | {n[3:] for n in names if n.startswith("no_")}
+
+
+def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
+    """`args` with its family's defaults where the command line set nothing (none under `--preset paper`, or on
+    `--resume`: the run keeps its own arguments)."""
+    if args.preset == "paper" or args.resume:
+        return args
+    overrides, given = (
+        table.get(family_key(args, table), (PAPER, {}))[1],
+        given_flags(sys.argv[1:] if argv is None else argv),
+    )
+    return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
+
+
+def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
+    """(family, where the defaults came from), for the start-up line and args.json."""
+    key = family_key(args, table)
+    source, overrides = table.get(key, (PAPER, {}))
+    if args.preset == "paper":
+        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
+    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+    show = [
+        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
+    ]
+    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "")
+
+
+def resume_args(args):
+    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
+    if not args.resume:
+        return args, None
+    path = os.path.join(args.resume, "checkpoint.pt")
+    if not os.path.isfile(path):
+        raise UsageError(
+            f"--resume {args.resume}: no checkpoint.pt there (is it a run folder of a run that saved one?)"
+        )
+    resumed = torch.load(path, map_location="cpu", weights_only=False)
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+    return dataclasses.replace(Args(**saved), resume=args.resume), resumed
+
+
+class RunLog:
+    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
+    None) gives the step, returns and wall time to go on from."""
+
+    def __init__(self, args, resumed, describe):
+        self.args, self.first, resumed = args, None, resumed or {}
+        self.path = args.resume or os.path.join(
+            args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        )
+        self.returns, self.groups = (
+            list(resumed.get("returns", [])),
+            dict(resumed.get("groups", {})),
+        )  # groups: learners
+        self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
+        self.start = self.last_log = time.time()
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(self.path, exist_ok=True)
+        family, source = describe_defaults(args)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
+        with open(os.path.join(self.path, "args.json"), "w") as f:
+            json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+        self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
+        print(f"run folder: {self.path}  ({describe})", flush=True)
+
+    def scalars(self, values: dict, step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, float(value), step)
+
+    def episode(self, score, length, step, *groups) -> None:
+        self.returns.append(score)
+        self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
+        for group in groups:
+            self.groups.setdefault(group, []).append(score)
+            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+
+    def first_update(self, step: int) -> None:
+        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
+
+    def wall(self) -> float:
+        return self.previous_wall + time.time() - self.start
+
+    def state(self, step: int, **script_state) -> dict:
+        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
+        groups = {g: r[-10:] for g, r in self.groups.items()}
+        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=self.wall())
+        return {**script_state, **log, "args": dataclasses.asdict(self.args)}
+
+    def due(self) -> bool:
+        return time.time() - self.last_log >= self.args.log_interval
+
+    def console(self, step: int, extra: str = "") -> None:
+        now = time.time()
+        sps = (step - self.start_step) / max(now - self.start, 1e-9)
+        self.writer.add_scalar("charts/SPS", sps, step)
+        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
+        print(
+            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
+            flush=True,
+        )
+        self.last_log = now
+
+    def end(self, model: dict, end_time: float, eval_mean=None, **extra) -> dict:
+        """model.pt (with `--save-model`), the evaluation (the first episode filmed with `--capture-video`; or the
+        script's own `eval_mean`), summary.json."""
+        step, n = model["global_step"], self.args.eval_episodes
+        if self.args.save_model:
+            torch.save(model, os.path.join(self.path, "model.pt"))
+        if n > 0 and eval_mean is None:
+            film = self.path if self.args.capture_video else None
+            policy = lambda k: make_eval_policy(model, k)  # noqa: E731
+            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000, film)))
+            self.scalars({"charts/eval_return": eval_mean}, step)
+            print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
+        steady = None
+        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
+            steady = (step - self.first[1]) / (end_time - self.first[0])
+        summary = {
+            "env_id": self.args.env_id,
+            "total_timesteps": step,
+            "wall_time_s": self.previous_wall + end_time - self.start,
+            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
+            "sps_after_first_update": steady,
+            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
+            "eval_mean_return": eval_mean,
+            **extra,
+        }
+        with open(os.path.join(self.path, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.writer.close()
+        return summary
+
+
+def cli():
+    """tyro's flags, the family's defaults for the flags not given, bad input as one line (exit status 2)."""
+    import tyro
+
+    try:
+        main(with_family_defaults(tyro.cli(Args)))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    cli(Args, main, FAMILY_DEFAULTS)
+    cli()

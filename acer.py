@@ -1,62 +1,32 @@
-"""ACER: actor-critic with experience replay, discrete (Atari, any envpool discrete task) and continuous actions.
-
+"""ACER, actor-critic with experience replay, discrete (Atari, any envpool discrete task) and continuous actions:
 Wang, Bapst, Heess, Mnih, Munos, Kavukcuoglu, de Freitas (2017), "Sample Efficient Actor-Critic with Experience
 Replay".
 
-ACER is the off-policy counterpart of A3C. Asynchronous workers (processes here, sharing one network and shared
-RMSProp statistics, as in a3c.py) act for k steps, learn from that segment on-policy, store it with the behaviour
-policy's probabilities μ(·|x) in their own replay memory, and then learn from Poisson(r) segments sampled from it.
-Three ideas make the off-policy updates stable: the critic Q learns from Retrace targets, whose traces are cut by
-truncated importance weights min(1, π/μ); the policy gradient truncates its importance weight at c and adds a
-bias-correction term that recovers the untruncated gradient in expectation, using Q for the actions the data does
-not cover; and an efficient trust region projects the policy gradient, taken with respect to the policy's
-probabilities φ(x), so that the policy stays close (linearised KL ≤ δ) to a running average of past policies.
+The off-policy counterpart of A3C. Asynchronous workers (processes sharing one network and shared RMSProp
+statistics) act for k steps, learn from that segment on-policy, store it with the behaviour policy μ(·|x) in their
+own replay memory, and then learn from Poisson(r) segments sampled from it. The critic Q learns from Retrace
+targets with traces cut by min(1, π/μ); the policy gradient truncates its importance weight at c and adds a bias
+correction that uses Q for the actions the data does not cover; an efficient trust region keeps the policy close
+(linearised KL ≤ δ) to a running average of past policies.
 
-| paper                                                              | here                                   |
-|--------------------------------------------------------------------|----------------------------------------|
-| Eq. (5) Retrace target Q^ret (Algorithm 2: ρ̄ = min(1, ρ))            | `retrace`                              |
-| Eqs. (7)-(10) truncated importance weight with bias correction       | `acer_policy_gradient`                 |
-| Eq. (6) critic update (Q^ret − Q)∇Q                                  | `acer_loss`                            |
-| Eqs. (11)-(12) trust region with the average policy network          | `trust_region_step`, `kl_gradient`     |
-| Sec. 3.3 θ_a ← α θ_a + (1 − α) θ                                     | `update_average`                       |
-| Algorithm 1: on-policy step, then Poisson(r) replay steps            | `train_worker`, `Replay`               |
-| Sec. 4: Atari network, k, c, δ, α, β, γ, replay size                 | `Agent`, `Args` defaults               |
-| Eq. (13) stochastic dueling network Q̃ = V + A − mean_i A(x, u_i)     | `ContinuousAgent.q_tilde`              |
-| Eq. (16) Gaussian ĝ^acer with Q^opc (App. B), Eq. (14) V update      | `gaussian_policy_gradient`             |
-| Algorithm 3: c_i = min(1, ρ^(1/d)) traces, replay-only learning      | `acer_loss_continuous`, `train_worker` |
-| Sec. 6: σ = 0.3, n = 5, k = 50, replay 5,000, α = 0.995              | `ContinuousAgent`, `Args` defaults     |
+| paper                                                           | here                                   |
+|-----------------------------------------------------------------|----------------------------------------|
+| Eq. (5) Retrace target Q^ret (Algorithm 2: ρ̄ = min(1, ρ))       | `retrace`                              |
+| Eqs. (7)-(10) truncated importance weight with bias correction  | `acer_policy_gradient`                 |
+| Eq. (6) critic update (Q^ret − Q)∇Q                             | `acer_loss`                            |
+| Eqs. (11)-(12) trust region with the average policy network     | `trust_region_step`, `kl_gradient`     |
+| Sec. 3.3 θ_a ← α θ_a + (1 − α) θ                                | `update_average`                       |
+| Algorithm 1: on-policy step, then Poisson(r) replay steps       | `train_worker`, `Replay`               |
+| Sec. 4: Atari network, k, c, δ, α, β, γ, replay size            | `Agent`, `Args` defaults               |
+| Eq. (13) stochastic dueling network Q̃ = V + A − mean_i A(x, u_i) | `ContinuousAgent.q_tilde`              |
+| Eq. (16) Gaussian ĝ^acer with Q^opc (App. B), Eq. (14) V update | `gaussian_policy_gradient`             |
+| Algorithm 3: c_i = min(1, ρ^(1/d)) traces, replay-only learning | `acer_loss_continuous`, `train_worker` |
+| Sec. 6: σ = 0.3, n = 5, k = 50, replay 5,000, α = 0.995         | `ContinuousAgent`, `Args` defaults     |
 
-Choices the paper leaves open, and what is done here:
-- As in a3c.py (the paper: "the same optimization procedure as in Mnih et al. (2016)"): shared RMSProp (α 0.99,
-  ε inside the square root: 0.1, 1e-5 in the Atari family), gradient-norm clipping at 40 for pixels and none for vector
-  observations, losses summed over the k steps of a segment and averaged over a worker's environments. The
-  learning rate is not annealed (Sec. 4); its value is not given: 1e-3, the a3c.py default.
-- The policy's statistics φ are its probabilities (Sec. 3.3): g and the KL gradient k = −φ_a/φ are taken with
-  respect to them, the trust region is applied per state (Eq. 12) and z is back-propagated through the softmax.
-  The entropy bonus (β = 0.001) is part of g, so the trust region bounds it too. Probabilities are floored
-  at 1e-6 where they divide or enter a logarithm (a near-deterministic policy otherwise gives NaN).
-- The critic loss is value_coef · (Q^ret − Q(x, a))² with value_coef 0.5, so its gradient is Eq. (6).
-- Initialisation (not in the paper): the pixel torso is orthogonal with gain √2 and zero biases, the policy readout
-  gain 0.01, the Q readout gain 1 (CleanRL's). With PyTorch's default the torso's features barely differ between
-  Breakout frames (spread across states 3e-4 against 9e-3). Vector tasks keep PyTorch's default.
-- Replay holds whole segments of k steps (with the observation after the last), per worker, up to
-  `--replay-size` steps (50,000 on Atari, Sec. 4: "frames" read as agent steps, the DQN convention; stored as
-  uint8 stacks of 4 frames this is about 1.4 GB per worker). Replay starts as soon as one segment is stored
-  (Algorithm 1). `--no-poisson-replay` replays exactly r segments per on-policy step (r must be an integer).
-- Continuous actions (Sec. 5-6): a Gaussian policy N(φ(x), σ²I) with the paper's fixed σ = 0.3 in [-1, 1]
-  action units (mapped to the env's box and clipped only when sent), the mean and V on one 200-unit ReLU torso,
-  A(x, a) a separate small network (200 ReLUs on [x, a]). Learning is from replay only (Sec. 6: "entirely
-  off-policy"), Poisson(4) segments per collected one. The policy-gradient truncation c is illegible in Sec. 6
-  ("set to a"): 5 here, the truncation of the paper's TIS baseline (App. E.2). The learning rate is the
-  geometric middle of Sec. 6's search range, δ = 1 the middle of [0.1, 2]. No observation normalisation
-  (the paper has none). The MuJoCo family (`--env-id` alone) departs from this in two values, measured on
-  InvertedPendulum-v4: the learning rate 5e-4 (the top of the range) and the critic's loss weighted 0.01. On the
-  shared torso the critic's gradient, in reward units, otherwise sets RMSProp's statistics (150x the policy's mean
-  square late in a run), and the policy barely moves the torso.
-
-envpool resets an environment on the step *after* an episode ends; that step is no transition: it gets no loss,
-and its truncated weight is 0 in Retrace, so the target carried back from it is V(x_k): a time-limit truncation
-bootstraps from the value of its last observation; termination has discount 0.
+The policy's statistics φ are its probabilities: the trust region acts on them per state (Eq. 12). envpool's reset
+step (after an episode ends) gets no loss and a truncated weight of 0 in Retrace, so a time-limit truncation
+bootstraps. What the paper leaves open (the optimiser's settings, the initialisation, replay storage, the
+continuous truncation c) and the measurements behind the defaults: docs/acer.md.
 
     python acer.py --env-id Breakout-v5
     python acer.py --env-id CartPole-v1 --num-workers 2 --num-envs 4
@@ -64,10 +34,16 @@ bootstraps from the value of its last observation; termination has discount 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import os
+import queue
+import signal
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -76,99 +52,69 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.checkpoint import check_finite, check_finite_parameters, save_checkpoint, save_model
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env
+from common.envs import (
+    EpisodeTracker,
+    UsageError,
+    env_spec,
+    flat_obs_dim,
+    flatten_obs,
+    is_atari,
+    make_env,
+    task_family,
+)
+from common.evaluation import evaluate
 from common.networks import MLPTorso, init_output_, init_weights_
-from common.processes import exit_if_orphaned, worker_entry
-from common.run import RunLog, cli, loss_stats, resume_args, serve_workers
 
 
 @dataclass
 class Args:
-    env_id: str = "Breakout-v5"
-    """envpool task id, discrete (Atari *-v5, CartPole-v1, ...) or continuous actions (HalfCheetah-v4, ...)"""
-    preset: Literal["family", "paper"] = "family"
-    """family: the defaults of the env id's task family (FAMILY_DEFAULTS); paper: the paper's settings (the
-    defaults below) for every task"""
-    exp_name: str = "acer"
-    """name of this experiment, part of the run folder's name"""
-    seed: int = 1
-    """seed of the shared initial weights; worker w seeds torch with seed + w and its envs from seed + w·num_envs"""
-    torch_deterministic: bool = True
-    """torch.backends.cudnn.deterministic (kept for the common command line; the workers run on CPU)"""
-    cuda: bool = False
-    """not available: the workers share their parameters in CPU memory (the paper: 16 CPU threads, no GPU)"""
-    total_timesteps: int = 20_000_000
-    """environment steps over all workers, on-policy steps only (80M frames on Atari)"""
-    num_workers: int = 0
-    """actor-learner processes; 0: one per CPU core (the paper: 16 threads, Sec. 4)"""
-    num_envs: int = 1
-    """environments per worker, stepped together (1 in the paper)"""
-    k: int = 0
-    """k, steps per segment and update; 0: 20 for discrete (Sec. 4), 50 for continuous actions (Sec. 6)"""
-    replay_ratio: float = 4.0
-    """r, replay updates per on-policy update, Poisson-distributed (Algorithm 1; 4 in Sec. 4); 0: A3C with a Q critic"""
-    poisson_replay: bool = True
-    """draw the number of replay updates from Poisson(r) (Algorithm 1); --no-poisson-replay: exactly r"""
-    replay_size: int = 0
-    """replay memory per worker, in environment steps; 0: 50,000 'frames' (Sec. 4), 5,000 for continuous (Sec. 6)"""
-    c: float = 0.0
-    """c, truncation of the importance weight in the policy gradient; 0: 10 (Sec. 4), 5 for continuous actions"""
-    delta: float = 1.0
-    """δ, trust-region bound on the linearised KL to the average policy (Sec. 4)"""
-    avg_decay: float = 0.0
-    """α, decay of the average policy network θ_a ← α θ_a + (1 − α) θ; 0: 0.99 (Sec. 4), 0.995 continuous (Sec. 6)"""
-    trust_region: bool = True
-    """use the trust region (Sec. 3.3); --no-trust-region is the paper's 'without trust region' ablation"""
-    learning_rate: float = 0.0
-    """η, RMSProp learning rate, constant (Sec. 4: not annealed); 0: 1e-3 (not given for Atari), 2.2e-4 for
-    continuous actions (the geometric middle of Sec. 6's log-uniform [1e-4, 10^-3.3])"""
-    rmsprop_alpha: float = 0.99
-    """RMSProp decay of the squared-gradient average (as A3C)"""
-    rmsprop_eps: float = 0.1
-    """RMSProp ε, inside the square root (as a3c.py; the Atari family: 1e-5)"""
-    gamma: float = 0.99
-    """γ, discount (Sec. 4)"""
-    ent_coef: float = 0.001
-    """β, entropy regularisation (Sec. 4)"""
-    value_coef: float = 0.5
-    """weight of the critic loss (Q^ret − Q)²; 0.5 gives Eq. (6)'s gradient (the MuJoCo family: 0.01)"""
-    max_grad_norm: float = -1.0
-    """gradient-norm clipping; 0: none; negative: 40 for pixel observations, none for vector observations"""
-    hidden: int = 200
-    """ReLU units of the hidden layer for vector observations (and of the advantage network)"""
-    policy_std: float = 0.3
-    """σ, the fixed standard deviation of the Gaussian policy, in [-1, 1] action units (Sec. 6)"""
-    sdn_samples: int = 5
-    """n, samples u_i ~ π of the stochastic dueling network (Eq. 13; Sec. 6)"""
-    save_model: bool = False
-    """write model.pt (weights, what evaluation needs) in the run folder"""
-    capture_video: bool = False
-    """record the first evaluation episode as runs/<run>/videos/eval_episode_0.png"""
-    eval_episodes: int = 10
-    """evaluation episodes at the end of training, sampling from the policy (0: none)"""
-    run_dir: str = "runs"
-    """folder of the run folders"""
-    log_interval: float = 5.0
-    """seconds between console progress lines"""
-    checkpoint_interval: float = 300.0
-    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights, average network, shared RMSProp
-    statistics, step counter; not the replay; written atomically); also at the end and on Ctrl-C; 0: only then"""
-    resume: str = ""
-    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
+    env_id: str = "Breakout-v5"  # envpool task id, discrete (Atari *-v5, CartPole-v1) or continuous (HalfCheetah-v4)
+    preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
+    exp_name: str = "acer"  # name of this experiment, part of the run folder's name
+    seed: int = 1  # seed of the initial weights; worker w: torch seed + w, envs from seed + w·num_envs
+    torch_deterministic: bool = True  # torch.backends.cudnn.deterministic (the workers run on CPU)
+    cuda: bool = False  # not available: the workers share their parameters in CPU memory
+    total_timesteps: int = 20_000_000  # environment steps over all workers, on-policy steps only (80M frames on Atari)
+    num_workers: int = 0  # actor-learner processes; 0: one per CPU core (the paper: 16 threads, Sec. 4)
+    num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
+    k: int = 0  # k, steps per segment and update; 0: 20 discrete (Sec. 4), 50 continuous (Sec. 6)
+    replay_ratio: float = 4.0  # r, replay updates per on-policy update, Poisson (Algorithm 1; Sec. 4); 0: no replay
+    poisson_replay: bool = True  # draw the number of replay updates from Poisson(r) (Algorithm 1); off: exactly r
+    replay_size: int = 0  # replay per worker, in env steps; 0: 50,000 (Sec. 4), 5,000 continuous (Sec. 6)
+    c: float = 0.0  # c, truncation of the policy gradient's importance weight; 0: 10 (Sec. 4), 5 continuous
+    delta: float = 1.0  # δ, trust-region bound on the linearised KL to the average policy (Sec. 4)
+    avg_decay: float = 0.0  # α of the average policy network; 0: 0.99 (Sec. 4), 0.995 continuous (Sec. 6)
+    trust_region: bool = True  # the trust region (Sec. 3.3); off: the paper's 'without trust region' ablation
+    learning_rate: float = 0.0  # η, constant (Sec. 4); 0: 1e-3 discrete, 2.2e-4 continuous (middle of Sec. 6's range)
+    rmsprop_alpha: float = 0.99  # RMSProp decay of the squared-gradient average (as A3C)
+    rmsprop_eps: float = 0.1  # RMSProp ε, inside the square root (as a3c.py)
+    gamma: float = 0.99  # γ, discount (Sec. 4)
+    ent_coef: float = 0.001  # β, entropy regularisation (Sec. 4)
+    value_coef: float = 0.5  # weight of the critic loss (Q^ret − Q)²; 0.5 gives Eq. (6)'s gradient
+    max_grad_norm: float = -1.0  # gradient-norm clipping; 0: none; negative: 40 for pixels, none for vectors
+    hidden: int = 200  # ReLU units of the hidden layer for vector observations (and of the advantage network)
+    policy_std: float = 0.3  # σ, fixed standard deviation of the Gaussian policy in [-1, 1] action units (Sec. 6)
+    sdn_samples: int = 5  # n, samples u_i ~ π of the stochastic dueling network (Eq. 13; Sec. 6)
+    save_model: bool = False  # write model.pt (weights, what evaluation needs) in the run folder
+    capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
+    eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
+    run_dir: str = "runs"  # folder of the run folders
+    log_interval: float = 5.0  # seconds between console progress lines
+    checkpoint_interval: float = 300.0  # seconds between checkpoints (not the replay; also at the end and on Ctrl-C)
+    resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family (common/families.py); a flag on the command line wins; --preset paper runs the Args
-# defaults above (Sec. 4 and 6) everywhere. Why the Atari and MuJoCo values: the docstring's choices, and the README.
-# Classic control: measured on CartPole-v1, seeds 1-3; with one env per worker a 200k-step run is far slower to learn.
+# Defaults by task family (a flag the user gives wins; `--preset paper` runs Sec. 4 and 6 everywhere; measurements in
+# docs/acer.md): Atari takes RMSProp's ε at 1e-5 as a3c.py; MuJoCo the top of Sec. 6's learning-rate range and the
+# critic's loss weighted 0.01; classic control 4 envs per worker.
 FAMILY_DEFAULTS = {
-    "atari": ("the paper's Atari settings (Sec. 4) with RMSProp ε 1e-5, as a3c.py (README)", dict(rmsprop_eps=1e-5)),
+    "atari": ("the paper's Atari settings (Sec. 4) with RMSProp ε 1e-5, as a3c.py", dict(rmsprop_eps=1e-5)),
     "mujoco": (
         "the paper's continuous-control settings (Sec. 6) with the top of its learning-rate range and the critic's "
-        "loss weighted 0.01, measured on InvertedPendulum-v4 (README)",
+        "loss weighted 0.01, measured on InvertedPendulum-v4",
         dict(learning_rate=5e-4, value_coef=0.01),
     ),
-    "classic": ("settings measured on CartPole-v1 (README)", dict(total_timesteps=300_000, num_envs=4)),
+    "classic": ("settings measured on CartPole-v1", dict(total_timesteps=300_000, num_envs=4)),
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -616,8 +562,6 @@ def main(args: Args):
             optimizer.state[p]["square_avg"].copy_(g)
     log = RunLog(
         args,
-        FAMILY_DEFAULTS,
-        args.env_id,
         resumed,
         f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}, "
         f"{'trust region' if args.trust_region else 'no trust region'}",
@@ -628,7 +572,7 @@ def main(args: Args):
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
     procs = [
         ctx.Process(
-            target=worker_entry,
+            target=worker,
             name=f"worker-{w}",
             daemon=True,
             args=(train_worker, w, msg_q, w, args, agent, avg_agent, optimizer, counter, msg_q, os.getpid()),
@@ -641,28 +585,17 @@ def main(args: Args):
         step = steps.value
         check_finite_parameters(f"at step {step}", agent=agent, avg_agent=avg_agent)
         if args.save_model:  # a run stopped early can be evaluated too
-            save_model(saved_model(args, spec, agent, avg_agent, step), log.path)
-        save_checkpoint(
-            {
-                "agent": agent.state_dict(),
-                "avg_agent": avg_agent.state_dict(),
-                "square_avg": [optimizer.state[p]["square_avg"] for p in agent.parameters()],
-                "global_step": step,
-                "returns": log.returns[-100:],
-                "wall_time_s": log.wall(),
-                "args": dataclasses.asdict(args),
-            },
-            log.path,
-        )
+            save_atomic(saved_model(args, spec, agent, avg_agent, step), os.path.join(log.path, "model.pt"))
+        square_avg = [optimizer.state[p]["square_avg"] for p in agent.parameters()]
+        state = log.state(step, agent=agent.state_dict(), avg_agent=avg_agent.state_dict(), square_avg=square_avg)
+        save_atomic(state, os.path.join(log.path, "checkpoint.pt"))
         return step
 
-    serve_workers(procs, msg_q, log, steps, checkpoint, os.path.basename(__file__))
+    serve_workers(procs, msg_q, log, steps, checkpoint)
     end_time = time.time()
     global_step = checkpoint()
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    log.end(
-        saved_model(args, spec, agent, avg_agent, global_step), make_eval_policy, end_time, num_workers=args.num_workers
-    )
+    log.end(saved_model(args, spec, agent, avg_agent, global_step), end_time, num_workers=args.num_workers)
 
 
 def to_env_action(action, low, high):
@@ -676,7 +609,7 @@ def obs_tensor(obs, pixels):
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`."""
+    """A callable `policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it)."""
     config = checkpoint["agent_config"]
     agent = (ContinuousAgent if "action_dim" in config else Agent)(**config).to(device)
     agent.load_state_dict(checkpoint["agent"])
@@ -902,7 +835,7 @@ def check_args(args):
 
 
 def saved_model(args, spec, agent, avg_agent, global_step):
-    """What model.pt holds (common/evaluation.py plays it)."""
+    """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
     model = {
         "script": "acer",
         "env_id": args.env_id,
@@ -920,5 +853,320 @@ def saved_model(args, spec, agent, avg_agent, global_step):
     return model
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Plumbing: the worker processes and the process that serves them, the run folder, checkpoints, Ctrl-C and
+# failures, the task family's defaults. No equation below.
+
+
+def serve_workers(procs, msg_q, log, steps, checkpoint) -> None:
+    """The main process: starts the workers and serves them until each has sent `("done", w)`: their episodes
+    `("episode", w, step, return, length)` and stats `("stats", w, step, {tag: value})` to the log, the console
+    line, a checkpoint every --checkpoint-interval seconds (`checkpoint()` saves the shared state, returns its step).
+    A failed worker or a non-finite value: the error line, the workers stopped, exit 1. Ctrl-C or SIGTERM: the
+    workers stopped, a checkpoint and how to continue, exit 130."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    for s in (signal.SIGINT, signal.SIGTERM):  # set explicitly: also where the shell started us ignoring Ctrl-C
+        signal.signal(s, interrupt)
+    done, last_checkpoint = set(), time.time()
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < len(procs):
+            with contextlib.suppress(queue.Empty):
+                msg = msg_q.get(timeout=0.2)
+                if msg[0] == "episode":
+                    log.episode(msg[3], msg[4], msg[2])
+                elif msg[0] == "stats":
+                    log.scalars(msg[3], msg[2])
+                elif msg[0] == "done":
+                    done.add(msg[1])
+                else:
+                    raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
+            check_workers(procs, msg_q, "worker")
+            if steps.value > 0:
+                log.first_update(steps.value)
+            if 0 < log.args.checkpoint_interval <= time.time() - last_checkpoint and steps.value > log.start_step:
+                checkpoint()
+                last_checkpoint = time.time()
+            if log.due():
+                log.console(steps.value)
+    except (WorkerError, NonFiniteError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if "NonFiniteError" in f"{type(e).__name__} {e}":
+            print(non_finite_advice(log.path), file=sys.stderr, flush=True)
+        stop_workers(procs)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        print("interrupted: stopping workers", file=sys.stderr, flush=True)
+        stop_workers(procs)
+        if steps.value > log.start_step:
+            step, script = checkpoint(), os.path.basename(__file__)
+            print(f"checkpoint at step {step}: continue with python {script} --resume {log.path}", file=sys.stderr)
+        sys.exit(130)
+    for p in procs:
+        p.join()
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed: its traceback, or its exit code when no traceback came."""
+
+
+class ParentGone(Exception):
+    """The main process has died (SIGKILL): its workers exit by themselves."""
+
+
+def exit_if_orphaned(parent_pid: int) -> None:
+    if os.getppid() != parent_pid:
+        raise ParentGone
+
+
+def worker(target, name, msg_q, *args):
+    """A worker process: Ctrl-C is the main process's to handle, one torch thread, a failure reported with its
+    traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(1)
+        target(*args)
+    except ParentGone:
+        msg_q.cancel_join_thread()
+    except Exception:
+        msg_q.put(("error", name, traceback.format_exc()))
+        sys.exit(1)
+
+
+def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
+    """WorkerError if a process ended with an error (`must_live`: ended at all), with the traceback it sends within
+    `grace` seconds."""
+    for i, p in enumerate(procs):
+        if p.is_alive() or (p.exitcode == 0 and not must_live):
+            continue
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            with contextlib.suppress(queue.Empty):
+                msg = msg_q.get(timeout=0.2)
+                if msg[0] == "error":
+                    raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
+        raise WorkerError(f"{what} {i} died with exit code {p.exitcode}")
+
+
+def stop_workers(procs) -> None:
+    for p in (p for p in procs if p.is_alive()):
+        p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or parameter became NaN or infinite: the run stops before it spoils its checkpoint."""
+
+
+def check_finite(where: str, **named) -> None:
+    """NonFiniteError naming the first of `named` (tensors or numbers) with a NaN or an infinity (one host sync)."""
+    flags = [torch.isfinite(torch.as_tensor(v).detach()).all() for v in named.values()]
+    ok = torch.stack([f.to(flags[0].device) for f in flags])
+    if not bool(ok.all()):
+        raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
+
+
+def check_finite_parameters(where: str, **modules) -> None:
+    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
+    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
+    check_finite(where, **named)
+
+
+def non_finite_advice(run_path: str) -> str:
+    path = os.path.join(run_path, "checkpoint.pt")
+    if not os.path.isfile(path):
+        return "no checkpoint was written before it; try a lower --learning-rate"
+    step = torch.load(path, weights_only=False)["global_step"]
+    return (
+        f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again with a "
+        "lower --learning-rate"
+    )
+
+
+def loss_stats(result) -> dict:
+    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
+    scalars (the total and what is not a scalar left out)."""
+    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
+    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
+
+
+def save_atomic(obj, path: str) -> None:
+    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
+PAPER = "the paper's settings (the Args defaults)"
+FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
+
+
+def family_key(args, table) -> str:
+    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
+    family = task_family(args.env_id)
+    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
+    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
+
+
+def given_flags(argv) -> set:
+    """The `Args` fields a command line sets (`--num-envs 4`, `--num-envs=4`, `--no-lstm`)."""
+    names = {t[2:].split("=", 1)[0].replace("-", "_") for t in argv if t.startswith("--") and len(t) > 2}
+    return names | {n[3:] for n in names if n.startswith("no_")}
+
+
+def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
+    """`args` with its family's defaults where the command line set nothing (none under `--preset paper`, or on
+    `--resume`: the run keeps its own arguments)."""
+    if args.preset == "paper" or args.resume:
+        return args
+    overrides, given = (
+        table.get(family_key(args, table), (PAPER, {}))[1],
+        given_flags(sys.argv[1:] if argv is None else argv),
+    )
+    return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
+
+
+def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
+    """(family, where the defaults came from), for the start-up line and args.json."""
+    key = family_key(args, table)
+    source, overrides = table.get(key, (PAPER, {}))
+    if args.preset == "paper":
+        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
+    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+    show = [
+        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
+    ]
+    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "")
+
+
+def resume_args(args):
+    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
+    if not args.resume:
+        return args, None
+    path = os.path.join(args.resume, "checkpoint.pt")
+    if not os.path.isfile(path):
+        raise UsageError(
+            f"--resume {args.resume}: no checkpoint.pt there (is it a run folder of a run that saved one?)"
+        )
+    resumed = torch.load(path, map_location="cpu", weights_only=False)
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+    return dataclasses.replace(Args(**saved), resume=args.resume), resumed
+
+
+class RunLog:
+    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
+    None) gives the step, returns and wall time to go on from."""
+
+    def __init__(self, args, resumed, describe):
+        self.args, self.first, resumed = args, None, resumed or {}
+        self.path = args.resume or os.path.join(
+            args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        )
+        self.returns, self.groups = (
+            list(resumed.get("returns", [])),
+            dict(resumed.get("groups", {})),
+        )  # groups: learners
+        self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
+        self.start = self.last_log = time.time()
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(self.path, exist_ok=True)
+        family, source = describe_defaults(args)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
+        with open(os.path.join(self.path, "args.json"), "w") as f:
+            json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+        self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
+        print(f"run folder: {self.path}  ({describe})", flush=True)
+
+    def scalars(self, values: dict, step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, float(value), step)
+
+    def episode(self, score, length, step, *groups) -> None:
+        self.returns.append(score)
+        self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
+        for group in groups:
+            self.groups.setdefault(group, []).append(score)
+            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+
+    def first_update(self, step: int) -> None:
+        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
+
+    def wall(self) -> float:
+        return self.previous_wall + time.time() - self.start
+
+    def state(self, step: int, **script_state) -> dict:
+        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
+        groups = {g: r[-10:] for g, r in self.groups.items()}
+        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=self.wall())
+        return {**script_state, **log, "args": dataclasses.asdict(self.args)}
+
+    def due(self) -> bool:
+        return time.time() - self.last_log >= self.args.log_interval
+
+    def console(self, step: int, extra: str = "") -> None:
+        now = time.time()
+        sps = (step - self.start_step) / max(now - self.start, 1e-9)
+        self.writer.add_scalar("charts/SPS", sps, step)
+        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
+        print(
+            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
+            flush=True,
+        )
+        self.last_log = now
+
+    def end(self, model: dict, end_time: float, eval_mean=None, **extra) -> dict:
+        """model.pt (with `--save-model`), the evaluation (the first episode filmed with `--capture-video`; or the
+        script's own `eval_mean`), summary.json."""
+        step, n = model["global_step"], self.args.eval_episodes
+        if self.args.save_model:
+            torch.save(model, os.path.join(self.path, "model.pt"))
+        if n > 0 and eval_mean is None:
+            film = self.path if self.args.capture_video else None
+            policy = lambda k: make_eval_policy(model, k)  # noqa: E731
+            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000, film)))
+            self.scalars({"charts/eval_return": eval_mean}, step)
+            print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
+        steady = None
+        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
+            steady = (step - self.first[1]) / (end_time - self.first[0])
+        summary = {
+            "env_id": self.args.env_id,
+            "total_timesteps": step,
+            "wall_time_s": self.previous_wall + end_time - self.start,
+            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
+            "sps_after_first_update": steady,
+            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
+            "eval_mean_return": eval_mean,
+            **extra,
+        }
+        with open(os.path.join(self.path, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.writer.close()
+        return summary
+
+
+def cli():
+    """tyro's flags, the family's defaults for the flags not given, bad input as one line (exit status 2)."""
+    import tyro
+
+    try:
+        main(with_family_defaults(tyro.cli(Args)))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    cli(Args, main, FAMILY_DEFAULTS)
+    cli()

@@ -1,55 +1,32 @@
-"""P3S-TD3: population-guided parallel policy search with TD3 learners, continuous actions (MuJoCo).
+"""P3S-TD3, population-guided parallel policy search with TD3 learners, continuous actions (MuJoCo): Jung, Park,
+Sung (2020), "Population-Guided Parallel Policy Search for Reinforcement Learning" (ICLR 2020), on top of TD3:
+Fujimoto, van Hoof, Meger (2018), "Addressing Function Approximation Error in Actor-Critic Methods".
 
-Jung, Park, Sung (2020), "Population-Guided Parallel Policy Search for Reinforcement Learning" (ICLR 2020),
-on top of TD3: Fujimoto, van Hoof, Meger (2018), "Addressing Function Approximation Error in Actor-Critic
-Methods".
-
-N identical TD3 learners, each acting in its own copy of the environment, write their experience into one
-shared replay and learn from uniform minibatches of all of it. Every M time steps the learner with the best
-mean return over its last E_r training episodes becomes the best learner b; a frozen copy of its policy π_b
-guides the others for the next M steps through an extra term in their policy loss,
-β·E_s[½‖π_i(s) − π_b(s)‖²]. The weight β adapts so that the other learners stay about a search radius
-d_search = max(ρ·D_change, d_min) away from π_b: close enough to profit from the best policy, far enough to
-search around it. With one learner this is plain TD3, the paper's baseline.
+N identical TD3 learners, each acting in its own copy of the environment, write their experience into one shared
+replay and learn from uniform minibatches of all of it. Every M time steps the learner with the best mean return
+over its last E_r training episodes becomes the best learner b; a frozen copy of its policy π_b guides the others
+for the next M steps through an extra term in their policy loss, β·E_s[½‖π_i(s) − π_b(s)‖²]. β adapts so that the
+other learners stay about d_search = max(ρ·D_change, d_min) away from π_b. With one learner this is plain TD3.
 
 | paper                                                              | here                                   |
 |--------------------------------------------------------------------|----------------------------------------|
-| Alg. 1 lines 5-11: N learners act in their own env copies and      | `run_population`, `SharedReplay`       |
-|   store into one shared replay D                                   |                                        |
-| Eqs. (80), (83): y = r + γ min_j Q'_j(s', π'(s') + clip(ε)),       | `smoothed_target_action`, `td3_target`,|
-|   L(θ_j) = E[(y − Q_j(s, a))²]                                     | `critic_loss`                          |
+| Alg. 1 lines 5-11: N learners act in their own envs, one replay D  | `run_population`, `SharedReplay`       |
+| Eq. (80): y = r + γ min_j Q'_j(s', π'(s') + clip(ε))                | `smoothed_target_action`, `td3_target` |
+| Eq. (83): L(θ_j) = E[(y − Q_j(s, a))²]                              | `critic_loss`                          |
 | Eq. (84): L(φ_i) = E[−Q_1(s, π_i(s)) + 1{i≠b} β ½‖π_i(s) − π_b(s)‖²] | `p3s_actor_loss`, `policy_distance`  |
 | Eq. (82): target networks θ' ← (1 − τ)θ' + τθ every d updates      | `soft_update`, `Learners.update`       |
 | Alg. 1 lines 24-26: every M steps select b on the last E_r returns | `synchronise`, `select_best`           |
 | Eq. (6) = Eq. (76): β ← 2β or β/2 against max{ρ D_change, d_min}    | `adapt_beta`                           |
-| Sec. 3, D_spread and D_change averaged over the non-best learners   | `Learners.period_distances`            |
+| Sec. 3: D_spread and D_change over the non-best learners            | `Learners.period_distances`            |
 | App. I: 400-300 ReLU networks, tanh policy, Adam 1e-3, τ, B, σ, c   | `Actor`, `TwinQ`, `Args` defaults      |
 | Sec. 4.2: delayed MuJoCo, rewards given every f_reward = 20 steps   | `DelayedReward`, `--reward-delay`      |
 
-Choices the paper leaves open, and what is done here:
-- D_spread and D_change are measured at the end of each period, on a minibatch of B states from the shared
-  replay, for every learner that was not the best during that period: D_spread against the π_b that guided
-  it, D_change against its own policy at the start of the period (π_old). Then the new best is selected and
-  its policy copied (frozen) as the next π_b. β is kept in [1e-3, 1e3] (`--beta-min`, `--beta-max`).
-- Before the first selection (the first M steps after the random phase), b is learner 0 and π_b the common
-  initial policy (Algorithm 1, line 1 initialises all learners and φ_b to the same parameters).
-- "Time step" is Algorithm 1's t: one step of every environment of every learner. Each learner makes one
-  gradient update per environment interaction (`--num-envs` per learner, 1 in the paper), so the total
-  number of updates equals the total number of environment steps, as in the paper's comparison with TD3.
-  `--total-timesteps` counts the environment steps of all learners together (the paper's x axis).
-- Actions live in [-1, 1]^d (the tanh policy, the noises, the distance) and are mapped to the env's box
-  only when sent to it. envpool's reset step (the step after an episode ended) is not a transition and is
-  not stored; time-limit truncation bootstraps (only termination has discount 0).
-- The learners run in lockstep (below), so selection, β and π_b are the same for all, as in Algorithm 1.
-
-The population as one set of kernels: the N learners' networks are stacked (`Linears`: weights `[N, out, in]`,
-one batched matmul per layer), so one forward, backward and Adam step update all N learners at once, each on its
-own minibatch of the shared replay, with exactly the gradients and Adam steps of N separate TD3 learners (the
-tests check this). One process (`run_population`) steps every learner's environments (one envpool), acts for
-all, stores into D and updates; with a GPU (`--cuda`, on when there is one) the networks and the replay live
-on it. `main` only watches (console, TensorBoard, checkpoints, the end of the run, and the traceback or exit
-code of the population's process if it dies). The README has the measurements behind this choice (one process
-per learner was the earlier design).
+The N learners' networks are stacked (`Linears`: weights `[N, out, in]`), so one forward, backward and Adam step
+update all N, each on its own minibatch, with exactly the gradients and steps of N separate TD3 learners. One
+process (`run_population`) steps every learner's envs, acts, stores and updates; `main` watches it (console,
+TensorBoard, checkpoints, its traceback if it dies). `--total-timesteps` counts the environment steps of all
+learners together (the paper's x axis). What the paper leaves open (when D_spread and D_change are measured,
+the first period, β's bounds) and the measurements: docs/p3s_td3.md.
 
     python p3s_td3.py --env-id HalfCheetah-v4
     python p3s_td3.py --env-id Hopper-v4 --reward-delay 20 --num-learners 1   # TD3 on delayed Hopper
@@ -57,14 +34,18 @@ per learner was the earlier design).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import glob
 import json
 import math
 import os
+import queue
+import signal
 import sys
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
@@ -74,101 +55,47 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import vector_to_parameters
 
-from common.checkpoint import check_finite, check_finite_parameters, save_checkpoint, save_model
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
-from common.processes import (
-    WorkerError,
-    check_workers,
-    exit_if_orphaned,
-    ignore_further_interrupts,
-    interrupt_on_signals,
-    raise_worker_error,
-    receive,
-    report_failure,
-    stop_workers,
-    worker_entry,
-)
-from common.run import RunLog, cli, resume_args, resume_hint
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env, task_family
+from common.evaluation import evaluate
 
 
 @dataclass
 class Args:
-    env_id: str = "HalfCheetah-v4"
-    """envpool task id with continuous actions (Hopper-v4, Walker2d-v4, HalfCheetah-v4, Ant-v4, Pendulum-v1, ...)"""
-    preset: Literal["family", "paper"] = "family"
-    """family: the defaults of the env id's task family (FAMILY_DEFAULTS); paper: the paper's settings (the
-    defaults below) for every task"""
-    exp_name: str = "p3s_td3"
-    """name of this experiment, part of the run folder's name"""
-    seed: int = 1
-    """seed of the common initial weights; learner i seeds its noise and sampling with seed + i + 1"""
-    torch_deterministic: bool = True
-    """torch.backends.cudnn.deterministic"""
-    cuda: bool = True
-    """put the learners' networks and the replay on the GPU when there is one"""
-    total_timesteps: int = 1_000_000
-    """environment steps of all learners together (the x axis of the paper's Figs. 3-4: one million)"""
-    num_learners: int = 4
-    """N, learners (Sec. 4.1), updated together as one batch; 1 is plain TD3"""
-    num_envs: int = 1
-    """environment copies per learner (1 in the paper); a learner makes one update per interaction"""
-    t_initial: int = -1
-    """T_initial, time steps of uniform random actions without updates; negative: 250 for Hopper and Walker2d,
-    2500 for HalfCheetah, Ant and any other task (Sec. 4.1)"""
-    best_period: int = 250
-    """M, time steps between selections of the best learner and updates of β (Sec. 4.1)"""
-    recent_episodes: int = 10
-    """E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)"""
-    rho: float = 2.0
-    """ρ, the search radius as a multiple of D_change (Sec. 4.1)"""
-    d_min: float = -1.0
-    """d_min, minimum search radius; negative: App. I's value for the task (0.02 or 0.05)"""
-    beta_init: float = 1.0
-    """β at the start (Algorithm 1, line 2)"""
-    beta_min: float = 1e-3
-    """lower bound of β"""
-    beta_max: float = 1e3
-    """upper bound of β"""
-    buffer_size: int = 1_000_000
-    """size of the shared replay D, all learners together (App. I)"""
-    batch_size: int = 100
-    """B, minibatch size (App. I)"""
-    learning_rate: float = 1e-3
-    """Adam step size of the policies and the Q-functions (App. I)"""
-    gamma: float = 0.99
-    """γ, discount (App. I)"""
-    tau: float = 0.005
-    """τ, target smoothing factor (Eq. 82, App. I)"""
-    policy_delay: int = 2
-    """d, Q updates per policy and target update (App. G)"""
-    exploration_noise: float = 0.1
-    """σ of the Gaussian exploration noise (App. I)"""
-    policy_noise: float = 0.2
-    """σ of the target policy smoothing noise (Eq. 80, App. I)"""
-    noise_clip: float = 0.5
-    """c, clipping of the target policy smoothing noise (Eq. 80, App. I)"""
-    hidden: tuple[int, ...] = (400, 300)
-    """hidden layers of the policy and each Q-function, ReLU (App. I)"""
-    reward_delay: int = 0
-    """f_reward: rewards are accumulated and given every f_reward steps or at the episode's end (delayed MuJoCo,
-    Sec. 4.2: 20); 0: rewards as they come"""
-    save_model: bool = False
-    """write model.pt (every learner's policy, the best one first) in the run folder"""
-    capture_video: bool = False
-    """record the first evaluation episode as runs/<run>/videos/eval_episode_0.png (classic control only)"""
-    eval_episodes: int = 10
-    """evaluation episodes per learner at the end (deterministic policies); the run's score is the best
-    learner's mean (the paper's protocol, Sec. 4.1); 0: none"""
-    run_dir: str = "runs"
-    """folder of the run folders"""
-    log_interval: float = 5.0
-    """seconds between console progress lines"""
-    checkpoint_interval: float = 300.0
-    """seconds between checkpoints, taken at the next selection (every M steps): runs/<run>/checkpoint.pt
-    (counters, β, best learner) and population.<t>.pt (the learners' networks, Adam states, π_b, π_old, the
-    replay); written atomically; also at the end and on Ctrl-C"""
-    resume: str = ""
-    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
+    env_id: str = "HalfCheetah-v4"  # envpool continuous-action task (Hopper-v4, Walker2d-v4, Ant-v4, Pendulum-v1, ...)
+    preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
+    exp_name: str = "p3s_td3"  # name of this experiment, part of the run folder's name
+    seed: int = 1  # seed of the common initial weights, the noise and the sampling
+    torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
+    cuda: bool = True  # the learners' networks and the replay on the GPU when there is one
+    total_timesteps: int = 1_000_000  # environment steps of all learners together (the paper's Figs. 3-4: 1M)
+    num_learners: int = 4  # N, learners (Sec. 4.1), updated together as one batch; 1 is plain TD3
+    num_envs: int = 1  # environment copies per learner (1 in the paper); one update per interaction
+    t_initial: int = -1  # T_initial, random-action steps; negative: 250 Hopper, Walker2d; 2500 else (Sec. 4.1)
+    best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
+    recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
+    rho: float = 2.0  # ρ, the search radius as a multiple of D_change (Sec. 4.1)
+    d_min: float = -1.0  # d_min, minimum search radius; negative: App. I's value for the task (0.02 or 0.05)
+    beta_init: float = 1.0  # β at the start (Algorithm 1, line 2)
+    beta_min: float = 1e-3  # lower bound of β
+    beta_max: float = 1e3  # upper bound of β
+    buffer_size: int = 1_000_000  # size of the shared replay D, all learners together (App. I)
+    batch_size: int = 100  # B, minibatch size (App. I)
+    learning_rate: float = 1e-3  # Adam step size of the policies and the Q-functions (App. I)
+    gamma: float = 0.99  # γ, discount (App. I)
+    tau: float = 0.005  # τ, target smoothing factor (Eq. 82, App. I)
+    policy_delay: int = 2  # d, Q updates per policy and target update (App. G)
+    exploration_noise: float = 0.1  # σ of the Gaussian exploration noise (App. I)
+    policy_noise: float = 0.2  # σ of the target policy smoothing noise (Eq. 80, App. I)
+    noise_clip: float = 0.5  # c, clipping of the target policy smoothing noise (Eq. 80, App. I)
+    hidden: tuple[int, ...] = (400, 300)  # hidden layers of the policy and each Q-function, ReLU (App. I)
+    reward_delay: int = 0  # f_reward: rewards given every f_reward steps or at the episode's end (Sec. 4.2: 20)
+    save_model: bool = False  # write model.pt (every learner's policy, the best one first) in the run folder
+    capture_video: bool = False  # record the first evaluation episode (an animated PNG; classic control only)
+    eval_episodes: int = 10  # evaluation episodes per learner at the end; the score is the best's mean (Sec. 4.1)
+    run_dir: str = "runs"  # folder of the run folders
+    log_interval: float = 5.0  # seconds between console progress lines
+    checkpoint_interval: float = 300.0  # seconds between checkpoints, taken at the next selection; also at the end
+    resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
 # App. I: T_initial (Sec. 4.1) and d_min per task, keyed by the task's name without its version.
@@ -184,16 +111,11 @@ def task_defaults(env_id: str, delayed: bool) -> tuple[int, float]:
     return T_INITIAL.get(name, 2500), d_min
 
 
-# Defaults by task family (common/families.py); a flag on the command line wins. MuJoCo runs the paper's settings
-# (the Args defaults above, Sec. 4.1 and App. I). Classic control: measured on Pendulum-v1, seeds 1-3 (README,
-# "Defaults by task family"): the paper's T_initial for "any other task" (2,500 steps) and four learners leave
-# each learner too few steps of a 20k-step budget.
+# Defaults by task family (a flag the user gives wins): MuJoCo runs the paper's settings (Sec. 4.1, App. I); classic
+# control, settings measured on Pendulum-v1 (docs/p3s_td3.md): a 20k-step budget needs a shorter random phase.
 FAMILY_DEFAULTS = {
     "mujoco": ("the paper's MuJoCo settings (Sec. 4.1, App. I)", {}),
-    "classic": (
-        "settings measured on Pendulum-v1 (README)",
-        dict(total_timesteps=20_000, num_learners=2, t_initial=1000),
-    ),
+    "classic": ("settings measured on Pendulum-v1", dict(total_timesteps=20_000, num_learners=2, t_initial=1000)),
 }
 
 
@@ -718,8 +640,6 @@ def main(args: Args):
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
     log = RunLog(
         args,
-        FAMILY_DEFAULTS,
-        args.env_id,
         resumed,
         f"{'P3S-TD3 with ' + str(N) + ' learners' if N > 1 else 'TD3 (one learner)'} x {args.num_envs} env(s) on "
         f"{device}; T_initial {args.t_initial}, d_min {args.d_min}"
@@ -733,7 +653,7 @@ def main(args: Args):
     msg_q = ctx.Queue()
     procs = [
         ctx.Process(
-            target=worker_entry,
+            target=worker,
             name="population",
             daemon=True,
             args=(run_population, 0, msg_q, args, shared, msg_q, os.getpid(), log.path, resume_file),
@@ -744,9 +664,10 @@ def main(args: Args):
     def checkpoint(t, generation):
         """checkpoint.pt names the time step whose population file completes the checkpoint; older ones go."""
         step = t * N * args.num_envs
-        save_checkpoint(log.state(step, args, t=t, generation=generation, best=best, beta=beta), log.path)
+        state = log.state(step, t=t, generation=generation, best=best, beta=beta)
+        save_atomic(state, os.path.join(log.path, "checkpoint.pt"))
         if args.save_model:  # a run stopped early can be evaluated too
-            save_model(saved_model(args, spec, actor, shared, best, step), log.path)
+            save_atomic(saved_model(args, spec, actor, shared, best, step), os.path.join(log.path, "model.pt"))
         for old in glob.glob(os.path.join(log.path, "population.*.pt")):
             if not old.endswith(f".{t}.pt"):
                 os.remove(old)
@@ -758,14 +679,17 @@ def main(args: Args):
             raise KeyboardInterrupt
         shared.save_request[0] = 1
 
-    interrupt_on_signals(on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     done, last_checkpoint, stop_deadline = None, time.time(), None
     selections = open(os.path.join(log.path, "population.jsonl"), "a" if resumed else "w", buffering=1)
     try:
         for p in procs:
             p.start()
         while done is None:
-            msg = receive(msg_q)
+            msg = None
+            with contextlib.suppress(queue.Empty):
+                msg = msg_q.get(timeout=0.2)
             kind = msg[0] if msg is not None else None
             if kind == "episode":
                 log.episode(msg[3], msg[4], msg[2], f"learner_{msg[1]}")
@@ -780,12 +704,13 @@ def main(args: Args):
             elif kind == "saved":
                 step = checkpoint(msg[1], msg[2])
                 if stop:
-                    resume_hint(step, log.path, os.path.basename(__file__))
+                    again = f"python {os.path.basename(__file__)} --resume {log.path}"
+                    print(f"checkpoint at step {step}: continue with {again}", file=sys.stderr, flush=True)
                     raise KeyboardInterrupt
             elif kind == "done":
                 done = msg[1]
             elif kind is not None:
-                raise_worker_error(msg, "population")
+                raise WorkerError(f"population {msg[1]} failed:\n{msg[2]}")
             check_workers(procs, msg_q, "population")
             step = int(shared.steps[0])
             if stop and stop_deadline is None:
@@ -801,11 +726,13 @@ def main(args: Args):
             if log.due():
                 log.console(step, f"best {best} | beta {beta:.3g}" if N > 1 else "")
     except WorkerError as e:
-        report_failure(e, log.path)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if "NonFiniteError" in str(e):
+            print(non_finite_advice(log.path), file=sys.stderr, flush=True)
         stop_workers(procs)
         sys.exit(1)
     except KeyboardInterrupt:
-        ignore_further_interrupts()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
         print("interrupted: stopping the learners", file=sys.stderr, flush=True)
         stop_workers(procs)
         sys.exit(130)
@@ -817,19 +744,13 @@ def main(args: Args):
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
     model = saved_model(args, spec, actor, shared, best, global_step)
     eval_means = evaluate_population(log, model)
-    if args.save_model:
-        torch.save(model, os.path.join(log.path, "model.pt"))
-    log.finish(
-        global_step,
-        max(eval_means) if eval_means else None,
-        end_time,
-        **population_summary(log, done, best, beta, eval_means),
-    )
+    eval_mean = max(eval_means) if eval_means else None
+    log.end(model, end_time, eval_mean, **population_summary(log, done, best, beta, eval_means))
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
-    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: the deterministic policy
-    of `checkpoint["actor"]` (the best learner's; TD3 evaluates without noise, so `greedy` changes nothing)."""
+    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): the deterministic policy of
+    `checkpoint["actor"]` (the best learner's; TD3 evaluates without noise, so `greedy` changes nothing)."""
     actor = Actor(**checkpoint["actor_config"]).to(device)
     actor.load_state_dict(checkpoint["actor"])
     actor.eval()
@@ -905,7 +826,7 @@ STOPPING = "interrupted: a checkpoint at the next selection (every {} steps), th
 
 
 def saved_model(args, spec, actor, shared, best, global_step):
-    """What model.pt holds (common/evaluation.py plays `actor`): every learner's published policy."""
+    """What model.pt holds (evaluate.py and `make_eval_policy` play `actor`): every learner's published policy."""
     actors = []
     for i in range(args.num_learners):
         vector_to_parameters(shared.policies[i], actor.parameters())
@@ -957,8 +878,6 @@ def evaluate_population(log, model):
     """The paper's evaluation (Sec. 4.1): each learner's deterministic policy for E episodes; the score is the best
     learner's mean, and `model` keeps that learner's policy as `actor`. With `--capture-video`, one episode of the
     best policy (the evaluated best, else the last selected). Returns the learners' means ([] without evaluation)."""
-    from common.evaluation import evaluate
-
     args, step, eval_means = log.args, model["global_step"], []
     if args.eval_episodes > 0:
         for i, actor in enumerate(model["actors"]):
@@ -976,5 +895,260 @@ def evaluate_population(log, model):
     return eval_means
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Plumbing: the population's process, the run folder, checkpoints, Ctrl-C and
+# failures, the task family's defaults. No equation below.
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed: its traceback, or its exit code when no traceback came."""
+
+
+class ParentGone(Exception):
+    """The main process has died (SIGKILL): its workers exit by themselves."""
+
+
+def exit_if_orphaned(parent_pid: int) -> None:
+    if os.getppid() != parent_pid:
+        raise ParentGone
+
+
+def worker(target, name, msg_q, *args):
+    """A worker process: Ctrl-C is the main process's to handle, one torch thread, a failure reported with its
+    traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(1)
+        target(*args)
+    except ParentGone:
+        msg_q.cancel_join_thread()
+    except Exception:
+        msg_q.put(("error", name, traceback.format_exc()))
+        sys.exit(1)
+
+
+def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
+    """WorkerError if a process ended with an error (`must_live`: ended at all), with the traceback it sends within
+    `grace` seconds."""
+    for i, p in enumerate(procs):
+        if p.is_alive() or (p.exitcode == 0 and not must_live):
+            continue
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            with contextlib.suppress(queue.Empty):
+                msg = msg_q.get(timeout=0.2)
+                if msg[0] == "error":
+                    raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
+        raise WorkerError(f"{what} {i} died with exit code {p.exitcode}")
+
+
+def stop_workers(procs) -> None:
+    for p in (p for p in procs if p.is_alive()):
+        p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or parameter became NaN or infinite: the run stops before it spoils its checkpoint."""
+
+
+def check_finite(where: str, **named) -> None:
+    """NonFiniteError naming the first of `named` (tensors or numbers) with a NaN or an infinity (one host sync)."""
+    flags = [torch.isfinite(torch.as_tensor(v).detach()).all() for v in named.values()]
+    ok = torch.stack([f.to(flags[0].device) for f in flags])
+    if not bool(ok.all()):
+        raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
+
+
+def check_finite_parameters(where: str, **modules) -> None:
+    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
+    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
+    check_finite(where, **named)
+
+
+def non_finite_advice(run_path: str) -> str:
+    path = os.path.join(run_path, "checkpoint.pt")
+    if not os.path.isfile(path):
+        return "no checkpoint was written before it; try a lower --learning-rate"
+    step = torch.load(path, weights_only=False)["global_step"]
+    return (
+        f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again with a "
+        "lower --learning-rate"
+    )
+
+
+def save_atomic(obj, path: str) -> None:
+    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
+PAPER = "the paper's settings (the Args defaults)"
+FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
+
+
+def family_key(args, table) -> str:
+    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
+    family = task_family(args.env_id)
+    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
+    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
+
+
+def given_flags(argv) -> set:
+    """The `Args` fields a command line sets (`--num-envs 4`, `--num-envs=4`, `--no-lstm`)."""
+    names = {t[2:].split("=", 1)[0].replace("-", "_") for t in argv if t.startswith("--") and len(t) > 2}
+    return names | {n[3:] for n in names if n.startswith("no_")}
+
+
+def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
+    """`args` with its family's defaults where the command line set nothing (none under `--preset paper`, or on
+    `--resume`: the run keeps its own arguments)."""
+    if args.preset == "paper" or args.resume:
+        return args
+    overrides, given = (
+        table.get(family_key(args, table), (PAPER, {}))[1],
+        given_flags(sys.argv[1:] if argv is None else argv),
+    )
+    return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
+
+
+def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
+    """(family, where the defaults came from), for the start-up line and args.json."""
+    key = family_key(args, table)
+    source, overrides = table.get(key, (PAPER, {}))
+    if args.preset == "paper":
+        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
+    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+    show = [
+        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
+    ]
+    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "")
+
+
+def resume_args(args):
+    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
+    if not args.resume:
+        return args, None
+    path = os.path.join(args.resume, "checkpoint.pt")
+    if not os.path.isfile(path):
+        raise UsageError(
+            f"--resume {args.resume}: no checkpoint.pt there (is it a run folder of a run that saved one?)"
+        )
+    resumed = torch.load(path, map_location="cpu", weights_only=False)
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+    return dataclasses.replace(Args(**saved), resume=args.resume), resumed
+
+
+class RunLog:
+    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
+    None) gives the step, returns and wall time to go on from."""
+
+    def __init__(self, args, resumed, describe):
+        self.args, self.first, resumed = args, None, resumed or {}
+        self.path = args.resume or os.path.join(
+            args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        )
+        self.returns, self.groups = (
+            list(resumed.get("returns", [])),
+            dict(resumed.get("groups", {})),
+        )  # groups: learners
+        self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
+        self.start = self.last_log = time.time()
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(self.path, exist_ok=True)
+        family, source = describe_defaults(args)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
+        with open(os.path.join(self.path, "args.json"), "w") as f:
+            json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+        self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
+        print(f"run folder: {self.path}  ({describe})", flush=True)
+
+    def scalars(self, values: dict, step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, float(value), step)
+
+    def episode(self, score, length, step, *groups) -> None:
+        self.returns.append(score)
+        self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
+        for group in groups:
+            self.groups.setdefault(group, []).append(score)
+            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+
+    def first_update(self, step: int) -> None:
+        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
+
+    def wall(self) -> float:
+        return self.previous_wall + time.time() - self.start
+
+    def state(self, step: int, **script_state) -> dict:
+        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
+        groups = {g: r[-10:] for g, r in self.groups.items()}
+        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=self.wall())
+        return {**script_state, **log, "args": dataclasses.asdict(self.args)}
+
+    def due(self) -> bool:
+        return time.time() - self.last_log >= self.args.log_interval
+
+    def console(self, step: int, extra: str = "") -> None:
+        now = time.time()
+        sps = (step - self.start_step) / max(now - self.start, 1e-9)
+        self.writer.add_scalar("charts/SPS", sps, step)
+        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
+        print(
+            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
+            flush=True,
+        )
+        self.last_log = now
+
+    def end(self, model: dict, end_time: float, eval_mean=None, **extra) -> dict:
+        """model.pt (with `--save-model`), the evaluation (the first episode filmed with `--capture-video`; or the
+        script's own `eval_mean`), summary.json."""
+        step, n = model["global_step"], self.args.eval_episodes
+        if self.args.save_model:
+            torch.save(model, os.path.join(self.path, "model.pt"))
+        if n > 0 and eval_mean is None:
+            film = self.path if self.args.capture_video else None
+            policy = lambda k: make_eval_policy(model, k)  # noqa: E731
+            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000, film)))
+            self.scalars({"charts/eval_return": eval_mean}, step)
+            print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
+        steady = None
+        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
+            steady = (step - self.first[1]) / (end_time - self.first[0])
+        summary = {
+            "env_id": self.args.env_id,
+            "total_timesteps": step,
+            "wall_time_s": self.previous_wall + end_time - self.start,
+            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
+            "sps_after_first_update": steady,
+            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
+            "eval_mean_return": eval_mean,
+            **extra,
+        }
+        with open(os.path.join(self.path, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.writer.close()
+        return summary
+
+
+def cli():
+    """tyro's flags, the family's defaults for the flags not given, bad input as one line (exit status 2)."""
+    import tyro
+
+    try:
+        main(with_family_defaults(tyro.cli(Args)))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    cli(Args, main, FAMILY_DEFAULTS)
+    cli()

@@ -44,7 +44,8 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -54,7 +55,6 @@ import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, task_family
 from common.evaluation import (
-    PRESETS,
     evaluate,
     expand_env_ids,
     human_normalized_score,
@@ -77,145 +77,73 @@ from common.popart import PopArt
 
 @dataclass
 class Args:
-    env_id: str = "Breakout-v5"
-    """envpool task id (any discrete-action task: Atari *-v5, CartPole-v1, ...)"""
-    env_ids: tuple[str, ...] = ()
-    """several Atari games at once, one agent (Table 4), or a preset: atari57, atari5; replaces --env-id"""
-    preset: Literal["family", "paper"] = "family"
-    """family: the defaults of the env id's task family (FAMILY_DEFAULTS; Atari: the paper's); paper: the paper's
-    settings (the defaults below) for every task"""
-    exp_name: str = "vmpo_atari"
-    """name of this experiment, part of the run folder's name"""
-    seed: int = 1
-    """seed of torch, numpy and the environments (actor a of learner r uses seed + 1000 r + a)"""
-    torch_deterministic: bool = True
-    """torch.backends.cudnn.deterministic"""
-    cuda: bool = True
-    """learner and actors' inference on the GPU when there is one"""
-    total_timesteps: int = 50_000_000
-    """environment steps in all (200M frames at action repeat 4)"""
-    num_envs: int = 64
-    """environments per learner process, split evenly over its actors"""
-    env_batch_size: int = 0
-    """envs returned per envpool step (async when below envs per actor); 0: half of each actor's envs"""
-    num_actors: int = 1
-    """actor processes per learner process"""
-    unroll_length: int = 63
-    """n, unroll length (Appendix F, Atari)"""
-    batch_size: int = 128
-    """B, unrolls per learning step, over all learner processes (Appendix F, Atari)"""
-    num_minibatches: int = 8
-    """the batch is split into this many minibatches (over all learner processes), each with its own top half
-    and ψ normalisation, gradients averaged: the paper's 8 TPU replicas (App. F, implementation note)"""
-    target_update_period: int = 1000
-    """T_target, learning steps between target-network refreshes (Table 6, single-task; 100 multi-task)"""
-    learning_rate: float = 1e-4
-    """Adam learning rate for everything (Sec. 4.3)"""
-    adam_eps: float = 1e-8
-    """Adam ε (the paper's TensorFlow default)"""
-    max_grad_norm: float = 0.0
-    """global gradient-norm clipping threshold; 0: none (the paper mentions none)"""
-    gamma: float = 0.997
-    """γ, agent discount (Table 6, single-task; 0.99 multi-task)"""
-    eps_eta: float = 0.1
-    """ε_η, bound of the temperature dual: KL of ψ from the data (Table 6)"""
-    eps_alpha: float = 0.007
-    """ε_α, bound of KL(π_target ‖ π_online) (Table 6: log-uniform in [0.005, 0.01); its geometric middle)"""
-    init_eta: float = 1.0
-    """initial η, temperature (Table 1)"""
-    init_alpha: float = 5.0
-    """initial α, KL multiplier (Table 1)"""
-    min_multiplier: float = 1e-8
-    """η_min = α_min: the projection of η and α after every step (Sec. 4.2.2), or the floor added to softplus"""
-    multipliers: Literal["paper", "softplus"] = "paper"
-    """paper: η and α are parameters projected to ≥ η_min after every step (Sec. 4.2.2); softplus: η = softplus(η̃) +
-    η_min and α likewise, the parameters η̃, α̃ unconstrained (Acme's MPO)"""
-    dual_learning_rate: float = 0.0
-    """learning rate of a separate Adam for η and α; 0: they share the networks' Adam and learning rate (Sec. 4.3)"""
-    top_fraction: float = 0.5
-    """fraction of the batch's highest advantages used in the E-step (Sec. 4.2.1, 'top-k')"""
-    popart_beta: float = 1e-4
-    """PopArt statistics step size (Sec. 4.1)"""
-    popart_scale_lower: float = 1e-2
-    """PopArt lower bound of σ (Sec. 4.1)"""
-    popart_scale_upper: float = 1e6
-    """PopArt upper bound of σ (Sec. 4.1)"""
-    reward_clip: bool = False
-    """Atari: clip training rewards to [-1, 1] (Table 6: no clipping single-task, [-1, 1] multi-task)"""
-    episodic_life: bool = False
-    """Atari: a lost life ends the training episode, discount 0 (Table 6: not single-task, yes multi-task)"""
-    network: Literal["deep", "shallow"] = "deep"
-    """torso for pixels: deep ResNet (App. F) or the shallow A3C network; vectors get an MLP"""
-    channels: tuple[int, ...] = ()
-    """conv channels; empty: (64, 128, 128) for the deep ResNet (App. F), (16, 32) for the shallow torso"""
-    use_lstm: bool = True
-    """LSTM core fed the previous action and reward (Fig. 1b); --no-use-lstm for a feed-forward agent"""
-    lstm_size: int = 256
-    """LSTM hidden units (App. F)"""
-    head_hidden: int = 256
-    """hidden units of the policy and value MLP heads (App. F)"""
-    init: Literal["orthogonal", "sonnet", "torch"] = "orthogonal"
-    """weight initialisation (the paper gives only the zero policy readout, App. F): orthogonal, gain √2 and zero
-    biases (CleanRL); sonnet, truncated normal σ = 1/√fan_in; torch, PyTorch's defaults (state-blind on Atari)"""
-    mlp_hidden: tuple[int, ...] = (64, 64)
-    """hidden layers of the MLP torso for vector observations"""
-    save_model: bool = False
-    """write model.pt (weights, PopArt statistics and what evaluation needs) in the run folder"""
-    capture_video: bool = False
-    """record the first evaluation episode as an animated PNG under the run folder"""
-    eval_episodes: int = 10
-    """evaluation episodes at the end of training (0: none)"""
-    run_dir: str = "runs"
-    """folder of the run folders"""
-    log_interval: float = 5.0
-    """seconds between console progress lines"""
-    learner_threads: int = 0
-    """torch threads of a learner process; 0: half the CPU cores (the other half steps the envs)"""
-    checkpoint_interval: float = 300.0
-    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights, target network version, optimiser, η and
-    α, PopArt, counters; written atomically); also written at the end and on Ctrl-C; 0: only then"""
-    resume: str = ""
-    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
+    env_id: str = "Breakout-v5"  # envpool task id (any discrete-action task: Atari *-v5, CartPole-v1, ...)
+    env_ids: tuple[str, ...] = ()  # several Atari games, one agent (Table 4), or a preset (atari57, atari5)
+    preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
+    exp_name: str = "vmpo_atari"  # name of this experiment, part of the run folder's name
+    seed: int = 1  # seed of torch, numpy and the envs (actor a of learner r: seed + 1000 r + a)
+    torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
+    cuda: bool = True  # learner and actors' inference on the GPU when there is one
+    total_timesteps: int = 50_000_000  # environment steps in all (200M frames at action repeat 4)
+    num_envs: int = 64  # environments per learner process, split evenly over its actors
+    env_batch_size: int = 0  # envs per envpool step (async below envs per actor); 0: half of an actor's envs
+    num_actors: int = 1  # actor processes per learner process
+    unroll_length: int = 63  # n, unroll length (Appendix F, Atari)
+    batch_size: int = 128  # B, unrolls per learning step, over all learner processes (Appendix F, Atari)
+    num_minibatches: int = 8  # minibatches, each with its own top half and ψ: the paper's 8 replicas (App. F)
+    target_update_period: int = 1000  # T_target, learning steps between target refreshes (Table 6; 100 multi-task)
+    learning_rate: float = 1e-4  # Adam learning rate (Sec. 4.3)
+    adam_eps: float = 1e-8  # Adam ε (the paper's TensorFlow default)
+    max_grad_norm: float = 0.0  # global gradient-norm clipping threshold; 0: none (the paper mentions none)
+    gamma: float = 0.997  # γ, agent discount (Table 6, single-task; 0.99 multi-task)
+    eps_eta: float = 0.1  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 6)
+    eps_alpha: float = 0.007  # ε_α, bound of KL(π_target ‖ π_online) (Table 6: the middle of [0.005, 0.01))
+    init_eta: float = 1.0  # initial η, temperature (Table 1)
+    init_alpha: float = 5.0  # initial α, KL multiplier (Table 1)
+    min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
+    multipliers: Literal["paper", "softplus"] = "paper"  # paper: projected parameters; softplus: Acme's MPO (docs)
+    dual_learning_rate: float = 0.0  # learning rate of η and α; 0: the networks' Adam and learning rate (Sec. 4.3)
+    top_fraction: float = 0.5  # fraction of the batch's highest advantages in the E-step (Sec. 4.2.1)
+    popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
+    popart_scale_lower: float = 1e-2  # PopArt lower bound of σ (Sec. 4.1)
+    popart_scale_upper: float = 1e6  # PopArt upper bound of σ (Sec. 4.1)
+    reward_clip: bool = False  # Atari: clip training rewards to [-1, 1] (Table 6: multi-task only)
+    episodic_life: bool = False  # Atari: a lost life ends the training episode (Table 6: multi-task only)
+    network: Literal["deep", "shallow"] = "deep"  # pixel torso: deep ResNet (App. F) or shallow; vectors: an MLP
+    channels: tuple[int, ...] = ()  # conv channels; empty: (64, 128, 128) deep (App. F), (16, 32) shallow
+    use_lstm: bool = True  # LSTM core fed the previous action and reward (Fig. 1b)
+    lstm_size: int = 256  # LSTM hidden units (App. F)
+    head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
+    init: Literal["orthogonal", "sonnet", "torch"] = "orthogonal"  # weight initialisation (docs/vmpo_atari.md)
+    mlp_hidden: tuple[int, ...] = (64, 64)  # hidden layers of the MLP torso for vector observations
+    save_model: bool = False  # write model.pt (weights, PopArt statistics, what evaluation needs) in the run folder
+    capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
+    eval_episodes: int = 10  # evaluation episodes at the end of training (0: none)
+    run_dir: str = "runs"  # folder of the run folders
+    log_interval: float = 5.0  # seconds between console progress lines
+    learner_threads: int = 0  # torch threads of a learner process; 0: half the cores (the rest step the envs)
+    checkpoint_interval: float = 300.0  # seconds between checkpoints (also at the end and on Ctrl-C); 0: only then
+    resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family (common/families.py); a flag on the command line wins. Atari runs the paper's settings
-# (the Args defaults above). Classic control: measured on CartPole-v1, seeds 1-3 (README, "Defaults by task
-# family"); the paper's settings (T_target 1000, learning rate 1e-4) are for billions of Atari frames.
+# Defaults by task family (a flag the user gives wins; docs/vmpo_atari.md): Atari takes Acme's multipliers; with no
+# GPU, settings measured on Breakout-v5 (the paper's ResNet + LSTM runs about 11 steps/s on 2 cores); classic
+# control, settings measured on CartPole-v1.
 FAMILY_DEFAULTS = {
     "atari": (
-        "the paper's Atari settings (Appendix F, Tables 1 and 6) with Acme's multipliers (the docstring)",
+        "the paper's Atari settings (Appendix F, Tables 1 and 6) with Acme's multipliers (docs)",
         dict(multipliers="softplus", dual_learning_rate=1e-2),
     ),
     "atari_cpu": (
-        "the CPU Atari settings measured on Breakout-v5 (README)",
-        dict(
-            network="shallow",
-            use_lstm=False,
-            num_envs=32,
-            batch_size=32,
-            num_minibatches=1,
-            unroll_length=20,
-            target_update_period=10,
-            learning_rate=1e-3,
-            multipliers="softplus",
-            dual_learning_rate=1e-2,
-            episodic_life=True,
-            gamma=0.99,
-        ),
+        "the CPU Atari settings measured on Breakout-v5 (docs)",
+        dict(network="shallow", use_lstm=False, num_envs=32, batch_size=32, num_minibatches=1, unroll_length=20)
+        | dict(target_update_period=10, learning_rate=1e-3, multipliers="softplus", dual_learning_rate=1e-2)
+        | dict(episodic_life=True, gamma=0.99),
     ),
     "classic": (
-        "settings measured on CartPole-v1 (README)",
-        dict(
-            total_timesteps=300_000,
-            num_envs=16,
-            batch_size=16,
-            num_minibatches=1,
-            unroll_length=20,
-            use_lstm=False,
-            gamma=0.99,
-            target_update_period=10,
-            learning_rate=1e-3,
-        ),
+        "settings measured on CartPole-v1 (docs)",
+        dict(total_timesteps=300_000, num_envs=16, batch_size=16, num_minibatches=1, unroll_length=20)
+        | dict(use_lstm=False, gamma=0.99, target_update_period=10, learning_rate=1e-3),
     ),
 }
 
@@ -387,22 +315,9 @@ class Agent(nn.Module):
     two 256-unit MLP heads: policy logits (readout initialised to zero: a uniform policy at the start) and a
     PopArt value readout."""
 
-    def __init__(
-        self,
-        obs_shape,
-        num_actions,
-        network="deep",
-        channels=(),
-        use_lstm=True,
-        lstm_size=256,
-        head_hidden=256,
-        mlp_hidden=(64, 64),
-        num_tasks=1,
-        popart_beta=1e-4,
-        popart_scale_lower=1e-2,
-        popart_scale_upper=1e6,
-        init="orthogonal",
-    ):
+    def __init__(self, obs_shape, num_actions, network="deep", channels=(), use_lstm=True, lstm_size=256,
+                 head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4, popart_scale_lower=1e-2,
+                 popart_scale_upper=1e6, init="orthogonal"):  # fmt: skip
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         if network == "deep" and not channels and len(obs_shape) == 3:
@@ -435,11 +350,12 @@ class Agent(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Acting (Algorithm 1). Row t of an unroll holds obs_t, the reward and end flags that came with obs_t, the action
-# taken at obs_t and the target policy's logits there. An unroll has T+1 rows; its last row is the next one's first.
+# Acting (Algorithm 1: the target network acts). Row t of an unroll holds obs_t, the reward and end flags that came
+# with obs_t, the action taken at obs_t and the target policy's logits there. An unroll has T+1 rows; its last row
+# is also the first row of the env's next one.
 
 
-def act(cfg: ActorConfig, link: ActorLink) -> None:
+def act(cfg, link: ActorLink) -> None:
     """Algorithm 1, 'use π_θtarget to act': for each batch of envs that envpool returns, the target network samples
     actions, the envs step while the row is written, and every full unroll goes to the learner."""
     n, device = cfg.num_envs, torch.device(cfg.device)
@@ -488,24 +404,12 @@ def main(args: Args):
     multitask = len(games) > 0
     args = dataclasses.replace(args, env_ids=tuple(games))
     rank, world, device = learner_process(args)
-    obs_shape = spec.observation_space.shape
     num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
     atari = is_atari(games[0] if multitask else args.env_id)
-    agent = Agent(
-        obs_shape,
-        num_actions,
-        args.network,
-        args.channels if len(obs_shape) == 3 else (),
-        args.use_lstm,
-        args.lstm_size,
-        args.head_hidden,
-        args.mlp_hidden,
-        max(1, len(games)),
-        args.popart_beta,
-        args.popart_scale_lower,
-        args.popart_scale_upper,
-        args.init,
-    ).to(device)
+    channels = args.channels if len(spec.observation_space.shape) == 3 else ()
+    net = (args.network, channels, args.use_lstm, args.lstm_size, args.head_hidden, args.mlp_hidden, max(1, len(games)))
+    popart = (args.popart_beta, args.popart_scale_lower, args.popart_scale_upper)
+    agent = Agent(spec.observation_space.shape, num_actions, *net, *popart, args.init).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
     if world > 1:  # the same initial weights in every learner (rank 0's)
@@ -529,7 +433,7 @@ def main(args: Args):
 
     def checkpoint(update):
         if rank == 0:
-            check_finite_parameters(f"at update {update}", agent, multipliers)
+            check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
             if args.save_model:  # a run stopped early can be evaluated too
                 model = saved_model(args, agent, multipliers, games, atari, global_step)
                 save_atomic(model, os.path.join(log.path, "model.pt"))
@@ -563,7 +467,9 @@ def main(args: Args):
             pool.publish(target_state)
         for update in range(start_update + 1, num_updates + 1):
             batch = pool.next_batch(  # a progress line also while the batch is being collected
-                lambda ready: rank == 0 and log.collecting(global_step, ready, pool.batch_size, args.unroll_length)
+                lambda ready: (
+                    rank == 0 and log.console(global_step, collecting=(ready, pool.batch_size, args.unroll_length))
+                )
             )
             popart_before = {k: v.clone() for k, v in agent.popart.state_dict().items()}  # the loss moves PopArt
             optimizer.zero_grad(set_to_none=False)
@@ -645,10 +551,24 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
 
 
+def buffer_specs(observation_space, num_actions, args) -> dict:
+    """The unroll buffers `act` fills: name → (shape of one slot, dtype); with an LSTM its state before each slot."""
+    T, obs_dtype = args.unroll_length, torch.uint8 if observation_space.dtype == np.uint8 else torch.float32
+    specs = dict(obs=((T + 1, *observation_space.shape), obs_dtype), logits=((T + 1, num_actions), torch.float32))
+    specs.update(
+        {k: ((T + 1,), torch.bool) for k in ("ended", "terminated", "first")}, reward=((T + 1,), torch.float32)
+    )
+    specs.update({k: ((T + 1,), torch.long) for k in ("action", "prev_action", "version", "task")})
+    if args.use_lstm:
+        specs.update(core_h=((args.lstm_size,), torch.float32), core_c=((args.lstm_size,), torch.float32))
+    return specs
+
+
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
     of a multi-task run (presets expanded; empty for one game)."""
-    spec, games = check_actor_args(args)
+    games = check_actor_args(args)
+    spec = env_spec(games[0] if games else args.env_id, discrete=True)
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
     if not 0 < args.top_fraction <= 1:
@@ -765,66 +685,28 @@ def average_gradients(params, world: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing: the actor processes and their shared-memory unrolls, the learner processes, the run folder and its
-# console line, checkpoints, Ctrl-C and failures, the task family's defaults. No equation below.
+# Plumbing: actor processes and their shared-memory unrolls, learner processes, the run folder, checkpoints,
+# Ctrl-C and failures, the task family's defaults. No equation below.
 
 
-@dataclass
-class ActorConfig:
-    """What one actor process runs: its game (`task`: its index in a multi-task run), envs, seed and threads."""
-
-    env_id: str
-    num_envs: int
-    unroll_length: int
-    env_batch_size: int
-    seed: int
-    device: str
-    env_threads: int
-    task: int = 0
-    env_options: dict = field(default_factory=dict)  # more options of common.envs.make_env
-
-
-def actor_configs(args, rank, device, games=(), **env_options) -> list[ActorConfig]:
+def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNamespace]:
     """The actors of learner `rank`: actor a plays game a mod G (every game the same share, all 18 actions), its
     envs stepped `--env-batch-size` at a time (0: half of them) by the cores the learner leaves free."""
-    per_actor = args.num_envs // args.num_actors
+    n, tasks = args.num_envs // args.num_actors, list(games) or [args.env_id]
     threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
-    env_options = {**env_options, "full_action_space": True} if games else env_options
-    tasks = list(games) or [args.env_id]
+    options = {**env_options, "full_action_space": True} if games else env_options
+    shared = dict(num_envs=n, unroll_length=args.unroll_length, env_batch_size=args.env_batch_size or max(1, n // 2))
+    shared.update(device=str(device), env_threads=threads, env_options=options)
     return [
-        ActorConfig(
-            tasks[a % len(tasks)],
-            per_actor,
-            args.unroll_length,
-            args.env_batch_size or max(1, per_actor // 2),
-            args.seed + 1000 * rank + a,
-            str(device),
-            threads,
-            a % len(tasks),
-            env_options,
-        )
+        SimpleNamespace(env_id=tasks[a % len(tasks)], task=a % len(tasks), seed=args.seed + 1000 * rank + a, **shared)
         for a in range(args.num_actors)
     ]
 
 
-def buffer_specs(observation_space, num_actions, args) -> dict:
-    """The unroll buffers `act` fills: name → (shape of one slot, dtype); with an LSTM its state before each slot."""
-    T, obs_dtype = args.unroll_length, torch.uint8 if observation_space.dtype == np.uint8 else torch.float32
-    specs = {
-        k: ((T + 1,), dt) for k, dt in [("reward", torch.float32), ("ended", torch.bool), ("terminated", torch.bool)]
-    }
-    specs.update({k: ((T + 1,), torch.long) for k in ("action", "prev_action", "version", "task")})
-    specs.update(obs=((T + 1, *observation_space.shape), obs_dtype), first=((T + 1,), torch.bool))
-    specs.update(logits=((T + 1, num_actions), torch.float32))
-    if args.use_lstm:
-        specs.update(core_h=((args.lstm_size,), torch.float32), core_c=((args.lstm_size,), torch.float32))
-    return specs
-
-
 @dataclass
 class ActorLink:
-    """What an actor shares with its learner: the published network and its version, the unroll buffers, the free
-    and full slot queues, the message queue and the learner's pid."""
+    """What an actor process shares with its learner: the published network and its version, the unroll buffers,
+    the free and full slot queues, the message queue, the learner's pid."""
 
     agent: nn.Module
     version: torch.Tensor
@@ -836,30 +718,26 @@ class ActorLink:
     seen: int = -1  # the version the actor's copy holds
 
     def local_agent(self, device):
-        agent = copy.deepcopy(self.agent).to(device)
-        self.seen = -1
+        agent, self.seen = copy.deepcopy(self.agent).to(device), -1
         self.refresh(agent)
         return agent
 
     def refresh(self, agent) -> int:
-        """Load the published network into `agent` if the learner has published since; returns its version."""
-        latest = int(self.version.item())
-        if latest != self.seen:
+        """Loads the published network into `agent` if the learner has published since; returns its version."""
+        if int(self.version.item()) != self.seen:
+            self.seen = int(self.version.item())
             agent.load_state_dict(self.agent.state_dict())
-            self.seen = latest
-        return latest
+        return self.seen
 
 
 class UnrollWriter:
-    """The actor's side of the slots: `write(ids, row, core_state)` stores one row for each env in `ids` (any subset:
-    envpool's async mode); a slot that reaches T+1 rows goes to the learner and the env continues in a free slot
-    whose row 0 is a copy of the full one's row T. `core_state`: the LSTM state before the row, kept where the row
-    opens a slot."""
+    """The actor's side of the slots: `write(ids, row, core_state)` stores a row for each env in `ids` (any subset:
+    envpool's async mode); a slot that reaches T+1 rows goes to the learner and its env goes on in a free slot whose
+    row 0 is the full one's row T. `core_state` (the LSTM state before the row) is kept where a row opens a slot."""
 
     def __init__(self, link: ActorLink, num_envs: int, unroll_length: int):
         self.link, self.T = link, unroll_length
-        self.slot = np.array([self.next_slot() for _ in range(num_envs)])
-        self.pos = np.zeros(num_envs, np.int64)
+        self.slot, self.pos = np.array([self.next_slot() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
 
     def next_slot(self):
         while True:
@@ -888,49 +766,42 @@ class UnrollWriter:
 
 class ActorPool:
     """The learner's side: one process per config running `act`, batches of full unrolls (`next_batch`), the
-    learner's weights published to the actors (`publish`), their episodes collected (`episodes`), `close`."""
+    learner's weights published to the actors (`publish`), their finished episodes (`episodes`), `close`."""
 
     def __init__(self, cfgs, agent, specs, batch_size, device):
         ctx = torch.multiprocessing.get_context("spawn")
         self.batch_size, self.device, self.episodes = batch_size, device, []
         num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
         buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
-        shared = copy.deepcopy(agent).cpu().share_memory()
-        version = torch.zeros(1, dtype=torch.long).share_memory_()
+        shared, version = copy.deepcopy(agent).cpu().share_memory(), torch.zeros(1, dtype=torch.long).share_memory_()
         self.link = ActorLink(shared, version, buffers, ctx.Queue(), ctx.Queue(), ctx.Queue(), os.getpid())
+        self.agent, self.version = shared, version  # the network the actors act with, and how often it was published
         for i in range(num_slots):
             self.link.free_q.put(i)
         self.procs = [
-            ctx.Process(target=worker_entry, args=(act, a, self.link.msg_q, cfg, self.link), daemon=True)
-            for a, cfg in enumerate(cfgs)
+            ctx.Process(target=worker, args=(act, a, self.link.msg_q, cfg, self.link)) for a, cfg in enumerate(cfgs)
         ]
         for p in self.procs:
+            p.daemon = True
             p.start()
 
-    def poll(self):
-        """Collect episode reports; raise WorkerError with the traceback if an actor died."""
-        while True:
-            try:
-                msg = self.link.msg_q.get_nowait()
-            except queue.Empty:
-                break
-            if msg[0] != "episode":
-                raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
-            self.episodes.append(msg[1:])
-        check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
-
     def next_batch(self, on_wait=None):
-        """`batch_size` unrolls on the learner's device: `[T+1, B, ...]`, `core_*` `[B, ...]`; `on_wait(ready)`
-        while the batch is collected."""
+        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`); `on_wait(ready)`
+        while they are collected. Raises WorkerError (with its traceback) if an actor died."""
         idx = []
         while len(idx) < self.batch_size:
             try:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
-                self.poll()
+                check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
             if on_wait is not None:
                 on_wait(len(idx))
-        self.poll()
+        while not self.link.msg_q.empty():
+            msg = self.link.msg_q.get()
+            if msg[0] != "episode":
+                raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
+            self.episodes.append(msg[1:])
+        check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
         batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
         for i in idx:
             self.link.free_q.put(i)
@@ -938,68 +809,67 @@ class ActorPool:
         batch = {k: v if k.startswith("core_") else v.transpose(0, 1) for k, v in batch.items()}
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    @property
-    def agent(self):
-        return self.link.agent  # the network the actors act with
-
-    @property
-    def version(self):
-        return self.link.version
-
     def publish(self, state):
-        """Copy `state` (a state_dict) into the network the actors act with; they load it at their next step."""
+        """Copies `state` (a state_dict) into the network the actors act with; they load it at their next step."""
         with torch.no_grad():
-            for dst, src in zip(self.link.agent.state_dict().values(), state.values()):
+            for dst, src in zip(self.agent.state_dict().values(), state.values()):
                 dst.copy_(src)
-        self.link.version += 1
+        self.version += 1
 
     def close(self):
         stop_workers(self.procs)
 
 
-def check_actor_args(args):
-    """The games and the actors' options, checked before any work (UsageError): the games of a multi-task run (Atari,
-    as many actors per game), the unroll, the batch over the learner processes and its minibatches, the envs per
-    actor and their async batch, a run of at least one batch. Returns the (first) game's spec and the games."""
-    games = expand_env_ids(args.env_ids)
+def check_actor_args(args) -> list[str]:
+    """The actors' options, checked before any work (UsageError): a multi-task run's games (Atari, the same share of
+    the actors each), the unroll, the batch over the learners and its minibatches, the envs per actor and their
+    async batch, a run of at least one batch. Returns the games of a multi-task run (none for one task)."""
+    games, world, steps = (
+        expand_env_ids(getattr(args, "env_ids", ())),
+        world_size(),
+        args.batch_size * args.unroll_length,
+    )
+    per_actor, mb = args.num_envs // max(args.num_actors, 1), getattr(args, "num_minibatches", world)
     for game in games:
         env_spec(game, discrete=True)
-        if not is_atari(game):
-            raise UsageError(
-                f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: {', '.join(PRESETS)}); "
-                f"{game} is not one"
-            )
-    if games and args.num_actors % len(games):
-        raise UsageError(
-            f"--num-actors {args.num_actors} must be a multiple of the number of games ({len(games)}) so "
-            "that every game gets the same share of the actors"
+        require(
+            is_atari(game),
+            f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: atari57, atari5); {game} is not one",
         )
-    spec, world = env_spec(games[0] if games else args.env_id, discrete=True), world_size()
-    if args.unroll_length < 1:
-        raise UsageError(f"--unroll-length must be at least 1, got {args.unroll_length}")
-    if args.batch_size < 1 or args.batch_size % world:
-        raise UsageError(
-            f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})"
-        )
-    if args.num_actors < 1 or args.num_envs < args.num_actors or args.num_envs % args.num_actors:
-        raise UsageError(f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
-    if not 0 <= args.env_batch_size <= args.num_envs // args.num_actors:
-        raise UsageError(
-            f"--env-batch-size {args.env_batch_size} must be between 1 and the envs per actor "
-            f"({args.num_envs // args.num_actors}), or 0 for half of them"
-        )
-    if args.total_timesteps < args.batch_size * args.unroll_length:
-        raise UsageError(
-            f"--total-timesteps {args.total_timesteps} is less than one batch "
-            f"(batch-size x unroll-length = {args.batch_size * args.unroll_length} steps)"
-        )
-    minibatches = getattr(args, "num_minibatches", world)
-    if minibatches < 1 or minibatches % world or args.batch_size % minibatches:
-        raise UsageError(
-            f"--num-minibatches {minibatches} must divide --batch-size {args.batch_size} and be "
-            f"a multiple of the number of learner processes ({world})"
-        )
-    return spec, games
+    require(
+        not games or args.num_actors % len(games) == 0,
+        f"--num-actors {args.num_actors} must be a multiple "
+        f"of the number of games ({len(games)}) so that every game gets the same share of the actors",
+    )
+    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
+    require(
+        args.batch_size >= 1 and args.batch_size % world == 0,
+        f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})",
+    )
+    require(
+        1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0,
+        f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}",
+    )
+    require(
+        0 <= args.env_batch_size <= per_actor,
+        f"--env-batch-size {args.env_batch_size} must be between 1 "
+        f"and the envs per actor ({per_actor}), or 0 for half of them",
+    )
+    require(
+        args.total_timesteps >= steps,
+        f"--total-timesteps {args.total_timesteps} is less than one batch (batch-size x unroll-length = {steps} steps)",
+    )
+    require(
+        mb >= 1 and mb % world == 0 and args.batch_size % mb == 0,
+        f"--num-minibatches {mb} must divide "
+        f"--batch-size {args.batch_size} and be a multiple of the number of learner processes ({world})",
+    )
+    return games
+
+
+def require(condition, message: str) -> None:
+    if not condition:
+        raise UsageError(message)
 
 
 class WorkerError(RuntimeError):
@@ -1007,7 +877,7 @@ class WorkerError(RuntimeError):
 
 
 class ParentGone(Exception):
-    """The learner died (SIGKILL): its actors exit by themselves."""
+    """The learner has died (SIGKILL): its actors exit by themselves."""
 
 
 def exit_if_orphaned(parent_pid: int) -> None:
@@ -1015,9 +885,8 @@ def exit_if_orphaned(parent_pid: int) -> None:
         raise ParentGone
 
 
-def worker_entry(target, name, msg_q, *args):
-    """A worker process: Ctrl-C is the learner's to handle, one torch thread, a failure reported with its
-    traceback before exit code 1."""
+def worker(target, name, msg_q, *args):
+    """A worker process: Ctrl-C is its learner's to handle, one torch thread, a failure reported with its traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(1)
@@ -1029,27 +898,24 @@ def worker_entry(target, name, msg_q, *args):
         sys.exit(1)
 
 
-def check_workers(procs, msg_q, what="worker", must_live=False, grace=2.0):
-    """WorkerError if a process has ended with an error (`must_live`: ended at all), with its traceback if it
-    reaches the queue within `grace` seconds."""
+def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
+    """WorkerError if a process ended with an error (`must_live`: ended at all), with the traceback it sends within
+    `grace` seconds."""
     for i, p in enumerate(procs):
         if p.is_alive() or (p.exitcode == 0 and not must_live):
             continue
         deadline = time.time() + grace
         while time.time() < deadline:
-            try:
+            with contextlib.suppress(queue.Empty):
                 msg = msg_q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if msg[0] == "error":
-                raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
+                if msg[0] == "error":
+                    raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
         raise WorkerError(f"{what} {i} died with exit code {p.exitcode}")
 
 
 def stop_workers(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
+    for p in (p for p in procs if p.is_alive()):
+        p.terminate()
     for p in procs:
         p.join(timeout=5)
         if p.is_alive():
@@ -1062,7 +928,7 @@ def world_size() -> int:
 
 
 def learner_process(args):
-    """(rank, world, device) of this learner: the process group under torchrun, seeds (seed + rank), cudnn's
+    """(rank, world, device) of this learner: the process group under torchrun, the seeds (seed + rank), cudnn's
     determinism and torch's threads (`--learner-threads`, or the cores shared among the learners)."""
     rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = args.cuda and torch.cuda.is_available()
@@ -1091,6 +957,10 @@ class Interrupt:
             raise KeyboardInterrupt
 
     @property
+    def requested(self) -> bool:
+        return bool(self.signals)
+
+    @property
     def once(self) -> bool:
         return len(self.signals) <= 1
 
@@ -1109,15 +979,13 @@ def fail(error: Exception, run_path: str, pool) -> None:
     """A failed actor or a non-finite value: the error line (and where the last good checkpoint is), the actors
     stopped, exit 1 (torchrun stops the other learners)."""
     print(f"error: {error}", file=sys.stderr, flush=True)
-    if isinstance(error, NonFiniteError) or "NonFiniteError" in str(error):
-        path = os.path.join(run_path, "checkpoint.pt")
-        step = torch.load(path, weights_only=False).get("global_step") if os.path.isfile(path) else None
+    path = os.path.join(run_path, "checkpoint.pt")
+    if "NonFiniteError" in f"{type(error).__name__} {error}":
         advice = "no checkpoint was written before it; try a lower --learning-rate"
-        if step is not None:
-            advice = (
-                f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again "
-                "with a lower --learning-rate"
-            )
+        if os.path.isfile(path):
+            step = torch.load(path, weights_only=False)["global_step"]
+            advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start "
+            advice += "again with a lower --learning-rate"
         print(advice, file=sys.stderr, flush=True)
     if pool is not None:
         pool.close()
@@ -1132,10 +1000,9 @@ def stop_on_interrupt(pool, interrupt: Interrupt, save, log, world: int) -> None
     if pool is not None:
         pool.close()
         if interrupt.once and save is not None:
-            step = save()
+            step, script = save(), os.path.basename(__file__)
+            again = f"torchrun --standalone --nproc_per_node {world} {script}" if world > 1 else f"python {script}"
             if log.writer is not None:
-                script = os.path.basename(__file__)
-                again = f"torchrun --standalone --nproc_per_node {world} {script}" if world > 1 else f"python {script}"
                 print(f"checkpoint at step {step}: continue with {again} --resume {log.path}", file=sys.stderr)
     sys.exit(130)
 
@@ -1145,19 +1012,17 @@ class NonFiniteError(RuntimeError):
 
 
 def check_finite(where: str, **named) -> None:
-    """NonFiniteError naming the first of `named` (tensors or numbers) that holds a NaN or an infinity (one host
-    synchronisation per device)."""
-    flags = {}
-    for name, value in named.items():
-        t = torch.as_tensor(value).detach()
-        flags.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
-    for items in flags.values():
-        if not bool(torch.stack([ok for _, ok in items]).all()):
-            raise NonFiniteError(f"non-finite {next(name for name, ok in items if not bool(ok))} {where}")
+    """NonFiniteError naming the first of `named` (tensors or numbers) with a NaN or an infinity (one host sync)."""
+    flags = [torch.isfinite(torch.as_tensor(v).detach()).all() for v in named.values()]
+    ok = torch.stack([f.to(flags[0].device) for f in flags])
+    if not bool(ok.all()):
+        raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
-def check_finite_parameters(where: str, *modules) -> None:
-    check_finite(where, **{k: v for m in modules for k, v in m.state_dict().items() if v.is_floating_point()})
+def check_finite_parameters(where: str, **modules) -> None:
+    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
+    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
+    check_finite(where, **named)
 
 
 def save_atomic(obj, path: str) -> None:
@@ -1168,20 +1033,19 @@ def save_atomic(obj, path: str) -> None:
 
 def loss_stats(result) -> dict:
     """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
-    scalars (the total and the tensors that are not scalars left out)."""
-    return {
-        (f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v.detach()
-        for k, v in result._asdict().items()
-        if k != "loss" and v.dim() == 0
-    }
+    scalars (the total and what is not a scalar left out)."""
+    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
+    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
 
 
-# The task family's defaults: `--env-id` alone picks the settings of its family; a flag the user gives wins.
-PAPER = "the paper's settings (the Args defaults)"
-FAMILY_NAMES = {"atari": "Atari", "mujoco": "MuJoCo / dm_control", "classic": "classic control"}
+# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
+PAPER, FAMILY_NAMES = (
+    "the paper's settings (the Args defaults)",
+    dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control"),
+)
 
 
-def family_key(args, table=FAMILY_DEFAULTS) -> str:
+def family_key(args, table) -> str:
     """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
     family = "atari" if getattr(args, "env_ids", ()) else task_family(args.env_id)
     gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
@@ -1195,27 +1059,28 @@ def given_flags(argv) -> set:
 
 
 def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
-    """`args` with its family's defaults for every field the command line did not set (none under `--preset
-    paper` or on `--resume`, where the run keeps its own arguments)."""
+    """`args` with its family's defaults where the command line set nothing (none under `--preset paper`, or on
+    `--resume`: the run keeps its own arguments)."""
     if args.preset == "paper" or args.resume:
         return args
-    _, overrides = table.get(family_key(args, table), (PAPER, {}))
-    given = given_flags(sys.argv[1:] if argv is None else argv)
+    overrides, given = (
+        table.get(family_key(args, table), (PAPER, {}))[1],
+        given_flags(sys.argv[1:] if argv is None else argv),
+    )
     return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
-    """(family, where the defaults came from) for the start-up line and args.json."""
+    """(family, where the defaults came from), for the start-up line and args.json."""
     key = family_key(args, table)
+    source, overrides = table.get(key, (PAPER, {}))
     if args.preset == "paper":
         return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
-    source, overrides = table.get(key, (PAPER, {}))
-    if key.endswith("_cpu"):
-        source = f"no GPU: {source}; --preset paper for the paper's"
-    shown = {k: " ".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v) for k, v in overrides.items()}
-    return key.removesuffix("_cpu"), source + "".join(
-        ": " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in shown.items()) for _ in [0] if shown
-    )
+    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+    show = [
+        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
+    ]
+    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "")
 
 
 def resume_args(args):
@@ -1223,10 +1088,10 @@ def resume_args(args):
     if not args.resume:
         return args, None
     path = os.path.join(args.resume, "checkpoint.pt")
-    if not os.path.isfile(path):
-        raise UsageError(
-            f"--resume {args.resume}: no checkpoint.pt there (is it a run folder of a run that saved one?)"
-        )
+    require(
+        os.path.isfile(path),
+        f"--resume {args.resume}: no checkpoint.pt there (is it a run folder of a run that saved one?)",
+    )
     resumed = torch.load(path, map_location="cpu", weights_only=False)
     saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
     return dataclasses.replace(Args(**saved), resume=args.resume), resumed
@@ -1234,17 +1099,15 @@ def resume_args(args):
 
 class RunLog:
     """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
-    None) gives the step, returns and wall time to continue from. Only rank 0 (`write`) writes."""
+    None) gives the step, returns and wall time to go on from. Only rank 0 (`write`) writes."""
 
     def __init__(self, args, task_name, resumed, describe, write=True):
-        self.args, self.writer, self.first = args, None, None
+        self.args, self.writer, self.first, resumed = args, None, None, resumed or {}
         self.path = args.resume or os.path.join(
             args.run_dir, f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
         )
-        self.returns = list(resumed["returns"]) if resumed else []
-        self.groups = dict(resumed.get("groups", {})) if resumed else {}  # returns per game
-        self.start_step = resumed["global_step"] if resumed else 0
-        self.previous_wall = resumed["wall_time_s"] if resumed else 0.0
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))  # groups: games
+        self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_log = time.time()
         if write:
             from torch.utils.tensorboard import SummaryWriter
@@ -1272,17 +1135,27 @@ class RunLog:
         self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
 
     def state(self, step: int, **script_state) -> dict:
-        """A checkpoint: the script's state, what this log continues from, the run's arguments."""
-        groups = {g: r[-10:] for g, r in self.groups.items()}
-        wall = self.previous_wall + time.time() - self.start
-        common = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=wall)
-        return {**script_state, **common, "args": dataclasses.asdict(self.args)}
+        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
+        groups, wall = {g: r[-10:] for g, r in self.groups.items()}, self.previous_wall + time.time() - self.start
+        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=wall)
+        return {**script_state, **log, "args": dataclasses.asdict(self.args)}
 
     def due(self) -> bool:
         return time.time() - self.last_log >= self.args.log_interval
 
-    def console(self, step: int, extra: str = "") -> None:
+    def console(self, step: int, extra: str = "", collecting=None) -> None:
+        """The progress line (and charts/SPS); with `collecting` (unrolls ready, needed, steps per unroll) the line
+        printed while a batch is collected, at most every --log-interval seconds (at least 1 s)."""
         now = time.time()
+        if collecting is not None:
+            if now - self.last_log < max(self.args.log_interval, 1.0):
+                return
+            ready, needed, T = collecting
+            sps = (step - self.start_step + ready * T) / max(now - self.start, 1e-9)
+            line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | collecting a batch: "
+            print(f"{line}{ready}/{needed} unrolls of {T} steps", flush=True)
+            self.last_log = now
+            return
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         self.writer.add_scalar("charts/SPS", sps, step)
         recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
@@ -1294,50 +1167,36 @@ class RunLog:
         )
         self.last_log = now
 
-    def collecting(self, step: int, ready: int, needed: int, steps_per_unroll: int) -> None:
-        """A progress line while a batch is collected (a first update may take minutes on a CPU)."""
-        now = time.time()
-        if now - self.last_log >= max(self.args.log_interval, 1.0):
-            sps = (step - self.start_step + ready * steps_per_unroll) / max(now - self.start, 1e-9)
-            print(
-                f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | "
-                f"collecting a batch: {ready}/{needed} unrolls of {steps_per_unroll} steps",
-                flush=True,
-            )
-            self.last_log = now
-
     def end(self, model: dict, end_time: float, device, games=()) -> dict:
-        """model.pt (with `--save-model`), the evaluation (of each game, with a table, for a multi-task model; the
+        """model.pt (with `--save-model`), the evaluation (each game's, with a table, for a multi-task model; the
         first game's first episode filmed with `--capture-video`), summary.json."""
         if self.args.save_model:
             torch.save(model, os.path.join(self.path, "model.pt"))
-        step, extra, eval_mean = model["global_step"], {}, None
-        film = self.path if self.args.capture_video else None
-        if self.args.eval_episodes > 0:
-            policy = lambda n: make_eval_policy(model, n, str(device))  # noqa: E731
-            episodes, seed = self.args.eval_episodes, self.args.seed + 10_000
+        step, summary, eval_mean, n = model["global_step"], {}, None, self.args.eval_episodes
+        if n > 0:
+            film, seed, policy = (
+                self.path if self.args.capture_video else None,
+                self.args.seed + 10_000,
+                lambda k: make_eval_policy(model, k, str(device)),
+            )
             scores = {
-                g: evaluate(policy, g, episodes, None, seed, film if i == 0 else None, bool(games))
+                g: evaluate(policy, g, n, None, seed, film if i == 0 else None, bool(games))
                 for i, g in enumerate(games or [model["env_id"]])
             }
             eval_mean = float(np.mean([np.mean(s) for s in scores.values()]))
             if games:
                 table = score_table(scores)
                 print(write_score_table(table, os.path.join(self.path, "evaluation")), flush=True)
-                for row in table["games"]:
-                    self.writer.add_scalar(f"charts/{row['env_id']}/eval_return", row["mean"], step)
-                self.writer.add_scalar("charts/eval_median_human_normalized", table["median_human_normalized"], step)
-                extra = dict(
-                    eval_median_human_normalized=table["median_human_normalized"],
-                    eval_mean_human_normalized=table["mean_human_normalized"],
-                    eval_per_game=table["games"],
-                )
+                self.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
+                self.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
+                summary = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
+                summary["eval_per_game"] = table["games"]
             else:
-                self.writer.add_scalar("charts/eval_return", eval_mean, step)
-                print(f"evaluation over {episodes} episodes: mean {eval_mean:.1f}", flush=True)
+                self.scalars({"charts/eval_return": eval_mean}, step)
+                print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
         if games:
             last10 = {g: float(np.mean(self.groups[g][-10:])) if self.groups.get(g) else None for g in games}
-            extra.update(env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
+            summary.update(env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
         steady = None
         if self.first is not None and end_time > self.first[0] and step > self.first[1]:
             steady = (step - self.first[1]) / (end_time - self.first[0])
@@ -1349,7 +1208,7 @@ class RunLog:
             "sps_after_first_update": steady,
             "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
             "eval_mean_return": eval_mean,
-            **extra,
+            **summary,
         }
         with open(os.path.join(self.path, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -1358,7 +1217,7 @@ class RunLog:
 
 
 def cli():
-    """tyro's flags, the task family's defaults for the flags not given, bad input as one line (exit status 2)."""
+    """tyro's flags, the family's defaults for the flags not given, bad input as one line (exit status 2)."""
     import tyro
 
     try:

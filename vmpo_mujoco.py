@@ -1,68 +1,51 @@
-"""V-MPO for continuous actions (Gym MuJoCo, dm_control humanoid, any envpool continuous-action task).
+"""V-MPO for continuous actions: Song, Abdolmaleki, Springenberg, Clark, Soyer, Rae, Noury, Ahuja, Liu, Tirumala,
+Heess, Belov, Riedmiller, Botvinick (2020), "V-MPO: On-Policy Maximum a Posteriori Policy Optimization for
+Discrete and Continuous Control".
 
-Song, Abdolmaleki, Springenberg, Clark, Soyer, Rae, Noury, Ahuja, Liu, Tirumala, Heess, Belov, Riedmiller,
-Botvinick (2020), "V-MPO: On-Policy Maximum a Posteriori Policy Optimization for Discrete and Continuous
-Control".
+A *target* network acts and stays fixed for T_target learning steps; the *online* network learns its value from
+n-step returns and improves its policy in two steps. The E-step weights the top half of the batch's advantages by
+exp(A/η), the temperature η keeping ψ within ε_η of the data; the M-step fits the Gaussian policy to ψ inside a
+trust region around π_target that is *decoupled* (Appendix C): KL(π_target ‖ π) splits into a mean part and a
+covariance part, each with its own bound (ε_αμ ≫ ε_αΣ) and multiplier, so the mean moves fast while the
+covariance shrinks slowly and keeps exploring. PopArt keeps the value loss on one scale.
 
-An approximate policy iteration: a *target* network acts in the environments and stays fixed for T_target
-learning steps; meanwhile the *online* network learns its value function from n-step returns and improves its
-policy in two steps. The E-step weights the top half of the batch's advantages by exp(A/η), the temperature η a
-Lagrange multiplier keeping the weights ψ within ε_η (in KL) of the data. The M-step fits the Gaussian policy to
-ψ by weighted maximum likelihood inside a trust region around π_target. For Gaussians the trust region is
-*decoupled* (Appendix C): KL(π_target ‖ π) splits into a mean part, which measures the mean's move in the
-metric of the target's covariance, and a covariance part; each has its own bound (ε_αμ ≫ ε_αΣ) and its own
-multiplier (α_μ, α_Σ). So the mean can move fast in action space while the covariance shrinks slowly, which
-keeps exploring. A PopArt value head keeps the value loss on one scale whatever the task's reward scale.
+| paper                                                                | here                                 |
+|----------------------------------------------------------------------|--------------------------------------|
+| Algorithm 1: target network, refreshed every T_target steps          | `act`, `pool.publish` in `main`      |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_returns`, `n_step_targets`   |
+| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt                   | `vmpo_loss`, `batch_loss`            |
+| Eq. (12) ψ over the top half of the advantages, L_π                  | `vmpo_weights` -> psi, `vmpo_loss`   |
+| Eq. (13) temperature loss L_η                                        | `vmpo_weights` -> eta_loss           |
+| Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                  |
+| Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                      | `kl_constraint_loss`                 |
+| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers.project`        |
+| App. F: 512-256 MLP core, 256-unit policy and value MLP heads        | `Agent`                              |
+| Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `TABLE7_COLUMNS`    |
 
-| paper                                                          | here                                       |
-|----------------------------------------------------------------|--------------------------------------------|
-| Algorithm 1: target network, refreshed every T_target steps     | `pool.publish` every `--target-update-period` |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V     | `n_step_returns`, `n_step_targets`         |
-| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt              | `vmpo_loss`, `batch_loss`, common/popart   |
-| Eq. (12) ψ over the top half of the advantages, L_π             | `vmpo_weights` -> psi, `vmpo_loss`          |
-| Eq. (13) temperature loss L_η                                   | `vmpo_weights` -> eta_loss                 |
-| Eqs. (23)-(25) KL of Gaussians split into mean and covariance   | `gaussian_kl_parts`                        |
-| Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                 | `kl_constraint_loss`                       |
-| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                 | `LagrangeMultipliers.project`              |
-| App. F: 512-256 MLP core, 256-unit policy and value MLP heads   | `Agent`                                    |
-| Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `TABLE7_COLUMNS` |
+The policy is a diagonal Gaussian over actions scaled to [-1, 1]^d; observations are normalised by running
+statistics that travel with the weights. envpool's reset step (after an episode ends) is masked out of every
+loss; a time-limit truncation bootstraps from the value of the last observation. The choices the paper leaves
+open and the one-machine defaults, with their measurements: docs/vmpo_mujoco.md.
 
-Choices the paper leaves open, and what is done here:
-- The policy is a diagonal Gaussian over actions scaled to [-1, 1]^d: mean linear, σ = softplus(·) + 1e-4.
-  A sampled action is stored as sampled and only mapped to the env's bounds and clipped when sent to the env.
-  The initial σ (`--init-std`, 0.5) is not given in the paper.
-- Observations are normalised by running mean and variance (clipped to ±10), updated by the learner from every
-  batch and handed to the actors with the target network's weights; the statistics are saved in `model.pt`.
-- Losses are means: ψ sums to one over the batch, L_V = 1/(2|D|) Σ (V − G)², the KLs are averaged over |D|.
-  The value loss and the advantages are in PopArt's normalised space (A = (G − V)/σ); PopArt's statistics take
-  one step with the batch's returns before the loss (van Hasselt et al. 2016, Algorithm 1).
-- The batch is split into `--num-minibatches` minibatches (8) for the E-step, each with its own top half and ψ
-  normalisation, as the paper's 8 TPU replicas did (App. F, implementation note); ψ of each is scaled by
-  1/minibatches. The network runs once on the whole batch.
-- The actors act with the target network, so the Gaussian they store is π_target's: the KLs are taken against
-  it, with no second forward pass.
-- Table 7's ε_η row reads 0.1 (humanoid pixels), 0.01 (humanoid state) and leaves the Gym cell to the state
-  column: 0.01 here. Ranges sampled log-uniformly in the paper take their geometric middle. Table 7 gives the
-  humanoid-from-state unroll as 63, Appendix F as 40: the column follows the table.
-- Gym tasks have no network in the paper: the humanoid-from-state agent (512-256 core) is used for all, with
-  ELU activations (the paper does not name them).
-
-envpool resets an environment on the step *after* an episode ends; that step is no transition and is masked
-out of every loss. Its n-step return is set to V(x_k), so a time-limit truncation (all MuJoCo tasks have one)
-bootstraps from the value of the last observation; termination has discount 0.
-
-    python vmpo_mujoco.py --env-id Hopper-v4                              # settings measured on one machine
+    python vmpo_mujoco.py --env-id Hopper-v4                                      # settings measured on 2 cores
     python vmpo_mujoco.py --env-id HumanoidRun-v1 --preset paper --num-envs 128   # Table 7, humanoid column
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import json
 import math
 import os
+import queue
+import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -70,153 +53,80 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.actor_pool import ActorPool, UnrollWriter, actor_configs, check_pool_args
-from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters, save_checkpoint, save_model
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs
-from common.families import given_flags, with_family_defaults
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env, task_family
+from common.evaluation import evaluate, expand_env_ids, score_table, write_score_table
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
-from common.processes import WorkerError, exit_if_orphaned
-from common.run import (
-    Interrupt,
-    RunLog,
-    average_gradients,
-    broadcast_parameters,
-    learner_failed,
-    learner_interrupted,
-    learner_process,
-    loss_stats,
-    resume_args,
-)
 
 
 @dataclass
 class Args:
-    env_id: str = "HalfCheetah-v4"
-    """envpool task id with continuous actions (Gym MuJoCo *-v4/v5, dm_control HumanoidRun-v1, Pendulum-v1, ...)"""
-    preset: Literal["family", "paper"] = "family"
-    """family: the defaults of the env id's task family (FAMILY_DEFAULTS); paper: Table 7's column for the task
-    (humanoid from state for the dm_control humanoid, OpenAI Gym for every other task)"""
-    exp_name: str = "vmpo_mujoco"
-    """name of this experiment, part of the run folder's name"""
-    seed: int = 1
-    """seed of torch, numpy and the environments (actor a of learner r uses seed + 1000 r + a)"""
-    torch_deterministic: bool = True
-    """torch.backends.cudnn.deterministic"""
-    cuda: bool = True
-    """learner and actors' inference on the GPU when there is one"""
-    total_timesteps: int = 10_000_000
-    """environment steps in all (the paper's Gym curves run to billions, Fig. 5c-d)"""
-    num_envs: int = 64
-    """environments per learner process, split evenly over its actors"""
-    env_batch_size: int = 0
-    """envs returned per envpool step (async when below envs per actor); 0: half of each actor's envs"""
-    num_actors: int = 1
-    """actor processes per learner process"""
-    unroll_length: int = 39
-    """n, unroll length (Table 7: 39 OpenAI Gym, 63 humanoid)"""
-    batch_size: int = 64
-    """B, unrolls per learning step, over all learner processes (App. F, humanoid)"""
-    num_minibatches: int = 8
-    """E-step minibatches (over all learner processes), each with its own top half and ψ normalisation: the
-    paper's 8 TPU replicas (App. F, implementation note)"""
-    target_update_period: int = 100
-    """T_target, learning steps between target-network refreshes (Table 7)"""
-    learning_rate: float = 1e-4
-    """Adam learning rate for everything (Sec. 4.3)"""
-    adam_eps: float = 1e-8
-    """Adam ε (the paper's TensorFlow default)"""
-    max_grad_norm: float = 0.0
-    """global gradient-norm clipping threshold; 0: none (the paper mentions none)"""
-    gamma: float = 0.99
-    """γ, agent discount (Table 7)"""
-    eps_eta: float = 0.01
-    """ε_η, bound of the temperature dual: KL of ψ from the data (Table 7)"""
-    eps_alpha_mu: float = 0.007
-    """ε_αμ, bound of the mean part of KL(π_target ‖ π) (Table 7 Gym: log-uniform [0.005, 0.01]; geometric middle)"""
-    eps_alpha_sigma: float = 1.6e-5
-    """ε_αΣ, bound of the covariance part (Table 7 Gym: log-uniform [5e-6, 5e-5); geometric middle)"""
-    init_eta: float = 1.0
-    """initial η, temperature (Table 1)"""
-    init_alpha_mu: float = 1.0
-    """initial α_μ, mean-KL multiplier (Table 1)"""
-    init_alpha_sigma: float = 1.0
-    """initial α_Σ, covariance-KL multiplier (Table 1)"""
-    min_multiplier: float = 1e-8
-    """η_min = α_min, projection of the multipliers after every step (Sec. 4.2.2)"""
-    top_fraction: float = 0.5
-    """fraction of the highest advantages used in the E-step (Sec. 4.2.1, 'top-k')"""
-    popart_beta: float = 1e-4
-    """PopArt statistics step size (Sec. 4.1)"""
-    popart_scale_lower: float = 1e-2
-    """PopArt lower bound of σ (Sec. 4.1)"""
-    popart_scale_upper: float = 1e6
-    """PopArt upper bound of σ (Sec. 4.1)"""
-    hidden: tuple[int, ...] = (512, 256)
-    """MLP core (App. F, humanoid from state: 512 and 256 units)"""
-    head_hidden: int = 256
-    """hidden units of the policy and value MLP heads (App. F)"""
-    init_std: float = 0.5
-    """initial standard deviation of the policy in [-1, 1] action units (not given in the paper)"""
-    save_model: bool = False
-    """write model.pt (weights, observation and PopArt statistics, what evaluation needs) in the run folder"""
-    capture_video: bool = False
-    """record an evaluation episode (not available for MuJoCo here: envpool renders it only with an OpenGL
-    context; the flag is refused with a message)"""
-    eval_episodes: int = 10
-    """evaluation episodes at the end of training, sampling from the policy (0: none)"""
-    run_dir: str = "runs"
-    """folder of the run folders"""
-    log_interval: float = 5.0
-    """seconds between console progress lines"""
-    learner_threads: int = 0
-    """torch threads of a learner process; 0: half the CPU cores (the other half steps the envs)"""
-    checkpoint_interval: float = 300.0
-    """seconds between checkpoints (runs/<run>/checkpoint.pt: weights with the observation statistics and
-    PopArt, target network, optimiser, η and α, counters; written atomically); also at the end and on Ctrl-C"""
-    resume: str = ""
-    """a run folder to continue from its checkpoint, with its own arguments; curves continue in its folder"""
+    env_id: str = "HalfCheetah-v4"  # envpool continuous-action task (Gym MuJoCo *-v4, dm_control HumanoidRun-v1, ...)
+    preset: Literal["family", "paper"] = "family"  # family: the family defaults; paper: the task's Table 7 column
+    exp_name: str = "vmpo_mujoco"  # name of this experiment, part of the run folder's name
+    seed: int = 1  # seed of torch, numpy and the envs (actor a of learner r: seed + 1000 r + a)
+    torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
+    cuda: bool = True  # learner and actors' inference on the GPU when there is one
+    total_timesteps: int = 10_000_000  # environment steps in all (the paper's Gym curves run to billions)
+    num_envs: int = 64  # environments per learner process, split evenly over its actors
+    env_batch_size: int = 0  # envs per envpool step (async below envs per actor); 0: half of an actor's envs
+    num_actors: int = 1  # actor processes per learner process
+    unroll_length: int = 39  # n, unroll length (Table 7: 39 OpenAI Gym, 63 humanoid)
+    batch_size: int = 64  # B, unrolls per learning step, over all learner processes (App. F, humanoid)
+    num_minibatches: int = 8  # E-step minibatches, each with its own top half and ψ: the paper's 8 replicas (App. F)
+    target_update_period: int = 100  # T_target, learning steps between target-network refreshes (Table 7)
+    learning_rate: float = 1e-4  # Adam learning rate (Sec. 4.3)
+    adam_eps: float = 1e-8  # Adam ε (the paper's TensorFlow default)
+    max_grad_norm: float = 0.0  # global gradient-norm clipping threshold; 0: none (the paper mentions none)
+    gamma: float = 0.99  # γ, agent discount (Table 7)
+    eps_eta: float = 0.01  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 7)
+    eps_alpha_mu: float = 0.007  # ε_αμ, bound of the mean part of the KL (Table 7 Gym: middle of [0.005, 0.01])
+    eps_alpha_sigma: float = 1.6e-5  # ε_αΣ, bound of the covariance part (Table 7 Gym: middle of [5e-6, 5e-5))
+    init_eta: float = 1.0  # initial η, temperature (Table 1)
+    init_alpha_mu: float = 1.0  # initial α_μ, mean-KL multiplier (Table 1)
+    init_alpha_sigma: float = 1.0  # initial α_Σ, covariance-KL multiplier (Table 1)
+    min_multiplier: float = 1e-8  # η_min = α_min, projection of the multipliers after every step (Sec. 4.2.2)
+    top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
+    popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
+    popart_scale_lower: float = 1e-2  # PopArt lower bound of σ (Sec. 4.1)
+    popart_scale_upper: float = 1e6  # PopArt upper bound of σ (Sec. 4.1)
+    hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state)
+    head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
+    init_std: float = 0.5  # initial policy standard deviation in [-1, 1] action units (not in the paper)
+    save_model: bool = False  # write model.pt (weights, observation and PopArt statistics) in the run folder
+    capture_video: bool = False  # not available for MuJoCo (envpool renders it only with an OpenGL context)
+    eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
+    run_dir: str = "runs"  # folder of the run folders
+    log_interval: float = 5.0  # seconds between console progress lines
+    learner_threads: int = 0  # torch threads of a learner process; 0: half the cores (the rest step the envs)
+    checkpoint_interval: float = 300.0  # seconds between checkpoints (also at the end and on Ctrl-C); 0: only then
+    resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Table 7's columns: the Args defaults are the OpenAI Gym column; the dm_control humanoid takes the humanoid-from-state
-# column (`table7_column`). Flags given on the command line win.
+# Table 7's columns: the Args defaults are the OpenAI Gym column; the dm_control humanoid takes humanoid-from-state.
 TABLE7_COLUMNS = {
     "gym": {},
     "humanoid-state": dict(unroll_length=63, eps_eta=0.01, eps_alpha_mu=0.16, eps_alpha_sigma=2.2e-5),
 }
 
-# Defaults by task family (common/families.py), on top of the task's Table 7 column; a flag on the command line
-# wins, `--preset paper` keeps the column alone. Table 7's settings are for thousands of envs and billions of
-# steps: at 64 x 39 steps a batch and a target refreshed every 100 learning steps, the acting policy changes once
-# in 250k steps, and 2M steps of HalfCheetah-v4 learned nothing (README). The one-machine settings were measured
-# on 2 CPU cores (README, "Defaults by task family"): MuJoCo on InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4
-# (32 envs: 16 let InvertedPendulum fall back after solving it), classic control on Pendulum-v1 (16 envs: 32 did
-# worse there).
-ONE_MACHINE = dict(
-    num_envs=16,
-    batch_size=16,
-    num_minibatches=1,
-    unroll_length=10,
-    target_update_period=10,
-    learning_rate=1e-3,
-    popart_beta=0.1,
-)
+# Defaults by task family, on top of the task's Table 7 column (a flag the user gives wins; `--preset paper` keeps
+# the column alone). Table 7 is for thousands of envs and billions of steps; these were measured on 2 CPU cores
+# (docs/vmpo_mujoco.md).
+ONE_MACHINE = dict(num_envs=16, batch_size=16, num_minibatches=1, unroll_length=10, target_update_period=10)
+ONE_MACHINE.update(learning_rate=1e-3, popart_beta=0.1)
 FAMILY_DEFAULTS = {
     "mujoco": (
-        "settings measured on InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4 (README)",
+        "settings measured on InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4 (docs)",
         dict(ONE_MACHINE, num_envs=32, batch_size=32),
     ),
-    "classic": ("settings measured on Pendulum-v1 (README)", ONE_MACHINE),
+    "classic": ("settings measured on Pendulum-v1 (docs)", ONE_MACHINE),
 }
 
 
 def table7_column(env_id: str) -> str:
     """'humanoid-state' for the dm_control humanoid tasks (HumanoidRun-v1, ...), 'gym' for every other task."""
-    return (
-        "humanoid-state"
-        if env_id.startswith("Humanoid") and type(env_spec(env_id)).__name__.startswith("Dmc")
-        else "gym"
-    )
+    dmc = type(env_spec(env_id)).__name__.startswith("Dmc")
+    return "humanoid-state" if env_id.startswith("Humanoid") and dmc else "gym"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -445,7 +355,65 @@ class Agent(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The run: setup, the paper's loop, the end.
+# Acting (with the target network). Row t of an unroll holds obs_t, the reward and end flags that came with
+# obs_t, the action taken at obs_t and the target policy's mean and std there. An unroll has T+1 rows; its last
+# row is the next unroll's first.
+
+
+def buffer_specs(obs_dim, action_dim, T):
+    """The unroll buffers `act` fills: name → (shape of one slot, dtype)."""
+    return {
+        "obs": ((T + 1, obs_dim), torch.float32),
+        "reward": ((T + 1,), torch.float32),
+        "ended": ((T + 1,), torch.bool),
+        "terminated": ((T + 1,), torch.bool),
+        "action": ((T + 1, action_dim), torch.float32),
+        "mean": ((T + 1, action_dim), torch.float32),
+        "std": ((T + 1, action_dim), torch.float32),
+        "version": ((T + 1,), torch.long),
+    }
+
+
+def act(cfg, link: ActorLink) -> None:
+    """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls."""
+    n, device = cfg.num_envs, torch.device(cfg.device)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
+    low = envs.action_space.low.astype(np.float32)
+    high = envs.action_space.high.astype(np.float32)
+    agent = link.local_agent(device)
+    unrolls = UnrollWriter(link, n, cfg.unroll_length)
+    tracker = EpisodeTracker(n)
+    envs.async_reset()
+    while True:
+        obs, reward, term, trunc, info = envs.recv()
+        ids = info["env_id"]
+        exit_if_orphaned(link.parent_pid)
+        seen = link.refresh(agent)  # θ_target ← θ_online happened in the learner
+        obs_t = torch.from_numpy(flatten_obs(obs))
+        with torch.no_grad():
+            mean, std, _ = agent(obs_t.to(device))
+            action = mean + std * torch.randn(mean.shape, device=device, generator=generator)
+        action_cpu = action.cpu()
+        envs.send(to_env_action(action_cpu.numpy(), low, high), ids)  # the envs step during the bookkeeping
+
+        row = {
+            "obs": obs_t,
+            "reward": torch.from_numpy(reward).float(),
+            "ended": torch.from_numpy(term | trunc),
+            "terminated": torch.from_numpy(term),
+            "action": action_cpu,
+            "mean": mean.cpu(),
+            "std": std.cpu(),
+            "version": torch.full((len(ids),), seen, dtype=torch.long),
+        }
+        unrolls.write(ids, row)
+        for _, score, length in tracker.step(ids, reward, term, trunc, info):
+            link.msg_q.put(("episode", score, length))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Learning: setup, the learner's loop (Algorithm 1), the end.
 
 
 def main(args: Args):
@@ -453,20 +421,13 @@ def main(args: Args):
     spec = check_args(args)
     rank, world, device = learner_process(args)
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    agent = Agent(
-        obs_dim,
-        action_dim,
-        args.hidden,
-        args.head_hidden,
-        args.init_std,
-        1,
-        args.popart_beta,
-        args.popart_scale_lower,
-        args.popart_scale_upper,
-    ).to(device)
+    popart = (args.popart_beta, args.popart_scale_lower, args.popart_scale_upper)
+    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, 1, *popart).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
-    broadcast_parameters(params, world)
+    if world > 1:  # the same initial weights in every learner (rank 0's)
+        for p in params:
+            torch.distributed.broadcast(p.data, 0)
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
     start_update, target_state = 0, None
     if resumed is not None:
@@ -475,7 +436,7 @@ def main(args: Args):
         optimizer.load_state_dict(resumed["optimizer"])
         start_update, target_state = resumed["update"], resumed["target_agent"]
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
-    log = RunLog(args, FAMILY_DEFAULTS, args.env_id, resumed, describe + f"{args.num_envs * world} envs", rank == 0)
+    log = RunLog(args, args.env_id, resumed, describe + f"{args.num_envs * world} envs", rank == 0)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     groups = args.num_minibatches // world  # E-step minibatches of this learner process
@@ -485,7 +446,9 @@ def main(args: Args):
         if rank == 0:
             check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
             if args.save_model:  # a run stopped early can be evaluated too
-                save_model(saved_model(args, spec, agent, multipliers, global_step), log.path)
+                save_atomic(
+                    saved_model(args, spec, agent, multipliers, global_step), os.path.join(log.path, "model.pt")
+                )
             state = dict(
                 agent=agent.state_dict(),
                 target_agent=pool.agent.state_dict(),
@@ -493,7 +456,7 @@ def main(args: Args):
                 optimizer=optimizer.state_dict(),
                 update=update,
             )
-            save_checkpoint(log.state(global_step, args, **state), log.path)
+            save_atomic(log.state(global_step, **state), os.path.join(log.path, "checkpoint.pt"))
         return global_step
 
     def save_last():
@@ -507,12 +470,14 @@ def main(args: Args):
     done_update, before = start_update, None
     try:
         specs = buffer_specs(obs_dim, action_dim, args.unroll_length)
-        pool = ActorPool(act, actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
+        pool = ActorPool(actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
         if target_state is not None:  # the target network the run was acting with
             pool.publish(target_state)
         for update in range(start_update + 1, num_updates + 1):
             batch = pool.next_batch(  # a progress line also while the batch is being collected
-                lambda ready: rank == 0 and log.collecting(global_step, ready, pool.batch_size, args.unroll_length)
+                lambda ready: (
+                    rank == 0 and log.console(global_step, collecting=(ready, pool.batch_size, args.unroll_length))
+                )
             )
             before = {k: v.clone() for k, v in agent.state_dict().items() if k.startswith(("obs_norm", "popart"))}
             agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
@@ -555,15 +520,15 @@ def main(args: Args):
                     f"α_Σ {stats['stats/alpha_sigma'].item():.3f} σ {stats['stats/policy_std'].item():.3f}",
                 )
     except (WorkerError, NonFiniteError) as e:
-        learner_failed(e, log.path, pool)
+        fail(e, log.path, pool)
     except KeyboardInterrupt:
         save = save_last if done_update > start_update else None
-        learner_interrupted(pool, interrupt, save, log, os.path.basename(__file__), world)
+        stop_on_interrupt(pool, interrupt, save, log, world)
     pool.close()
     end_time = time.time()
     checkpoint(num_updates)
     if rank == 0:
-        log.end(saved_model(args, spec, agent, multipliers, global_step), make_eval_policy, end_time, device)
+        log.end(saved_model(args, spec, agent, multipliers, global_step), end_time, device)
     if world > 1:
         torch.distributed.destroy_process_group()
 
@@ -574,7 +539,7 @@ def to_env_action(action, low, high):
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """A callable `policy(obs, rewards, first) -> actions` for `common/evaluation.py`: the saved observation
+    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): the saved observation
     statistics normalise; the action is sampled (or the mean, `greedy`), mapped to the env's box and clipped."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
@@ -591,64 +556,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Acting (with the target network). Row t of an unroll holds obs_t, the reward and end flags that came with
-# obs_t, the action taken at obs_t and the target policy's mean and std there. An unroll has T+1 rows; its last
-# row is the next unroll's first.
-
-
-def buffer_specs(obs_dim, action_dim, T):
-    return {
-        "obs": ((T + 1, obs_dim), torch.float32),
-        "reward": ((T + 1,), torch.float32),
-        "ended": ((T + 1,), torch.bool),
-        "terminated": ((T + 1,), torch.bool),
-        "action": ((T + 1, action_dim), torch.float32),
-        "mean": ((T + 1, action_dim), torch.float32),
-        "std": ((T + 1, action_dim), torch.float32),
-        "version": ((T + 1,), torch.long),
-    }
-
-
-def act(actor_id, cfg, link):
-    """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls."""
-    n, device = cfg.num_envs, torch.device(cfg.device)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    envs = cfg.make_envs()
-    low = envs.action_space.low.astype(np.float32)
-    high = envs.action_space.high.astype(np.float32)
-    agent = link.local_agent(device)
-    unrolls = UnrollWriter(link, n, cfg.unroll_length)
-    tracker = EpisodeTracker(n)
-    envs.async_reset()
-    while True:
-        obs, reward, term, trunc, info = envs.recv()
-        ids = info["env_id"]
-        exit_if_orphaned(link.parent_pid)
-        seen = link.refresh(agent)  # θ_target ← θ_online happened in the learner
-        obs_t = torch.from_numpy(flatten_obs(obs))
-        with torch.no_grad():
-            mean, std, _ = agent(obs_t.to(device))
-            action = mean + std * torch.randn(mean.shape, device=device, generator=generator)
-        action_cpu = action.cpu()
-        envs.send(to_env_action(action_cpu.numpy(), low, high), ids)  # the envs step during the bookkeeping
-
-        row = {
-            "obs": obs_t,
-            "reward": torch.from_numpy(reward).float(),
-            "ended": torch.from_numpy(term | trunc),
-            "terminated": torch.from_numpy(term),
-            "action": action_cpu,
-            "mean": mean.cpu(),
-            "std": std.cpu(),
-            "version": torch.full((len(ids),), seen, dtype=torch.long),
-        }
-        unrolls.write(ids, row)
-        for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            link.report("episode", score, length)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Learning and process plumbing.
+# Checks, the loss on a batch, the saved model, the command line.
 
 
 def check_args(args):
@@ -656,22 +564,16 @@ def check_args(args):
     spec = env_spec(args.env_id, discrete=False)
     if len(spec.action_space.shape) != 1:
         raise UsageError(f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a vector")
-    check_pool_args(args)
+    check_actor_args(args)
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
     if not 0 < args.top_fraction <= 1:
         raise UsageError(f"--top-fraction must be in (0, 1], got {args.top_fraction}")
-    for name in (
-        "eps_eta",
-        "eps_alpha_mu",
-        "eps_alpha_sigma",
-        "init_eta",
-        "init_alpha_mu",
-        "init_alpha_sigma",
-        "learning_rate",
-    ):
+    for name in ("eps_eta", "eps_alpha_mu", "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma"):
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not args.learning_rate > 0:
+        raise UsageError(f"--learning-rate must be positive, got {args.learning_rate}")
     if not args.init_std > Agent.MIN_STD:
         raise UsageError(f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
     if not 0 <= args.gamma <= 1:
@@ -732,7 +634,7 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
 
 
 def saved_model(args, spec, agent, multipliers, global_step):
-    """What model.pt holds (common/evaluation.py plays it)."""
+    """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
     return {
         "script": "vmpo_mujoco",
         "env_id": args.env_id,
@@ -767,7 +669,553 @@ def parse_args(argv=None):
     return with_family_defaults(args, FAMILY_DEFAULTS, argv)
 
 
+def average_gradients(params, world: int) -> None:
+    """Averages gradients over the learner processes (one all-reduce of a flat buffer), in place of DDP, so that
+    PopArt can rescale its layer between the forward pass and the loss."""
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plumbing: actor processes and their shared-memory unrolls, learner processes, the run folder, checkpoints,
+# Ctrl-C and failures, the task family's defaults. No equation below.
+
+
+def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNamespace]:
+    """The actors of learner `rank`: actor a plays game a mod G (every game the same share, all 18 actions), its
+    envs stepped `--env-batch-size` at a time (0: half of them) by the cores the learner leaves free."""
+    n, tasks = args.num_envs // args.num_actors, list(games) or [args.env_id]
+    threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
+    options = {**env_options, "full_action_space": True} if games else env_options
+    shared = dict(num_envs=n, unroll_length=args.unroll_length, env_batch_size=args.env_batch_size or max(1, n // 2))
+    shared.update(device=str(device), env_threads=threads, env_options=options)
+    return [
+        SimpleNamespace(env_id=tasks[a % len(tasks)], task=a % len(tasks), seed=args.seed + 1000 * rank + a, **shared)
+        for a in range(args.num_actors)
+    ]
+
+
+@dataclass
+class ActorLink:
+    """What an actor process shares with its learner: the published network and its version, the unroll buffers,
+    the free and full slot queues, the message queue, the learner's pid."""
+
+    agent: nn.Module
+    version: torch.Tensor
+    buffers: dict
+    free_q: object
+    full_q: object
+    msg_q: object
+    parent_pid: int
+    seen: int = -1  # the version the actor's copy holds
+
+    def local_agent(self, device):
+        agent, self.seen = copy.deepcopy(self.agent).to(device), -1
+        self.refresh(agent)
+        return agent
+
+    def refresh(self, agent) -> int:
+        """Loads the published network into `agent` if the learner has published since; returns its version."""
+        if int(self.version.item()) != self.seen:
+            self.seen = int(self.version.item())
+            agent.load_state_dict(self.agent.state_dict())
+        return self.seen
+
+
+class UnrollWriter:
+    """The actor's side of the slots: `write(ids, row, core_state)` stores a row for each env in `ids` (any subset:
+    envpool's async mode); a slot that reaches T+1 rows goes to the learner and its env goes on in a free slot whose
+    row 0 is the full one's row T. `core_state` (the LSTM state before the row) is kept where a row opens a slot."""
+
+    def __init__(self, link: ActorLink, num_envs: int, unroll_length: int):
+        self.link, self.T = link, unroll_length
+        self.slot, self.pos = np.array([self.next_slot() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
+
+    def next_slot(self):
+        while True:
+            try:
+                return self.link.free_q.get(timeout=1.0)
+            except queue.Empty:
+                exit_if_orphaned(self.link.parent_pid)
+
+    def write(self, ids, row, core_state=None):
+        buffers, T, core_state = self.link.buffers, self.T, core_state or {}
+        sl, p = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
+        for k, v in row.items():
+            buffers[k][sl, p] = v
+        for k, v in core_state.items():
+            buffers[k][sl[p == 0]] = v[p == 0]
+        self.pos[ids] += 1
+        for i in np.flatnonzero(self.pos[ids] == T + 1):
+            e, new = ids[i], self.next_slot()
+            for k in row:
+                buffers[k][new, 0] = buffers[k][self.slot[e], T]
+            for k, v in core_state.items():  # row T's state opens the next slot
+                buffers[k][new] = v[i]
+            self.link.full_q.put(int(self.slot[e]))
+            self.slot[e], self.pos[e] = new, 1
+
+
+class ActorPool:
+    """The learner's side: one process per config running `act`, batches of full unrolls (`next_batch`), the
+    learner's weights published to the actors (`publish`), their finished episodes (`episodes`), `close`."""
+
+    def __init__(self, cfgs, agent, specs, batch_size, device):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.batch_size, self.device, self.episodes = batch_size, device, []
+        num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
+        buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
+        shared, version = copy.deepcopy(agent).cpu().share_memory(), torch.zeros(1, dtype=torch.long).share_memory_()
+        self.link = ActorLink(shared, version, buffers, ctx.Queue(), ctx.Queue(), ctx.Queue(), os.getpid())
+        self.agent, self.version = shared, version  # the network the actors act with, and how often it was published
+        for i in range(num_slots):
+            self.link.free_q.put(i)
+        self.procs = [
+            ctx.Process(target=worker, args=(act, a, self.link.msg_q, cfg, self.link)) for a, cfg in enumerate(cfgs)
+        ]
+        for p in self.procs:
+            p.daemon = True
+            p.start()
+
+    def next_batch(self, on_wait=None):
+        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`); `on_wait(ready)`
+        while they are collected. Raises WorkerError (with its traceback) if an actor died."""
+        idx = []
+        while len(idx) < self.batch_size:
+            try:
+                idx.append(self.link.full_q.get(timeout=1.0))
+            except queue.Empty:
+                check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
+            if on_wait is not None:
+                on_wait(len(idx))
+        while not self.link.msg_q.empty():
+            msg = self.link.msg_q.get()
+            if msg[0] != "episode":
+                raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
+            self.episodes.append(msg[1:])
+        check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
+        batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
+        for i in idx:
+            self.link.free_q.put(i)
+        pin = self.device.type == "cuda"
+        batch = {k: v if k.startswith("core_") else v.transpose(0, 1) for k, v in batch.items()}
+        return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def publish(self, state):
+        """Copies `state` (a state_dict) into the network the actors act with; they load it at their next step."""
+        with torch.no_grad():
+            for dst, src in zip(self.agent.state_dict().values(), state.values()):
+                dst.copy_(src)
+        self.version += 1
+
+    def close(self):
+        stop_workers(self.procs)
+
+
+def check_actor_args(args) -> list[str]:
+    """The actors' options, checked before any work (UsageError): a multi-task run's games (Atari, the same share of
+    the actors each), the unroll, the batch over the learners and its minibatches, the envs per actor and their
+    async batch, a run of at least one batch. Returns the games of a multi-task run (none for one task)."""
+    games, world, steps = (
+        expand_env_ids(getattr(args, "env_ids", ())),
+        world_size(),
+        args.batch_size * args.unroll_length,
+    )
+    per_actor, mb = args.num_envs // max(args.num_actors, 1), getattr(args, "num_minibatches", world)
+    for game in games:
+        env_spec(game, discrete=True)
+        require(
+            is_atari(game),
+            f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: atari57, atari5); {game} is not one",
+        )
+    require(
+        not games or args.num_actors % len(games) == 0,
+        f"--num-actors {args.num_actors} must be a multiple "
+        f"of the number of games ({len(games)}) so that every game gets the same share of the actors",
+    )
+    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
+    require(
+        args.batch_size >= 1 and args.batch_size % world == 0,
+        f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})",
+    )
+    require(
+        1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0,
+        f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}",
+    )
+    require(
+        0 <= args.env_batch_size <= per_actor,
+        f"--env-batch-size {args.env_batch_size} must be between 1 "
+        f"and the envs per actor ({per_actor}), or 0 for half of them",
+    )
+    require(
+        args.total_timesteps >= steps,
+        f"--total-timesteps {args.total_timesteps} is less than one batch (batch-size x unroll-length = {steps} steps)",
+    )
+    require(
+        mb >= 1 and mb % world == 0 and args.batch_size % mb == 0,
+        f"--num-minibatches {mb} must divide "
+        f"--batch-size {args.batch_size} and be a multiple of the number of learner processes ({world})",
+    )
+    return games
+
+
+def require(condition, message: str) -> None:
+    if not condition:
+        raise UsageError(message)
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed: its traceback, or its exit code when no traceback came."""
+
+
+class ParentGone(Exception):
+    """The learner has died (SIGKILL): its actors exit by themselves."""
+
+
+def exit_if_orphaned(parent_pid: int) -> None:
+    if os.getppid() != parent_pid:
+        raise ParentGone
+
+
+def worker(target, name, msg_q, *args):
+    """A worker process: Ctrl-C is its learner's to handle, one torch thread, a failure reported with its traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(1)
+        target(*args)
+    except ParentGone:
+        msg_q.cancel_join_thread()
+    except Exception:
+        msg_q.put(("error", name, traceback.format_exc()))
+        sys.exit(1)
+
+
+def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
+    """WorkerError if a process ended with an error (`must_live`: ended at all), with the traceback it sends within
+    `grace` seconds."""
+    for i, p in enumerate(procs):
+        if p.is_alive() or (p.exitcode == 0 and not must_live):
+            continue
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            with contextlib.suppress(queue.Empty):
+                msg = msg_q.get(timeout=0.2)
+                if msg[0] == "error":
+                    raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
+        raise WorkerError(f"{what} {i} died with exit code {p.exitcode}")
+
+
+def stop_workers(procs) -> None:
+    for p in (p for p in procs if p.is_alive()):
+        p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def learner_process(args):
+    """(rank, world, device) of this learner: the process group under torchrun, the seeds (seed + rank), cudnn's
+    determinism and torch's threads (`--learner-threads`, or the cores shared among the learners)."""
+    rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
+    return rank, world, device
+
+
+class Interrupt:
+    """Ctrl-C and SIGTERM: stop at once, dropping the update in progress, except inside `with commit():` (the lines
+    that change the training state), which finishes first; a second Ctrl-C stops at once wherever it is."""
+
+    def __init__(self):
+        self.signals, self.committing = [], False
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.signals.append(signum)
+        if len(self.signals) > 1 or not self.committing:
+            raise KeyboardInterrupt
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.signals)
+
+    @property
+    def once(self) -> bool:
+        return len(self.signals) <= 1
+
+    @contextlib.contextmanager
+    def commit(self):
+        self.committing = True
+        try:
+            yield
+        finally:
+            self.committing = False
+        if self.signals:
+            raise KeyboardInterrupt
+
+
+def fail(error: Exception, run_path: str, pool) -> None:
+    """A failed actor or a non-finite value: the error line (and where the last good checkpoint is), the actors
+    stopped, exit 1 (torchrun stops the other learners)."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    path = os.path.join(run_path, "checkpoint.pt")
+    if "NonFiniteError" in f"{type(error).__name__} {error}":
+        advice = "no checkpoint was written before it; try a lower --learning-rate"
+        if os.path.isfile(path):
+            step = torch.load(path, weights_only=False)["global_step"]
+            advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start "
+            advice += "again with a lower --learning-rate"
+        print(advice, file=sys.stderr, flush=True)
+    if pool is not None:
+        pool.close()
+    os._exit(1)
+
+
+def stop_on_interrupt(pool, interrupt: Interrupt, save, log, world: int) -> None:
+    """Ctrl-C or SIGTERM: the actors stopped; after one signal `save()` (the last completed update; None where
+    there is none yet) and how to continue; exit 130."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+    print("interrupted: stopping actors", file=sys.stderr, flush=True)
+    if pool is not None:
+        pool.close()
+        if interrupt.once and save is not None:
+            step, script = save(), os.path.basename(__file__)
+            again = f"torchrun --standalone --nproc_per_node {world} {script}" if world > 1 else f"python {script}"
+            if log.writer is not None:
+                print(f"checkpoint at step {step}: continue with {again} --resume {log.path}", file=sys.stderr)
+    sys.exit(130)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or parameter became NaN or infinite: the run stops before it spoils its checkpoint."""
+
+
+def check_finite(where: str, **named) -> None:
+    """NonFiniteError naming the first of `named` (tensors or numbers) with a NaN or an infinity (one host sync)."""
+    flags = [torch.isfinite(torch.as_tensor(v).detach()).all() for v in named.values()]
+    ok = torch.stack([f.to(flags[0].device) for f in flags])
+    if not bool(ok.all()):
+        raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
+
+
+def check_finite_parameters(where: str, **modules) -> None:
+    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
+    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
+    check_finite(where, **named)
+
+
+def save_atomic(obj, path: str) -> None:
+    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def loss_stats(result) -> dict:
+    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
+    scalars (the total and what is not a scalar left out)."""
+    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
+    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
+
+
+# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
+PAPER, FAMILY_NAMES = (
+    "the paper's settings (the Args defaults)",
+    dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control"),
+)
+
+
+def family_key(args, table) -> str:
+    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
+    family = "atari" if getattr(args, "env_ids", ()) else task_family(args.env_id)
+    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
+    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
+
+
+def given_flags(argv) -> set:
+    """The `Args` fields a command line sets (`--num-envs 4`, `--num-envs=4`, `--no-use-lstm`)."""
+    names = {t[2:].split("=", 1)[0].replace("-", "_") for t in argv if t.startswith("--") and len(t) > 2}
+    return names | {n[3:] for n in names if n.startswith("no_")}
+
+
+def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
+    """`args` with its family's defaults where the command line set nothing (none under `--preset paper`, or on
+    `--resume`: the run keeps its own arguments)."""
+    if args.preset == "paper" or args.resume:
+        return args
+    overrides, given = (
+        table.get(family_key(args, table), (PAPER, {}))[1],
+        given_flags(sys.argv[1:] if argv is None else argv),
+    )
+    return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
+
+
+def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
+    """(family, where the defaults came from), for the start-up line and args.json."""
+    key = family_key(args, table)
+    source, overrides = table.get(key, (PAPER, {}))
+    if args.preset == "paper":
+        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
+    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+    show = [
+        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
+    ]
+    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "")
+
+
+def resume_args(args):
+    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
+    if not args.resume:
+        return args, None
+    path = os.path.join(args.resume, "checkpoint.pt")
+    require(
+        os.path.isfile(path),
+        f"--resume {args.resume}: no checkpoint.pt there (is it a run folder of a run that saved one?)",
+    )
+    resumed = torch.load(path, map_location="cpu", weights_only=False)
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+    return dataclasses.replace(Args(**saved), resume=args.resume), resumed
+
+
+class RunLog:
+    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
+    None) gives the step, returns and wall time to go on from. Only rank 0 (`write`) writes."""
+
+    def __init__(self, args, task_name, resumed, describe, write=True):
+        self.args, self.writer, self.first, resumed = args, None, None, resumed or {}
+        self.path = args.resume or os.path.join(
+            args.run_dir, f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        )
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))  # groups: games
+        self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
+        self.start = self.last_log = time.time()
+        if write:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.path, exist_ok=True)
+            family, source = describe_defaults(args)
+            print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
+            with open(os.path.join(self.path, "args.json"), "w") as f:
+                json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+            self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
+            print(f"run folder: {self.path}  ({describe})", flush=True)
+
+    def scalars(self, values: dict, step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, float(value), step)
+
+    def episode(self, score, length, step, *groups) -> None:
+        self.returns.append(score)
+        self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
+        for group in groups:
+            self.groups.setdefault(group, []).append(score)
+            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+
+    def first_update(self, step: int) -> None:
+        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
+
+    def state(self, step: int, **script_state) -> dict:
+        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
+        groups, wall = {g: r[-10:] for g, r in self.groups.items()}, self.previous_wall + time.time() - self.start
+        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=wall)
+        return {**script_state, **log, "args": dataclasses.asdict(self.args)}
+
+    def due(self) -> bool:
+        return time.time() - self.last_log >= self.args.log_interval
+
+    def console(self, step: int, extra: str = "", collecting=None) -> None:
+        """The progress line (and charts/SPS); with `collecting` (unrolls ready, needed, steps per unroll) the line
+        printed while a batch is collected, at most every --log-interval seconds (at least 1 s)."""
+        now = time.time()
+        if collecting is not None:
+            if now - self.last_log < max(self.args.log_interval, 1.0):
+                return
+            ready, needed, T = collecting
+            sps = (step - self.start_step + ready * T) / max(now - self.start, 1e-9)
+            line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | collecting a batch: "
+            print(f"{line}{ready}/{needed} unrolls of {T} steps", flush=True)
+            self.last_log = now
+            return
+        sps = (step - self.start_step) / max(now - self.start, 1e-9)
+        self.writer.add_scalar("charts/SPS", sps, step)
+        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
+        print(
+            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
+            flush=True,
+        )
+        self.last_log = now
+
+    def end(self, model: dict, end_time: float, device, games=()) -> dict:
+        """model.pt (with `--save-model`), the evaluation (each game's, with a table, for a multi-task model; the
+        first game's first episode filmed with `--capture-video`), summary.json."""
+        if self.args.save_model:
+            torch.save(model, os.path.join(self.path, "model.pt"))
+        step, summary, eval_mean, n = model["global_step"], {}, None, self.args.eval_episodes
+        if n > 0:
+            film, seed, policy = (
+                self.path if self.args.capture_video else None,
+                self.args.seed + 10_000,
+                lambda k: make_eval_policy(model, k, str(device)),
+            )
+            scores = {
+                g: evaluate(policy, g, n, None, seed, film if i == 0 else None, bool(games))
+                for i, g in enumerate(games or [model["env_id"]])
+            }
+            eval_mean = float(np.mean([np.mean(s) for s in scores.values()]))
+            if games:
+                table = score_table(scores)
+                print(write_score_table(table, os.path.join(self.path, "evaluation")), flush=True)
+                self.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
+                self.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
+                summary = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
+                summary["eval_per_game"] = table["games"]
+            else:
+                self.scalars({"charts/eval_return": eval_mean}, step)
+                print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
+        if games:
+            last10 = {g: float(np.mean(self.groups[g][-10:])) if self.groups.get(g) else None for g in games}
+            summary.update(env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
+        steady = None
+        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
+            steady = (step - self.first[1]) / (end_time - self.first[0])
+        summary = {
+            "env_id": f"{len(games)}games" if games else self.args.env_id,
+            "total_timesteps": step,
+            "wall_time_s": self.previous_wall + end_time - self.start,
+            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
+            "sps_after_first_update": steady,
+            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
+            "eval_mean_return": eval_mean,
+            **summary,
+        }
+        with open(os.path.join(self.path, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.writer.close()
+        return summary
+
+
 def cli():
+    """The command line: tyro's flags, the Table 7 column and family defaults, bad input as one line (exit 2)."""
     try:
         main(parse_args())
     except UsageError as e:

@@ -44,7 +44,6 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from throughput import machine_name, raw_envpool_sps  # noqa: E402
 
-from common import actor_pool  # noqa: E402
 from common.envs import env_spec, flat_obs_dim  # noqa: E402
 
 
@@ -89,7 +88,7 @@ class Messages:
 def profile(script, env_id, num_envs, unroll_length, seconds, device, script_flags):
     import importlib
 
-    torch.set_num_threads(1)  # as in an actor process (common/processes.py: worker_entry)
+    torch.set_num_threads(1)  # as in an actor process
     m = importlib.import_module(script)
     args = m.Args(env_id=env_id, num_envs=num_envs, num_actors=1, unroll_length=unroll_length)
     if "--no-use-lstm" in script_flags:
@@ -111,19 +110,17 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
     free_q = queue.Queue()
     for i in range(num_slots):
         free_q.put(i)
-    pool = actor_pool if script == "vmpo_mujoco" else m  # the recurrent scripts' actor plumbing is their own
-    link = pool.ActorLink(
+    link = m.ActorLink(
         agent, torch.zeros(1, dtype=torch.long), buffers, free_q, Recycle(free_q), Messages(), os.getppid()
     )
-    cfg = pool.actor_configs(args, 0, device)[0]
+    cfg = m.actor_configs(args, 0, device)[0]
     timer = Timer()
     deadline = [None]
     batches = [0]
-    make_envs = cfg.make_envs if script == "vmpo_mujoco" else None
-    make_env = getattr(m, "make_env", None)
+    make_env = m.make_env
 
     def timed_envs(*a, **kw):
-        envs = make_envs() if make_envs is not None else make_env(*a, **kw)
+        envs = make_env(*a, **kw)
         recv, send = timer.wrap("recv", envs.recv), timer.wrap("send", envs.send)
 
         class Envs:
@@ -148,13 +145,10 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
 
         return Envs()
 
-    if script == "vmpo_mujoco":
-        cfg.make_envs = timed_envs
-    else:
-        m.make_env = timed_envs
+    m.make_env = timed_envs
     link.refresh = timer.wrap("refresh", link.refresh)
-    write = pool.UnrollWriter.write
-    pool.UnrollWriter.write = timer.wrap("unroll write", write)
+    write = m.UnrollWriter.write
+    m.UnrollWriter.write = timer.wrap("unroll write", write)
     local_agent = link.local_agent
 
     def timed_agent(device):  # the forward pass timed; the sampling and copies back fall in "rest"
@@ -164,13 +158,12 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
 
     link.local_agent = timed_agent
     try:
-        m.act(0, cfg, link) if script == "vmpo_mujoco" else m.act(cfg, link)
+        m.act(cfg, link)
     except Done:
         pass
     finally:
-        pool.UnrollWriter.write = write
-        if make_env is not None:
-            m.make_env = make_env
+        m.UnrollWriter.write = write
+        m.make_env = make_env
     wall = timer.end - timer.start
     n = timer.count["recv"]
     parts = {k: timer.total[k] / n for k in ("recv", "refresh", "inference", "send", "unroll write")}

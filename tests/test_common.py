@@ -1,4 +1,4 @@
-"""common/: networks, envs (episode bookkeeping, checks), evaluation helpers."""
+"""common/ (networks, envs, evaluation helpers) and the plumbing every script carries (tested in each copy)."""
 
 import importlib
 import math
@@ -330,8 +330,11 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: unknown env id")
 
 
-def test_check_finite_names_the_first_non_finite_quantity():
-    from common.checkpoint import NonFiniteError, check_finite, check_finite_parameters
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
+def test_check_finite_names_the_first_non_finite_quantity(where):
+    module = importlib.import_module(where)
+    NonFiniteError, check_finite = module.NonFiniteError, module.check_finite
+    check_finite_parameters = module.check_finite_parameters
 
     check_finite("here", loss=torch.tensor(1.0), gradient=3.0, stats=torch.zeros(4))  # all finite: no error
     for bad in (float("nan"), float("inf"), -float("inf")):
@@ -419,7 +422,7 @@ def test_grad_norms_by_layer():
 
 
 # --------------------------------------------------------------------------------------------------------
-# Defaults by task family (common/families.py, and the copies in the scripts that carry their own plumbing).
+# Defaults by task family: each script carries its own copy of this plumbing, each copy tested.
 
 
 def _family_functions(where):
@@ -438,7 +441,7 @@ def test_task_family_of_env_ids():
         task_family("CartPol-v1")
 
 
-@pytest.mark.parametrize("where", ["common.families", "impala_vtrace", "vmpo_atari"])
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
 def test_given_flags_reads_every_form_tyro_accepts(where):
     given_flags = importlib.import_module(where).given_flags
 
@@ -446,7 +449,7 @@ def test_given_flags_reads_every_form_tyro_accepts(where):
     assert given_flags(argv) == {"env_id", "num_envs", "no_use_lstm", "use_lstm", "channels"}
 
 
-@pytest.mark.parametrize("where", ["common.families", "impala_vtrace", "vmpo_atari"])
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
 def test_family_defaults_fill_what_the_user_did_not_give(where):
     import dataclasses
 
@@ -472,7 +475,7 @@ def test_family_defaults_fill_what_the_user_did_not_give(where):
     assert describe_defaults(A(preset="paper"), table)[1].endswith("forced by --preset paper")
 
 
-@pytest.mark.parametrize("where", ["common.families", "impala_vtrace", "vmpo_atari"])
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
 def test_family_defaults_split_by_device(where):
     """A table with `<family>_cpu` gives those settings to a run with no usable GPU (`--no-cuda`, or no CUDA device),
     says so on the start-up line, and still lets a given flag and `--preset paper` win."""
@@ -503,7 +506,7 @@ def test_family_defaults_split_by_device(where):
     assert with_family_defaults(gpu, table, argv=[]) == expected
 
 
-@pytest.mark.parametrize("where", ["common.actor_pool", "impala_vtrace", "vmpo_atari"])
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
 def test_unroll_writer_fills_overlapping_unrolls_in_async_order(where):
     """Rows arrive for any subset of envs in any order (envpool's async mode). Each env's unroll k must hold its
     rows kT..kT+T (T+1 rows: the last row of an unroll is the first of the next), its core state must be the one
@@ -545,7 +548,7 @@ def test_unroll_writer_fills_overlapping_unrolls_in_async_order(where):
 
 
 # --------------------------------------------------------------------------------------------------------
-# common/run.py: what every main does around its loop.
+# The run folder, Ctrl-C and the loss's curves: each script's own copy.
 
 
 def _run_args(tmp_path, **kw):
@@ -568,16 +571,17 @@ def _run_args(tmp_path, **kw):
     return A(**kw)
 
 
-def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, capsys):
+@pytest.mark.parametrize("where", ["a3c", "acer", "p3s_td3"])
+def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, capsys, where):
     """A fresh run: args.json with the family, return(100) over the episodes logged, per-group returns, and
     summary.json with the house keys. A resumed run: the same folder, its returns and groups continued, the
     steps and wall time counted on from the checkpoint's."""
     import json
 
-    from common.run import RunLog, resume_args
+    RunLog, resume_args = importlib.import_module(where).RunLog, importlib.import_module(where).resume_args
 
     args = _run_args(tmp_path)
-    log = RunLog(args, {}, args.env_id, None, "test run")
+    log = RunLog(args, None, "test run")
     assert os.path.basename(log.path).startswith("CartPole-v1__x__3__")
     saved = json.load(open(os.path.join(log.path, "args.json")))
     assert saved["task_family"] == "classic" and saved["hidden"] == [8, 8]
@@ -586,11 +590,11 @@ def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, cap
     assert log.groups["learner_0"] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
     log.console(1200)
     assert "return(100)      5.5 | episodes 12" in capsys.readouterr().out
-    state = log.state(1200, args, update=7)
+    state = log.state(1200, update=7)
     assert (state["update"], state["global_step"], len(state["returns"])) == (7, 1200, 12)
     assert state["groups"]["learner_1"] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0] and state["args"]["seed"] == 3
     log.first_update(200)
-    summary = log.finish(1200, None, log.start + 2.0, num_workers=2)
+    summary = log.end({"global_step": 1200, "env_id": args.env_id}, log.start + 2.0, None, num_workers=2)
     keys = {"env_id", "total_timesteps", "wall_time_s", "sps", "mean_episodic_return_last_100", "eval_mean_return"}
     assert keys <= set(summary) and summary["num_workers"] == 2 and summary["mean_episodic_return_last_100"] == 5.5
     assert json.load(open(os.path.join(log.path, "summary.json"))) == summary
@@ -598,12 +602,12 @@ def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, cap
     torch.save({**state, "wall_time_s": 30.0}, os.path.join(log.path, "checkpoint.pt"))
     resumed_args, resumed = resume_args(_run_args(tmp_path, seed=99, resume=log.path))
     assert resumed_args.seed == 3 and resumed_args.hidden == (8, 8) and resumed_args.resume == log.path
-    again = RunLog(resumed_args, {}, args.env_id, resumed, "resumed")
+    again = RunLog(resumed_args, resumed, "resumed")
     assert again.path == log.path and again.start_step == 1200 and again.returns == state["returns"]
     assert again.groups["learner_1"] == state["groups"]["learner_1"] and again.wall() >= 30.0
 
 
-@pytest.mark.parametrize("where", ["common.run", "impala_vtrace", "vmpo_atari"])
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
 def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once(where):
     """Ctrl-C outside a commit stops at once; inside, the commit finishes and the stop follows right after it;
     a second Ctrl-C inside a commit stops at once."""
@@ -635,7 +639,7 @@ def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once(where)
         _signal.signal(_signal.SIGTERM, old[1])
 
 
-@pytest.mark.parametrize("where", ["common.run", "impala_vtrace", "vmpo_atari"])
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "acer"])
 def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics(where):
     from typing import NamedTuple
 
@@ -653,7 +657,7 @@ def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics(where):
     assert float(stats["losses/value_loss"]) == 4.0 and not stats["losses/value_loss"].requires_grad
 
 
-@pytest.mark.parametrize("where", ["common.actor_pool", "impala_vtrace", "vmpo_atari"])
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
 def test_actor_configs_share_envs_games_and_seeds(where):
     """Envs split evenly over the actors, actor a plays game a mod G with the full action set, seeds apart by
     learner and actor, env batch half an actor's envs by default."""
