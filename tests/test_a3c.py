@@ -431,7 +431,7 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 
     Hogwild runs differ from run to run even with one seed (the workers' updates interleave as the OS schedules
     them): seed 1 measured 500.0 in most runs, and got stuck at 185-240 in two (a CI run and a run under load,
-    README). So the defaults get two tries, seed 1 and then seed 2, and one of them must reach 400."""
+    docs/a3c.md). So the defaults get two tries, seed 1 and then seed 2, and one of them must reach 400."""
     means = []
     for seed in ("1", "2"):
         run = run_script(
@@ -451,7 +451,7 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 def test_learns_inverted_pendulum(tmp_path):
     """Continuous actions: InvertedPendulum-v4 with `--env-id` and a budget alone (the MuJoCo family: the paper's
     settings with 4 envs per worker) balances the pole for 100 steps on average over 20 episodes within 500k steps
-    (a random policy lasts 5-10). Most runs reach 1000, but some let σ collapse early and stay near 200 (README),
+    (a random policy lasts 5-10). Most runs reach 1000, but some let σ collapse early and stay near 200 (docs/a3c.md),
     so the test asserts learning, not mastery."""
     run = run_script(
         "a3c.py",

@@ -476,7 +476,7 @@ def test_smoke_halfcheetah(tmp_path):
 def test_learns_cartpole_with_its_family_defaults(tmp_path):
     """`--env-id CartPole-v1` alone (the classic-control family: 4 envs per worker, 300k steps, the paper's other
     settings): the mean return of the last 100 episodes reaches 400 on 2 CPU cores (seeds 1-3 measured 500.0 each,
-    README)."""
+    docs/acer.md)."""
     run = run_script("acer.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path, timeout=900)
     saved = json.load(open(os.path.join(run, "args.json")))
     assert saved["task_family"] == "classic" and saved["num_envs"] == 4 and saved["total_timesteps"] == 300_000
@@ -488,7 +488,7 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 def test_learns_inverted_pendulum_with_its_family_defaults(tmp_path):
     """Continuous actions, `--env-id InvertedPendulum-v4` and a 300k-step budget alone (the MuJoCo family: the
     paper's Sec. 6 settings with a learning rate of 5e-4 and the critic's loss weighted 0.01): the 100-episode mean
-    reaches 800 (seeds 1-3 ended at 100-episode means of 887-944, README; the paper's settings alone
+    reaches 800 (seeds 1-3 ended at 100-episode means of 887-944, docs/acer.md; the paper's settings alone
     reach 527, a random policy 5-10)."""
     run = run_script(
         "acer.py",

@@ -477,7 +477,7 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 @pytest.mark.e2e
 def test_learns_cartpole_with_its_family_defaults(tmp_path):
     """`--env-id CartPole-v1` alone (the classic-control family's defaults, 300k steps): the mean return of the last
-    100 episodes reaches 400 on 2 CPU cores. Measured (README): 479.6, 480.7, 466.4 for seeds 1-3, with two Atari
+    100 episodes reaches 400 on 2 CPU cores. Measured (docs): 479.6, 480.7, 466.4 for seeds 1-3, with two Atari
     runs sharing the cores."""
     run_path = run_script(
         "impala_vtrace.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path, timeout=900
@@ -493,7 +493,7 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 @pytest.mark.e2e
 def test_breakout_policy_comes_to_depend_on_the_state(tmp_path):
     """Default flags, Breakout-v5, 250k steps (about 6 minutes on 2 CPU cores): the policy's logits must come to
-    differ between states and most torso units must fire on some state. Measured (README, "Atari on two cores"):
+    differ between states and most torso units must fire on some state. Measured ("Atari on two cores", benchmarks):
     over the last quarter of such a run the logits' spread across states was 0.010-0.013 and 37-45% of the torso
     units were off on a whole batch; with PyTorch's default initialisation (the cause of the stall) the spread
     stayed at 2-3e-4 and 77-78% of the units were off, while the entropy sat at ln 4."""

@@ -628,7 +628,7 @@ def test_learners_exit_when_the_main_process_is_killed(tmp_path):
 def test_learns_pendulum_with_its_family_defaults(tmp_path):
     """`--env-id Pendulum-v1` alone (the classic-control family: 2 learners, T_initial 1000, 20k steps of both
     learners together, about 2 minutes on 2 CPU cores): the better learner's deterministic policy scores at least
-    −300 over 10 evaluation episodes (random policies score about −1200; README: seeds 1-3 scored −190.6, −168.5,
+    −300 over 10 evaluation episodes (random policies score about −1200; docs: seeds 1-3 scored −190.6, −168.5,
     −181.7)."""
     run = run_script("p3s_td3.py", ["--env-id", "Pendulum-v1"], tmp_path, timeout=900)
     saved = json.load(open(os.path.join(run, "args.json")))

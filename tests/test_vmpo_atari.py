@@ -211,12 +211,12 @@ def breakout_unrolls(num_envs=8, unroll_length=20, seed=0):
 
 def test_cpu_atari_multipliers_reach_their_constraints_within_a_few_hundred_updates():
     """α starts at Table 1's 5 and η at 1; learned with the networks' Adam at the paper's 1e-4 they move by about 1e-4
-    an update, so over a 1M-step CPU run (1,560 updates) α stayed near 5 while the KL sat about 100x inside ε_α (README,
-    "Atari on two cores"). The CPU Atari defaults (what `--env-id Breakout-v5` runs without a GPU) learn them at their
-    own pace. Here those defaults run the learner's update (the script's `minibatch_gradients` and optimiser) on real
-    Breakout frames, with the target network refreshed every T_target updates as in a run: within 300 updates α must
-    fall by more than 1 and the KL must reach the scale of ε_α (the trust region binds), without running away from
-    it, and η must move by more than 0.1. The paper's form leaves α above 4.8 here."""
+    an update, so over a 1M-step CPU run (1,560 updates) α stayed near 5 while the KL sat about 100x inside ε_α
+    ("Atari on two cores", benchmarks). The CPU Atari defaults (what `--env-id Breakout-v5` runs without a GPU)
+    learn them at their own pace. Here those defaults run the learner's update (the script's `minibatch_gradients`
+    and optimiser) on real Breakout frames, with the target network refreshed every T_target updates as in a run:
+    within 300 updates α must fall by more than 1 and the KL must reach the scale of ε_α (the trust region binds),
+    without running away from it, and η must move by more than 0.1. The paper's form leaves α above 4.8 here."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     args = vmpo_atari.with_family_defaults(
@@ -567,7 +567,7 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 @pytest.mark.e2e
 def test_learns_cartpole_with_its_family_defaults(tmp_path):
     """`--env-id CartPole-v1` alone (the classic-control family's defaults, 300k steps): the mean return over 100
-    consecutive episodes reaches 400 on 2 CPU cores. Measured (README): last 100 episodes 491.4, 500.0, 500.0 for
+    consecutive episodes reaches 400 on 2 CPU cores. Measured (docs): last 100 episodes 491.4, 500.0, 500.0 for
     seeds 1-3 with two Atari runs sharing the cores; the actors run asynchronously and one CI run under load was
     50-100k steps later than that, hence the best window rather than the last."""
     run_path = run_script("vmpo_atari.py", ["--env-id", "CartPole-v1", "--eval-episodes", "0"], tmp_path, timeout=900)

@@ -468,7 +468,7 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 def test_learns_inverted_pendulum(tmp_path):
     """InvertedPendulum-v4 with `--env-id` and a budget alone (the MuJoCo family's defaults): within 300k steps
     (about a minute on 2 CPU cores) the mean return over 100 consecutive training episodes reaches 950 (the best
-    is 1000; a random policy scores under 10), the target the README's seeds 1-3 meet."""
+    is 1000; a random policy scores under 10), the target the seeds of docs/vmpo_mujoco.md 1-3 meet."""
     run_path = run_script(
         "vmpo_mujoco.py",
         ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "300000", "--eval-episodes", "0"],
