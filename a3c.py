@@ -249,13 +249,8 @@ class Agent(nn.Module):
 
     def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0):
         super().__init__()
-        self.config = dict(
-            obs_shape=tuple(obs_shape),
-            num_actions=num_actions,
-            action_dim=action_dim,
-            hidden=hidden,
-            lstm_size=lstm_size,
-        )
+        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim, hidden=hidden)
+        self.config["lstm_size"] = lstm_size  # for model.pt
         self.num_actions, self.action_dim = num_actions, action_dim
         self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
         self.body = Body(obs_shape, hidden, lstm_size)

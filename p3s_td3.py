@@ -367,7 +367,7 @@ class Learners:
         self.best_actor.load_state_dict(self.actor.learner_state(0))  # Algorithm 1, line 1: φ_b = φ_i at start
         for frozen in (self.actor_target, self.qf_target, self.best_actor, self.old_actor):
             frozen.requires_grad_(False)
-        # fused: one kernel per parameter tensor for the whole population (measured faster on CPU, README)
+        # fused: one kernel per parameter tensor for the whole population (faster on CPU: docs/p3s_td3.md)
         self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.learning_rate, fused=True)
         self.qf_opt = torch.optim.Adam(self.qf.parameters(), lr=args.learning_rate, fused=True)
         self.updates = 0

@@ -53,8 +53,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, is_atari, make_env, task_family
-from common.evaluation import evaluate, expand_env_ids, score_table, write_score_table
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env, task_family
+from common.evaluation import evaluate
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
 
@@ -687,18 +687,14 @@ def average_gradients(params, world: int) -> None:
 # Ctrl-C and failures, the task family's defaults. No equation below.
 
 
-def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNamespace]:
-    """The actors of learner `rank`: actor a plays game a mod G (every game the same share, all 18 actions), its
-    envs stepped `--env-batch-size` at a time (0: half of them) by the cores the learner leaves free."""
-    n, tasks = args.num_envs // args.num_actors, list(games) or [args.env_id]
+def actor_configs(args, rank, device) -> list[SimpleNamespace]:
+    """The actors of learner `rank`: their envs stepped `--env-batch-size` at a time (0: half of them) by the cores
+    the learner leaves free, seeds apart by learner and actor."""
+    n = args.num_envs // args.num_actors
     threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
-    options = {**env_options, "full_action_space": True} if games else env_options
     shared = dict(num_envs=n, unroll_length=args.unroll_length, env_batch_size=args.env_batch_size or max(1, n // 2))
-    shared.update(device=str(device), env_threads=threads, env_options=options)
-    return [
-        SimpleNamespace(env_id=tasks[a % len(tasks)], task=a % len(tasks), seed=args.seed + 1000 * rank + a, **shared)
-        for a in range(args.num_actors)
-    ]
+    shared.update(env_id=args.env_id, task=0, device=str(device), env_threads=threads, env_options={})
+    return [SimpleNamespace(seed=args.seed + 1000 * rank + a, **shared) for a in range(args.num_actors)]
 
 
 @dataclass
@@ -818,27 +814,11 @@ class ActorPool:
         stop_workers(self.procs)
 
 
-def check_actor_args(args) -> list[str]:
-    """The actors' options, checked before any work (UsageError): a multi-task run's games (Atari, the same share of
-    the actors each), the unroll, the batch over the learners and its minibatches, the envs per actor and their
-    async batch, a run of at least one batch. Returns the games of a multi-task run (none for one task)."""
-    games, world, steps = (
-        expand_env_ids(getattr(args, "env_ids", ())),
-        world_size(),
-        args.batch_size * args.unroll_length,
-    )
-    per_actor, mb = args.num_envs // max(args.num_actors, 1), getattr(args, "num_minibatches", world)
-    for game in games:
-        env_spec(game, discrete=True)
-        require(
-            is_atari(game),
-            f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: atari57, atari5); {game} is not one",
-        )
-    require(
-        not games or args.num_actors % len(games) == 0,
-        f"--num-actors {args.num_actors} must be a multiple "
-        f"of the number of games ({len(games)}) so that every game gets the same share of the actors",
-    )
+def check_actor_args(args) -> None:
+    """The actors' options, checked before any work (UsageError): the unroll, the batch over the learners and its
+    minibatches, the envs per actor and their async batch, a run of at least one batch."""
+    world, steps = world_size(), args.batch_size * args.unroll_length
+    per_actor, mb = args.num_envs // max(args.num_actors, 1), args.num_minibatches
     require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
     require(
         args.batch_size >= 1 and args.batch_size % world == 0,
@@ -862,7 +842,6 @@ def check_actor_args(args) -> list[str]:
         f"--num-minibatches {mb} must divide "
         f"--batch-size {args.batch_size} and be a multiple of the number of learner processes ({world})",
     )
-    return games
 
 
 def require(condition, message: str) -> None:
@@ -1045,7 +1024,7 @@ PAPER, FAMILY_NAMES = (
 
 def family_key(args, table) -> str:
     """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
-    family = "atari" if getattr(args, "env_ids", ()) else task_family(args.env_id)
+    family = task_family(args.env_id)
     gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
     return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
 
@@ -1165,48 +1144,26 @@ class RunLog:
         )
         self.last_log = now
 
-    def end(self, model: dict, end_time: float, device, games=()) -> dict:
-        """model.pt (with `--save-model`), the evaluation (each game's, with a table, for a multi-task model; the
-        first game's first episode filmed with `--capture-video`), summary.json."""
+    def end(self, model: dict, end_time: float, device) -> dict:
+        """model.pt (with `--save-model`), the evaluation, summary.json."""
+        step, n, eval_mean, steady = model["global_step"], self.args.eval_episodes, None, None
         if self.args.save_model:
             torch.save(model, os.path.join(self.path, "model.pt"))
-        step, summary, eval_mean, n = model["global_step"], {}, None, self.args.eval_episodes
         if n > 0:
-            film, seed, policy = (
-                self.path if self.args.capture_video else None,
-                self.args.seed + 10_000,
-                lambda k: make_eval_policy(model, k, str(device)),
-            )
-            scores = {
-                g: evaluate(policy, g, n, None, seed, film if i == 0 else None, bool(games))
-                for i, g in enumerate(games or [model["env_id"]])
-            }
-            eval_mean = float(np.mean([np.mean(s) for s in scores.values()]))
-            if games:
-                table = score_table(scores)
-                print(write_score_table(table, os.path.join(self.path, "evaluation")), flush=True)
-                self.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
-                self.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
-                summary = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
-                summary["eval_per_game"] = table["games"]
-            else:
-                self.scalars({"charts/eval_return": eval_mean}, step)
-                print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
-        if games:
-            last10 = {g: float(np.mean(self.groups[g][-10:])) if self.groups.get(g) else None for g in games}
-            summary.update(env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
-        steady = None
+            policy = lambda k: make_eval_policy(model, k, str(device))  # noqa: E731
+            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000)))
+            self.scalars({"charts/eval_return": eval_mean}, step)
+            print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
         if self.first is not None and end_time > self.first[0] and step > self.first[1]:
             steady = (step - self.first[1]) / (end_time - self.first[0])
         summary = {
-            "env_id": f"{len(games)}games" if games else self.args.env_id,
+            "env_id": self.args.env_id,
             "total_timesteps": step,
             "wall_time_s": self.previous_wall + end_time - self.start,
             "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
             "sps_after_first_update": steady,
             "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
             "eval_mean_return": eval_mean,
-            **summary,
         }
         with open(os.path.join(self.path, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

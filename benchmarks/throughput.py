@@ -29,7 +29,7 @@ P3S-TD3 the same way, the whole population against `--num-learners 1` (plain TD3
     python benchmarks/throughput.py --script p3s_td3 --env-id HalfCheetah-v4 --num-envs 1 --learners 1 2 4 \
         --timesteps 6000 -- --t-initial 1000
 
-Every script in one run, each with the settings of `all_settings` (the README's throughput table of a machine kind):
+Every script in one run, each with the settings of `all_settings` (the throughput table of benchmarks/README.md):
 
     python benchmarks/throughput.py --script all [--cuda]
 """

@@ -566,6 +566,7 @@ def _run_args(tmp_path, **kw):
         log_interval: float = 0.0
         eval_episodes: int = 0
         capture_video: bool = False
+        save_model: bool = False
         hidden: tuple = (8, 8)
 
     return A(**kw)
@@ -657,7 +658,7 @@ def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics(where):
     assert float(stats["losses/value_loss"]) == 4.0 and not stats["losses/value_loss"].requires_grad
 
 
-@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari"])
 def test_actor_configs_share_envs_games_and_seeds(where):
     """Envs split evenly over the actors, actor a plays game a mod G with the full action set, seeds apart by
     learner and actor, env batch half an actor's envs by default."""
@@ -673,3 +674,65 @@ def test_actor_configs_share_envs_games_and_seeds(where):
     assert cfgs[0].env_options == {"reward_clip": False, "full_action_space": True}
     one = actor_configs(args, 0, "cpu")
     assert {c.env_id for c in one} == {"Pong-v5"} and one[0].env_options == {}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The shape of the project: a script and common/ are all a run needs.
+
+SCRIPTS = ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"]
+
+
+def test_common_never_imports_a_script():
+    import ast
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in glob.glob(os.path.join(root, "common", "*.py")):
+        tree = ast.parse(open(path).read())
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not names & {*SCRIPTS, "evaluate"}, (path, names & {*SCRIPTS, "evaluate"})
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "script,argv",
+    [
+        (
+            "impala_vtrace",
+            ["--env-id", "CartPole-v1", "--total-timesteps", "640", "--num-envs", "4", "--batch-size", "4"],
+        ),
+        ("vmpo_atari", ["--env-id", "CartPole-v1", "--total-timesteps", "640", "--num-envs", "4", "--batch-size", "4"]),
+        ("vmpo_mujoco", ["--env-id", "Pendulum-v1", "--total-timesteps", "1600"]),
+        ("a3c", ["--env-id", "CartPole-v1", "--total-timesteps", "2000", "--num-workers", "1"]),
+        ("acer", ["--env-id", "CartPole-v1", "--total-timesteps", "2000", "--num-workers", "1"]),
+        (
+            "p3s_td3",
+            ["--env-id", "Pendulum-v1", "--total-timesteps", "1200", "--num-learners", "1", "--t-initial", "200"],
+        ),
+    ],
+)
+def test_a_script_copied_with_common_into_an_empty_folder_trains_resumes_and_evaluates(tmp_path, script, argv):
+    """The script and common/ alone, in a folder of their own: a run trains, saves its model and checkpoint and
+    evaluates itself; `--resume` loads that checkpoint and ends the run again (its budget is spent)."""
+    import glob
+    import json
+    import shutil
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copy(os.path.join(root, f"{script}.py"), tmp_path)
+    shutil.copytree(os.path.join(root, "common"), tmp_path / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    assert sorted(os.listdir(tmp_path)) == sorted(["common", f"{script}.py"])
+    cmd = [sys.executable, f"{script}.py", *argv, "--save-model", "--eval-episodes", "2", "--run-dir", "runs"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = glob.glob(str(tmp_path / "runs" / "*"))
+    assert {"model.pt", "checkpoint.pt", "summary.json", "args.json"} <= set(os.listdir(run))
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["eval_mean_return"] is not None and summary["total_timesteps"] > 0
+    resumed = subprocess.run(
+        [sys.executable, f"{script}.py", "--resume", run], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.load(open(os.path.join(run, "summary.json")))["total_timesteps"] == summary["total_timesteps"]
