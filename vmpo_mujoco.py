@@ -718,10 +718,11 @@ class ActorLink:
 
     def refresh(self, agent) -> int:
         """Loads the published network into `agent` if the learner has published since; returns its version."""
-        if int(self.version.item()) != self.seen:
-            self.seen = int(self.version.item())
+        latest = int(self.version.item())
+        if latest != self.seen:
             agent.load_state_dict(self.agent.state_dict())
-        return self.seen
+            self.seen = latest
+        return latest
 
 
 class UnrollWriter:
@@ -745,8 +746,9 @@ class UnrollWriter:
         sl, p = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
         for k, v in row.items():
             buffers[k][sl, p] = v
+        start = p == 0  # rows that open a slot: the LSTM state before them is kept
         for k, v in core_state.items():
-            buffers[k][sl[p == 0]] = v[p == 0]
+            buffers[k][sl[start]] = v[start]
         self.pos[ids] += 1
         for i in np.flatnonzero(self.pos[ids] == T + 1):
             e, new = ids[i], self.next_slot()
@@ -796,7 +798,8 @@ class ActorPool:
                 raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
             self.episodes.append(msg[1:])
         check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
-        batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
+        idx_t = torch.tensor(idx)
+        batch = {k: v[idx_t] for k, v in self.link.buffers.items()}
         for i in idx:
             self.link.free_q.put(i)
         pin = self.device.type == "cuda"
