@@ -91,7 +91,8 @@ class Args:
     reward_delay: int = 0  # f_reward: rewards given every f_reward steps or at the episode's end (Sec. 4.2: 20)
     save_model: bool = False  # write model.pt (every learner's policy, the best one first) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG; classic control only)
-    eval_episodes: int = 10  # evaluation episodes per learner at the end; the score is the best's mean (Sec. 4.1)
+    eval_episodes: int = 10  # evaluation episodes per learner; the score is the best learner's mean (Sec. 4.1)
+    eval_interval: int = 4000  # R_eval, steps of all learners between evaluations (Sec. 4.1); 0: only at the end
     run_dir: str = "runs"  # folder of the run folders
     log_interval: float = 5.0  # seconds between console progress lines
     checkpoint_interval: float = 300.0  # seconds between checkpoints, taken at the next selection; also at the end
@@ -473,9 +474,13 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
     M steps the best learner is selected and β adapted."""
     N, n = args.num_learners, args.num_envs
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    torch.set_num_threads(os.cpu_count() or 1)  # one process does all the learning: every core for its matmuls
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # taskset
+    torch.set_num_threads(cores)  # one process does all the learning: every core it may use for its matmuls
+    # Values below 1.2e-38 (Adam's second moments of the weights that rarely get a gradient decay into them) as zero:
+    # denormal arithmetic is many times slower on x86 CPUs and cost a quarter of the run's time (docs/p3s_td3.md).
+    torch.set_flush_denormal(True)
     torch.manual_seed(args.seed)  # the same initial weights for every learner (Algorithm 1, line 1)
-    envs = make_env(args.env_id, N * n, args.seed, num_threads=min(N * n, os.cpu_count() or 1))
+    envs = make_env(args.env_id, N * n, args.seed, num_threads=min(N * n, cores))
     obs_dim, action_dim = flat_obs_dim(envs.spec), int(envs.action_space.shape[0])
     generator = torch.Generator(device=device).manual_seed(args.seed + 1)
     cpu_generator = torch.Generator().manual_seed(args.seed + 1)
@@ -564,6 +569,10 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
             foreign += (writers != learner_ids[:, None]).sum(1)
             sampled += args.batch_size
             stats = learners.update(batch, beta, guided_on_device)
+        step, R = t * N * n, args.eval_interval
+        if R and args.eval_episodes and step // R > (step - N * n) // R:  # every R_eval steps (Sec. 4.1)
+            means = evaluate_learners(learners.actor, args.env_id, args.eval_episodes, args.seed + 10_000, low, high)
+            msg_q.put(("eval", step, means))
         if t % args.best_period == 0:
             if N > 1:
                 generation += 1
@@ -598,6 +607,23 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
             },
         )
     )
+
+
+def evaluate_learners(actor, env_id, episodes, seed, low, high):
+    """Sec. 4.1's evaluation, every R_eval steps: each learner's policy as it is now, deterministic (no noise), plays
+    `episodes` episodes in envs of its own (all learners' at once, one envpool); returns each learner's mean."""
+    N, device = actor.net[0].weight.shape[0], actor.net[0].weight.device
+
+    def make_policy(num_envs):
+        @torch.no_grad()
+        def policy(obs, rewards, first):
+            a = actor(torch.from_numpy(flatten_obs(obs)).to(device).view(N, episodes, -1)).view(num_envs, -1)
+            return np.clip(low + (a.cpu().numpy() + 1.0) * 0.5 * (high - low), low, high)
+
+        return policy
+
+    scores = evaluate(make_policy, env_id, N * episodes, N * episodes, seed)  # env e: learner e // episodes
+    return np.asarray(scores).reshape(N, episodes).mean(1).tolist()
 
 
 def synchronise(learners, replay, recent, best, beta, args, generator):
@@ -683,6 +709,8 @@ def main(args: Args):
     signal.signal(signal.SIGTERM, on_signal)
     done, last_checkpoint, stop_deadline = None, time.time(), None
     selections = open(os.path.join(log.path, "population.jsonl"), "a" if resumed else "w", buffering=1)
+    evaluations = open(os.path.join(log.path, "evaluations.jsonl"), "a" if resumed else "w", buffering=1)
+    last_eval = None
     try:
         for p in procs:
             p.start()
@@ -701,6 +729,8 @@ def main(args: Args):
                 )
             elif kind == "sync":
                 best, beta = log_selection(log, selections, *msg[1:])
+            elif kind == "eval":
+                last_eval = log_evaluation(log, evaluations, *msg[1:])
             elif kind == "saved":
                 step = checkpoint(msg[1], msg[2])
                 if stop:
@@ -724,7 +754,10 @@ def main(args: Args):
             if step > max(N * args.num_envs * args.t_initial, log.start_step):
                 log.first_update(step)
             if log.due():
-                log.console(step, f"best {best} | beta {beta:.3g}" if N > 1 else "")
+                evaluated = f"eval {last_eval[1]:.1f} at {last_eval[0]}" if last_eval else ""
+                log.console(
+                    step, " | ".join(filter(None, (f"best {best} | beta {beta:.3g}" if N > 1 else "", evaluated)))
+                )
     except WorkerError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         if "NonFiniteError" in str(e):
@@ -739,6 +772,7 @@ def main(args: Args):
     for p in procs:
         p.join()
     selections.close()
+    evaluations.close()
     end_time = time.time()
     global_step = int(shared.steps[0])
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
@@ -795,7 +829,7 @@ def check_args(args):
         raise UsageError(f"--tau must be in (0, 1], got {args.tau}")
     if not 0 <= args.gamma <= 1:
         raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
-    for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes"):
+    for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes", "eval_interval"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     t_initial, d_min = task_defaults(args.env_id, args.reward_delay > 1)
@@ -855,6 +889,15 @@ def log_selection(log, selections, step, sync):
     if scores:
         log.scalars({"charts/best_recent_return": max(scores)}, step)
     return sync["best"], sync["beta"]
+
+
+def log_evaluation(log, evaluations, step, means):
+    """An evaluation every R_eval steps: a line of evaluations.jsonl, each learner's curve and the score (the best
+    learner's mean, Sec. 4.1) as `charts/eval_return`. Returns (step, score)."""
+    evaluations.write(json.dumps({"step": step, "eval_return": max(means), "per_learner": means}) + "\n")
+    log.scalars({f"charts/learner_{i}/eval_return": m for i, m in enumerate(means)}, step)
+    log.scalars({"charts/eval_return": max(means)}, step)
+    return step, max(means)
 
 
 def population_summary(log, done, best, beta, eval_means):

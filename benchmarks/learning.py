@@ -4,11 +4,13 @@
     python benchmarks/learning.py --preset gpu --parallel 4 --time-limit 500 --seeds 1
     python benchmarks/learning.py --preset cpu --report-only       # redraw from the runs already there
     python benchmarks/learning.py --preset atari-cpu --seeds 1     # Breakout, IMPALA and V-MPO, 1M steps each
+    python benchmarks/learning.py --preset mujoco-cpu              # Hopper, Walker2d, HalfCheetah: P3S, TD3, V-MPO
 
 Every (script, env, budget, arguments) of the preset is run once per seed, each run in its own folder under
 `<out>/runs/`, one after another (`--parallel N`: N at a time). The curve of a run is the mean return of its
 last 20 training episodes (`charts/episodic_return` in its TensorBoard log) against environment steps; the
-plot shows the mean over seeds and the min-max spread, one panel per (script, env). The table gives, per
+plot shows the mean over seeds and the min-max spread, one panel per (script, env); where a run logs evaluations
+as it goes (p3s_td3's `evaluations.jsonl`, every R_eval steps) their mean over seeds is drawn too. The table gives, per
 entry: seeds, the steps each run reached, the final 20-episode mean (mean ± std over seeds), the evaluation
 return from `summary.json` (deterministic or greedy policy, `--eval-episodes` episodes) and the wall time.
 
@@ -43,17 +45,32 @@ class Entry:
     env_id: str
     steps: int
     args: tuple[str, ...] = ()
+    label: str = ""  # tells apart two entries of one script and env
 
     @property
     def name(self):
-        return f"{self.script}__{self.env_id}"
+        return f"{self.script}__{self.env_id}" + (f"__{self.label}" if self.label else "")
 
 
 # Public curves drawn beside a preset's runs (dashed): (label, [(environment steps, return)]), per env id. RLlib's
 # IMPALA on Breakout (ray-project/rl-experiments, atari-impala, progress.csv; agent steps of 4 frames, game scores).
+# MuJoCo: TD3's evaluation curve as its paper reports it (Fujimoto et al. 2018, v1 tasks, 10 seeds: at 100k, 300k,
+# 1M steps) and PPO's return at 1M (CleanRL's ppo_continuous_action, v4 tasks).
 REFERENCES = {
     "Breakout-v5": [
         ("RLlib IMPALA", [(242_000, 4.1), (473_000, 7.9), (786_000, 14.3), (1_030_000, 19.7), (2_040_000, 49.8)]),
+    ],
+    "Hopper-v4": [
+        ("TD3 paper (eval)", [(100_000, 660), (300_000, 2410), (1_000_000, 3391)]),
+        ("CleanRL PPO", [(1_000_000, 2383)]),
+    ],
+    "Walker2d-v4": [
+        ("TD3 paper (eval)", [(100_000, 770), (300_000, 3336), (1_000_000, 4413)]),
+        ("CleanRL PPO", [(1_000_000, 2288)]),
+    ],
+    "HalfCheetah-v4": [
+        ("TD3 paper (eval)", [(100_000, 5514), (300_000, 7697), (1_000_000, 9567)]),
+        ("CleanRL PPO", [(1_000_000, 1443)]),
     ],
 }
 
@@ -74,6 +91,15 @@ PRESETS = {
     "atari-cpu": [
         Entry("impala_vtrace", "Breakout-v5", 1_000_000, ()),
         Entry("vmpo_atari", "Breakout-v5", 1_000_000, ()),
+    ],
+    # MuJoCo locomotion on 2 CPU cores, `--env-id` and the budget alone: P3S-TD3 (4 learners) and TD3 on Hopper,
+    # V-MPO (the MuJoCo family's settings) on three tasks
+    "mujoco-cpu": [
+        Entry("p3s_td3", "Hopper-v4", 1_000_000),
+        Entry("p3s_td3", "Hopper-v4", 300_000, ("--num-learners", "1"), label="td3"),
+        Entry("vmpo_mujoco", "Hopper-v4", 1_000_000),
+        Entry("vmpo_mujoco", "Walker2d-v4", 1_000_000),
+        Entry("vmpo_mujoco", "HalfCheetah-v4", 1_000_000),
     ],
     # the papers' kind of task, at their settings, for a GPU machine with 16 cores (use --time-limit)
     "gpu": [
@@ -155,6 +181,15 @@ def episode_returns(run_path):
     return np.array([e.step for e in events], float), np.array([e.value for e in events], float)
 
 
+def evaluation_curve(run_path):
+    """(steps, returns) of the evaluations a run logged as it went (`evaluations.jsonl`; empty without)."""
+    path = os.path.join(run_path, "evaluations.jsonl")
+    if not os.path.exists(path):
+        return np.zeros(0), np.zeros(0)
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return np.array([r["step"] for r in rows], float), np.array([r["eval_return"] for r in rows], float)
+
+
 def running_mean(values, window=WINDOW):
     """Mean of the last `window` values at each position (fewer at the start)."""
     c = np.cumsum(np.insert(values, 0, 0.0))
@@ -163,11 +198,11 @@ def running_mean(values, window=WINDOW):
     return (c[idx] - c[lo]) / (idx - lo)
 
 
-def curve_on_grid(steps, returns, grid):
+def curve_on_grid(steps, returns, grid, window=WINDOW):
     """The running mean as a step function of environment steps, read at `grid` (NaN before the first episode)."""
     if len(steps) == 0:
         return np.full(len(grid), np.nan)
-    mean = running_mean(returns)
+    mean = running_mean(returns, window)
     pos = np.searchsorted(steps, grid, side="right") - 1
     return np.where(pos >= 0, mean[np.maximum(pos, 0)], np.nan)
 
@@ -183,7 +218,9 @@ def collect(out, entry, seeds):
         steps, returns = episode_returns(path)
         summary_file = os.path.join(path, "summary.json")
         summary = json.load(open(summary_file)) if os.path.exists(summary_file) else None
-        runs.append(dict(seed=seed, path=path, steps=steps, returns=returns, summary=summary))
+        runs.append(
+            dict(seed=seed, path=path, steps=steps, returns=returns, summary=summary, evals=evaluation_curve(path))
+        )
     return runs
 
 
@@ -226,7 +263,11 @@ def report(out, preset, entries, seeds, settings):
         )
         grid = np.linspace(0, max(reached), 101)[1:]
         curves = np.stack([curve_on_grid(r["steps"], r["returns"], grid) for r in runs])
-        panels.append((entry, grid, curves))
+        evals = [r["evals"] for r in runs if len(r["evals"][0])]
+        eval_curve = None
+        if evals:  # each run's last evaluation at or before each grid point, averaged over the runs that have one
+            eval_curve = np.stack([curve_on_grid(s, v, grid, 1) for s, v in evals])
+        panels.append((entry, grid, curves, eval_curve))
     how = (f"{settings['parallel']} runs at a time" if settings["parallel"] > 1 else "one run at a time") + (
         f", each stopped after {settings['time_limit']:.0f} s" if settings["time_limit"] else ""
     )
@@ -273,7 +314,7 @@ def plot(panels, path, title):
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, (entry, grid, curves) in zip(axes.flat, panels):
+    for ax, (entry, grid, curves, eval_curve) in zip(axes.flat, panels):
         with np.errstate(all="ignore"):
             import warnings
 
@@ -282,12 +323,18 @@ def plot(panels, path, title):
                 mean, lo, hi = np.nanmean(curves, 0), np.nanmin(curves, 0), np.nanmax(curves, 0)
         ax.plot(grid, mean, lw=1.5, label=entry.script)
         ax.fill_between(grid, lo, hi, alpha=0.25)
+        if eval_curve is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                ax.plot(grid, np.nanmean(eval_curve, 0), lw=1.2, label=f"{entry.script} evaluation")
+            ax.legend(fontsize=7)
         for label, points in REFERENCES.get(entry.env_id, []):
             ref = [(x, y) for x, y in points if x <= 1.05 * grid[-1]]
             if ref:
                 ax.plot(*zip(*ref), "k--", lw=1, marker="o", ms=3, label=label)
                 ax.legend(fontsize=7)
-        ax.set_title(f"{entry.script}: {entry.env_id} ({len(curves)} seeds)", fontsize=9)
+        what = f"{entry.script} {entry.label}".strip()
+        ax.set_title(f"{what}: {entry.env_id} ({len(curves)} seeds)", fontsize=9)
         ax.set_xlabel("environment steps", fontsize=8)
         ax.set_ylabel(f"return (last {WINDOW} episodes)", fontsize=8)
         ax.tick_params(labelsize=7)

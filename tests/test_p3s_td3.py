@@ -2,6 +2,7 @@
 (Eqs. 80-84) against plain loops, the shared replay across processes, delayed rewards, and the script end to
 end."""
 
+import copy
 import glob
 import json
 import math
@@ -365,6 +366,59 @@ def test_population_update_is_n_separate_td3_updates():
                     )
 
 
+def test_update_with_its_own_optimisers_matches_plain_adam():
+    """`Learners.update` as the run makes it (fused Adam over the stacked parameters) against the same two updates
+    (a Q step, then a Q and policy step) by a plain for-loop Adam: the same parameters after each. Fused Adam on
+    the CPU takes a gradient laid out like its parameter; a gradient with other strides (e.g. a transposed
+    view, as `torch.autograd.grad` returns for a `Linears` weight) would be read in the wrong order."""
+    torch.manual_seed(9)
+    args = Args(hidden=(16, 16), policy_noise=0.0)
+    learners = Learners(3, 4, 2, args)
+    reference = copy.deepcopy(learners)
+    reference.actor_opt = torch.optim.Adam(reference.actor.parameters(), lr=1e-3, foreach=False)
+    reference.qf_opt = torch.optim.Adam(reference.qf.parameters(), lr=1e-3, foreach=False)
+    guided = torch.tensor([False, True, True])
+    for _ in range(2):
+        batch = (
+            torch.randn(3, 8, 4),
+            torch.rand(3, 8, 2) * 2 - 1,
+            torch.randn(3, 8),
+            torch.randn(3, 8, 4),
+            (torch.rand(3, 8) < 0.3).float(),
+        )
+        learners.update(batch, 0.8, guided)
+        reference.update(batch, 0.8, guided)
+        for name in ("actor", "qf", "actor_target", "qf_target"):
+            for (k, v), ref in zip(
+                getattr(learners, name).state_dict().items(), getattr(reference, name).state_dict().values()
+            ):
+                torch.testing.assert_close(v, ref, rtol=1e-5, atol=1e-7, msg=f"{name}.{k}")
+
+
+def test_periodic_evaluation_plays_each_learners_own_deterministic_policy(monkeypatch):
+    """Sec. 4.1's evaluation: env e of the N x E evaluation envs is played by learner e // E's policy, without
+    noise, its actions mapped to the env's box; each learner's score is the mean of its own E episodes."""
+    torch.manual_seed(0)
+    N, E, obs_dim = 3, 2, 5
+    actor = p3s_td3.Actor(obs_dim, 2, (8,), N)
+    low, high = np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32)
+    obs = np.random.default_rng(0).normal(size=(N * E, obs_dim)).astype(np.float32)
+
+    def fake_evaluate(make_policy, env_id, episodes, num_envs, seed):
+        assert episodes == num_envs == N * E
+        actions = make_policy(num_envs)(obs, np.zeros(num_envs), np.ones(num_envs, bool))
+        for e in range(num_envs):
+            own = p3s_td3.Actor(obs_dim, 2, (8,))
+            own.load_state_dict(actor.learner_state(e // E))
+            a = own(torch.from_numpy(obs[e])[None, None])[0, 0].detach().numpy()
+            np.testing.assert_allclose(actions[e], low + (a + 1) * 0.5 * (high - low), rtol=1e-5, atol=1e-6)
+        return [10.0 * (e // E) + e % E for e in range(num_envs)]  # learner i's episodes: 10 i and 10 i + 1
+
+    monkeypatch.setattr(p3s_td3, "evaluate", fake_evaluate)
+    means = p3s_td3.evaluate_learners(actor, "Hopper-v4", E, 0, low, high)
+    assert means == [0.5, 10.5, 20.5]
+
+
 def test_shared_replay_samples_uniformly_over_every_learners_rows():
     replay = SharedReplay(capacity=300, num_learners=3, obs_dim=1, action_dim=1)
     for learner, k in ((0, 100), (1, 50), (2, 10)):
@@ -475,11 +529,16 @@ def test_smoke_halfcheetah(tmp_path, delay):
             str(delay),
             "--log-interval",
             "1",
+            "--eval-interval",
+            "1000",
         ],
         tmp_path,
     )
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["total_timesteps"] == 2400 and summary["num_learners"] == 2
+    evaluations = [json.loads(line) for line in open(os.path.join(run, "evaluations.jsonl"))]
+    assert [e["step"] for e in evaluations] == [1000, 2000]  # every R_eval steps of both learners together
+    assert all(len(e["per_learner"]) == 2 and e["eval_return"] == max(e["per_learner"]) for e in evaluations)
     assert summary["updates_per_learner"] == [900, 900]  # one update per step after T_initial
     for fraction in summary["foreign_sample_fraction"]:  # each learner learns from the other's experience
         assert 0.35 < fraction < 0.65
@@ -502,6 +561,7 @@ def test_smoke_halfcheetah(tmp_path, delay):
         "losses/learner_0/qf_loss",
         "losses/learner_1/actor_loss",
         "charts/eval_return",
+        "charts/learner_1/eval_return",
     } <= tags
     checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
     assert len(checkpoint["actors"]) == 2 and checkpoint["actor_config"]["action_dim"] == 6
