@@ -965,6 +965,20 @@ def resume_args(args):
     return dataclasses.replace(Args(**saved), resume=args.resume), resumed
 
 
+def new_run_folder(path: str) -> str:
+    """Creates the run folder `path`, or `path_2`, `path_3`, ... where a run that started in the same second took
+    the name (`os.mkdir` is atomic: two runs never share a folder)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    name, k = path, 1
+    while True:
+        try:
+            os.mkdir(name)
+            return name
+        except FileExistsError:
+            k += 1
+            name = f"{path}_{k}"
+
+
 class RunLog:
     """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
     None) gives the step, returns and wall time to go on from. Only rank 0 (`write`) writes."""
@@ -980,6 +994,7 @@ class RunLog:
         if write:
             from torch.utils.tensorboard import SummaryWriter
 
+            self.path = self.path if args.resume else new_run_folder(self.path)
             os.makedirs(self.path, exist_ok=True)
             family, source = describe_defaults(args)
             print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)

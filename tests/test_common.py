@@ -608,6 +608,24 @@ def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, cap
     assert again.groups["learner_1"] == state["groups"]["learner_1"] and again.wall() >= 30.0
 
 
+@pytest.mark.parametrize("where", ["a3c", "acer", "p3s_td3", "impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch, where):
+    """Two runs of the same env, name and seed started within one second: the second gets `<name>_2`, so
+    neither overwrites the other's logs, checkpoints or model."""
+    module = importlib.import_module(where)
+    monkeypatch.setattr(module.time, "time", lambda: 1_700_000_000.0)
+    args = _run_args(tmp_path)
+    logs = [
+        module.RunLog(args, args.env_id, None, "run", True)
+        if where.startswith(("impala", "vmpo"))
+        else module.RunLog(args, None, "run")
+        for _ in range(2)
+    ]
+    assert logs[0].path == os.path.join(str(tmp_path), "CartPole-v1__x__3__1700000000")
+    assert logs[1].path == logs[0].path + "_2"
+    assert all(os.path.isfile(os.path.join(log.path, "args.json")) for log in logs)
+
+
 @pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
 def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once(where):
     """Ctrl-C outside a commit stops at once; inside, the commit finishes and the stop follows right after it;
