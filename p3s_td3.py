@@ -705,15 +705,17 @@ def main(args: Args):
             raise KeyboardInterrupt
         shared.save_request[0] = 1
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     done, last_checkpoint, stop_deadline = None, time.time(), None
     selections = open(os.path.join(log.path, "population.jsonl"), "a" if resumed else "w", buffering=1)
     evaluations = open(os.path.join(log.path, "evaluations.jsonl"), "a" if resumed else "w", buffering=1)
     last_eval = None
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # ignored from its first instruction on: the population's
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process inherits it across the exec of its start (spawn)
         for p in procs:
             p.start()
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
         while done is None:
             msg = None
             with contextlib.suppress(queue.Empty):
@@ -957,9 +959,11 @@ def exit_if_orphaned(parent_pid: int) -> None:
 
 
 def worker(target, name, msg_q, *args):
-    """A worker process: Ctrl-C is the main process's to handle, one torch thread, a failure reported with its
-    traceback."""
+    """A worker process: Ctrl-C and SIGTERM are the main process's to handle (it asks for a checkpoint first: a
+    SIGTERM sent to the whole process group, by `timeout` or a job scheduler, must not kill the population
+    before), one torch thread, a failure reported with its traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         torch.set_num_threads(1)
         target(*args)
@@ -986,13 +990,11 @@ def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
 
 
 def stop_workers(procs) -> None:
+    """SIGKILL (the population ignores SIGTERM and holds nothing unsaved: the main process writes every file)."""
     for p in (p for p in procs if p.is_alive()):
-        p.terminate()
+        p.kill()
     for p in procs:
         p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
 
 
 class NonFiniteError(RuntimeError):

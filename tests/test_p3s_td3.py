@@ -760,18 +760,25 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
 
 
 @pytest.mark.e2e
-def test_ctrl_c_leaves_a_checkpoint_at_the_next_selection(tmp_path):
+@pytest.mark.parametrize("group", [False, True])
+def test_ctrl_c_leaves_a_checkpoint_at_the_next_selection(tmp_path, group):
+    """Ctrl-C to the main process, or SIGTERM to the whole process group (`timeout`, a job scheduler): a
+    checkpoint at the next selection, then exit status 130."""
     proc = subprocess.Popen(
         [sys.executable, "p3s_td3.py", *SMALL, "--total-timesteps", "100000000", "--run-dir", str(tmp_path)],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=group,
     )
     try:
         learners = wait_for_actors(proc)
         time.sleep(4.0)
-        proc.send_signal(signal.SIGINT)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130 and "p3s_td3.py --resume" in err, err[-2000:]
         assert wait_gone(learners, timeout=15)
