@@ -20,6 +20,7 @@ other learners stay about d_search = max(ρ·D_change, d_min) away from π_b. Wi
 | Sec. 3: D_spread and D_change over the non-best learners            | `Learners.period_distances`            |
 | App. I: 400-300 ReLU networks, tanh policy, Adam 1e-3, τ, B, σ, c   | `Actor`, `TwinQ`, `Args` defaults      |
 | Sec. 4.2: delayed MuJoCo, rewards given every f_reward = 20 steps   | `DelayedReward`, `--reward-delay`      |
+| Sec. 4.1: every R_eval steps each learner's 10 episodes, best mean | `evaluate_learners`, `--eval-interval` |
 
 The N learners' networks are stacked (`Linears`: weights `[N, out, in]`), so one forward, backward and Adam step
 update all N, each on its own minibatch, with exactly the gradients and steps of N separate TD3 learners. One

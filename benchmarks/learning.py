@@ -249,7 +249,7 @@ def report(out, preset, entries, seeds, settings):
         walls = [r["summary"]["wall_time_s"] for r in runs if r["summary"] and "wall_time_s" in r["summary"]]
         rows.append(
             dict(
-                script=entry.script,
+                script=f"{entry.script} {' '.join(entry.args)}".strip(),
                 env_id=entry.env_id,
                 budget=entry.steps,
                 args=list(entry.args),
@@ -328,10 +328,10 @@ def plot(panels, path, title):
                 warnings.simplefilter("ignore", RuntimeWarning)
                 ax.plot(grid, np.nanmean(eval_curve, 0), lw=1.2, label=f"{entry.script} evaluation")
             ax.legend(fontsize=7)
-        for label, points in REFERENCES.get(entry.env_id, []):
+        for j, (label, points) in enumerate(REFERENCES.get(entry.env_id, [])):
             ref = [(x, y) for x, y in points if x <= 1.05 * grid[-1]]
             if ref:
-                ax.plot(*zip(*ref), "k--", lw=1, marker="o", ms=3, label=label)
+                ax.plot(*zip(*ref), "k--" if j == 0 else "k:", lw=1, marker="os^"[j % 3], ms=3 + j, label=label)
                 ax.legend(fontsize=7)
         what = f"{entry.script} {entry.label}".strip()
         ax.set_title(f"{what}: {entry.env_id} ({len(curves)} seeds)", fontsize=9)
