@@ -478,7 +478,7 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # taskset
     torch.set_num_threads(cores)  # one process does all the learning: every core it may use for its matmuls
     # Values below 1.2e-38 (Adam's second moments of the weights that rarely get a gradient decay into them) as zero:
-    # denormal arithmetic is many times slower on x86 CPUs and cost a quarter of the run's time (docs/p3s_td3.md).
+    # denormal arithmetic is many times slower on x86 CPUs (docs/p3s_td3.md, "Speed on a CPU").
     torch.set_flush_denormal(True)
     torch.manual_seed(args.seed)  # the same initial weights for every learner (Algorithm 1, line 1)
     envs = make_env(args.env_id, N * n, args.seed, num_threads=min(N * n, cores))
