@@ -70,8 +70,18 @@ class Args:
     cuda: bool = True  # the learners' networks and the replay on the GPU when there is one
     total_timesteps: int = 1_000_000  # environment steps of all learners together (the paper's Figs. 3-4: 1M)
     num_learners: int = 4  # N, learners (Sec. 4.1), updated together as one batch; 1 is plain TD3
-    num_envs: int = 1  # environment copies per learner (1 in the paper); one update per interaction
-    t_initial: int = -1  # T_initial, random-action steps; negative: 250 Hopper, Walker2d; 2500 else (Sec. 4.1)
+    num_envs: int = 1  # environment copies per learner (1 in the paper)
+    updates_per_step: int = (
+        -1
+    )  # updates of each learner per interaction of its own; negative: N (authors' code), 1 (text)
+    t_initial: int = -1  # T_initial, random-action steps per learner; negative: the authors' code's (1000 Hopper, ...)
+    learning_starts: int = -1  # rows of D before the first update; negative: the authors' code's; 0: after T_initial
+    distance: Literal["mean", "sum"] = "mean"  # D's ½Δa² over action dimensions: mean (authors' code), sum (text)
+    guide_first_period: bool = False  # guide toward the initial policy before the first selection (text: Alg. 1, l. 1)
+    period_distances: Literal["updates", "end"] = (
+        "updates"  # D_spread, D_change: the period's updates' mean, or at its end
+    )
+    init: Literal["xavier", "torch"] = "xavier"  # weights: Xavier-uniform, zero biases (authors' code); torch's default
     best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
     rho: float = 2.0  # ρ, the search radius as a multiple of D_change (Sec. 4.1)
@@ -100,24 +110,40 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# App. I: T_initial (Sec. 4.1) and d_min per task, keyed by the task's name without its version.
-T_INITIAL = {"Hopper": 250, "Walker2d": 250, "HalfCheetah": 2500, "Ant": 2500}
+# App. I: T_initial (Sec. 4.1) and d_min per task, keyed by the task's name without its version. The authors' code
+# (github.com/wyjung0625/p3s, examples/variants_p3s.py) sets n_initial_exploration_steps, rows of the shared replay:
+# updates start once D holds that many (sampler.py:240-243), and the random actions last whole epochs of 1000 steps
+# per learner until epoch x 1000 >= n_initial // N (base.py:108-111); the text's T_initial is n_initial // 4.
+N_INITIAL = {"Hopper": 1000, "Walker2d": 1000, "HalfCheetah": 10000, "Ant": 10000}
 D_MIN = {"Hopper": 0.05, "Walker2d": 0.02, "HalfCheetah": 0.05, "Ant": 0.02}
 D_MIN_DELAYED = {"Hopper": 0.02, "Walker2d": 0.02, "HalfCheetah": 0.02, "Ant": 0.05}
 
 
-def task_defaults(env_id: str, delayed: bool) -> tuple[int, float]:
-    """(T_initial, d_min) of App. I for `env_id`; other tasks get 2500 and 0.05 (the wider of the two radii)."""
+def task_defaults(env_id: str, delayed: bool, num_learners: int = 4, text: bool = False) -> tuple[int, int, float]:
+    """(T_initial per learner, rows of D before the first update, d_min) for `env_id`: the authors' code's, or with
+    `text` the paper's (Sec. 4.1: T_initial 250 or 2500, no update before it, marked by 0 rows). Other tasks get
+    HalfCheetah's start and d_min 0.05 (the wider of the two radii)."""
     name = env_id.split("-")[0]
     d_min = (D_MIN_DELAYED if delayed else D_MIN).get(name, 0.05)
-    return T_INITIAL.get(name, 2500), d_min
+    n_initial = N_INITIAL.get(name, 10000)
+    if text:
+        return n_initial // 4, 0, d_min
+    return 1000 * math.ceil(n_initial // num_learners / 1000), n_initial, d_min
 
 
-# Defaults by task family (a flag the user gives wins): MuJoCo runs the paper's settings (Sec. 4.1, App. I); classic
-# control, settings measured on Pendulum-v1 (docs/p3s_td3.md): a 20k-step budget needs a shorter random phase.
+# `--preset paper` reads the text where the authors' code (the defaults) departs from it (docs/p3s_td3.md).
+PAPER_TEXT = dict(distance="sum", guide_first_period=True, period_distances="end")
+
+
+# Defaults by task family (a flag the user gives wins): MuJoCo runs the paper's settings as its authors' code runs them
+# (Sec. 4.1, App. I); classic control, settings measured on Pendulum-v1 (docs/p3s_td3.md): a 20k-step budget needs a
+# shorter start.
 FAMILY_DEFAULTS = {
-    "mujoco": ("the paper's MuJoCo settings (Sec. 4.1, App. I)", {}),
-    "classic": ("settings measured on Pendulum-v1", dict(total_timesteps=20_000, num_learners=2, t_initial=1000)),
+    "mujoco": ("the paper's MuJoCo settings as its authors' code runs them (Sec. 4.1, App. I)", {}),
+    "classic": (
+        "settings measured on Pendulum-v1",
+        dict(total_timesteps=20_000, num_learners=2, t_initial=1000, learning_starts=2000),
+    ),
 }
 
 
@@ -159,9 +185,12 @@ def select_best(recent_returns, previous_best: int) -> int:
     return int(np.argmax(scores))
 
 
-def policy_distance(actions, other_actions):
-    """D(π, π') = ½‖π(s) − π'(s)‖² (Sec. 3.2), summed over action dimensions, averaged over the minibatch."""
-    return 0.5 * ((actions - other_actions) ** 2).sum(-1).mean(-1)
+def policy_distance(actions, other_actions, reduction="mean"):
+    """D(π, π') = ½‖π(s) − π'(s)‖² (Sec. 3.2) averaged over the minibatch. App. H calls it the mean square difference:
+    `reduction` "mean" averages ½Δa² over the action dimensions, as the authors' code does
+    (deterministic_policy.py:72-73) and App. I's d_min values assume; "sum" is the formula's squared norm."""
+    half_sq = 0.5 * (actions - other_actions) ** 2
+    return (half_sq.mean(-1) if reduction == "mean" else half_sq.sum(-1)).mean(-1)
 
 
 def smoothed_target_action(target_actions, noise_std, noise_clip, generator=None):
@@ -180,12 +209,12 @@ def critic_loss(q1, q2, targets):
     return ((q1 - targets) ** 2).mean(-1) + ((q2 - targets) ** 2).mean(-1)
 
 
-def p3s_actor_loss(q1_of_policy, policy_actions, best_actions, beta, guided):
+def p3s_actor_loss(q1_of_policy, policy_actions, best_actions, beta, guided, reduction="mean"):
     """Eq. (84): E_s[−Q_1(s, π_i(s))] + 1{i≠b} β E_s[½‖π_i(s) − π_b(s)‖²]. `best_actions` come from the frozen
     copy of π_b (no gradient). The best learner (`guided` False) has the plain TD3 loss (Eq. 81); with one
     minibatch per learner, `guided` holds 1{i≠b} per learner. Returns the loss and the distance (logged for
-    every learner)."""
-    distance = policy_distance(policy_actions, best_actions.detach())
+    every learner); `reduction` is `policy_distance`'s."""
+    distance = policy_distance(policy_actions, best_actions.detach(), reduction)
     loss = -q1_of_policy.mean(-1)
     loss = torch.where(torch.as_tensor(guided, device=loss.device), loss + beta * distance, loss)
     return loss, distance.detach()
@@ -229,20 +258,23 @@ class Linears(nn.Module):
     and `bias` `[N, out]` is learner i's `nn.Linear`; all N start as the same `nn.Linear` (Algorithm 1, line 1:
     φ_i and θ_i initialised to the same parameters for every learner)."""
 
-    def __init__(self, num_learners, in_features, out_features):
+    def __init__(self, num_learners, in_features, out_features, init="xavier"):
         super().__init__()
-        init = nn.Linear(in_features, out_features)  # PyTorch's default initialisation, as TD3's code has it
-        self.weight = nn.Parameter(init.weight.detach().expand(num_learners, -1, -1).clone())
-        self.bias = nn.Parameter(init.bias.detach().expand(num_learners, -1).clone())
+        layer = nn.Linear(in_features, out_features)  # "torch": PyTorch's default, as TD3's own code has it
+        if init == "xavier":  # the P3S authors' code (td3/misc/mlp.py): Xavier-uniform weights, zero biases
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
+        self.weight = nn.Parameter(layer.weight.detach().expand(num_learners, -1, -1).clone())
+        self.bias = nn.Parameter(layer.bias.detach().expand(num_learners, -1).clone())
 
     def forward(self, x):
         return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight.transpose(1, 2))
 
 
-def mlp(sizes, num_learners, out_activation=None):
+def mlp(sizes, num_learners, out_activation=None, init="xavier"):
     layers = []
     for i in range(len(sizes) - 1):
-        layers.append(Linears(num_learners, sizes[i], sizes[i + 1]))
+        layers.append(Linears(num_learners, sizes[i], sizes[i + 1], init))
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
     if out_activation is not None:
@@ -254,10 +286,10 @@ class Actor(nn.Module):
     """Deterministic policies π_φi(s) in [-1, 1]^d of N learners: `[N, B, obs] -> [N, B, d]`. With N = 1 it is
     one policy (model.pt holds one per learner)."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier"):
         super().__init__()
         self.config = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden))
-        self.net = mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh())
+        self.net = mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init)
 
     def forward(self, obs):
         return self.net(obs)
@@ -270,10 +302,10 @@ class Actor(nn.Module):
 class TwinQ(nn.Module):
     """Q_θ1 and Q_θ2 of N learners, each an MLP of the concatenated state and action: `[N, B, ...] -> [N, B]`."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier"):
         super().__init__()
-        self.q1 = mlp([obs_dim + action_dim, *hidden, 1], num_learners)
-        self.q2 = mlp([obs_dim + action_dim, *hidden, 1], num_learners)
+        self.q1 = mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init)
+        self.q2 = mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init)
 
     def forward(self, obs, actions):
         x = torch.cat([obs, actions], -1)
@@ -360,8 +392,8 @@ class Learners:
     def __init__(self, num_learners, obs_dim, action_dim, args: Args, device="cpu", generator=None):
         self.args, self.device, self.generator = args, torch.device(device), generator
         self.num_learners = num_learners
-        self.actor = Actor(obs_dim, action_dim, args.hidden, num_learners).to(self.device)
-        self.qf = TwinQ(obs_dim, action_dim, args.hidden, num_learners).to(self.device)
+        self.actor = Actor(obs_dim, action_dim, args.hidden, num_learners, args.init).to(self.device)
+        self.qf = TwinQ(obs_dim, action_dim, args.hidden, num_learners, args.init).to(self.device)
         self.actor_target = copy.deepcopy(self.actor)
         self.qf_target = copy.deepcopy(self.qf)
         self.old_actor = copy.deepcopy(self.actor)  # π_old, each learner's policy at the start of the period
@@ -373,6 +405,9 @@ class Learners:
         self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.learning_rate, fused=True)
         self.qf_opt = torch.optim.Adam(self.qf.parameters(), lr=args.learning_rate, fused=True)
         self.updates = 0
+        # Σ over the period's policy steps of each learner's D(π_i, π_b) and D(π_i, π_old,i), and their count
+        self.period_sums = torch.zeros(2, num_learners, device=self.device)
+        self.period_count = 0
 
     def best_actions(self, obs):
         """π_b(s) for every learner's states `[N, B, obs]` (one network, all states in one batch)."""
@@ -409,7 +444,14 @@ class Learners:
             pi = self.actor(obs)
             with torch.no_grad():
                 best = self.best_actions(obs)
-            actor_loss, distance = p3s_actor_loss(self.qf.q1_only(obs, pi), pi, best, beta, guided)
+            actor_loss, distance = p3s_actor_loss(self.qf.q1_only(obs, pi), pi, best, beta, guided, a.distance)
+            if (
+                a.period_distances == "updates" and self.num_learners > 1
+            ):  # D_spread's and D_change's terms on this minibatch (Sec. 3.2)
+                with torch.no_grad():
+                    old = policy_distance(pi.detach(), self.old_actor(obs), a.distance)
+                self.period_sums += torch.stack([distance, old])
+                self.period_count += 1
             check_finite(f"at update {self.updates} (policy step not applied)", actor_loss=actor_loss)
             self.actor_opt.zero_grad(set_to_none=True)
             actor_loss.sum().backward()
@@ -421,26 +463,39 @@ class Learners:
 
     @torch.no_grad()
     def period_distances(self, obs):
-        """(E_s D(π_i, π_b), E_s D(π_i, π_old,i)) per learner on the states `obs` `[N, B, obs]`: the learners'
-        terms of D_spread and D_change (Sec. 3.2)."""
+        """(E_s D(π_i, π_b), E_s D(π_i, π_old,i)) per learner `[N]`, the learners' terms of D_spread and D_change
+        (Sec. 3.2). `--period-distances updates` (the authors' code, base.py:240-243, p3s_td3.py:341-347): the mean
+        over the period's policy steps, each on that step's minibatch (None if the period had none); "end": now, on
+        the states `obs` `[N, B, obs]`."""
+        if self.args.period_distances == "updates":
+            if self.period_count == 0:
+                return None
+            return self.period_sums / self.period_count
         obs = obs.to(self.device)
-        pi = self.actor(obs)
-        return policy_distance(pi, self.best_actions(obs)), policy_distance(pi, self.old_actor(obs))
+        pi, reduction = self.actor(obs), self.args.distance
+        return policy_distance(pi, self.best_actions(obs), reduction), policy_distance(
+            pi, self.old_actor(obs), reduction
+        )
 
     @torch.no_grad()
     def adopt(self, best):
         """Start a period: π_b ← a frozen copy of learner `best`'s policy; π_old ← every learner's policy now."""
         self.best_actor.load_state_dict(self.actor.learner_state(best))
         self.old_actor.load_state_dict(self.actor.state_dict())
+        self.period_sums.zero_()
+        self.period_count = 0
 
     def state_dict(self):
         nets = ("actor", "qf", "actor_target", "qf_target", "best_actor", "old_actor", "actor_opt", "qf_opt")
-        return {**{k: getattr(self, k).state_dict() for k in nets}, "updates": self.updates}
+        period = {"period_sums": self.period_sums.cpu(), "period_count": self.period_count}
+        return {**{k: getattr(self, k).state_dict() for k in nets}, "updates": self.updates, **period}
 
     def load_state_dict(self, state):
         for k, v in state.items():
-            if k == "updates":
-                self.updates = v
+            if k == "period_sums":
+                self.period_sums.copy_(v)
+            elif k in ("updates", "period_count"):
+                setattr(self, k, v)
             else:
                 getattr(self, k).load_state_dict(v)
 
@@ -494,7 +549,7 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
     steps_per_learner = args.total_timesteps // (N * n)  # time steps t of Algorithm 1
     best, beta, generation = 0, args.beta_init, 0
     foreign, sampled, stored, rewarded = torch.zeros(N, dtype=torch.int64), 0, torch.zeros(N), torch.zeros(N)
-    start_t, last_report = 0, 0.0
+    start_t, last_report, stats = 0, 0.0, {}
     if resume_file is not None:  # the population's state at the checkpoint; the envs start new episodes
         saved = torch.load(resume_file, map_location="cpu", weights_only=False)
         learners.load_state_dict(saved["learners"])
@@ -529,8 +584,11 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
         msg_q.put(("saved", t, generation))
 
     learner_ids = torch.arange(N)
-    guided = (learner_ids != best) & (N > 1)  # 1{i≠b}: on the CPU for the logs, on the device for the loss
+    # 1{i≠b}: on the CPU for the logs, on the device for the loss. Before the first selection no learner is guided
+    # (the authors' code), or all but learner 0 toward the common initial policy (the text: Algorithm 1, line 1).
+    guided = (learner_ids != best) & (N > 1) & (generation > 0 or args.guide_first_period)
     guided_on_device = guided.to(device)
+    updates_per_t = n * args.updates_per_step  # per learner, for its n interactions of this time step
     obs, _ = envs.reset()
     obs = torch.from_numpy(flatten_obs(obs))
     ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
@@ -563,9 +621,10 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
             msg_q.put(("episode", env // n, int(shared.steps[0]), score, length))
         ended = term | trunc
         obs = next_obs
-        if t <= args.t_initial:  # Algorithm 1, lines 13-14: no updates during the random phase
-            continue
-        for _ in range(n):  # one update per interaction (Sec. 4.1)
+        # Algorithm 1, lines 13-14: no updates during the random phase (the text); the authors' code starts them
+        # once D holds `learning_starts` rows, whatever the actions
+        learning = int(replay.sizes().sum()) >= args.learning_starts if args.learning_starts > 0 else t > args.t_initial
+        for _ in range(updates_per_t if learning else 0):  # each on a fresh minibatch (authors' base.py:118-123)
             batch, writers = replay.sample((N, args.batch_size), cpu_generator)
             foreign += (writers != learner_ids[:, None]).sum(1)
             sampled += args.batch_size
@@ -575,7 +634,7 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
             means = evaluate_learners(learners.actor, args.env_id, args.eval_episodes, args.seed + 10_000, low, high)
             msg_q.put(("eval", step, means))
         if t % args.best_period == 0:
-            if N > 1:
+            if N > 1 and learning:
                 generation += 1
                 best, beta, sync = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
                 guided = learner_ids != best
@@ -585,7 +644,7 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
                 shared.save_request[0] = 0
                 save(t)
         now = time.time()
-        if now - last_report >= 2.0 and "actor_loss" in stats:
+        if now - last_report >= 2.0 and learning and "actor_loss" in stats:
             for i in range(N):
                 learner_stats = {k: float(v[i]) for k, v in stats.items()}
                 learner_stats.update(
@@ -628,14 +687,17 @@ def evaluate_learners(actor, env_id, episodes, seed, low, high):
 
 
 def synchronise(learners, replay, recent, best, beta, args, generator):
-    """Algorithm 1, lines 24-26: every learner's score and distances (on one minibatch of B states of D); D_spread
-    and D_change over the period's non-best learners → new β (Eq. 76); the new best b; copy π_b, start π_old."""
+    """Algorithm 1, lines 24-26: every learner's score and distances (`Learners.period_distances`); D_spread and
+    D_change over the period's non-best learners → new β (Eq. 76; unchanged when the period had no policy step);
+    the new best b; copy π_b, start π_old."""
     N = args.num_learners
-    states = replay.sample(args.batch_size, generator)[0][0]
-    d_spread_i, d_change_i = learners.period_distances(states.expand(N, -1, -1))
+    states = replay.sample(args.batch_size, generator)[0][0] if args.period_distances == "end" else None
+    distances = learners.period_distances(None if states is None else states.expand(N, -1, -1))
     others = [i for i in range(N) if i != best]
-    d_spread, d_change = float(d_spread_i[others].mean()), float(d_change_i[others].mean())
-    beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min, args.beta_min, args.beta_max)
+    d_spread, d_change = math.nan, math.nan
+    if distances is not None:
+        d_spread, d_change = float(distances[0][others].mean()), float(distances[1][others].mean())
+        beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min, args.beta_min, args.beta_max)
     scores = [float(np.mean(r)) if r else math.nan for r in recent]
     new_best = select_best([[] if math.isnan(s) else [s] for s in scores], best)
     learners.adopt(new_best)
@@ -648,7 +710,7 @@ def synchronise(learners, replay, recent, best, beta, args, generator):
             "beta": beta,
             "d_spread": d_spread,
             "d_change": d_change,
-            "d_search": max(args.rho * d_change, args.d_min),
+            "d_search": max(args.rho * d_change, args.d_min) if distances is not None else math.nan,
             "scores": scores,
         },
     )
@@ -661,7 +723,9 @@ def synchronise(learners, replay, recent, best, beta, args, generator):
 def main(args: Args):
     args, resumed = resume_args(args)
     spec, derived = check_args(args)
-    args = dataclasses.replace(args, t_initial=derived["t_initial"], d_min=derived["d_min"])
+    args = dataclasses.replace(
+        args, **{k: derived[k] for k in ("t_initial", "learning_starts", "d_min", "updates_per_step")}
+    )
     torch.backends.cudnn.deterministic = args.torch_deterministic
     N = args.num_learners
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
@@ -669,7 +733,8 @@ def main(args: Args):
         args,
         resumed,
         f"{'P3S-TD3 with ' + str(N) + ' learners' if N > 1 else 'TD3 (one learner)'} x {args.num_envs} env(s) on "
-        f"{device}; T_initial {args.t_initial}, d_min {args.d_min}"
+        f"{device}; {args.updates_per_step} update(s) per learner step, T_initial {args.t_initial}, updates from "
+        f"{first_update_step(args)} steps, d_min {args.d_min}"
         f"{', rewards delayed by ' + str(args.reward_delay) if args.reward_delay > 1 else ''}",
     )
     best, beta = (resumed["best"], resumed["beta"]) if resumed else (0, args.beta_init)
@@ -754,7 +819,7 @@ def main(args: Args):
             if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
                 shared.save_request[0] = 1
                 last_checkpoint = time.time()
-            if step > max(N * args.num_envs * args.t_initial, log.start_step):
+            if step > max(first_update_step(args), log.start_step):
                 log.first_update(step)
             if log.due():
                 evaluated = f"eval {last_eval[1]:.1f} at {last_eval[0]}" if last_eval else ""
@@ -835,24 +900,36 @@ def check_args(args):
     for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes", "eval_interval"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    t_initial, d_min = task_defaults(args.env_id, args.reward_delay > 1)
+    text = args.preset == "paper"
+    t_initial, learning_starts, d_min = task_defaults(args.env_id, args.reward_delay > 1, args.num_learners, text)
     t_initial = args.t_initial if args.t_initial >= 0 else t_initial
+    learning_starts = args.learning_starts if args.learning_starts >= 0 else learning_starts
     d_min = args.d_min if args.d_min >= 0 else d_min
-    per_step = args.num_learners * args.num_envs
-    if args.total_timesteps < per_step * (t_initial + 1):
+    # the authors' code: N updates of each learner per step of its own (p3s_td3.py:147, base.py:118-123), so that at
+    # equal steps of all learners each learner has made as many updates as one TD3; the text (Sec. 4.1): one
+    updates_per_step = args.updates_per_step if args.updates_per_step >= 0 else (1 if text else args.num_learners)
+    if updates_per_step < 1:
+        raise UsageError(f"--updates-per-step must be at least 1 (negative: the default), got {args.updates_per_step}")
+    derived = dict(t_initial=t_initial, learning_starts=learning_starts, updates_per_step=updates_per_step)
+    first = first_update_step(dataclasses.replace(args, **derived))
+    if args.total_timesteps <= first:
         raise UsageError(
-            f"--total-timesteps {args.total_timesteps} ends before the first update: the random phase "
-            f"takes {per_step * t_initial} steps (T_initial {t_initial} x {args.num_learners} learners x "
-            f"{args.num_envs} envs); give more, or a smaller --t-initial"
+            f"--total-timesteps {args.total_timesteps} ends before the first update at step {first} (T_initial "
+            f"{t_initial} x {args.num_learners} learners x {args.num_envs} envs, --learning-starts "
+            f"{learning_starts}); give more, or a smaller --t-initial or --learning-starts"
         )
     if args.capture_video and not env_id_renders(args.env_id):
         raise UsageError(
             "--capture-video is available for classic control (e.g. Pendulum-v1) only: envpool renders "
             "MuJoCo only with an OpenGL context, which it does not create; leave the flag out"
         )
-    return spec, dict(
-        t_initial=t_initial, d_min=d_min, obs_dim=flat_obs_dim(spec), action_dim=int(spec.action_space.shape[0])
-    )
+    return spec, dict(**derived, d_min=d_min, obs_dim=flat_obs_dim(spec), action_dim=int(spec.action_space.shape[0]))
+
+
+def first_update_step(args):
+    """The step of all learners together after which the updates start (about: envpool's reset steps store no
+    row): when D holds `learning_starts` rows, or after the random phase when it is 0."""
+    return args.learning_starts if args.learning_starts > 0 else args.num_learners * args.num_envs * args.t_initial
 
 
 def env_id_renders(env_id):
@@ -1034,7 +1111,8 @@ def save_atomic(obj, path: str) -> None:
 
 
 # Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
-PAPER = "the paper's settings (the Args defaults)"
+PAPER = "the paper's settings as its authors' code runs them (the Args defaults)"
+PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code departs from it, forced by --preset paper"
 FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
@@ -1054,8 +1132,11 @@ def given_flags(argv) -> set:
 def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
     """`args` with its family's defaults where the command line set nothing (none under `--preset paper`, or on
     `--resume`: the run keeps its own arguments)."""
-    if args.preset == "paper" or args.resume:
+    if args.resume:
         return args
+    if args.preset == "paper":  # the text where the authors' code departs from it; a flag given still wins
+        given = given_flags(sys.argv[1:] if argv is None else argv)
+        return dataclasses.replace(args, **{k: v for k, v in PAPER_TEXT.items() if k not in given})
     overrides, given = (
         table.get(family_key(args, table), (PAPER, {}))[1],
         given_flags(sys.argv[1:] if argv is None else argv),
@@ -1068,7 +1149,7 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     key = family_key(args, table)
     source, overrides = table.get(key, (PAPER, {}))
     if args.preset == "paper":
-        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
+        return key.removesuffix("_cpu"), PAPER_FORCED
     source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
     show = [
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()

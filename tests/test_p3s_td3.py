@@ -119,13 +119,18 @@ def test_best_learner_is_chosen_on_its_last_episodes():
     assert select_best([[], [-3.0], []], previous_best=0) == 1
 
 
-def test_policy_distance_is_half_squared_norm_averaged_over_the_minibatch():
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_policy_distance_is_half_squared_difference_averaged_over_the_minibatch(reduction):
+    """D = ½Δa² averaged over the action dimensions (the authors' code, the default) or summed (the text's ½‖·‖²),
+    then over the minibatch."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(7, 3, generator=g), torch.randn(7, 3, generator=g)
     total = 0.0
     for i in range(7):
-        total += 0.5 * sum((a[i, j] - b[i, j]) ** 2 for j in range(3))
-    assert float(policy_distance(a, b)) == pytest.approx(float(total) / 7, rel=1e-6)
+        per_state = 0.5 * sum((a[i, j] - b[i, j]) ** 2 for j in range(3))
+        total += per_state / 3 if reduction == "mean" else per_state
+    assert float(policy_distance(a, b, reduction)) == pytest.approx(float(total) / 7, rel=1e-6)
+    assert float(policy_distance(a, b)) == pytest.approx(float(policy_distance(a, b, "sum")) / 3, rel=1e-6)
 
 
 def test_td3_target_and_critic_loss_match_eqs_80_83():
@@ -155,9 +160,11 @@ def test_target_smoothing_noise_is_clipped_and_actions_stay_in_bounds():
     assert out.max() <= 1.0 and out.min() >= -1.0 and (out[:, 1] == 1.0).any()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("guided", [True, False])
-def test_actor_loss_gradient_matches_eq_84(guided):
-    """∇φ of E_s[−Q_1(s, π_φ(s))] + 1{i≠b} β E_s[½‖π_φ(s) − π_b(s)‖²] written per sample, against the function."""
+def test_actor_loss_gradient_matches_eq_84(guided, reduction):
+    """∇φ of E_s[−Q_1(s, π_φ(s))] + 1{i≠b} β E_s[½‖π_φ(s) − π_b(s)‖²] written per sample, against the function
+    (the squared difference averaged over the action dimensions, or summed)."""
     torch.manual_seed(3)
     args = Args(hidden=(16, 16))
     learner = Learners(1, 5, 2, args)  # a population of one: tensors [1, B, ...]
@@ -167,14 +174,15 @@ def test_actor_loss_gradient_matches_eq_84(guided):
     obs = torch.randn(1, 6, 5)
     beta = 0.7
     pi = learner.actor(obs)
-    loss, distance = p3s_actor_loss(learner.qf.q1_only(obs, pi), pi, learner.best_actions(obs), beta, guided)
+    loss, distance = p3s_actor_loss(learner.qf.q1_only(obs, pi), pi, learner.best_actions(obs), beta, guided, reduction)
     grads = torch.autograd.grad(loss[0], list(learner.actor.parameters()))
     ref_loss = 0.0
     for i in range(6):  # a plain loop over the minibatch
         a = learner.actor(obs[:, i : i + 1])[0]
         term = -learner.qf.q1_only(obs[:, i : i + 1], a[None])[0, 0]
         if guided:
-            term = term + beta * 0.5 * ((a[0] - learner.best_actor(obs[:, i : i + 1])[0, 0].detach()) ** 2).sum()
+            squared = 0.5 * ((a[0] - learner.best_actor(obs[:, i : i + 1])[0, 0].detach()) ** 2).sum()
+            term = term + beta * (squared / 2 if reduction == "mean" else squared)  # 2 action dimensions
         ref_loss = ref_loss + term / 6
     ref_grads = torch.autograd.grad(ref_loss, list(learner.actor.parameters()))
     for got, ref in zip(grads, ref_grads):
@@ -190,9 +198,9 @@ def test_actor_loss_per_learner_guides_all_but_the_best():
     g = torch.Generator().manual_seed(9)
     q, pi, best = torch.randn(3, 5, generator=g), torch.randn(3, 5, 2, generator=g), torch.randn(3, 5, 2, generator=g)
     guided = torch.tensor([False, True, True])  # learner 0 is the best
-    loss, distance = p3s_actor_loss(q, pi, best, 0.7, guided)
+    loss, distance = p3s_actor_loss(q, pi, best, 0.7, guided)  # the default: ½Δa² averaged over the 2 dimensions
     for i in range(3):
-        d = sum(0.5 * float(((pi[i, s] - best[i, s]) ** 2).sum()) for s in range(5)) / 5
+        d = sum(0.5 * float(((pi[i, s] - best[i, s]) ** 2).sum()) / 2 for s in range(5)) / 5
         ref = -sum(float(q[i, s]) for s in range(5)) / 5 + (0.7 * d if i != 0 else 0.0)
         assert float(loss[i]) == pytest.approx(ref, rel=1e-5) and float(distance[i]) == pytest.approx(d, rel=1e-5)
 
@@ -280,7 +288,7 @@ def test_adopt_makes_a_frozen_copy_of_the_best_policy():
     """π_b is copied at selection time: later updates of the best learner do not move it; π_old is the learner's
     own policy at that time."""
     torch.manual_seed(6)
-    args = Args(hidden=(8,))
+    args = Args(hidden=(8,), period_distances="end")
     learners = Learners(2, 3, 1, args)  # learner 0 will be the best, learner 1 the other
 
     def policy_vector(actor, i):
@@ -308,6 +316,42 @@ def test_adopt_makes_a_frozen_copy_of_the_best_policy():
             p[1].add_(0.1)
     assert learners.period_distances(obs)[1][1] > 0  # π_old stays where the period started
     assert not any(p.requires_grad for p in learners.best_actor.parameters())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_period_distances_average_the_periods_policy_steps(reduction):
+    """`--period-distances updates` (the authors' code): each learner's D(π_i, π_b) and D(π_i, π_old,i) on every
+    policy step's own minibatch, with the policy as that step found it, averaged over the period; a selection
+    (`adopt`) starts a new period; a period without a policy step has none."""
+    torch.manual_seed(10)
+    N, B, args = 3, 6, Args(hidden=(8,), distance=reduction)
+    learners = Learners(N, 4, 2, args)
+    learners.adopt(0)
+    assert learners.period_distances(None) is None
+    spread, change = [], []
+    for k in range(6):
+        obs = torch.randn(N, B, 4)
+        batch = (obs, torch.rand(N, B, 2) * 2 - 1, torch.randn(N, B), torch.randn(N, B, 4), torch.zeros(N, B))
+        if learners.updates % 2 == 1:  # this update steps the policies: the reference, from the policies before
+            with torch.no_grad():
+                pi = learners.actor(obs)
+                per_learner = []
+                for i in range(N):
+                    best = learners.best_actor(obs[i : i + 1])[0]
+                    old = learners.old_actor(obs)[i]
+                    per_learner.append(
+                        [float(policy_distance(pi[i], best, reduction)), float(policy_distance(pi[i], old, reduction))]
+                    )
+            spread.append([d[0] for d in per_learner])
+            change.append([d[1] for d in per_learner])
+        learners.update(batch, 0.5, torch.tensor([False, True, True]))
+    assert len(spread) == 3
+    got = learners.period_distances(None)
+    torch.testing.assert_close(got[0], torch.tensor(spread).mean(0), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got[1], torch.tensor(change).mean(0), rtol=1e-5, atol=1e-7)
+    assert float(got[1].sum()) > 0  # the policies moved during the period
+    learners.adopt(1)
+    assert learners.period_distances(None) is None
 
 
 def learner_slice(module, i):
@@ -471,11 +515,61 @@ def test_delayed_reward_gives_the_sum_every_f_steps_or_at_the_end():
     )
 
 
-def test_task_defaults_follow_appendix_i():
-    assert p3s_td3.task_defaults("Hopper-v4", delayed=False) == (250, 0.05)
-    assert p3s_td3.task_defaults("Walker2d-v4", delayed=False) == (250, 0.02)
-    assert p3s_td3.task_defaults("HalfCheetah-v4", delayed=True) == (2500, 0.02)
-    assert p3s_td3.task_defaults("Ant-v4", delayed=True) == (2500, 0.05)
+def authors_random_steps(n_initial, num_learners, epoch_length=1000):
+    """The authors' code (td3/algos/base.py:102-111): random actions until an epoch starts with
+    epoch_length x epoch >= n_initial // N; returns the random steps per learner."""
+    epoch = 0
+    while not epoch_length * epoch >= n_initial // num_learners:
+        epoch += 1
+    return epoch * epoch_length
+
+
+def test_task_defaults_follow_the_authors_code_and_appendix_i():
+    """Defaults: the random phase and the learning start of the authors' code (n_initial_exploration_steps 1000 or
+    10000 rows, examples/variants_p3s.py), d_min of App. I; `text`: Sec. 4.1's T_initial, no update before it."""
+    for env_id, n_initial in (("Hopper-v4", 1000), ("Walker2d-v4", 1000), ("HalfCheetah-v4", 10000), ("Ant-v4", 10000)):
+        for N in (1, 2, 4, 8):
+            t_initial, starts, _ = p3s_td3.task_defaults(env_id, delayed=False, num_learners=N)
+            assert (t_initial, starts) == (authors_random_steps(n_initial, N), n_initial)
+    assert p3s_td3.task_defaults("Hopper-v4", False, 4) == (1000, 1000, 0.05)
+    assert p3s_td3.task_defaults("HalfCheetah-v4", False, 4) == (3000, 10000, 0.05)
+    assert p3s_td3.task_defaults("Walker2d-v4", delayed=False) == (1000, 1000, 0.02)
+    assert p3s_td3.task_defaults("HalfCheetah-v4", delayed=True) == (3000, 10000, 0.02)
+    assert p3s_td3.task_defaults("Ant-v4", delayed=True, num_learners=1) == (10000, 10000, 0.05)
+    assert p3s_td3.task_defaults("Hopper-v4", False, 4, text=True) == (250, 0, 0.05)
+    assert p3s_td3.task_defaults("Ant-v4", False, 4, text=True) == (2500, 0, 0.02)
+
+
+def resolved(argv):
+    """The arguments a run takes from `argv`: family or paper defaults, then the values derived from the task."""
+    import tyro
+
+    args = p3s_td3.with_family_defaults(tyro.cli(Args, args=argv), argv=argv)
+    return p3s_td3.check_args(args)[1], args
+
+
+def test_defaults_follow_the_authors_code_and_preset_paper_the_text():
+    """`--env-id` alone: N updates of each learner per step of its own, updates from 1000 rows of D, random
+    actions for 1000 steps per learner, D averaged over action dimensions and over the period's updates, no
+    guidance before the first selection, Xavier weights. `--preset paper`: one update per step, T_initial 250 with
+    no update before it, the squared norm measured at the period's end, guidance from the start. A flag wins."""
+    derived, args = resolved(["--env-id", "Hopper-v4"])
+    assert (derived["updates_per_step"], derived["t_initial"], derived["learning_starts"]) == (4, 1000, 1000)
+    assert (args.distance, args.period_distances, args.guide_first_period, args.init) == (
+        "mean",
+        "updates",
+        False,
+        "xavier",
+    )
+    derived, _ = resolved(["--env-id", "Hopper-v4", "--num-learners", "2"])
+    assert derived["updates_per_step"] == 2
+    derived, args = resolved(["--env-id", "Hopper-v4", "--preset", "paper"])
+    assert (derived["updates_per_step"], derived["t_initial"], derived["learning_starts"]) == (1, 250, 0)
+    assert (args.distance, args.period_distances, args.guide_first_period) == ("sum", "end", True)
+    derived, args = resolved(["--env-id", "Hopper-v4", "--preset", "paper", "--distance", "mean"])
+    assert args.distance == "mean" and args.period_distances == "end"
+    derived, _ = resolved(["--env-id", "Hopper-v4", "--updates-per-step", "1", "--t-initial", "250"])
+    assert (derived["updates_per_step"], derived["t_initial"], derived["learning_starts"]) == (1, 250, 1000)
 
 
 def test_import_runs_nothing():
@@ -515,6 +609,8 @@ def test_smoke_halfcheetah(tmp_path, delay):
             "2400",
             "--t-initial",
             "300",
+            "--learning-starts",
+            "600",
             "--best-period",
             "100",
             "--hidden",
@@ -539,15 +635,17 @@ def test_smoke_halfcheetah(tmp_path, delay):
     evaluations = [json.loads(line) for line in open(os.path.join(run, "evaluations.jsonl"))]
     assert [e["step"] for e in evaluations] == [1000, 2000]  # every R_eval steps of both learners together
     assert all(len(e["per_learner"]) == 2 and e["eval_return"] == max(e["per_learner"]) for e in evaluations)
-    assert summary["updates_per_learner"] == [900, 900]  # one update per step after T_initial
+    # N = 2 updates of each learner per step of its own (the default) from t = 300 (600 rows of D) to 1200
+    assert summary["updates_per_learner"] == [1802, 1802]
     for fraction in summary["foreign_sample_fraction"]:  # each learner learns from the other's experience
         assert 0.35 < fraction < 0.65
     for fraction in summary["rewarded_fraction"]:
         assert (0.04 < fraction < 0.06) if delay else fraction > 0.99  # 1/20 of the stored rewards are non-zero
     saved = json.load(open(os.path.join(run, "args.json")))
     assert saved["d_min"] == (0.02 if delay else 0.05) and saved["t_initial"] == 300
+    assert (saved["updates_per_step"], saved["learning_starts"]) == (2, 600)
     lines = check_selections(run, 2, 2.0, saved["d_min"])
-    assert len(lines) == 9  # at t = 400, 500, ..., 1200
+    assert len(lines) == 10  # at t = 300, 400, ..., 1200
     tags = events_tags(run)
     assert {
         "charts/episodic_return",
@@ -582,6 +680,8 @@ def test_smoke_one_learner_is_td3_with_video(tmp_path):
             "700",
             "--t-initial",
             "200",
+            "--learning-starts",
+            "0",
             "--best-period",
             "100",
             "--hidden",
@@ -593,6 +693,7 @@ def test_smoke_one_learner_is_td3_with_video(tmp_path):
         tmp_path,
     )
     summary = json.load(open(os.path.join(run, "summary.json")))
+    # --learning-starts 0: updates after the random phase (the text), one per step (N = 1)
     assert summary["updates_per_learner"] == [500] and summary["foreign_sample_fraction"] == [0.0]
     assert open(os.path.join(run, "population.jsonl")).read() == ""
     tags = events_tags(run)
@@ -609,7 +710,12 @@ def test_smoke_one_learner_is_td3_with_video(tmp_path):
         (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
         (["--env-id", "Pendulum-v1", "--num-learners", "0"], "--num-learners"),
         (["--env-id", "Pendulum-v1", "--num-learners", "4", "--buffer-size", "300"], "--buffer-size"),
-        (["--env-id", "Pendulum-v1", "--t-initial", "2500", "--total-timesteps", "5000"], "before the first update"),
+        (
+            ["--env-id", "Pendulum-v1", "--t-initial", "2500", "--learning-starts", "0", "--total-timesteps", "5000"],
+            "before the first update",
+        ),
+        (["--env-id", "Pendulum-v1", "--learning-starts", "30000"], "before the first update"),
+        (["--env-id", "Pendulum-v1", "--updates-per-step", "0"], "--updates-per-step"),
         (["--env-id", "Pendulum-v1", "--beta-init", "5000"], "--beta-init"),
         (["--env-id", "Pendulum-v1", "--tau", "2"], "--tau"),
         (["--resume", "runs/no-such-run"], "--resume"),
@@ -706,6 +812,8 @@ SMALL = [
     "2",
     "--t-initial",
     "100",
+    "--learning-starts",
+    "200",
     "--best-period",
     "50",
     "--hidden",
