@@ -268,7 +268,11 @@ class Linears(nn.Module):
         self.bias = nn.Parameter(layer.bias.detach().expand(num_learners, -1).clone())
 
     def forward(self, x):
-        return torch.baddbmm(self.bias.unsqueeze(1), x, self.weight.transpose(1, 2))
+        # y^T = W x^T + b, computed feature-major ([N, out, B]) and returned as its transposed view: the gradient of
+        # W (grad^T x) then comes out in W's own layout, where y = x W^T + b would give a transposed one that autograd
+        # copies into W's layout (a quarter of the update's time on a CPU: docs/p3s_td3.md). A layer fed by another
+        # gets a contiguous x^T.
+        return torch.baddbmm(self.bias.unsqueeze(2), self.weight, x.transpose(1, 2)).transpose(1, 2)
 
 
 def mlp(sizes, num_learners, out_activation=None, init="xavier"):
@@ -411,7 +415,7 @@ class Learners:
 
     def best_actions(self, obs):
         """π_b(s) for every learner's states `[N, B, obs]` (one network, all states in one batch)."""
-        return self.best_actor(obs.reshape(1, -1, obs.shape[-1])).view(*obs.shape[:-1], -1)
+        return self.best_actor(obs.reshape(1, -1, obs.shape[-1])).reshape(*obs.shape[:-1], -1)
 
     @torch.no_grad()
     def act(self, obs, noise_std):
@@ -444,7 +448,10 @@ class Learners:
             pi = self.actor(obs)
             with torch.no_grad():
                 best = self.best_actions(obs)
-            actor_loss, distance = p3s_actor_loss(self.qf.q1_only(obs, pi), pi, best, beta, guided, a.distance)
+            self.qf.q1.requires_grad_(False)  # the policy's gradient flows through Q_1, which gets none of its own
+            q1_of_pi = self.qf.q1_only(obs, pi)
+            self.qf.q1.requires_grad_(True)
+            actor_loss, distance = p3s_actor_loss(q1_of_pi, pi, best, beta, guided, a.distance)
             if (
                 a.period_distances == "updates" and self.num_learners > 1
             ):  # D_spread's and D_change's terms on this minibatch (Sec. 3.2)
@@ -531,7 +538,10 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
     N, n = args.num_learners, args.num_envs
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # taskset
-    torch.set_num_threads(cores)  # one process does all the learning: every core it may use for its matmuls
+    # one process does all the learning: every core it may use for its matmuls, unless other work on the machine
+    # makes one thread faster (measured as it runs: ThreadChoice)
+    threads = ThreadChoice(cores if device == "cpu" else 1)
+    torch.set_num_threads(threads.current)
     # Values below 1.2e-38 (Adam's second moments of the weights that rarely get a gradient decay into them) as zero:
     # denormal arithmetic is many times slower on x86 CPUs (docs/p3s_td3.md, "Speed on a CPU").
     torch.set_flush_denormal(True)
@@ -597,7 +607,7 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
         if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
             actions = torch.rand(N * n, action_dim, generator=cpu_generator) * 2.0 - 1.0
         else:
-            actions = learners.act(obs.view(N, n, obs_dim), args.exploration_noise).view(N * n, action_dim).cpu()
+            actions = learners.act(obs.view(N, n, obs_dim), args.exploration_noise).reshape(N * n, action_dim).cpu()
         next_obs, rewards, term, trunc, info = envs.step(
             np.clip(low + (actions.numpy() + 1.0) * 0.5 * (high - low), low, high)
         )
@@ -624,11 +634,14 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
         # Algorithm 1, lines 13-14: no updates during the random phase (the text); the authors' code starts them
         # once D holds `learning_starts` rows, whatever the actions
         learning = int(replay.sizes().sum()) >= args.learning_starts if args.learning_starts > 0 else t > args.t_initial
+        started = time.perf_counter()
         for _ in range(updates_per_t if learning else 0):  # each on a fresh minibatch (authors' base.py:118-123)
             batch, writers = replay.sample((N, args.batch_size), cpu_generator)
             foreign += (writers != learner_ids[:, None]).sum(1)
             sampled += args.batch_size
             stats = learners.update(batch, beta, guided_on_device)
+        if learning and threads.record(time.perf_counter() - started, updates_per_t, started):
+            torch.set_num_threads(threads.current)
         step, R = t * N * n, args.eval_interval
         if R and args.eval_episodes and step // R > (step - N * n) // R:  # every R_eval steps (Sec. 4.1)
             means = evaluate_learners(learners.actor, args.env_id, args.eval_episodes, args.seed + 10_000, low, high)
@@ -677,7 +690,7 @@ def evaluate_learners(actor, env_id, episodes, seed, low, high):
     def make_policy(num_envs):
         @torch.no_grad()
         def policy(obs, rewards, first):
-            a = actor(torch.from_numpy(flatten_obs(obs)).to(device).view(N, episodes, -1)).view(num_envs, -1)
+            a = actor(torch.from_numpy(flatten_obs(obs)).to(device).view(N, episodes, -1)).reshape(num_envs, -1)
             return np.clip(low + (a.cpu().numpy() + 1.0) * 0.5 * (high - low), low, high)
 
         return policy
@@ -1050,6 +1063,37 @@ def worker(target, name, msg_q, *args):
     except Exception:
         msg_q.put(("error", name, traceback.format_exc()))
         sys.exit(1)
+
+
+class ThreadChoice:
+    """torch's thread count for the updates, chosen by measurement as the run goes: all the cores the process may
+    use, or one. Alone on the machine, more threads make the matmuls faster; beside other busy processes (seeds run
+    side by side) each of them waits for the slowest thread at every kernel, and one thread is faster
+    (docs/p3s_td3.md). Each choice is timed over `window` seconds of updates; the other one is timed again every
+    `every` seconds; the faster per update is kept."""
+
+    def __init__(self, cores, window=3.0, every=60.0):
+        self.options = [cores, 1] if cores > 1 else [1]
+        self.current, self.window, self.every = self.options[0], window, every
+        self.per_update = {}  # option -> seconds per update in its last window
+        self.spent, self.updates, self.last_trial = 0.0, 0, None
+
+    def record(self, seconds, updates, now):
+        """`updates` updates took `seconds`, ending about `now` (seconds, any clock). True if `current` changed."""
+        if len(self.options) == 1:
+            return False
+        self.spent, self.updates = self.spent + seconds, self.updates + updates
+        if self.spent < self.window:
+            return False
+        self.per_update[self.current] = self.spent / self.updates
+        self.spent, self.updates = 0.0, 0
+        other = self.options[1] if self.current == self.options[0] else self.options[0]
+        if other not in self.per_update or (self.last_trial is not None and now - self.last_trial >= self.every):
+            choice, self.last_trial = other, now  # time the other choice (again)
+        else:
+            choice = min(self.options, key=lambda k: self.per_update[k])
+        changed, self.current = choice != self.current, choice
+        return changed
 
 
 def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
