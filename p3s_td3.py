@@ -26,8 +26,11 @@ The N learners' networks are stacked (`Linears`: weights `[N, out, in]`), so one
 update all N, each on its own minibatch, with exactly the gradients and steps of N separate TD3 learners. One
 process (`run_population`) steps every learner's envs, acts, stores and updates; `main` watches it (console,
 TensorBoard, checkpoints, its traceback if it dies). `--total-timesteps` counts the environment steps of all
-learners together (the paper's x axis). What the paper leaves open (when D_spread and D_change are measured,
-the first period, β's bounds) and the measurements: docs/p3s_td3.md.
+learners together (the paper's x axis). The defaults follow the authors' code, which made the paper's curves, where
+it departs from the text: N updates of each learner per step of its own, updates from 1000 rows of D while the
+actions stay random for 1000 steps per learner, D averaged over action dimensions and over the period's updates,
+no guidance before the first selection, Xavier weights; `--preset paper` reads the text. docs/p3s_td3.md has both,
+with the authors' file:line, and the measurements.
 
     python p3s_td3.py --env-id HalfCheetah-v4
     python p3s_td3.py --env-id Hopper-v4 --reward-delay 20 --num-learners 1   # TD3 on delayed Hopper

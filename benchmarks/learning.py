@@ -5,6 +5,7 @@
     python benchmarks/learning.py --preset cpu --report-only       # redraw from the runs already there
     python benchmarks/learning.py --preset atari-cpu --seeds 1     # Breakout, IMPALA and V-MPO, 1M steps each
     python benchmarks/learning.py --preset mujoco-cpu              # Hopper, Walker2d, HalfCheetah: P3S, TD3, V-MPO
+    python benchmarks/learning.py --preset p3s-cpu --seeds 1 2 --parallel 2   # P3S, TD3, one update per step
 
 Every (script, env, budget, arguments) of the preset is run once per seed, each run in its own folder under
 `<out>/runs/`, one after another (`--parallel N`: N at a time). The curve of a run is the mean return of its
@@ -100,6 +101,55 @@ PRESETS = {
         Entry("vmpo_mujoco", "Hopper-v4", 1_000_000),
         Entry("vmpo_mujoco", "Walker2d-v4", 1_000_000),
         Entry("vmpo_mujoco", "HalfCheetah-v4", 1_000_000),
+    ],
+    # P3S-TD3 as its authors' code trains it, TD3 with its published curve's settings, and P3S with one update per
+    # step of each learner (the text's reading of Sec. 4.1)
+    "p3s-cpu": [
+        Entry("p3s_td3", "Hopper-v4", 1_000_000),
+        Entry("p3s_td3", "Hopper-v4", 300_000, ("--num-learners", "1"), label="td3"),
+        Entry("p3s_td3", "Hopper-v4", 1_000_000, ("--updates-per-step", "1"), label="1-update"),
+        Entry("p3s_td3", "Walker2d-v4", 300_000),
+        Entry("p3s_td3", "Walker2d-v4", 300_000, ("--num-learners", "1"), label="td3"),
+    ],
+    # each difference between the authors' code and the text on its own, from the text's reading (Hopper, 100k)
+    "p3s-changes": [
+        Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper", "--init", "torch"), label="text"),
+        Entry(
+            "p3s_td3",
+            "Hopper-v4",
+            100_000,
+            ("--preset", "paper", "--init", "torch", "--updates-per-step", "4"),
+            label="updates",
+        ),
+        Entry(
+            "p3s_td3",
+            "Hopper-v4",
+            100_000,
+            ("--preset", "paper", "--init", "torch", "--t-initial", "1000", "--learning-starts", "1000"),
+            label="start",
+        ),
+        Entry(
+            "p3s_td3",
+            "Hopper-v4",
+            100_000,
+            ("--preset", "paper", "--init", "torch", "--distance", "mean"),
+            label="mean",
+        ),
+        Entry(
+            "p3s_td3",
+            "Hopper-v4",
+            100_000,
+            ("--preset", "paper", "--init", "torch", "--no-guide-first-period"),
+            label="nofirst",
+        ),
+        Entry(
+            "p3s_td3",
+            "Hopper-v4",
+            100_000,
+            ("--preset", "paper", "--init", "torch", "--period-distances", "updates"),
+            label="periodD",
+        ),
+        Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper"), label="xavier"),
     ],
     # the papers' kind of task, at their settings, for a GPU machine with 16 cores (use --time-limit)
     "gpu": [
@@ -299,7 +349,50 @@ def report(out, preset, entries, seeds, settings):
     print(table)
     if panels:
         plot(panels, base + ".png", f"{preset} preset: mean and min-max over seeds, {machine}")
+        if any(p[3] is not None for p in panels):
+            plot_evaluations(panels, base + "_eval.png", f"{preset} preset: evaluations, mean over seeds, {machine}")
     return rows
+
+
+def plot_evaluations(panels, path, title):
+    """The evaluation curves of every entry that logs them, overlaid per env id (e.g. P3S against TD3), with the
+    public reference points."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    import warnings
+
+    envs = list(dict.fromkeys(entry.env_id for entry, _, _, e in panels if e is not None))
+    fig, axes = plt.subplots(1, len(envs), figsize=(5.5 * len(envs), 3.8), squeeze=False)
+    for ax, env_id in zip(axes.flat, envs):
+        right = 0.0
+        for entry, grid, _, eval_curve in panels:
+            if entry.env_id != env_id or eval_curve is None:
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean = np.nanmean(eval_curve, 0)
+            label = f"{entry.script} {entry.label or 'defaults'} ({len(eval_curve)} seeds)"
+            ax.plot(grid, mean, lw=1.2, label=label)
+            right = max(right, grid[-1])
+        for j, (label, points) in enumerate(REFERENCES.get(env_id, [])):
+            ref = [(x, y) for x, y in points if x <= 1.05 * right]
+            if ref:
+                ax.plot(*zip(*ref), "k--" if j == 0 else "k:", lw=1, marker="os^"[j % 3], ms=3 + j, label=label)
+        ax.set_title(env_id, fontsize=9)
+        ax.set_xlabel("environment steps (all learners)", fontsize=8)
+        ax.set_ylabel("evaluation return (best learner)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def plot(panels, path, title):

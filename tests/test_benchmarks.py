@@ -198,3 +198,43 @@ def test_actor_profile_times_the_parts_of_the_actor_loop(tmp_path, script, env_i
     assert r["steps_per_second"] == pytest.approx(1e3 / ms_per_step, rel=1e-6)
     assert r["batches"] > 20 and r["learner_ms_per_step"] > 0 and r["raw_envpool_sps"] > 0
     assert "budget on" in res.stdout
+
+
+@pytest.mark.e2e
+def test_evaluation_curves_of_entries_on_one_env_are_drawn_together(tmp_path):
+    """Entries that log evaluations as they go (p3s_td3's evaluations.jsonl), here P3S and TD3 on Hopper: a row each
+    and one plot with both evaluation curves."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    out = str(tmp_path)
+    for name, evals in (("p3s_td3__Hopper-v4", [300.0, 900.0]), ("p3s_td3__Hopper-v4__td3", [200.0, 500.0])):
+        folder = os.path.join(out, "runs", f"{name}__s1", "Hopper-v4__p3s_td3__1__1")
+        writer = SummaryWriter(folder)
+        for i in range(30):
+            writer.add_scalar("charts/episodic_return", 10.0 * i, 1000 * (i + 1))
+        writer.close()
+        with open(os.path.join(folder, "evaluations.jsonl"), "w") as f:
+            for k, v in enumerate(evals):
+                f.write(json.dumps({"step": 15000 * (k + 1), "eval_return": v, "per_learner": [v]}) + "\n")
+    res = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/learning.py",
+            "--preset",
+            "p3s-cpu",
+            "--seeds",
+            "1",
+            "--report-only",
+            "--out",
+            out,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    table = open(os.path.join(out, "learning_p3s-cpu.md")).read()
+    assert "| p3s_td3 | Hopper-v4 | 1,000,000 | 1 | 30,000 |" in table
+    assert "| p3s_td3 --num-learners 1 | Hopper-v4 | 300,000 | 1 | 30,000 |" in table
+    assert os.path.getsize(os.path.join(out, "learning_p3s-cpu_eval.png")) > 10_000
