@@ -74,16 +74,12 @@ class Args:
     total_timesteps: int = 1_000_000  # environment steps of all learners together (the paper's Figs. 3-4: 1M)
     num_learners: int = 4  # N, learners (Sec. 4.1), updated together as one batch; 1 is plain TD3
     num_envs: int = 1  # environment copies per learner (1 in the paper)
-    updates_per_step: int = (
-        -1
-    )  # updates of each learner per interaction of its own; negative: N (authors' code), 1 (text)
+    updates_per_step: int = -1  # updates of a learner per interaction of its own; negative: N (authors' code), 1 (text)
     t_initial: int = -1  # T_initial, random-action steps per learner; negative: the authors' code's (1000 Hopper, ...)
     learning_starts: int = -1  # rows of D before the first update; negative: the authors' code's; 0: after T_initial
     distance: Literal["mean", "sum"] = "mean"  # D's ½Δa² over action dimensions: mean (authors' code), sum (text)
     guide_first_period: bool = False  # guide toward the initial policy before the first selection (text: Alg. 1, l. 1)
-    period_distances: Literal["updates", "end"] = (
-        "updates"  # D_spread, D_change: the period's updates' mean, or at its end
-    )
+    period_distances: Literal["updates", "end"] = "updates"  # D_spread, D_change: mean over the period, or at its end
     init: Literal["xavier", "torch"] = "xavier"  # weights: Xavier-uniform, zero biases (authors' code); torch's default
     best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
@@ -273,8 +269,7 @@ class Linears(nn.Module):
     def forward(self, x):
         # y^T = W x^T + b, computed feature-major ([N, out, B]) and returned as its transposed view: the gradient of
         # W (grad^T x) then comes out in W's own layout, where y = x W^T + b would give a transposed one that autograd
-        # copies into W's layout (a quarter of the update's time on a CPU: docs/p3s_td3.md). A layer fed by another
-        # gets a contiguous x^T.
+        # copies into W's layout (docs/p3s_td3.md, "Speed on a CPU"). A layer fed by another gets a contiguous x^T.
         return torch.baddbmm(self.bias.unsqueeze(2), self.weight, x.transpose(1, 2)).transpose(1, 2)
 
 
@@ -455,9 +450,7 @@ class Learners:
             q1_of_pi = self.qf.q1_only(obs, pi)
             self.qf.q1.requires_grad_(True)
             actor_loss, distance = p3s_actor_loss(q1_of_pi, pi, best, beta, guided, a.distance)
-            if (
-                a.period_distances == "updates" and self.num_learners > 1
-            ):  # D_spread's and D_change's terms on this minibatch (Sec. 3.2)
+            if a.period_distances == "updates" and self.num_learners > 1:  # D_spread's, D_change's terms (Sec. 3.2)
                 with torch.no_grad():
                     old = policy_distance(pi.detach(), self.old_actor(obs), a.distance)
                 self.period_sums += torch.stack([distance, old])
