@@ -1172,16 +1172,22 @@ def given_flags(argv) -> set:
 def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
     """`args` with its family's defaults where the command line set nothing (none under `--preset paper`, or on
     `--resume`: the run keeps its own arguments)."""
-    if args.resume:
+    if args.preset == "paper" or args.resume:
         return args
-    if args.preset == "paper":  # the text where the authors' code departs from it; a flag given still wins
-        given = given_flags(sys.argv[1:] if argv is None else argv)
-        return dataclasses.replace(args, **{k: v for k, v in PAPER_TEXT.items() if k not in given})
     overrides, given = (
         table.get(family_key(args, table), (PAPER, {}))[1],
         given_flags(sys.argv[1:] if argv is None else argv),
     )
     return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
+
+
+def with_paper_text(args, argv=None):
+    """Under `--preset paper`, the text's reading where the authors' code (the defaults) departs from it
+    (`PAPER_TEXT`); a flag the user gives still wins."""
+    if args.preset != "paper" or args.resume:
+        return args
+    given = given_flags(sys.argv[1:] if argv is None else argv)
+    return dataclasses.replace(args, **{k: v for k, v in PAPER_TEXT.items() if k not in given})
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
@@ -1326,7 +1332,7 @@ def cli():
     import tyro
 
     try:
-        main(with_family_defaults(tyro.cli(Args)))
+        main(with_paper_text(with_family_defaults(tyro.cli(Args))))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -726,7 +726,18 @@ def test_common_never_imports_a_script():
         ("acer", ["--env-id", "CartPole-v1", "--total-timesteps", "2000", "--num-workers", "1"]),
         (
             "p3s_td3",
-            ["--env-id", "Pendulum-v1", "--total-timesteps", "1200", "--num-learners", "1", "--t-initial", "200"],
+            [
+                "--env-id",
+                "Pendulum-v1",
+                "--total-timesteps",
+                "1200",
+                "--num-learners",
+                "1",
+                "--t-initial",
+                "200",
+                "--learning-starts",
+                "200",
+            ],
         ),
     ],
 )
