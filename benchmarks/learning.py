@@ -113,44 +113,17 @@ PRESETS = {
     ],
     # each difference between the authors' code and the text on its own, from the text's reading (Hopper, 100k)
     "p3s-changes": [
-        Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper", "--init", "torch"), label="text"),
-        Entry(
-            "p3s_td3",
-            "Hopper-v4",
-            100_000,
-            ("--preset", "paper", "--init", "torch", "--updates-per-step", "4"),
-            label="updates",
-        ),
-        Entry(
-            "p3s_td3",
-            "Hopper-v4",
-            100_000,
-            ("--preset", "paper", "--init", "torch", "--t-initial", "1000", "--learning-starts", "1000"),
-            label="start",
-        ),
-        Entry(
-            "p3s_td3",
-            "Hopper-v4",
-            100_000,
-            ("--preset", "paper", "--init", "torch", "--distance", "mean"),
-            label="mean",
-        ),
-        Entry(
-            "p3s_td3",
-            "Hopper-v4",
-            100_000,
-            ("--preset", "paper", "--init", "torch", "--no-guide-first-period"),
-            label="nofirst",
-        ),
-        Entry(
-            "p3s_td3",
-            "Hopper-v4",
-            100_000,
-            ("--preset", "paper", "--init", "torch", "--period-distances", "updates"),
-            label="periodD",
-        ),
-        Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper"), label="xavier"),
-    ],
+        Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper", "--init", "torch", *flags), label=label)
+        for label, flags in (
+            ("text", ()),
+            ("updates", ("--updates-per-step", "4")),
+            ("start", ("--t-initial", "1000", "--learning-starts", "1000")),
+            ("mean", ("--distance", "mean")),
+            ("nofirst", ("--no-guide-first-period",)),
+            ("periodD", ("--period-distances", "updates")),
+        )
+    ]
+    + [Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper"), label="xavier")],
     # the papers' kind of task, at their settings, for a GPU machine with 16 cores (use --time-limit)
     "gpu": [
         Entry("impala_vtrace", "Pong-v5", 20_000_000, ("--num-actors", "2", "--num-envs", "64")),
