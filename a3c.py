@@ -15,7 +15,7 @@ paper's *shared* RMSProp: the running average of squared gradients is itself in 
 | Sec. 4 Eq. (1), Supp. Eqs. (S2)-(S3): shared RMSProp                | `SharedRMSprop`               |
 | Supp. 8: Atari network (16 8x8/4, 32 4x4/2, 256), softmax + value   | `Agent` (common/networks.py)  |
 | Sec. 5.1: 256 LSTM cells after the last hidden layer                | `--lstm`                      |
-| Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V    | `Agent`, continuous actions   |
+| Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V    | `Agent`, vector observations  |
 | Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0              | `Args` defaults               |
 
 Losses are summed over the t_max steps of a rollout, as Algorithm S3 accumulates its gradients. envpool's reset
@@ -238,23 +238,27 @@ class Body(nn.Module):
 
 
 class Agent(nn.Module):
-    """Discrete actions (`num_actions`): one body with a softmax policy and a linear value (Supp. 8). Continuous
-    actions (`action_dim`): separate policy and value bodies (Supp. 9), a linear mean μ and a spherical variance
-    σ² = softplus(linear) + 1e-5. Vector observations are normalised by running statistics first.
+    """Discrete actions (`num_actions`): a softmax policy and a linear value (Supp. 8). Continuous actions
+    (`action_dim`): a linear mean μ and a spherical variance σ² = softplus(linear) + 1e-5 (Supp. 9). Pixels: the
+    policy and the value share one body (Supp. 8); vector observations: separate policy and value bodies (Supp. 9),
+    for discrete actions too (`separate_value`; docs/a3c.md has the measurements). Vector observations are
+    normalised by running statistics first.
 
     `forward(obs, first, state)` takes time-major `[T, B, ...]` and returns the policy's parameters `pi`
     (`[T, B, A]` logits, or `[T, B, d+1]`: μ then σ), the values `[T, B]` and the recurrent state."""
 
     MIN_VAR = 1e-5
 
-    def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0):
+    def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, separate_value=None):
         super().__init__()
+        if separate_value is None:
+            separate_value = bool(action_dim) or len(obs_shape) != 3
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim, hidden=hidden)
-        self.config["lstm_size"] = lstm_size  # for model.pt
+        self.config.update(lstm_size=lstm_size, separate_value=separate_value)  # for model.pt
         self.num_actions, self.action_dim = num_actions, action_dim
         self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
         self.body = Body(obs_shape, hidden, lstm_size)
-        self.value_body = Body(obs_shape, hidden, lstm_size) if action_dim else None
+        self.value_body = Body(obs_shape, hidden, lstm_size) if separate_value else None
         n = self.body.out_features
         self.policy = nn.Linear(n, action_dim + 1 if action_dim else num_actions)
         self.value = nn.Linear(n, 1)
@@ -392,7 +396,9 @@ def obs_tensor(obs, pixels):
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): it keeps the LSTM state
     itself; the saved observation statistics normalise; actions are sampled (or the most probable / the mean)."""
-    agent = Agent(**checkpoint["agent_config"]).to(device)
+    config = dict(checkpoint["agent_config"])
+    config.setdefault("separate_value", bool(config["action_dim"]))  # a model.pt from before vectors separated
+    agent = Agent(**config).to(device)
     agent.load_state_dict(checkpoint["agent"])
     agent.eval()
     pixels = len(agent.config["obs_shape"]) == 3
