@@ -29,8 +29,9 @@ TensorBoard, checkpoints, its traceback if it dies). `--total-timesteps` counts 
 learners together (the paper's x axis). The defaults follow the authors' code, which made the paper's curves, where
 it departs from the text: N updates of each learner per step of its own, updates from 1000 rows of D while the
 actions stay random for 1000 steps per learner, D averaged over action dimensions and over the period's updates,
-no guidance before the first selection, Xavier weights; `--preset paper` reads the text. docs/p3s_td3.md has both,
-with the authors' file:line, and the measurements.
+no guidance before the first selection, Xavier weights; `--preset paper` reads the text. The learners start alike,
+as the text has it (the authors' launcher draws each anew: `--no-common-init`). docs/p3s_td3.md has both, with
+the authors' file:line, and the measurements.
 
     python p3s_td3.py --env-id HalfCheetah-v4
     python p3s_td3.py --env-id Hopper-v4 --reward-delay 20 --num-learners 1   # TD3 on delayed Hopper
@@ -81,6 +82,7 @@ class Args:
     guide_first_period: bool = False  # guide toward the initial policy before the first selection (text: Alg. 1, l. 1)
     period_distances: Literal["updates", "end"] = "updates"  # D_spread, D_change: mean over the period, or at its end
     init: Literal["xavier", "torch"] = "xavier"  # weights: Xavier-uniform, zero biases (authors' code); torch's default
+    common_init: bool = True  # learners start alike (Alg. 1, l. 1); --no-common-init: each its own (authors' launcher)
     best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
     rho: float = 2.0  # ρ, the search radius as a multiple of D_change (Sec. 4.1)
@@ -254,17 +256,21 @@ class DelayedReward:
 class Linears(nn.Module):
     """N linear layers side by side, one per learner: `[N, B, in] -> [N, B, out]` as one batched matmul, so that
     the whole population's forward and backward passes are one set of kernels. Slice i of `weight` `[N, out, in]`
-    and `bias` `[N, out]` is learner i's `nn.Linear`; all N start as the same `nn.Linear` (Algorithm 1, line 1:
-    φ_i and θ_i initialised to the same parameters for every learner)."""
+    and `bias` `[N, out]` is learner i's `nn.Linear`. With `common` all N start as the same `nn.Linear` (Algorithm 1,
+    line 1: φ_i and θ_i initialised to the same parameters for every learner); without, each learner draws its own
+    (the authors' launcher re-initialises every variable after the copies: docs/p3s_td3.md)."""
 
-    def __init__(self, num_learners, in_features, out_features, init="xavier"):
+    def __init__(self, num_learners, in_features, out_features, init="xavier", common=True):
         super().__init__()
-        layer = nn.Linear(in_features, out_features)  # "torch": PyTorch's default, as TD3's own code has it
-        if init == "xavier":  # the P3S authors' code (td3/misc/mlp.py): Xavier-uniform weights, zero biases
-            nn.init.xavier_uniform_(layer.weight)
-            nn.init.zeros_(layer.bias)
-        self.weight = nn.Parameter(layer.weight.detach().expand(num_learners, -1, -1).clone())
-        self.bias = nn.Parameter(layer.bias.detach().expand(num_learners, -1).clone())
+        layers = [nn.Linear(in_features, out_features) for _ in range(1 if common else num_learners)]
+        for layer in layers:  # "torch": PyTorch's default, as TD3's own code has it
+            if init == "xavier":  # the P3S authors' code (td3/misc/mlp.py): Xavier-uniform weights, zero biases
+                nn.init.xavier_uniform_(layer.weight)
+                nn.init.zeros_(layer.bias)
+        weight = torch.stack([layer.weight.detach() for layer in layers])
+        bias = torch.stack([layer.bias.detach() for layer in layers])
+        self.weight = nn.Parameter(weight.expand(num_learners, -1, -1).clone())
+        self.bias = nn.Parameter(bias.expand(num_learners, -1).clone())
 
     def forward(self, x):
         # y^T = W x^T + b, computed feature-major ([N, out, B]) and returned as its transposed view: the gradient of
@@ -273,10 +279,10 @@ class Linears(nn.Module):
         return torch.baddbmm(self.bias.unsqueeze(2), self.weight, x.transpose(1, 2)).transpose(1, 2)
 
 
-def mlp(sizes, num_learners, out_activation=None, init="xavier"):
+def mlp(sizes, num_learners, out_activation=None, init="xavier", common=True):
     layers = []
     for i in range(len(sizes) - 1):
-        layers.append(Linears(num_learners, sizes[i], sizes[i + 1], init))
+        layers.append(Linears(num_learners, sizes[i], sizes[i + 1], init, common))
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
     if out_activation is not None:
@@ -288,10 +294,10 @@ class Actor(nn.Module):
     """Deterministic policies π_φi(s) in [-1, 1]^d of N learners: `[N, B, obs] -> [N, B, d]`. With N = 1 it is
     one policy (model.pt holds one per learner)."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier"):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True):
         super().__init__()
         self.config = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden))
-        self.net = mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init)
+        self.net = mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init, common)
 
     def forward(self, obs):
         return self.net(obs)
@@ -304,10 +310,10 @@ class Actor(nn.Module):
 class TwinQ(nn.Module):
     """Q_θ1 and Q_θ2 of N learners, each an MLP of the concatenated state and action: `[N, B, ...] -> [N, B]`."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier"):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True):
         super().__init__()
-        self.q1 = mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init)
-        self.q2 = mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init)
+        self.q1 = mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init, common=common)
+        self.q2 = mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init, common=common)
 
     def forward(self, obs, actions):
         x = torch.cat([obs, actions], -1)
@@ -394,8 +400,9 @@ class Learners:
     def __init__(self, num_learners, obs_dim, action_dim, args: Args, device="cpu", generator=None):
         self.args, self.device, self.generator = args, torch.device(device), generator
         self.num_learners = num_learners
-        self.actor = Actor(obs_dim, action_dim, args.hidden, num_learners, args.init).to(self.device)
-        self.qf = TwinQ(obs_dim, action_dim, args.hidden, num_learners, args.init).to(self.device)
+        nets = (args.hidden, num_learners, args.init, args.common_init)
+        self.actor = Actor(obs_dim, action_dim, *nets).to(self.device)
+        self.qf = TwinQ(obs_dim, action_dim, *nets).to(self.device)
         self.actor_target = copy.deepcopy(self.actor)
         self.qf_target = copy.deepcopy(self.qf)
         self.old_actor = copy.deepcopy(self.actor)  # π_old, each learner's policy at the start of the period

@@ -284,6 +284,30 @@ def test_soft_update_matches_eq_82():
     torch.testing.assert_close(a.weight.detach(), 0.9 * wa + 0.1 * wb)
 
 
+@pytest.mark.parametrize("common", [True, False])
+def test_learners_start_alike_or_each_from_its_own_weights(common):
+    """Algorithm 1, line 1: every learner starts from the same policy and Q-functions (`--common-init`, the
+    default); `--no-common-init` gives each its own draw, as the authors' launcher leaves them. Either way each
+    learner's slice is an `nn.Linear` of the chosen initialisation (Xavier: zero biases, |w| within the bound), and
+    the targets and π_b start as copies."""
+    torch.manual_seed(3)
+    learners = Learners(3, 5, 2, Args(hidden=(16, 8), common_init=common))
+    for net, target in ((learners.actor, learners.actor_target), (learners.qf, learners.qf_target)):
+        for p, p_target in zip(net.parameters(), target.parameters()):
+            torch.testing.assert_close(p, p_target)
+            same = [torch.equal(p[0], p[i]) for i in (1, 2)]
+            assert same == ([True, True] if common else [False, False]) or (p.dim() == 2 and not p.any())
+            if p.dim() == 3:  # a weight [N, out, in]: Xavier-uniform's bound sqrt(6 / (in + out))
+                assert p.abs().max() <= math.sqrt(6 / (p.shape[1] + p.shape[2]))
+            else:
+                assert not p.any()
+    torch.testing.assert_close(policy_params(learners.best_actor, 0), policy_params(learners.actor, 0))
+
+
+def policy_params(actor, i):
+    return torch.cat([p[i].flatten() for p in actor.parameters()])
+
+
 def test_adopt_makes_a_frozen_copy_of_the_best_policy():
     """π_b is copied at selection time: later updates of the best learner do not move it; π_old is the learner's
     own policy at that time."""
