@@ -262,9 +262,10 @@ class Linears(nn.Module):
 
     def __init__(self, num_learners, in_features, out_features, init="xavier", common=True):
         super().__init__()
+        # "torch": PyTorch's default, as TD3's own code has it
         layers = [nn.Linear(in_features, out_features) for _ in range(1 if common else num_learners)]
-        for layer in layers:  # "torch": PyTorch's default, as TD3's own code has it
-            if init == "xavier":  # the P3S authors' code (td3/misc/mlp.py): Xavier-uniform weights, zero biases
+        if init == "xavier":  # the P3S authors' code (td3/misc/mlp.py): Xavier-uniform weights, zero biases
+            for layer in layers:
                 nn.init.xavier_uniform_(layer.weight)
                 nn.init.zeros_(layer.bias)
         weight = torch.stack([layer.weight.detach() for layer in layers])

@@ -315,23 +315,20 @@ def test_adopt_makes_a_frozen_copy_of_the_best_policy():
     args = Args(hidden=(8,), period_distances="end")
     learners = Learners(2, 3, 1, args)  # learner 0 will be the best, learner 1 the other
 
-    def policy_vector(actor, i):
-        return torch.cat([p[i].flatten() for p in actor.parameters()])
-
     with torch.no_grad():
         for p in learners.actor.parameters():
             p[0].add_(1.0)
-    vector = policy_vector(learners.actor, 0).clone()
+    vector = policy_params(learners.actor, 0).clone()
     with torch.no_grad():
         for p in learners.actor.parameters():  # the other learner has moved since it was built
             p[1].mul_(0.5)
     learners.adopt(0)
-    torch.testing.assert_close(policy_vector(learners.best_actor, 0), vector)
-    torch.testing.assert_close(policy_vector(learners.old_actor, 1), policy_vector(learners.actor, 1))
+    torch.testing.assert_close(policy_params(learners.best_actor, 0), vector)
+    torch.testing.assert_close(policy_params(learners.old_actor, 1), policy_params(learners.actor, 1))
     with torch.no_grad():
         for p in learners.actor.parameters():  # the best learner keeps learning
             p[0].add_(5.0)
-    torch.testing.assert_close(policy_vector(learners.best_actor, 0), vector)
+    torch.testing.assert_close(policy_params(learners.best_actor, 0), vector)
     obs = torch.randn(10, 3).expand(2, -1, -1)
     d_spread, d_change = learners.period_distances(obs)
     assert d_change[1] == 0.0 and d_spread[1] > 0  # π_new = π_old right after adopting
