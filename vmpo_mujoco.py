@@ -9,18 +9,18 @@ trust region around π_target that is *decoupled* (Appendix C): KL(π_target ‖
 covariance part, each with its own bound (ε_αμ ≫ ε_αΣ) and multiplier, so the mean moves fast while the
 covariance shrinks slowly and keeps exploring. PopArt keeps the value loss on one scale.
 
-| paper                                                                | here                                 |
-|----------------------------------------------------------------------|--------------------------------------|
-| Algorithm 1: target network, refreshed every T_target steps          | `act`, `pool.publish` in `main`      |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_returns`, `n_step_targets`   |
-| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt                   | `vmpo_loss`, `batch_loss`            |
-| Eq. (12) ψ over the top half of the advantages, L_π                  | `vmpo_weights` -> psi, `vmpo_loss`   |
-| Eq. (13) temperature loss L_η                                        | `vmpo_weights` -> eta_loss           |
-| Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                  |
-| Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                      | `kl_constraint_loss`                 |
-| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers.project`        |
-| App. F: 512-256 MLP core, 256-unit policy and value MLP heads        | `Agent`                              |
-| Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `TABLE7_COLUMNS`    |
+| paper                                                                | here                                    |
+|----------------------------------------------------------------------|-----------------------------------------|
+| Algorithm 1: target network, refreshed every T_target steps          | `act`, `pool.publish` in `main`         |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_returns`, `n_step_targets`      |
+| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt                   | `vmpo_loss`, `batch_loss`               |
+| Eq. (12) ψ over the top half of the advantages, L_π                  | `vmpo_weights` -> psi, `vmpo_loss`      |
+| Eq. (13) temperature loss L_η                                        | `vmpo_weights` -> eta_loss              |
+| Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                     |
+| Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                      | `kl_constraint_loss`                    |
+| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers` (`--multipliers`) |
+| App. F: 512-256 MLP core, 256-unit policy and value MLP heads        | `Agent`                                 |
+| Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `TABLE7_COLUMNS`       |
 
 The policy is a diagonal Gaussian over actions scaled to [-1, 1]^d; observations are normalised by running
 statistics that travel with the weights. envpool's reset step (after an episode ends) is masked out of every
@@ -85,7 +85,9 @@ class Args:
     init_eta: float = 1.0  # initial η, temperature (Table 1)
     init_alpha_mu: float = 1.0  # initial α_μ, mean-KL multiplier (Table 1)
     init_alpha_sigma: float = 1.0  # initial α_Σ, covariance-KL multiplier (Table 1)
-    min_multiplier: float = 1e-8  # η_min = α_min, projection of the multipliers after every step (Sec. 4.2.2)
+    min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
+    multipliers: Literal["paper", "softplus"] = "paper"  # paper: projected parameters; softplus: Acme's MPO (docs)
+    dual_learning_rate: float = 0.0  # learning rate of η, α_μ, α_Σ; 0: the networks' Adam and learning rate (Sec. 4.3)
     top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
     popart_scale_lower: float = 1e-2  # PopArt lower bound of σ (Sec. 4.1)
@@ -281,20 +283,47 @@ def vmpo_loss(
 
 
 class LagrangeMultipliers(nn.Module):
-    """η (temperature, Eq. 13), α_μ and α_Σ (decoupled KL multipliers, Eq. 26), learned by the same Adam as the
-    networks."""
+    """η (temperature, Eq. 13), α_μ and α_Σ (decoupled KL multipliers, Eq. 26) as three scalar parameters.
 
-    def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0):
+    form "paper": the parameters are the multipliers themselves, projected to at least η_min after every step
+    (Sec. 4.2.2). form "softplus": the parameters are unconstrained and each multiplier is softplus(parameter) +
+    η_min (Acme's MPO); near zero a step of the parameter then changes the multiplier by a factor rather than by
+    an amount. `values()` gives (η, α_μ, α_Σ), differentiable in the parameters."""
+
+    def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0, form="paper", minimum=1e-8):
         super().__init__()
-        self.eta = nn.Parameter(torch.tensor(float(eta)))
-        self.alpha_mu = nn.Parameter(torch.tensor(float(alpha_mu)))
-        self.alpha_sigma = nn.Parameter(torch.tensor(float(alpha_sigma)))
+        self.form, self.minimum = form, minimum
+
+        def raw(v):  # the parameter whose image is v
+            return float(v) if form == "paper" else math.log(math.expm1(max(float(v) - minimum, 1e-12)))
+
+        self.eta = nn.Parameter(torch.tensor(raw(eta)))
+        self.alpha_mu = nn.Parameter(torch.tensor(raw(alpha_mu)))
+        self.alpha_sigma = nn.Parameter(torch.tensor(raw(alpha_sigma)))
+
+    def values(self):
+        raw = (self.eta, self.alpha_mu, self.alpha_sigma)
+        return raw if self.form == "paper" else tuple(F.softplus(p) + self.minimum for p in raw)
 
     @torch.no_grad()
-    def project(self, minimum=1e-8):
-        """Sec. 4.2.2: every multiplier ← max(multiplier, 1e-8)."""
-        for p in self.parameters():
-            p.clamp_(min=minimum)
+    def project(self, minimum=None):
+        """Sec. 4.2.2 (form "paper"): every multiplier ← max(multiplier, η_min); the softplus form needs none."""
+        if self.form == "paper":
+            for p in self.parameters():
+                p.clamp_(min=self.minimum if minimum is None else minimum)
+
+
+def make_optimizer(args, agent, multipliers):
+    """Adam for the networks and the multipliers (Sec. 4.3); with `--dual-learning-rate` the multipliers in a
+    parameter group of their own with that learning rate (per-parameter Adam: the same as an Adam of their own)."""
+    if args.dual_learning_rate <= 0:
+        params = [*agent.parameters(), *multipliers.parameters()]
+        return torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
+    groups = [
+        dict(params=list(agent.parameters())),
+        dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate),
+    ]
+    return torch.optim.Adam(groups, lr=args.learning_rate, eps=args.adam_eps)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -423,12 +452,13 @@ def main(args: Args):
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
     popart = (args.popart_beta, args.popart_scale_lower, args.popart_scale_upper)
     agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, 1, *popart).to(device)
-    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
+    init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
+    multipliers = LagrangeMultipliers(*init, args.multipliers, args.min_multiplier).to(device)
     params = list(agent.parameters()) + list(multipliers.parameters())
     if world > 1:  # the same initial weights in every learner (rank 0's)
         for p in params:
             torch.distributed.broadcast(p.data, 0)
-    optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
+    optimizer = make_optimizer(args, agent, multipliers)
     start_update, target_state = 0, None
     if resumed is not None:
         agent.load_state_dict(resumed["agent"])
@@ -495,7 +525,7 @@ def main(args: Args):
             check_finite(where, loss=loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
             with interrupt.commit():
                 optimizer.step()
-                multipliers.project(args.min_multiplier)
+                multipliers.project()
                 stale = (batch["version"][:-1] != pool.version.item()).float().mean()
                 if update % args.target_update_period == 0:
                     pool.publish(agent.state_dict())  # θ_target ← θ_online
@@ -574,6 +604,10 @@ def check_args(args):
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not args.learning_rate > 0:
         raise UsageError(f"--learning-rate must be positive, got {args.learning_rate}")
+    if not args.dual_learning_rate >= 0:
+        raise UsageError(
+            f"--dual-learning-rate must be 0 (the networks' Adam) or positive, got {args.dual_learning_rate}"
+        )
     if not args.init_std > Agent.MIN_STD:
         raise UsageError(f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
     if not 0 <= args.gamma <= 1:
@@ -602,6 +636,7 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     real = ~batch["ended"][:-1]
     popart.update(returns[real], task[:-1][real])
     value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
+    eta, alpha_mu, alpha_sigma = multipliers.values()
     out = vmpo_loss(
         mean,
         std,
@@ -611,9 +646,9 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
         value_norm,
         returns_norm,
         batch["ended"],
-        multipliers.eta,
-        multipliers.alpha_mu,
-        multipliers.alpha_sigma,
+        eta,
+        alpha_mu,
+        alpha_sigma,
         args.eps_eta,
         args.eps_alpha_mu,
         args.eps_alpha_sigma,
@@ -623,9 +658,9 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     n = real.sum().clamp(min=1)
     stats = {
         **loss_stats(out),
-        "stats/eta": multipliers.eta.detach().clone(),
-        "stats/alpha_mu": multipliers.alpha_mu.detach().clone(),
-        "stats/alpha_sigma": multipliers.alpha_sigma.detach().clone(),
+        "stats/eta": eta.detach().clone(),
+        "stats/alpha_mu": alpha_mu.detach().clone(),
+        "stats/alpha_sigma": alpha_sigma.detach().clone(),
         "stats/value_mean": (real * values[:-1]).sum() / n,
         "stats/popart_mu": popart.mu[0].clone(),
         "stats/popart_sigma": popart.sigma[0].clone(),

@@ -160,14 +160,16 @@ def _args(**kw):
     return SimpleNamespace(**base)
 
 
+@pytest.mark.parametrize("form", ["paper", "softplus"])
 @pytest.mark.parametrize("moved", ["mean", "std"])
-def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved):
+def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved, form):
     """Eq. (26): when the target's mean is far from the online mean (KL_μ > ε_αμ) and its covariance equal
     (KL_Σ = 0 < ε_αΣ), a step on the loss raises α_μ and lowers α_Σ; the other way round when only the standard
-    deviation moved."""
+    deviation moved. In either form of the multipliers (the softplus form's gradient has the factor
+    softplus'(parameter) = sigmoid(parameter))."""
     torch.manual_seed(0)
     agent = vmpo_mujoco.Agent(5, 3, hidden=(16,), head_hidden=16)
-    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0)
+    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0, form)
     batch = _batch(agent)
     if moved == "mean":
         batch["mean"] += 0.5
@@ -182,10 +184,12 @@ def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved):
         assert float(stats["stats/kl_sigma"]) > 1.6e-5 and float(stats["stats/kl_mu"]) == pytest.approx(0, abs=1e-9)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     loss.backward()
-    assert math.isclose(float(m.alpha_mu.grad), 0.007 - float(stats["stats/kl_mu"]), rel_tol=1e-5)
-    assert math.isclose(float(m.alpha_sigma.grad), 1.6e-5 - float(stats["stats/kl_sigma"]), rel_tol=1e-5)
+    slope = 1.0 if form == "paper" else torch.sigmoid(m.alpha_mu.detach()).item()  # the same for α_Σ: both are 1
+    assert math.isclose(float(m.alpha_mu.grad), slope * (0.007 - float(stats["stats/kl_mu"])), rel_tol=1e-5)
+    assert math.isclose(float(m.alpha_sigma.grad), slope * (1.6e-5 - float(stats["stats/kl_sigma"])), rel_tol=1e-5)
     opt.step()
-    up_mu, up_sigma = m.alpha_mu.item() > 1.0, m.alpha_sigma.item() > 1.0
+    _, alpha_mu, alpha_sigma = m.values()
+    up_mu, up_sigma = alpha_mu.item() > 1.0, alpha_sigma.item() > 1.0
     assert (up_mu, up_sigma) == ((True, False) if moved == "mean" else (False, True))
 
 
@@ -283,6 +287,28 @@ def test_multipliers_are_projected():
     m.project(1e-8)
     assert m.eta.item() == pytest.approx(1e-8) and m.alpha_sigma.item() == pytest.approx(1e-8)
     assert m.alpha_mu.item() == 1.0
+
+
+def test_softplus_multipliers_start_at_their_values_need_no_projection_and_learn_at_their_own_rate():
+    """`--multipliers softplus`: each multiplier is softplus(parameter) + η_min, starting at the given value, always
+    above η_min (no projection); `--dual-learning-rate` gives the three parameters an Adam step of that size."""
+    m = vmpo_mujoco.LagrangeMultipliers(2.0, 10.0, 500.0, "softplus", 1e-8)
+    assert [round(v.item(), 4) for v in m.values()] == [2.0, 10.0, 500.0]
+    with torch.no_grad():
+        m.eta.fill_(-50.0)
+    m.project()
+    assert m.eta.item() == -50.0 and m.values()[0].item() == pytest.approx(1e-8, rel=1e-4)  # η_min, not below
+    args = SimpleNamespace(learning_rate=1e-4, adam_eps=1e-8, dual_learning_rate=1e-2)
+    agent = vmpo_mujoco.Agent(5, 2, hidden=(8,), head_hidden=8)
+    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0, "softplus")
+    optimizer = vmpo_mujoco.make_optimizer(args, agent, m)
+    before = [p.item() for p in m.parameters()]
+    sum(m.values()).backward()  # every multiplier's gradient positive: Adam's first step is −lr for each
+    optimizer.step()
+    assert [b - p.item() for b, p in zip(before, m.parameters())] == pytest.approx([1e-2] * 3, rel=1e-4)
+    assert all(p.grad is None for p in agent.parameters())
+    shared = vmpo_mujoco.make_optimizer(SimpleNamespace(**(vars(args) | {"dual_learning_rate": 0.0})), agent, m)
+    assert len(shared.param_groups) == 1 and shared.param_groups[0]["lr"] == 1e-4  # the paper: one Adam (Sec. 4.3)
 
 
 def test_presets_follow_table_7_and_flags_override_them():
