@@ -306,11 +306,11 @@ class LagrangeMultipliers(nn.Module):
         return raw if self.form == "paper" else tuple(F.softplus(p) + self.minimum for p in raw)
 
     @torch.no_grad()
-    def project(self, minimum=None):
+    def project(self):
         """Sec. 4.2.2 (form "paper"): every multiplier ← max(multiplier, η_min); the softplus form needs none."""
         if self.form == "paper":
             for p in self.parameters():
-                p.clamp_(min=self.minimum if minimum is None else minimum)
+                p.clamp_(min=self.minimum)
 
 
 def make_optimizer(args, agent, multipliers):

@@ -280,11 +280,11 @@ def test_agent_starts_with_the_same_gaussian_everywhere_and_actions_map_to_the_b
 
 
 def test_multipliers_are_projected():
-    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0)
+    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0, "paper", 1e-8)
     with torch.no_grad():
         m.eta.fill_(-0.3)
         m.alpha_sigma.fill_(-1.0)
-    m.project(1e-8)
+    m.project()
     assert m.eta.item() == pytest.approx(1e-8) and m.alpha_sigma.item() == pytest.approx(1e-8)
     assert m.alpha_mu.item() == 1.0
 
