@@ -88,6 +88,7 @@ class Args:
     min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
     multipliers: Literal["paper", "softplus"] = "paper"  # paper: projected parameters; softplus: Acme's MPO (docs)
     dual_learning_rate: float = 0.0  # learning rate of η, α_μ, α_Σ; 0: the networks' Adam and learning rate (Sec. 4.3)
+    update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
     top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
     popart_scale_lower: float = 1e-2  # PopArt lower bound of σ (Sec. 4.1)
@@ -491,7 +492,9 @@ def main(args: Args):
 
     def save_last():
         if before is not None:  # the update in progress is dropped, with what it did to the normalisers
-            agent.load_state_dict(before, strict=False)
+            agent.load_state_dict(before[0])
+            multipliers.load_state_dict(before[1])
+            optimizer.load_state_dict(before[2])
         return checkpoint(done_update)
 
     # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update's
@@ -509,23 +512,25 @@ def main(args: Args):
                     rank == 0 and log.console(global_step, collecting=(ready, pool.batch_size, args.unroll_length))
                 )
             )
-            before = {k: v.clone() for k, v in agent.state_dict().items() if k.startswith(("obs_norm", "popart"))}
+            before = copy.deepcopy((agent.state_dict(), multipliers.state_dict(), optimizer.state_dict()))
             agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
-            mean, std, value_features = agent(batch["obs"])
-            out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
-            loss = out.loss
-            optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-            if world > 1:
-                average_gradients(params, world)
-            grad_norm = nn.utils.clip_grad_norm_(
-                agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            )
-            where = f"at update {update} (step {update * steps_per_update})"
-            check_finite(where, loss=loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+            for epoch in range(args.update_epochs):  # PopArt's statistics move on the first pass only
+                mean, std, value_features = agent(batch["obs"])
+                out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
+                loss = out.loss
+                optimizer.zero_grad(set_to_none=False)
+                loss.backward()
+                if world > 1:
+                    average_gradients(params, world)
+                grad_norm = nn.utils.clip_grad_norm_(
+                    agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                )
+                where = f"at update {update} (step {update * steps_per_update})"
+                check_finite(where, loss=loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+                with interrupt.commit():
+                    optimizer.step()
+                    multipliers.project()
             with interrupt.commit():
-                optimizer.step()
-                multipliers.project()
                 stale = (batch["version"][:-1] != pool.version.item()).float().mean()
                 if update % args.target_update_period == 0:
                     pool.publish(agent.state_dict())  # θ_target ← θ_online
@@ -624,17 +629,18 @@ def check_args(args):
     return spec
 
 
-def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1):
+def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1, move_popart=True):
     """vmpo_loss on a batch of unrolls: the n-step targets from the online network's unnormalised values, PopArt's
-    statistics moved toward them first (the layer is rescaled so that V(s) is unchanged), then the loss in the new
-    normalised units. Returns (VmpoLoss, stats)."""
+    statistics moved toward them first (the layer is rescaled so that V(s) is unchanged; not on the later passes
+    of `--update-epochs`), then the loss in the new normalised units. Returns (VmpoLoss, stats)."""
     popart = agent.popart
     task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
     with torch.no_grad():
         values = popart.unnormalize(popart(value_features)[..., 0], task)  # online V, unnormalised
     returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
     real = ~batch["ended"][:-1]
-    popart.update(returns[real], task[:-1][real])
+    if move_popart:
+        popart.update(returns[real], task[:-1][real])
     value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
     eta, alpha_mu, alpha_sigma = multipliers.values()
     out = vmpo_loss(

@@ -389,12 +389,13 @@ TINY = ["--hidden", "32", "32", "--head-hidden", "32", "--save-model", "--eval-e
 @pytest.mark.parametrize(
     "env_id,extra",
     [
-        ("HalfCheetah-v4", ["--num-actors", "2", "--target-update-period", "2"]),
+        ("HalfCheetah-v4", ["--num-actors", "2", "--target-update-period", "2", "--update-epochs", "2"]),
         ("HumanoidRun-v1", ["--preset", "paper"]),
     ],
 )
 def test_smoke(tmp_path, env_id, extra):
-    """HalfCheetah (Gym) with two actors; the dm_control humanoid, whose observations come as a dict."""
+    """HalfCheetah (Gym) with two actors and two passes over each batch; the dm_control humanoid, whose observations
+    come as a dict."""
     run_path = run_script(
         "vmpo_mujoco.py",
         [
@@ -417,8 +418,11 @@ def test_smoke(tmp_path, env_id, extra):
     )
     summary = check_run(run_path)
     assert summary["total_timesteps"] == 4000 // 80 * 80
-    if "--target-update-period" in extra:  # 50 updates, refresh every 2
+    if "--target-update-period" in extra:  # 50 updates, refresh every 2 (batches, not passes)
         assert events_tags(run_path, values_of="stats/target_version")[-1] == 25
+    if "--update-epochs" in extra:  # two Adam steps on each of the 50 batches
+        optimizer = torch.load(os.path.join(run_path, "checkpoint.pt"), weights_only=False)["optimizer"]
+        assert {int(state["step"]) for state in optimizer["state"].values()} == {100}
 
 
 @pytest.mark.e2e
