@@ -224,6 +224,7 @@ class VmpoLoss(NamedTuple):
     kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃), averaged over the E-step's minibatches
     policy_std: torch.Tensor
     advantage_mean: torch.Tensor
+    advantage_std: torch.Tensor  # the advantages' spread in PopArt units: what η is set against
 
 
 def vmpo_loss(
@@ -268,6 +269,7 @@ def vmpo_loss(
     kl_mu, kl_sigma = gaussian_kl_parts(target_mean[:-1], target_std[:-1], mean[:-1], std[:-1])
     alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, alpha_mu, eps_alpha_mu, mask)
     alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, alpha_sigma, eps_alpha_sigma, mask)
+    advantage_mean = ((mask * advantages).sum() / n).detach()
     return VmpoLoss(
         loss=value_loss + policy_loss + eta_loss + alpha_mu_loss + alpha_sigma_loss,
         value_loss=value_loss,
@@ -279,7 +281,8 @@ def vmpo_loss(
         kl_sigma=kl_sigma_mean,
         kl_psi=torch.as_tensor(kl_psi),
         policy_std=((mask[..., None] * std[:-1]).sum() / (n * std.shape[-1])).detach(),
-        advantage_mean=((mask * advantages).sum() / n).detach(),
+        advantage_mean=advantage_mean,
+        advantage_std=((mask * (advantages.detach() - advantage_mean) ** 2).sum() / n).sqrt(),
     )
 
 

@@ -264,6 +264,10 @@ def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
     psi_all = torch.cat([c[2] for c in captured], dim=1) / M
     logp = gaussian_log_prob(batch["action"][:-1], mean[:-1], std[:-1])
     assert float(stats["losses/policy_loss"]) == pytest.approx(float(-(psi_all * logp).sum().detach()), rel=1e-5)
+    # the advantages' mean and spread over the real steps (the reset step left out)
+    real = torch.cat([c[1] for c in captured], dim=1)
+    assert float(stats["stats/advantage_mean"]) == pytest.approx(float(adv[real].mean()), rel=1e-5)
+    assert float(stats["stats/advantage_std"]) == pytest.approx(float(adv[real].std(correction=0)), rel=1e-5)
 
 
 def test_agent_starts_with_the_same_gaussian_everywhere_and_actions_map_to_the_box():
