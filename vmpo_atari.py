@@ -103,6 +103,7 @@ class Args:
     min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
     multipliers: Literal["paper", "softplus"] = "paper"  # paper: projected parameters; softplus: Acme's MPO (docs)
     dual_learning_rate: float = 0.0  # learning rate of η and α; 0: the networks' Adam and learning rate (Sec. 4.3)
+    update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
     top_fraction: float = 0.5  # fraction of the batch's highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
     popart_scale_lower: float = 1e-2  # PopArt lower bound of σ (Sec. 4.1)
@@ -449,8 +450,10 @@ def main(args: Args):
         return global_step
 
     def save_last():
-        if popart_before is not None:  # the update in progress is dropped, with what its loss did to PopArt
-            agent.popart.load_state_dict(popart_before)
+        if before is not None:  # the update in progress is dropped, with what its loss did to PopArt
+            agent.load_state_dict(before[0])
+            multipliers.load_state_dict(before[1])
+            optimizer.load_state_dict(before[2])
         return checkpoint(done_update)
 
     # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (on a CPU one update of the default ResNet
@@ -458,7 +461,7 @@ def main(args: Args):
     # training state (the optimiser step to the target refresh) finish first.
     interrupt, pool = Interrupt(), None
     update = done_update = start_update
-    popart_before = None
+    before = None
     try:
         specs = buffer_specs(spec.observation_space, num_actions, args)
         env_options = dict(episodic_life=args.episodic_life, reward_clip=args.reward_clip)
@@ -472,27 +475,29 @@ def main(args: Args):
                     rank == 0 and log.console(global_step, collecting=(ready, pool.batch_size, args.unroll_length))
                 )
             )
-            popart_before = {k: v.clone() for k, v in agent.popart.state_dict().items()}  # the loss moves PopArt
-            optimizer.zero_grad(set_to_none=False)
-            stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks)
-            if world > 1:
-                average_gradients(params, world)
+            before = copy.deepcopy((agent.state_dict(), multipliers.state_dict(), optimizer.state_dict()))
             log_due = rank == 0 and (log.due() or update == num_updates)
-            layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
-            grad_norm = nn.utils.clip_grad_norm_(
-                agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            )
-            where = f"at update {update} (step {update * steps_per_update})"
-            check_finite(where, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+            for epoch in range(args.update_epochs):  # PopArt's statistics move on the first pass only
+                optimizer.zero_grad(set_to_none=False)
+                stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks, epoch == 0)
+                if world > 1:
+                    average_gradients(params, world)
+                layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
+                grad_norm = nn.utils.clip_grad_norm_(
+                    agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                )
+                where = f"at update {update} (step {update * steps_per_update})"
+                check_finite(where, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+                with interrupt.commit():
+                    optimizer.step()
+                    multipliers.project()
             with interrupt.commit():
-                optimizer.step()
-                multipliers.project()
                 stale = (batch["version"][:-1] != pool.version.item()).float().mean()
                 if update % args.target_update_period == 0:
                     pool.publish(agent.state_dict())  # θ_target ← θ_online
                 global_step = update * steps_per_update
                 log.first_update(global_step)
-                done_update, popart_before = update, None
+                done_update, before = update, None
             if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
                 checkpoint(update)
                 last_checkpoint = time.time()
@@ -628,15 +633,17 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
     return out, stats
 
 
-def minibatch_gradients(agent, multipliers, batch, args, chunks):
+def minibatch_gradients(agent, multipliers, batch, args, chunks, move_popart=True):
     """Accumulates the gradient of vmpo_loss over the batch's `chunks` minibatches of columns, one after the
-    other. Returns the stats averaged over them, and the last minibatch's logits and observations."""
+    other (PopArt's statistics moved by each, or by none: a later pass of `--update-epochs`). Returns the stats
+    averaged over them, and the last minibatch's logits and observations."""
     stats = {}
     for cols in torch.arange(batch["obs"].shape[1], device=batch["obs"].device).chunk(chunks):
         mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
         state = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
         logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], state)
-        out, mb_stats = batch_loss(logits, value_features, mb, agent, multipliers, args, args.popart_beta / chunks)
+        beta = args.popart_beta / chunks if move_popart else 0.0
+        out, mb_stats = batch_loss(logits, value_features, mb, agent, multipliers, args, beta)
         (out.loss / chunks).backward()
         for k, v in mb_stats.items():
             stats[k] = stats.get(k, 0) + v / chunks

@@ -403,7 +403,7 @@ TINY = ["--channels", "4", "8", "8", "--lstm-size", "32", "--head-hidden", "32"]
     "extra",
     [
         ["--capture-video", "--target-update-period", "2", "--network", "deep", "--use-lstm"],
-        ["--no-use-lstm", "--network", "shallow", "--channels", "8", "16", "--num-actors", "2"],
+        ["--no-use-lstm", "--network", "shallow", "--channels", "8", "16", "--num-actors", "2", "--update-epochs", "2"],
     ],
     ids=["deep-lstm", "shallow-ff"],
 )
@@ -435,6 +435,9 @@ def test_smoke_breakout(tmp_path, extra):
     assert os.path.isfile(os.path.join(run_path, "videos", "eval_episode_0.png")) == ("--capture-video" in extra)
     if "--target-update-period" in extra:  # 8 updates, refresh every 2
         assert events_tags(run_path, values_of="stats/target_version")[-1] == 4
+    if "--update-epochs" in extra:  # two Adam steps on each of the 8 batches
+        optimizer = torch.load(os.path.join(run_path, "checkpoint.pt"), weights_only=False)["optimizer"]
+        assert {int(state["step"]) for state in optimizer["state"].values()} == {16}
 
 
 @pytest.mark.e2e
