@@ -476,12 +476,12 @@ def main(args: Args):
                 )
             )
             before = copy.deepcopy((agent.state_dict(), multipliers.state_dict(), optimizer.state_dict()))
-            log_due = rank == 0 and (log.due() or update == num_updates)
             for epoch in range(args.update_epochs):  # PopArt's statistics move on the first pass only
                 optimizer.zero_grad(set_to_none=False)
                 stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks, epoch == 0)
                 if world > 1:
                     average_gradients(params, world)
+                log_due = rank == 0 and (log.due() or update == num_updates)
                 layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
                 grad_norm = nn.utils.clip_grad_norm_(
                     agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
