@@ -450,7 +450,7 @@ def main(args: Args):
         return global_step
 
     def save_last():
-        if before is not None:  # the update in progress is dropped, with what its loss did to PopArt
+        if before is not None:  # the update in progress is dropped whole: weights, normalisers, multipliers, Adam
             agent.load_state_dict(before[0])
             multipliers.load_state_dict(before[1])
             optimizer.load_state_dict(before[2])
