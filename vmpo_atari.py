@@ -139,7 +139,7 @@ FAMILY_DEFAULTS = {
         "the CPU Atari settings measured on Breakout-v5 (docs)",
         dict(network="shallow", use_lstm=False, num_envs=32, batch_size=32, num_minibatches=1, unroll_length=20)
         | dict(target_update_period=10, learning_rate=1e-3, multipliers="softplus", dual_learning_rate=1e-2)
-        | dict(episodic_life=True, gamma=0.99),
+        | dict(episodic_life=True, gamma=0.99, update_epochs=4),
     ),
     "classic": (
         "settings measured on CartPole-v1 (docs)",
