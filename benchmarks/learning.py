@@ -379,7 +379,7 @@ def plot(panels, path, title):
         return
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(4.2 * cols, 7.0), 3.2 * rows), squeeze=False)
     for ax, (entry, grid, curves, eval_curve) in zip(axes.flat, panels):
         with np.errstate(all="ignore"):
             import warnings
