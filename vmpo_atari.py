@@ -481,7 +481,7 @@ def main(args: Args):
                 stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks, epoch == 0)
                 if world > 1:
                     average_gradients(params, world)
-                log_due = rank == 0 and (log.due() or update == num_updates)
+                log_due = rank == 0 and epoch == args.update_epochs - 1 and (log.due() or update == num_updates)
                 layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
                 grad_norm = nn.utils.clip_grad_norm_(
                     agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
