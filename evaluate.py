@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from common.envs import UsageError, env_spec
-from common.evaluation import evaluate, expand_env_ids, score_table, write_score_table
+from common.evaluation import evaluate, expand_env_ids, load_run_file, score_table, write_score_table
 
 
 def main(argv=None):
@@ -31,15 +31,22 @@ def main(argv=None):
     )
     p.add_argument("--out", default=None, help="--env-ids: path prefix of the .json/.csv table (<run>/evaluation)")
     a = p.parse_args(argv)
-    if not os.path.isfile(a.model):
-        sys.exit(f"error: no such file: {a.model}")
     if a.episodes < 1:
-        sys.exit(f"error: --episodes must be at least 1, got {a.episodes}")
+        raise UsageError(f"--episodes must be at least 1, got {a.episodes}")
     import torch
 
-    model = torch.load(a.model, map_location="cpu", weights_only=False)
-    sys.path.insert(0, os.getcwd())
-    script = importlib.import_module(model["script"])
+    model = load_run_file(a.model, "model.pt")
+    if "global_step" in model and "args" in model:
+        raise UsageError(f"{a.model} is a checkpoint; evaluate.py plays the model.pt beside it")
+    if "script" not in model or "env_id" not in model:
+        raise UsageError(f"{a.model} is not a model.pt of this project's scripts (no script, env_id)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        script = importlib.import_module(model["script"])
+    except ImportError:
+        raise UsageError(f"{a.model} is a model of {model['script']}.py, which is not beside evaluate.py") from None
+    if not hasattr(script, "make_eval_policy"):
+        raise UsageError(f"{a.model} names {model['script']}, which is not a script of this project")
     device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
     run = os.path.dirname(os.path.abspath(a.model))
 
@@ -56,11 +63,8 @@ def main(argv=None):
 
     if a.env_ids:
         env_ids = expand_env_ids(a.env_ids)
-        try:
-            for e in env_ids:
-                env_spec(e)
-        except UsageError as e:
-            sys.exit(f"error: {e}")
+        for e in env_ids:
+            env_spec(e)
         scores = {e: play(e) for e in env_ids}
         table = score_table(scores)
         print(write_score_table(table, a.out or os.path.join(run, "evaluation")))
@@ -73,4 +77,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as e:  # bad input: one line, exit status 2, as the scripts
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -61,7 +61,7 @@ import torch.nn as nn
 from torch.nn.utils import vector_to_parameters
 
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env, task_family
-from common.evaluation import evaluate
+from common.evaluation import evaluate, load_run_file, resume_checkpoint
 
 
 @dataclass
@@ -1212,17 +1212,13 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
 
 
 def resume_args(args):
-    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
+    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist), the
+    population file it names checked here (memory-mapped) rather than in the population's process."""
     if not args.resume:
         return args, None
-    path = os.path.join(args.resume, "checkpoint.pt")
-    if not os.path.isfile(path):
-        raise UsageError(
-            f"--resume {args.resume}: no checkpoint.pt there (is it a run folder of a run that saved one?)"
-        )
-    resumed = torch.load(path, map_location="cpu", weights_only=False)
-    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
-    return dataclasses.replace(Args(**saved), resume=args.resume), resumed
+    args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args)
+    load_run_file(population_file(args.resume, resumed["t"]), "population file", ("learners", "replay"), mmap=True)
+    return args, resumed
 
 
 def new_run_folder(path: str) -> str:
@@ -1286,7 +1282,7 @@ class RunLog:
         """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
         groups = {g: r[-10:] for g, r in self.groups.items()}
         log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=self.wall())
-        return {**script_state, **log, "args": dataclasses.asdict(self.args)}
+        return {**script_state, **log, "args": dataclasses.asdict(self.args), "script": os.path.basename(__file__)}
 
     def due(self) -> bool:
         return time.time() - self.last_log >= self.args.log_interval

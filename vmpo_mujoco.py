@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env, task_family
-from common.evaluation import evaluate
+from common.evaluation import evaluate, resume_checkpoint
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
 
@@ -1109,16 +1109,7 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
 
 def resume_args(args):
     """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
-    if not args.resume:
-        return args, None
-    path = os.path.join(args.resume, "checkpoint.pt")
-    require(
-        os.path.isfile(path),
-        f"--resume {args.resume}: no checkpoint.pt there (is it a run folder of a run that saved one?)",
-    )
-    resumed = torch.load(path, map_location="cpu", weights_only=False)
-    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
-    return dataclasses.replace(Args(**saved), resume=args.resume), resumed
+    return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
 def new_run_folder(path: str) -> str:
@@ -1177,7 +1168,7 @@ class RunLog:
         """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
         groups, wall = {g: r[-10:] for g, r in self.groups.items()}, self.previous_wall + time.time() - self.start
         log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=wall)
-        return {**script_state, **log, "args": dataclasses.asdict(self.args)}
+        return {**script_state, **log, "args": dataclasses.asdict(self.args), "script": os.path.basename(__file__)}
 
     def due(self) -> bool:
         return time.time() - self.last_log >= self.args.log_interval

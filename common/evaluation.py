@@ -9,6 +9,7 @@ Episodes are played with the evaluation settings (for Atari: no end-of-life epis
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +18,45 @@ import zlib
 
 import numpy as np
 
-from common.envs import EpisodeTracker, make_env
+from common.envs import EpisodeTracker, UsageError, make_env
+
+
+def load_run_file(path: str, kind: str, keys: tuple = (), mmap: bool = False) -> dict:
+    """`torch.load` of a run's checkpoint.pt, model.pt or population file, or a UsageError in one line when it is
+    truncated, not a torch file, or not one of this project's (`keys` missing)."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise UsageError(f"no such file: {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as e:  # truncated: RuntimeError or EOFError; another format: UnpicklingError, ...
+        raise UsageError(
+            f"{path} cannot be read as a {kind} ({type(e).__name__}): it is damaged (a run killed while writing "
+            "it leaves the previous file in place, so a copy or a disk problem did this) or not a torch file"
+        ) from None
+    if not isinstance(obj, dict) or any(k not in obj for k in keys):
+        raise UsageError(f"{path} is not a {kind} of this project's scripts (no {', '.join(keys) or 'dict'})")
+    return obj
+
+
+def resume_checkpoint(folder: str, script: str, cls):
+    """`--resume folder`: the run's arguments (an instance of the script's `cls`) and its checkpoint, or a
+    UsageError: no checkpoint there, a damaged one, or a run of another script."""
+    path = os.path.join(folder, "checkpoint.pt")
+    if not os.path.isfile(path):
+        raise UsageError(f"--resume {folder}: no checkpoint.pt there (is it a run folder of a run that saved one?)")
+    resumed = load_run_file(path, "checkpoint", ("args", "global_step"))
+    other = resumed.get("script", script)
+    unknown = sorted(set(resumed["args"]) - {f.name for f in dataclasses.fields(cls)})
+    if other != script or unknown:
+        hint = f"continue it with python {other} --resume {folder}" if other != script else f"its arguments {unknown}"
+        raise UsageError(
+            f"--resume {folder}: a run of {'another script' if other == script else other}, not of {script}: {hint}"
+        )
+    saved = {k: tuple(v) if isinstance(v, list) else v for k, v in resumed["args"].items()}
+    return dataclasses.replace(cls(**saved), resume=folder), resumed
+
 
 # Atari-57 reference scores (random, human): the table of Mnih et al. (2015) and Badia et al. (2020, Agent57), as
 # used across the literature (e.g. DQN Zoo, Quan and Ostrovski 2020), each the mean game score with up to 30

@@ -487,9 +487,10 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 @pytest.mark.e2e
 def test_learns_inverted_pendulum_with_its_family_defaults(tmp_path):
     """Continuous actions, `--env-id InvertedPendulum-v4` and a 300k-step budget alone (the MuJoCo family: the
-    paper's Sec. 6 settings with a learning rate of 5e-4 and the critic's loss weighted 0.01): the 100-episode mean
-    reaches 800 (seeds 1-3 ended at 100-episode means of 887-944, docs/acer.md; the paper's settings alone
-    reach 527, a random policy 5-10)."""
+    paper's Sec. 6 settings with a learning rate of 5e-4 and the critic's loss weighted 0.01): the best 100-episode
+    mean reaches 650. Hogwild runs differ from run to run even with one seed: this command's best means were 835,
+    967, 889, 974 on free cores and 779 in one CI run (seeds 1-3: 911-944, docs/acer.md); the paper's settings
+    alone reach 527-541, a random policy 5-10."""
     run = run_script(
         "acer.py",
         ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "300000", "--eval-episodes", "0"],
@@ -499,7 +500,7 @@ def test_learns_inverted_pendulum_with_its_family_defaults(tmp_path):
     saved = json.load(open(os.path.join(run, "args.json")))
     assert saved["task_family"] == "mujoco" and saved["learning_rate"] == 5e-4 and saved["value_coef"] == 0.01
     returns = events_tags(run, "charts/episodic_return")
-    assert len(returns) >= 100 and np.convolve(returns, np.ones(100) / 100, mode="valid").max() >= 800
+    assert len(returns) >= 100 and np.convolve(returns, np.ones(100) / 100, mode="valid").max() >= 650
 
 
 @pytest.mark.e2e

@@ -600,7 +600,8 @@ def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, cap
     assert keys <= set(summary) and summary["num_workers"] == 2 and summary["mean_episodic_return_last_100"] == 5.5
     assert json.load(open(os.path.join(log.path, "summary.json"))) == summary
 
-    torch.save({**state, "wall_time_s": 30.0}, os.path.join(log.path, "checkpoint.pt"))
+    torch.save({**state, "wall_time_s": 30.0, "t": 12}, os.path.join(log.path, "checkpoint.pt"))
+    torch.save({"learners": {}, "replay": {}}, os.path.join(log.path, "population.12.pt"))  # p3s checks it
     resumed_args, resumed = resume_args(_run_args(tmp_path, seed=99, resume=log.path))
     assert resumed_args.seed == 3 and resumed_args.hidden == (8, 8) and resumed_args.resume == log.path
     again = RunLog(resumed_args, resumed, "resumed")
@@ -765,3 +766,69 @@ def test_a_script_copied_with_common_into_an_empty_folder_trains_resumes_and_eva
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.load(open(os.path.join(run, "summary.json")))["total_timesteps"] == summary["total_timesteps"]
+
+
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
+def test_resume_of_a_damaged_or_foreign_run_folder_is_one_line(tmp_path, where):
+    """`--resume` of a folder whose checkpoint.pt is truncated, is not a torch file, or is another script's
+    (with its name, or an older one without it): exit status 2 and one `error:` line, before any work."""
+    import dataclasses
+
+    from tests.helpers import assert_usage_error
+
+    module = importlib.import_module(where)
+    other = "a3c" if where != "a3c" else "acer"
+    foreign = {"args": dataclasses.asdict(importlib.import_module(other).Args()), "global_step": 10, "t": 1}
+    own = {"args": dataclasses.asdict(module.Args()), "global_step": 10, "t": 1, "script": f"{where}.py"}
+    cases = {
+        "truncated": (own, lambda b: b[: len(b) // 2], "cannot be read as a checkpoint"),
+        "text": (None, lambda b: b"step 10\n", "cannot be read as a checkpoint"),
+        "named": ({**foreign, "script": f"{other}.py"}, None, f"continue it with python {other}.py --resume"),
+        "older": (foreign, None, "a run of another script"),
+        "not-a-dict": ([1, 2], None, "is not a checkpoint"),
+    }
+    for name, (obj, damage, needle) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        torch.save(obj, folder / "checkpoint.pt")
+        if damage:
+            (folder / "checkpoint.pt").write_bytes(damage((folder / "checkpoint.pt").read_bytes()))
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        assert_usage_error(f"{where}.py", ["--resume", str(folder)], tmp_path / "runs" / name, needle)
+    if where == "p3s_td3":  # its population's file, named by the checkpoint, damaged
+        folder = tmp_path / "population"
+        folder.mkdir()
+        torch.save(own, folder / "checkpoint.pt")
+        (folder / "population.1.pt").write_bytes(b"PK\x03\x04 not a zip")
+        (tmp_path / "runs" / "population").mkdir()
+        needle = "population.1.pt cannot be read as a population file"
+        assert_usage_error("p3s_td3.py", ["--resume", str(folder)], tmp_path / "runs" / "population", needle)
+
+
+def test_evaluation_cli_of_a_damaged_or_wrong_file_is_one_line(tmp_path):
+    """`python evaluate.py` of a truncated model.pt, a text file, a checkpoint.pt, or a model naming no script of
+    this project: exit status 2 and one `error:` line, no traceback."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torch.save({"script": "a3c", "env_id": "CartPole-v1", "weights": torch.zeros(1000)}, tmp_path / "good.pt")
+    (tmp_path / "truncated.pt").write_bytes((tmp_path / "good.pt").read_bytes()[:500])
+    (tmp_path / "text.pt").write_text("not a model\n")
+    torch.save({"args": {}, "global_step": 10, "script": "a3c.py"}, tmp_path / "checkpoint.pt")
+    torch.save({"script": "os", "env_id": "CartPole-v1"}, tmp_path / "foreign.pt")
+    torch.save({"script": "no_such_script", "env_id": "CartPole-v1"}, tmp_path / "missing.pt")
+    cases = {
+        "truncated.pt": "cannot be read as a model.pt",
+        "text.pt": "cannot be read as a model.pt",
+        "checkpoint.pt": "is a checkpoint; evaluate.py plays the model.pt",
+        "foreign.pt": "names os, which is not a script of this project",
+        "missing.pt": "no_such_script.py, which is not beside evaluate.py",
+        "absent.pt": "no such file",
+    }
+    for name, needle in cases.items():
+        out = subprocess.run(
+            [sys.executable, "evaluate.py", str(tmp_path / name)], cwd=root, capture_output=True, text=True, timeout=120
+        )
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), out.stderr
+        assert needle in lines[0], out.stderr
