@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from common.envs import (
     EpisodeTracker,
     UsageError,
+    check_render,
     env_spec,
     flat_obs_dim,
     flatten_obs,
@@ -88,7 +89,7 @@ class Args:
     lstm_size: int = 0  # LSTM cells; 0: 256 pixels (Sec. 5.1), 128 vectors (Supp. 9)
     hidden: int = 200  # ReLU units of the hidden layer for vector observations (Supp. 9)
     save_model: bool = False  # write model.pt (weights, observation statistics) in the run folder
-    capture_video: bool = False  # record the first evaluation episode (an animated PNG; Atari and classic control)
+    capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
     run_dir: str = "runs"  # folder of the run folders
     log_interval: float = 5.0  # seconds between console progress lines
@@ -546,19 +547,8 @@ def check_args(args):
             raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     if args.hidden < 1:
         raise UsageError(f"--hidden must be at least 1, got {args.hidden}")
-    if not discrete:
-        if len(spec.action_space.shape) != 1:
-            raise UsageError(
-                f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a "
-                "vector or a discrete set"
-            )
-        if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
-            raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
-        if args.capture_video:
-            raise UsageError(
-                "--capture-video is not available for continuous control: envpool renders MuJoCo only "
-                "with an OpenGL context, which it does not create; leave the flag out"
-            )
+    if args.capture_video:
+        check_render(args.env_id)
     pixels = is_atari(args.env_id)
     obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     lstm_size = (args.lstm_size or (256 if pixels else 128)) if args.lstm else 0

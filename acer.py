@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from common.envs import (
     EpisodeTracker,
     UsageError,
+    check_render,
     env_spec,
     flat_obs_dim,
     flatten_obs,
@@ -766,19 +767,8 @@ def check_args(args):
             "--cuda is not available in acer.py: its workers share parameters in CPU memory (the "
             "paper's ACER runs on CPU threads); leave the flag out"
         )
-    if not discrete:
-        if len(spec.action_space.shape) != 1:
-            raise UsageError(
-                f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a "
-                "vector or a discrete set"
-            )
-        if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
-            raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
-        if args.capture_video:
-            raise UsageError(
-                "--capture-video is not available for continuous control: envpool renders MuJoCo only "
-                "with an OpenGL context, which it does not create; leave the flag out"
-            )
+    if args.capture_video:
+        check_render(args.env_id)
     derived = dict(
         k=args.k or (20 if discrete else 50),
         replay_size=args.replay_size or (50_000 if discrete else 5_000),

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from common.envs import UsageError, env_spec
+from common.envs import UsageError, check_render, env_spec
 from common.evaluation import evaluate, expand_env_ids, load_run_file, score_table, write_score_table
 
 
@@ -36,7 +36,7 @@ def main(argv=None):
     import torch
 
     model = load_run_file(a.model, "model.pt")
-    if "global_step" in model and "args" in model:
+    if "returns" in model and "wall_time_s" in model:  # RunLog.state's
         raise UsageError(f"{a.model} is a checkpoint; evaluate.py plays the model.pt beside it")
     if "script" not in model or "env_id" not in model:
         raise UsageError(f"{a.model} is not a model.pt of this project's scripts (no script, env_id)")
@@ -47,6 +47,8 @@ def main(argv=None):
         raise UsageError(f"{a.model} is a model of {model['script']}.py, which is not beside evaluate.py") from None
     if not hasattr(script, "make_eval_policy"):
         raise UsageError(f"{a.model} names {model['script']}, which is not a script of this project")
+    if a.capture_video:
+        check_render(model["env_id"])
     device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
     run = os.path.dirname(os.path.abspath(a.model))
 

@@ -60,7 +60,16 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import vector_to_parameters
 
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env, task_family
+from common.envs import (
+    EpisodeTracker,
+    UsageError,
+    check_render,
+    env_spec,
+    flat_obs_dim,
+    flatten_obs,
+    make_env,
+    task_family,
+)
 from common.evaluation import evaluate, load_run_file, resume_checkpoint
 
 
@@ -102,7 +111,7 @@ class Args:
     hidden: tuple[int, ...] = (400, 300)  # hidden layers of the policy and each Q-function, ReLU (App. I)
     reward_delay: int = 0  # f_reward: rewards given every f_reward steps or at the episode's end (Sec. 4.2: 20)
     save_model: bool = False  # write model.pt (every learner's policy, the best one first) in the run folder
-    capture_video: bool = False  # record the first evaluation episode (an animated PNG; classic control only)
+    capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes per learner; the score is the best learner's mean (Sec. 4.1)
     eval_interval: int = 4000  # R_eval, steps of all learners between evaluations (Sec. 4.1); 0: only at the end
     run_dir: str = "runs"  # folder of the run folders
@@ -886,13 +895,6 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
     spec = env_spec(args.env_id, discrete=False)
-    if len(spec.action_space.shape) != 1:
-        raise UsageError(
-            f"{args.env_id} does not have a vector of continuous actions; this script needs one "
-            "(e.g. HalfCheetah-v4, Pendulum-v1)"
-        )
-    if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
-        raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
     for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -935,11 +937,8 @@ def check_args(args):
             f"{t_initial} x {args.num_learners} learners x {args.num_envs} envs, --learning-starts "
             f"{learning_starts}); give more, or a smaller --t-initial or --learning-starts"
         )
-    if args.capture_video and not env_id_renders(args.env_id):
-        raise UsageError(
-            "--capture-video is available for classic control (e.g. Pendulum-v1) only: envpool renders "
-            "MuJoCo only with an OpenGL context, which it does not create; leave the flag out"
-        )
+    if args.capture_video:
+        check_render(args.env_id)
     return spec, dict(**derived, d_min=d_min, obs_dim=flat_obs_dim(spec), action_dim=int(spec.action_space.shape[0]))
 
 
@@ -947,10 +946,6 @@ def first_update_step(args):
     """The step of all learners together after which the updates start (about: envpool's reset steps store no
     row): when D holds `learning_starts` rows, or after the random phase when it is 0."""
     return args.learning_starts if args.learning_starts > 0 else args.num_learners * args.num_envs * args.t_initial
-
-
-def env_id_renders(env_id):
-    return env_id.split("-")[0] in ("Pendulum", "MountainCarContinuous")
 
 
 STOPPING = "interrupted: a checkpoint at the next selection (every {} steps), then stop (Ctrl-C again: stop now)"

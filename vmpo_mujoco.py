@@ -53,7 +53,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env, task_family
+from common.envs import (
+    EpisodeTracker,
+    UsageError,
+    check_render,
+    env_spec,
+    flat_obs_dim,
+    flatten_obs,
+    make_env,
+    task_family,
+)
 from common.evaluation import evaluate, resume_checkpoint
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
@@ -97,7 +106,7 @@ class Args:
     head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
     init_std: float = 0.5  # initial policy standard deviation in [-1, 1] action units (not in the paper)
     save_model: bool = False  # write model.pt (weights, observation and PopArt statistics) in the run folder
-    capture_video: bool = False  # not available for MuJoCo (envpool renders it only with an OpenGL context)
+    capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
     run_dir: str = "runs"  # folder of the run folders
     log_interval: float = 5.0  # seconds between console progress lines
@@ -600,8 +609,6 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 def check_args(args):
     """Bad input: one clear line before any work (UsageError)."""
     spec = env_spec(args.env_id, discrete=False)
-    if len(spec.action_space.shape) != 1:
-        raise UsageError(f"{args.env_id} has actions of shape {spec.action_space.shape}; this script needs a vector")
     check_actor_args(args)
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
@@ -623,12 +630,7 @@ def check_args(args):
     if not args.hidden or min(args.hidden) < 1:
         raise UsageError(f"--hidden takes one or more positive layer sizes, got {args.hidden}")
     if args.capture_video:
-        raise UsageError(
-            "--capture-video is not available for continuous control: envpool renders MuJoCo only "
-            "with an OpenGL context, which it does not create; leave the flag out"
-        )
-    if not (np.all(np.isfinite(spec.action_space.low)) and np.all(np.isfinite(spec.action_space.high))):
-        raise UsageError(f"{args.env_id} has an unbounded action space; this script needs a box")
+        check_render(args.env_id)
     return spec
 
 
@@ -1198,13 +1200,15 @@ class RunLog:
         self.last_log = now
 
     def end(self, model: dict, end_time: float, device) -> dict:
-        """model.pt (with `--save-model`), the evaluation, summary.json."""
+        """model.pt (with `--save-model`), the evaluation (the first episode filmed with `--capture-video`),
+        summary.json."""
         step, n, eval_mean, steady = model["global_step"], self.args.eval_episodes, None, None
         if self.args.save_model:
             torch.save(model, os.path.join(self.path, "model.pt"))
         if n > 0:
             policy = lambda k: make_eval_policy(model, k, str(device))  # noqa: E731
-            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000)))
+            film = self.path if self.args.capture_video else None
+            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000, film)))
             self.scalars({"charts/eval_return": eval_mean}, step)
             print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
         if self.first is not None and end_time > self.first[0] and step > self.first[1]:

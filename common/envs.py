@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import ctypes
 import difflib
 import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
 
 # Gymnasium warns that envpool's float64 MuJoCo bounds get cast to float32; nothing to act on.
 warnings.filterwarnings("ignore", message=".*precision lowered by casting.*")
+
+# envpool draws MuJoCo (Gym and dm_control) offscreen, for `--capture-video`, through a libEGL that the process
+# loaded before envpool itself (Mesa's draws on the CPU where there is no GPU); without one it ends the process
+# from C. So it is loaded here, first, where present; frames are 240 x 240.
+EGL_LIBRARY, MUJOCO_FRAME = "libEGL.so.1", 240
+try:
+    EGL_LOADED = "envpool" not in sys.modules and bool(ctypes.CDLL(EGL_LIBRARY, mode=ctypes.RTLD_GLOBAL))
+except OSError:
+    EGL_LOADED = False
 
 
 class UsageError(Exception):
@@ -42,6 +54,10 @@ def env_spec(env_id: str, discrete: bool | None = None):
             f"{env_id} has discrete actions; this script needs a continuous-action env "
             "(e.g. HalfCheetah-v4, Pendulum-v1)"
         )
+    if not is_discrete and len(spec.action_space.shape) != 1:
+        raise UsageError(f"{env_id} has actions of shape {spec.action_space.shape}; the scripts need a vector")
+    if not is_discrete and not (np.isfinite(spec.action_space.low).all() and np.isfinite(spec.action_space.high).all()):
+        raise UsageError(f"{env_id} has an unbounded action space; the scripts need a box")
     return spec
 
 
@@ -71,6 +87,30 @@ def task_family(env_id: str) -> str:
     defaults a script takes for `env_id` (a UsageError for an unknown id)."""
     kind = type(env_spec(env_id)).__name__
     return "atari" if kind.startswith("Atari") else "mujoco" if kind.startswith(("Gym", "Dmc")) else "classic"
+
+
+def check_render(env_id: str) -> None:
+    """`--capture-video`: for a MuJoCo task, one frame drawn in a child process first (a failure there cannot end
+    this one), or a UsageError saying what to install."""
+    if task_family(env_id) != "mujoco":
+        return
+    if not EGL_LOADED:
+        raise UsageError(
+            f"--capture-video of {env_id}: envpool was imported before common.envs could load {EGL_LIBRARY}, "
+            "or this machine has none (install Mesa's EGL, e.g. apt install libegl1, or a GPU driver)"
+        )
+    probe = (
+        f"import ctypes; ctypes.CDLL({EGL_LIBRARY!r}, mode=ctypes.RTLD_GLOBAL); import envpool; "
+        f"e = envpool.make({env_id!r}, env_type='gymnasium', num_envs=1, render_mode='rgb_array', "
+        "render_width=8, render_height=8); e.reset(); assert e.render().shape == (1, 8, 8, 3)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        why = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        raise UsageError(
+            f"--capture-video of {env_id} draws with offscreen OpenGL (EGL), which failed here ({why}): install "
+            "Mesa's EGL (e.g. apt install libegl1) or a GPU driver, or leave the flag out"
+        )
 
 
 def make_env(
@@ -117,6 +157,8 @@ def make_env(
         )
     if render:
         kwargs["render_mode"] = "rgb_array"
+        if task_family(env_id) == "mujoco":
+            kwargs.update(render_width=MUJOCO_FRAME, render_height=MUJOCO_FRAME)
     return envpool.make(env_id, **kwargs)
 
 

@@ -13,8 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import struct
-import zlib
 
 import numpy as np
 
@@ -231,32 +229,12 @@ def evaluate(
 
 
 def write_apng(path: str, frames: list, fps: int = 30) -> None:
-    """Writes RGB frames `[H, W, 3]` uint8 as an animated PNG (plays in any web browser); needs no codec."""
+    """Writes RGB frames `[H, W, 3]` uint8 as an animated PNG (plays in any web browser; no codec needed)."""
+    from PIL import Image  # Pillow: envpool's own dependency
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    h, w = frames[0].shape[:2]
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    out = [
-        b"\x89PNG\r\n\x1a\n",
-        chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)),
-        chunk(b"acTL", struct.pack(">II", len(frames), 0)),
-    ]
-    seq = 0
-    for i, frame in enumerate(frames):
-        out.append(chunk(b"fcTL", struct.pack(">IIIIIHHBB", seq, w, h, 0, 0, 1, fps, 0, 0)))
-        seq += 1
-        raw = np.concatenate([np.zeros((h, 1), np.uint8), np.ascontiguousarray(frame).reshape(h, w * 3)], 1)
-        data = zlib.compress(raw.tobytes(), 6)
-        if i == 0:
-            out.append(chunk(b"IDAT", data))
-        else:
-            out.append(chunk(b"fdAT", struct.pack(">I", seq) + data))
-            seq += 1
-    out.append(chunk(b"IEND", b""))
-    with open(path, "wb") as f:
-        f.write(b"".join(out))
+    images = [Image.fromarray(np.ascontiguousarray(f)) for f in frames]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=1000 / fps, loop=0)
 
 
 def recurrent_policy(agent, num_envs, device="cpu", greedy=False, reward_clip=False):

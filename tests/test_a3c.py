@@ -412,7 +412,6 @@ def test_smoke_halfcheetah(tmp_path):
         (["--env-id", "CartPole-v1", "--t-max", "-1"], "--t-max"),
         (["--env-id", "CartPole-v1", "--total-timesteps", "3"], "less than one rollout"),
         (["--env-id", "CartPole-v1", "--rmsprop-alpha", "1"], "--rmsprop-alpha"),
-        (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
         (["--env-id", "CartPole-v1", "--hidden", "0"], "--hidden"),
         (["--resume", "runs/no-such-run"], "--resume"),
     ],

@@ -415,7 +415,6 @@ def test_smoke_breakout(tmp_path):
     [
         (["--env-id", "Breakout-v9"], "unknown env id"),
         (["--env-id", "HalfCheetah-v4", "--replay-ratio", "0"], "replay only"),
-        (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
         (["--env-id", "CartPole-v1", "--cuda"], "--cuda"),
         (["--env-id", "CartPole-v1", "--k", "-1"], "--k"),
         (["--env-id", "CartPole-v1", "--no-poisson-replay", "--replay-ratio", "2.5"], "--replay-ratio"),

@@ -1,11 +1,11 @@
 """common/ (networks, envs, evaluation helpers) and the plumbing every script carries (tested in each copy)."""
 
+import ctypes.util
 import importlib
 import math
+import re
 import os
-import struct
 import sys
-import zlib
 
 import numpy as np
 import pytest
@@ -121,27 +121,46 @@ def test_env_checks():
         env_spec("CartPole-v1", discrete=False)
 
 
+def test_env_spec_refuses_continuous_actions_that_are_not_a_bounded_vector(monkeypatch):
+    """Every script's policy is a vector in a box: another shape, or an infinite bound, is one line."""
+    import gymnasium
+
+    import common.envs
+
+    real = common.envs._envpool().make_spec
+
+    def with_space(space):
+        def make_spec(env_id):
+            spec = real(env_id)
+            monkeypatch.setattr(type(spec), "action_space", property(lambda self: space), raising=False)
+            return spec
+
+        return make_spec
+
+    assert env_spec("Hopper-v4", discrete=False).action_space.shape == (3,)
+    for space, needle in [
+        (gymnasium.spaces.Box(-1.0, 1.0, (2, 3)), "actions of shape (2, 3)"),
+        (gymnasium.spaces.Box(-np.inf, 1.0, (3,)), "unbounded action space"),
+    ]:
+        monkeypatch.setattr(common.envs._envpool(), "make_spec", with_space(space))
+        for discrete in (False, None):
+            with pytest.raises(UsageError, match=re.escape(needle)):
+                env_spec("Hopper-v4", discrete=discrete)
+
+
 def test_apng_is_a_valid_animated_png(tmp_path):
     frames = [np.full((6, 5, 3), i * 40, np.uint8) for i in range(3)]
     path = os.path.join(tmp_path, "v", "a.png")
     write_apng(path, frames)
+    from PIL import Image, ImageSequence
+
     data = open(path, "rb").read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        n, kind = struct.unpack(">I4s", data[pos : pos + 8])
-        body = data[pos + 8 : pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n : pos + 12 + n])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
-        chunks.append((kind, body))
-        pos += 12 + n
-    kinds = [k for k, _ in chunks]
-    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND"
-    assert struct.unpack(">II", chunks[1][1]) == (3, 0) and kinds.count(b"fcTL") == 3
-    first = zlib.decompress(dict(chunks)[b"IDAT"])
-    assert len(first) == 6 * (1 + 5 * 3) and first[1] == 0
-    last = zlib.decompress([b for k, b in chunks if k == b"fdAT"][-1][4:])
-    assert last[1] == 80
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"acTL" in data and b"fdAT" in data  # animated, not a still
+    with Image.open(path) as video:
+        assert video.format == "PNG" and video.n_frames == 3 and video.size == (5, 6)
+        played = [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(video)]
+    for frame, shown in zip(frames, played):
+        assert np.array_equal(frame, shown)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -814,7 +833,8 @@ def test_evaluation_cli_of_a_damaged_or_wrong_file_is_one_line(tmp_path):
     torch.save({"script": "a3c", "env_id": "CartPole-v1", "weights": torch.zeros(1000)}, tmp_path / "good.pt")
     (tmp_path / "truncated.pt").write_bytes((tmp_path / "good.pt").read_bytes()[:500])
     (tmp_path / "text.pt").write_text("not a model\n")
-    torch.save({"args": {}, "global_step": 10, "script": "a3c.py"}, tmp_path / "checkpoint.pt")
+    checkpoint = {"args": {}, "global_step": 10, "returns": [], "wall_time_s": 1.0, "script": "a3c.py"}  # RunLog.state
+    torch.save(checkpoint, tmp_path / "checkpoint.pt")
     torch.save({"script": "os", "env_id": "CartPole-v1"}, tmp_path / "foreign.pt")
     torch.save({"script": "no_such_script", "env_id": "CartPole-v1"}, tmp_path / "missing.pt")
     cases = {
@@ -832,3 +852,69 @@ def test_evaluation_cli_of_a_damaged_or_wrong_file_is_one_line(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), out.stderr
         assert needle in lines[0], out.stderr
+
+
+def test_check_render_names_what_to_install_when_egl_is_missing(monkeypatch):
+    """Without a usable libEGL, `--capture-video` of a MuJoCo task is one line before any work (the probe runs in a
+    child, so a failure cannot end this process); classic control and Atari render without it."""
+    import common.envs
+
+    monkeypatch.setattr(common.envs, "EGL_LIBRARY", "libEGL-not-installed.so.1")
+    with pytest.raises(UsageError, match="apt install libegl1"):
+        common.envs.check_render("InvertedPendulum-v4")
+    common.envs.check_render("Pendulum-v1")  # no OpenGL needed
+    common.envs.check_render("Pong-v5")
+
+
+@pytest.mark.skipif(ctypes.util.find_library("EGL") is None, reason="no libEGL (Mesa's or a GPU driver's)")
+@pytest.mark.parametrize("env_id", ["Hopper-v4", "CheetahRun-v1"])
+def test_envpool_renders_mujoco_once_egl_is_loaded(env_id):
+    """envpool draws MuJoCo (Gym and dm_control) offscreen with the libEGL this process has loaded, which
+    `make_env(render=True)` loads (undocumented envpool behaviour, so pinned here): frames of the set size, a lit
+    scene (not blank), and a scene that moves as the env steps."""
+    from common.envs import MUJOCO_FRAME, check_render
+
+    check_render(env_id)
+    env = make_env(env_id, 2, 0, training=False, render=True)
+    env.reset()
+    first = env.render()
+    assert first.shape == (1, MUJOCO_FRAME, MUJOCO_FRAME, 3) and first.dtype == np.uint8 and first.std() > 10
+    for _ in range(20):
+        env.step(np.stack([env.action_space.sample() for _ in range(2)]))
+    assert np.abs(env.render().astype(int) - first).mean() > 0.1
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(ctypes.util.find_library("EGL") is None, reason="no libEGL (Mesa's or a GPU driver's)")
+@pytest.mark.parametrize("where", ["a3c", "acer", "p3s_td3", "vmpo_mujoco"])
+def test_capture_video_of_a_mujoco_task(tmp_path, where):
+    """`--capture-video` on InvertedPendulum-v4: the run's first evaluation episode as an animated PNG of
+    MuJoCo frames; and `evaluate.py --capture-video` of the saved model writes one too."""
+    import subprocess
+
+    from PIL import Image
+
+    from common.envs import MUJOCO_FRAME
+    from tests.helpers import ROOT, run_script
+
+    tiny = {
+        "a3c": ["--num-workers", "2", "--num-envs", "2", "--total-timesteps", "2000"],
+        "acer": ["--num-workers", "2", "--total-timesteps", "400"],
+        "p3s_td3": ["--num-learners", "1", "--total-timesteps", "600", "--t-initial", "200", "--learning-starts", "0"],
+        "vmpo_mujoco": ["--total-timesteps", "800", "--num-envs", "4", "--batch-size", "4", "--unroll-length", "20"],
+    }[where]
+    flags = ["--env-id", "InvertedPendulum-v4", *tiny, "--eval-episodes", "1", "--capture-video", "--save-model"]
+    run = run_script(f"{where}.py", flags, tmp_path)
+    video = os.path.join(run, "videos", "eval_episode_0.png")
+
+    def check(path):
+        with Image.open(path) as v:
+            assert v.size == (MUJOCO_FRAME, MUJOCO_FRAME) and v.n_frames >= 2
+            assert np.asarray(v.convert("RGB")).std() > 10  # the pole and the rail, not a blank frame
+
+    check(video)
+    os.remove(video)
+    cmd = [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", "1", "--capture-video"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    check(video)

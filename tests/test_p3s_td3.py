@@ -728,7 +728,6 @@ def test_smoke_one_learner_is_td3_with_video(tmp_path):
     [
         (["--env-id", "HalfCheetah-v9"], "unknown env id"),
         (["--env-id", "CartPole-v1"], "discrete actions"),
-        (["--env-id", "HalfCheetah-v4", "--capture-video"], "--capture-video"),
         (["--env-id", "Pendulum-v1", "--num-learners", "0"], "--num-learners"),
         (["--env-id", "Pendulum-v1", "--num-learners", "4", "--buffer-size", "300"], "--buffer-size"),
         (

@@ -460,7 +460,6 @@ def test_smoke_torchrun_two_learners(tmp_path):
     [
         (["--env-id", "HalfCheetah-v9"], "unknown env id"),
         (["--env-id", "CartPole-v1"], "discrete actions"),
-        (["--env-id", "Pendulum-v1", "--capture-video"], "--capture-video"),
         (["--env-id", "Pendulum-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
         (["--env-id", "Pendulum-v1", "--eps-alpha-sigma", "0"], "--eps-alpha-sigma"),
         (["--env-id", "Pendulum-v1", "--total-timesteps", "10"], "less than one batch"),
