@@ -1166,31 +1166,17 @@ def family_key(args, table) -> str:
     return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
 
 
-def given_flags(argv) -> set:
-    """The `Args` fields a command line sets (`--num-envs 4`, `--num-envs=4`, `--no-lstm`)."""
-    names = {t[2:].split("=", 1)[0].replace("-", "_") for t in argv if t.startswith("--") and len(t) > 2}
-    return names | {n[3:] for n in names if n.startswith("no_")}
+def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
+    """tyro's flags over the family's defaults, or under `--preset paper` over the text's reading where the
+    authors' code departs from it (`PAPER_TEXT`): a flag given wins, `--help` shows the values a run would take;
+    none on `--resume` (the run keeps its own arguments)."""
+    import tyro
 
-
-def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
-    """`args` with its family's defaults where the command line set nothing (none under `--preset paper`, or on
-    `--resume`: the run keeps its own arguments)."""
-    if args.preset == "paper" or args.resume:
-        return args
-    overrides, given = (
-        table.get(family_key(args, table), (PAPER, {}))[1],
-        given_flags(sys.argv[1:] if argv is None else argv),
-    )
-    return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
-
-
-def with_paper_text(args, argv=None):
-    """Under `--preset paper`, the text's reading where the authors' code (the defaults) departs from it
-    (`PAPER_TEXT`); a flag the user gives still wins."""
-    if args.preset != "paper" or args.resume:
-        return args
-    given = given_flags(sys.argv[1:] if argv is None else argv)
-    return dataclasses.replace(args, **{k: v for k, v in PAPER_TEXT.items() if k not in given})
+    argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
+    first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
+    family = {} if first.resume or first.preset == "paper" else table.get(family_key(first, table), (PAPER, {}))[1]
+    overrides = PAPER_TEXT if first.preset == "paper" and not first.resume else family
+    return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
@@ -1328,10 +1314,8 @@ class RunLog:
 
 def cli():
     """tyro's flags, the family's defaults for the flags not given, bad input as one line (exit status 2)."""
-    import tyro
-
     try:
-        main(with_paper_text(with_family_defaults(tyro.cli(Args))))
+        main(parse_args())
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -694,25 +694,23 @@ def saved_model(args, spec, agent, multipliers, global_step):
     }
 
 
-def parse_args(argv=None):
-    """`tyro` over `Args`; then, for every field the command line did not set, the task's Table 7 column and,
-    unless `--preset paper`, its family's defaults."""
+def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
+    """tyro's flags over the task's Table 7 column and, unless `--preset paper`, its family's defaults: a flag
+    given wins, `--help` shows the values a run would take; none on `--resume` (the run keeps its own arguments)."""
     import tyro
 
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     values = [b for a, b in zip(argv, argv[1:]) if a == "--preset"] + [
         a.split("=", 1)[1] for a in argv if a.startswith("--preset=")
     ]
     for value in values:  # one clear line rather than tyro's box
         if value not in ("family", "paper"):
             raise UsageError(f"--preset {value!r} is not one of family, paper")
-    args = tyro.cli(Args, args=argv)
-    if args.resume:
-        return args
-    given = given_flags(argv)
-    column = TABLE7_COLUMNS[table7_column(args.env_id)]
-    args = dataclasses.replace(args, **{k: v for k, v in column.items() if k not in given})
-    return with_family_defaults(args, FAMILY_DEFAULTS, argv)
+    first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
+    overrides = {} if first.resume else dict(TABLE7_COLUMNS[table7_column(first.env_id)])
+    if not first.resume and first.preset != "paper":
+        overrides.update(table.get(family_key(first, table), (PAPER, {}))[1])
+    return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
 def average_gradients(params, world: int) -> None:
@@ -1076,24 +1074,6 @@ def family_key(args, table) -> str:
     family = task_family(args.env_id)
     gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
     return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
-
-
-def given_flags(argv) -> set:
-    """The `Args` fields a command line sets (`--num-envs 4`, `--num-envs=4`, `--no-use-lstm`)."""
-    names = {t[2:].split("=", 1)[0].replace("-", "_") for t in argv if t.startswith("--") and len(t) > 2}
-    return names | {n[3:] for n in names if n.startswith("no_")}
-
-
-def with_family_defaults(args, table=FAMILY_DEFAULTS, argv=None):
-    """`args` with its family's defaults where the command line set nothing (none under `--preset paper`, or on
-    `--resume`: the run keeps its own arguments)."""
-    if args.preset == "paper" or args.resume:
-        return args
-    overrides, given = (
-        table.get(family_key(args, table), (PAPER, {}))[1],
-        given_flags(sys.argv[1:] if argv is None else argv),
-    )
-    return dataclasses.replace(args, **{k: v for k, v in overrides.items() if k not in given})
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:

@@ -563,9 +563,7 @@ def test_task_defaults_follow_the_authors_code_and_appendix_i():
 
 def resolved(argv):
     """The arguments a run takes from `argv`: family or paper defaults, then the values derived from the task."""
-    import tyro
-
-    args = p3s_td3.with_paper_text(p3s_td3.with_family_defaults(tyro.cli(Args, args=argv), argv=argv), argv=argv)
+    args = p3s_td3.parse_args(argv)
     return p3s_td3.check_args(args)[1], args
 
 

@@ -220,9 +220,7 @@ def test_cpu_atari_multipliers_reach_their_constraints_within_a_few_hundred_upda
     without running away from it, and η must move by more than 0.1. The paper's form leaves α above 4.8 here."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    args = vmpo_atari.with_family_defaults(
-        vmpo_atari.Args(env_id="Breakout-v5", cuda=False), vmpo_atari.FAMILY_DEFAULTS, []
-    )
+    args = vmpo_atari.parse_args(["--env-id", "Breakout-v5", "--no-cuda"])
     assert args.network == "shallow" and not args.use_lstm  # the CPU family's agent
     batch = breakout_unrolls(8, args.unroll_length)
     agent = vmpo_atari.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm, init=args.init)
@@ -257,9 +255,7 @@ def test_cpu_atari_defaults_reach_the_trust_region_within_two_target_periods():
     ε_α. One step per batch gives about 4e-4 there."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    args = vmpo_atari.with_family_defaults(
-        vmpo_atari.Args(env_id="Breakout-v5", cuda=False), vmpo_atari.FAMILY_DEFAULTS, []
-    )
+    args = vmpo_atari.parse_args(["--env-id", "Breakout-v5", "--no-cuda"])
     batch = breakout_unrolls(8, args.unroll_length)
     agent = vmpo_atari.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm, init=args.init)
     multipliers = vmpo_atari.LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier)
