@@ -32,13 +32,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import math
 import os
 import queue
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Literal
 
@@ -356,15 +356,16 @@ def main(args: Args):
     ctx = torch.multiprocessing.get_context("spawn")
     counter, obs_lock, msg_q = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    procs = [
-        ctx.Process(
-            target=worker,
-            name=f"worker-{w}",
-            daemon=True,
-            args=(train_worker, w, msg_q, w, args, agent, optimizer, counter, obs_lock, msg_q, os.getpid()),
-        )
-        for w in range(args.num_workers)
-    ]
+    work = (
+        train_worker,
+        range(args.num_workers),
+        args,
+        agent,
+        optimizer,
+        counter,
+        obs_lock,
+        msg_q,
+    )  # what each worker process runs
 
     def checkpoint():
         """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
@@ -377,7 +378,7 @@ def main(args: Args):
         save_atomic(state, os.path.join(log.path, "checkpoint.pt"))
         return step
 
-    serve_workers(procs, msg_q, log, steps, checkpoint)
+    serve_workers(work, msg_q, log, steps, checkpoint)
     end_time = time.time()
     global_step = checkpoint()
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
@@ -421,7 +422,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 # The actor-learner workers and the process that watches them.
 
 
-def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, parent_pid):
+def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q):
     """Algorithm S3 for one actor-learner thread, here a process: sync, act t_max steps, update the shared θ."""
     n, T = args.num_envs, args.t_max
     torch.manual_seed(args.seed + worker_id)
@@ -445,7 +446,6 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q, p
     shared_tensors = list(shared.parameters()) + list(shared.buffers())
     last_report = 0.0
     while counter.value < args.total_timesteps:
-        exit_if_orphaned(parent_pid)
         with torch.no_grad():  # θ' ← θ (the observation statistics come along)
             for dst, src in zip(local_tensors, shared_tensors):
                 dst.copy_(src)
@@ -586,23 +586,18 @@ def saved_model(args, spec, agent, global_step):
 # failures, the task family's defaults. No equation below.
 
 
-def serve_workers(procs, msg_q, log, steps, checkpoint) -> None:
-    """The main process: starts the workers and serves them until each has sent `("done", w)`: their episodes
-    `("episode", w, step, return, length)` and stats `("stats", w, step, {tag: value})` to the log, the console
-    line, a checkpoint every --checkpoint-interval seconds (`checkpoint()` saves the shared state, returns its step).
-    A failed worker or a non-finite value: the error line, the workers stopped, exit 1. Ctrl-C or SIGTERM: the
-    workers stopped, a checkpoint and how to continue, exit 130."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
+def serve_workers(work, msg_q, log, steps, checkpoint) -> None:
+    """The main process: starts the workers (`start_workers(*work)`) and serves them until each has sent
+    `("done", w)`: their episodes `("episode", w, step, return, length)` and stats `("stats", w, step, {tag:
+    value})` to the log, the console line, a checkpoint every --checkpoint-interval seconds (`checkpoint()` saves
+    the shared state, returns its step). A failed worker or a non-finite value: the error line, the workers
+    stopped, exit 1. Ctrl-C or SIGTERM: the workers stopped, a checkpoint and how to continue, exit 130."""
     for s in (signal.SIGINT, signal.SIGTERM):  # set explicitly: also where the shell started us ignoring Ctrl-C
-        signal.signal(s, interrupt)
-    done, last_checkpoint = set(), time.time()
+        signal.signal(s, signal.default_int_handler)
+    done, last_checkpoint, workers = set(), time.time(), None
     try:
-        for p in procs:
-            p.start()
-        while len(done) < len(procs):
+        workers = start_workers(*work)
+        while len(done) < len(workers.processes):
             with contextlib.suppress(queue.Empty):
                 msg = msg_q.get(timeout=0.2)
                 if msg[0] == "episode":
@@ -611,9 +606,7 @@ def serve_workers(procs, msg_q, log, steps, checkpoint) -> None:
                     log.scalars(msg[3], msg[2])
                 elif msg[0] == "done":
                     done.add(msg[1])
-                else:
-                    raise WorkerError(f"worker {msg[1]} failed:\n{msg[2]}")
-            check_workers(procs, msg_q, "worker")
+            check_workers(workers, "worker")
             if steps.value > 0:
                 log.first_update(steps.value)
             if 0 < log.args.checkpoint_interval <= time.time() - last_checkpoint and steps.value > log.start_step:
@@ -625,66 +618,58 @@ def serve_workers(procs, msg_q, log, steps, checkpoint) -> None:
         print(f"error: {e}", file=sys.stderr, flush=True)
         if "NonFiniteError" in f"{type(e).__name__} {e}":
             print(non_finite_advice(log.path), file=sys.stderr, flush=True)
-        stop_workers(procs)
+        stop_workers(workers)
         sys.exit(1)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
         print("interrupted: stopping workers", file=sys.stderr, flush=True)
-        stop_workers(procs)
+        if workers is not None:
+            stop_workers(workers)
         if steps.value > log.start_step:
             step, script = checkpoint(), os.path.basename(__file__)
             print(f"checkpoint at step {step}: continue with python {script} --resume {log.path}", file=sys.stderr)
         sys.exit(130)
-    for p in procs:
+    for p in workers.processes:
         p.join()
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed: its traceback, or its exit code when no traceback came."""
+    """A worker process raised (its traceback) or died (its exit code)."""
 
 
-class ParentGone(Exception):
-    """The main process has died (SIGKILL): its workers exit by themselves."""
-
-
-def exit_if_orphaned(parent_pid: int) -> None:
-    if os.getppid() != parent_pid:
-        raise ParentGone
-
-
-def worker(target, name, msg_q, *args):
-    """A worker process: Ctrl-C is the main process's to handle, one torch thread, a failure reported with its
-    traceback."""
+def run_worker(i, target, per_worker, *args):
+    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
+    Ctrl-C is its learner's to handle, it dies with its learner, one torch thread."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
+    if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
-        target(*args)
-    except ParentGone:
-        msg_q.cancel_join_thread()
-    except Exception:
-        msg_q.put(("error", name, traceback.format_exc()))
-        sys.exit(1)
+        target(per_worker[i], *args)
 
 
-def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
-    """WorkerError if a process ended with an error (`must_live`: ended at all), with the traceback it sends within
-    `grace` seconds."""
-    for i, p in enumerate(procs):
-        if p.is_alive() or (p.exitcode == 0 and not must_live):
-            continue
-        deadline = time.time() + grace
-        while time.time() < deadline:
-            with contextlib.suppress(queue.Empty):
-                msg = msg_q.get(timeout=0.2)
-                if msg[0] == "error":
-                    raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
-        raise WorkerError(f"{what} {i} died with exit code {p.exitcode}")
+def start_workers(target, per_worker, *args):
+    """One process per item of `per_worker`, running `target(item, *args)`."""
+    run = (target, per_worker, *args)
+    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
 
 
-def stop_workers(procs) -> None:
-    for p in (p for p in procs if p.is_alive()):
+def check_workers(workers, what, must_live=False) -> None:
+    """WorkerError if a worker raised (with its traceback) or died (`must_live`: ended at all); torch's `join` has
+    then stopped the others."""
+    try:
+        workers.join(timeout=0, grace_period=2.0)
+    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
+        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
+    except torch.multiprocessing.ProcessExitedException as e:
+        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
+    if must_live and any(p.exitcode == 0 for p in workers.processes):
+        raise WorkerError(f"{what} ended before its learner")
+
+
+def stop_workers(workers) -> None:
+    for p in (p for p in workers.processes if p.is_alive()):
         p.terminate()
-    for p in procs:
+    for p in workers.processes:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()

@@ -34,12 +34,12 @@ import contextlib
 import copy
 import dataclasses
 import json
+import multiprocessing
 import os
 import queue
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Literal, NamedTuple
@@ -328,7 +328,6 @@ def act(cfg, link: ActorLink) -> None:
     while True:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
-        exit_if_orphaned(link.parent_pid)
         version = link.refresh(agent)
         ids_t = torch.from_numpy(ids).long()
         ids_dev, first = ids_t.to(device), torch.from_numpy(ended[ids])
@@ -572,7 +571,7 @@ def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNam
 @dataclass
 class ActorLink:
     """What an actor process shares with its learner: the published network and its version, the unroll buffers,
-    the free and full slot queues, the message queue, the learner's pid."""
+    the free and full slot queues, the message queue."""
 
     agent: nn.Module
     version: torch.Tensor
@@ -580,7 +579,6 @@ class ActorLink:
     free_q: object
     full_q: object
     msg_q: object
-    parent_pid: int
     seen: int = -1  # the version the actor's copy holds
 
     def local_agent(self, device):
@@ -604,14 +602,7 @@ class UnrollWriter:
 
     def __init__(self, link: ActorLink, num_envs: int, unroll_length: int):
         self.link, self.T = link, unroll_length
-        self.slot, self.pos = np.array([self.next_slot() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
-
-    def next_slot(self):
-        while True:
-            try:
-                return self.link.free_q.get(timeout=1.0)
-            except queue.Empty:
-                exit_if_orphaned(self.link.parent_pid)
+        self.slot, self.pos = np.array([self.link.free_q.get() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
 
     def write(self, ids, row, core_state=None):
         buffers, T, core_state = self.link.buffers, self.T, core_state or {}
@@ -623,7 +614,7 @@ class UnrollWriter:
             buffers[k][sl[start]] = v[start]
         self.pos[ids] += 1
         for i in np.flatnonzero(self.pos[ids] == T + 1):
-            e, new = ids[i], self.next_slot()
+            e, new = ids[i], self.link.free_q.get()
             for k in row:
                 buffers[k][new, 0] = buffers[k][self.slot[e], T]
             for k, v in core_state.items():  # row T's state opens the next slot
@@ -642,16 +633,11 @@ class ActorPool:
         num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
         buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
         shared, version = copy.deepcopy(agent).cpu().share_memory(), torch.zeros(1, dtype=torch.long).share_memory_()
-        self.link = ActorLink(shared, version, buffers, ctx.Queue(), ctx.Queue(), ctx.Queue(), os.getpid())
+        self.link = ActorLink(shared, version, buffers, ctx.Queue(), ctx.Queue(), ctx.Queue())
         self.agent, self.version = shared, version  # the network the actors act with, and how often it was published
         for i in range(num_slots):
             self.link.free_q.put(i)
-        self.procs = [
-            ctx.Process(target=worker, args=(act, a, self.link.msg_q, cfg, self.link)) for a, cfg in enumerate(cfgs)
-        ]
-        for p in self.procs:
-            p.daemon = True
-            p.start()
+        self.workers = start_workers(act, cfgs, self.link)
 
     def next_batch(self, on_wait=None):
         """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`); `on_wait(ready)`
@@ -661,15 +647,12 @@ class ActorPool:
             try:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
-                check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
+                check_workers(self.workers, "actor", must_live=True)
             if on_wait is not None:
                 on_wait(len(idx))
         while not self.link.msg_q.empty():
-            msg = self.link.msg_q.get()
-            if msg[0] != "episode":
-                raise WorkerError(f"actor {msg[1]} failed:\n{msg[2]}")
-            self.episodes.append(msg[1:])
-        check_workers(self.procs, self.link.msg_q, "actor", must_live=True)
+            self.episodes.append(self.link.msg_q.get()[1:])
+        check_workers(self.workers, "actor", must_live=True)
         idx_t = torch.tensor(idx)
         batch = {k: v[idx_t] for k, v in self.link.buffers.items()}
         for i in idx:
@@ -686,7 +669,7 @@ class ActorPool:
         self.version += 1
 
     def close(self):
-        stop_workers(self.procs)
+        stop_workers(self.workers)
 
 
 def check_actor_args(args) -> list[str]:
@@ -742,50 +725,42 @@ def require(condition, message: str) -> None:
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed: its traceback, or its exit code when no traceback came."""
+    """A worker process raised (its traceback) or died (its exit code)."""
 
 
-class ParentGone(Exception):
-    """The learner has died (SIGKILL): its actors exit by themselves."""
-
-
-def exit_if_orphaned(parent_pid: int) -> None:
-    if os.getppid() != parent_pid:
-        raise ParentGone
-
-
-def worker(target, name, msg_q, *args):
-    """A worker process: Ctrl-C is its learner's to handle, one torch thread, a failure reported with its traceback."""
+def run_worker(i, target, per_worker, *args):
+    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
+    Ctrl-C is its learner's to handle, it dies with its learner, one torch thread."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
+    if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
-        target(*args)
-    except ParentGone:
-        msg_q.cancel_join_thread()
-    except Exception:
-        msg_q.put(("error", name, traceback.format_exc()))
-        sys.exit(1)
+        target(per_worker[i], *args)
 
 
-def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
-    """WorkerError if a process ended with an error (`must_live`: ended at all), with the traceback it sends within
-    `grace` seconds."""
-    for i, p in enumerate(procs):
-        if p.is_alive() or (p.exitcode == 0 and not must_live):
-            continue
-        deadline = time.time() + grace
-        while time.time() < deadline:
-            with contextlib.suppress(queue.Empty):
-                msg = msg_q.get(timeout=0.2)
-                if msg[0] == "error":
-                    raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
-        raise WorkerError(f"{what} {i} died with exit code {p.exitcode}")
+def start_workers(target, per_worker, *args):
+    """One process per item of `per_worker`, running `target(item, *args)`."""
+    run = (target, per_worker, *args)
+    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
 
 
-def stop_workers(procs) -> None:
-    for p in (p for p in procs if p.is_alive()):
+def check_workers(workers, what, must_live=False) -> None:
+    """WorkerError if a worker raised (with its traceback) or died (`must_live`: ended at all); torch's `join` has
+    then stopped the others."""
+    try:
+        workers.join(timeout=0, grace_period=2.0)
+    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
+        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
+    except torch.multiprocessing.ProcessExitedException as e:
+        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
+    if must_live and any(p.exitcode == 0 for p in workers.processes):
+        raise WorkerError(f"{what} ended before its learner")
+
+
+def stop_workers(workers) -> None:
+    for p in (p for p in workers.processes if p.is_alive()):
         p.terminate()
-    for p in procs:
+    for p in workers.processes:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()

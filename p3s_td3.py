@@ -44,13 +44,13 @@ import copy
 import dataclasses
 import glob
 import json
+import multiprocessing
 import math
 import os
 import queue
 import signal
 import sys
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
@@ -544,7 +544,7 @@ def population_file(run_path, t):
     return os.path.join(run_path, f"population.{t}.pt")
 
 
-def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=None):
+def run_population(args, shared, msg_q, run_path=None, resume_file=None):
     """Algorithm 1 for all N learners in lockstep: each acts in its own envs (one envpool of N x n envs, learner
     i's the i-th n of them), all store into D, each updates on its own minibatch (one batched update), and every
     M steps the best learner is selected and β adapted."""
@@ -616,7 +616,6 @@ def run_population(args, shared, msg_q, parent_pid, run_path=None, resume_file=N
     obs = torch.from_numpy(flatten_obs(obs))
     ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
     for t in range(start_t + 1, steps_per_learner + 1):
-        exit_if_orphaned(parent_pid)
         if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
             actions = torch.rand(N * n, action_dim, generator=cpu_generator) * 2.0 - 1.0
         else:
@@ -769,14 +768,6 @@ def main(args: Args):
     actor = Actor(derived["obs_dim"], derived["action_dim"], args.hidden)
     shared = Shared(N, sum(p.numel() for p in actor.parameters()))
     msg_q = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=worker,
-            name="population",
-            daemon=True,
-            args=(run_population, 0, msg_q, args, shared, msg_q, os.getpid(), log.path, resume_file),
-        )
-    ]
     stop = []  # Ctrl-C or SIGTERM: a checkpoint at the next selection, then stop
 
     def checkpoint(t, generation):
@@ -797,15 +788,14 @@ def main(args: Args):
             raise KeyboardInterrupt
         shared.save_request[0] = 1
 
-    done, last_checkpoint, stop_deadline = None, time.time(), None
+    done, last_checkpoint, stop_deadline, workers = None, time.time(), None, None
     selections = open(os.path.join(log.path, "population.jsonl"), "a" if resumed else "w", buffering=1)
     evaluations = open(os.path.join(log.path, "evaluations.jsonl"), "a" if resumed else "w", buffering=1)
     last_eval = None
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # ignored from its first instruction on: the population's
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process inherits it across the exec of its start (spawn)
-        for p in procs:
-            p.start()
+        workers = start_workers(run_population, [args], shared, msg_q, log.path, resume_file)
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         while done is None:
@@ -833,9 +823,7 @@ def main(args: Args):
                     raise KeyboardInterrupt
             elif kind == "done":
                 done = msg[1]
-            elif kind is not None:
-                raise WorkerError(f"population {msg[1]} failed:\n{msg[2]}")
-            check_workers(procs, msg_q, "population")
+            check_workers(workers, "population")
             step = int(shared.steps[0])
             if stop and stop_deadline is None:
                 stop_deadline = time.time() + 120.0
@@ -856,14 +844,15 @@ def main(args: Args):
         print(f"error: {e}", file=sys.stderr, flush=True)
         if "NonFiniteError" in str(e):
             print(non_finite_advice(log.path), file=sys.stderr, flush=True)
-        stop_workers(procs)
+        stop_workers(workers)
         sys.exit(1)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
         print("interrupted: stopping the learners", file=sys.stderr, flush=True)
-        stop_workers(procs)
+        if workers is not None:
+            stop_workers(workers)
         sys.exit(130)
-    for p in procs:
+    for p in workers.processes:
         p.join()
     selections.close()
     evaluations.close()
@@ -1036,32 +1025,46 @@ def evaluate_population(log, model):
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed: its traceback, or its exit code when no traceback came."""
+    """A worker process raised (its traceback) or died (its exit code)."""
 
 
-class ParentGone(Exception):
-    """The main process has died (SIGKILL): its workers exit by themselves."""
-
-
-def exit_if_orphaned(parent_pid: int) -> None:
-    if os.getppid() != parent_pid:
-        raise ParentGone
-
-
-def worker(target, name, msg_q, *args):
-    """A worker process: Ctrl-C and SIGTERM are the main process's to handle (it asks for a checkpoint first: a
-    SIGTERM sent to the whole process group, by `timeout` or a job scheduler, must not kill the population
-    before), one torch thread, a failure reported with its traceback."""
+def run_worker(i, target, per_worker, *args):
+    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
+    Ctrl-C and SIGTERM are the main process's to handle (it asks for a checkpoint first: a SIGTERM sent
+    to the whole process group, by `timeout` or a job scheduler, must not kill the population before), it dies
+    with the main process, one torch thread."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
+    if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
-        target(*args)
-    except ParentGone:
-        msg_q.cancel_join_thread()
-    except Exception:
-        msg_q.put(("error", name, traceback.format_exc()))
-        sys.exit(1)
+        target(per_worker[i], *args)
+
+
+def start_workers(target, per_worker, *args):
+    """One process per item of `per_worker`, running `target(item, *args)`."""
+    run = (target, per_worker, *args)
+    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+
+
+def check_workers(workers, what, must_live=False) -> None:
+    """WorkerError if a worker raised (with its traceback) or died (`must_live`: ended at all); torch's `join` has
+    then stopped the others."""
+    try:
+        workers.join(timeout=0, grace_period=2.0)
+    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
+        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
+    except torch.multiprocessing.ProcessExitedException as e:
+        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
+    if must_live and any(p.exitcode == 0 for p in workers.processes):
+        raise WorkerError(f"{what} ended before its learner")
+
+
+def stop_workers(workers) -> None:
+    """SIGKILL (the population ignores SIGTERM and holds nothing unsaved: the main process writes every file)."""
+    for p in workers.processes:
+        p.kill()
+        p.join(timeout=5)
 
 
 class ThreadChoice:
@@ -1093,29 +1096,6 @@ class ThreadChoice:
             choice = min(self.options, key=lambda k: self.per_update[k])
         changed, self.current = choice != self.current, choice
         return changed
-
-
-def check_workers(procs, msg_q, what, must_live=False, grace=2.0):
-    """WorkerError if a process ended with an error (`must_live`: ended at all), with the traceback it sends within
-    `grace` seconds."""
-    for i, p in enumerate(procs):
-        if p.is_alive() or (p.exitcode == 0 and not must_live):
-            continue
-        deadline = time.time() + grace
-        while time.time() < deadline:
-            with contextlib.suppress(queue.Empty):
-                msg = msg_q.get(timeout=0.2)
-                if msg[0] == "error":
-                    raise WorkerError(f"{what} {msg[1]} failed:\n{msg[2]}")
-        raise WorkerError(f"{what} {i} died with exit code {p.exitcode}")
-
-
-def stop_workers(procs) -> None:
-    """SIGKILL (the population ignores SIGTERM and holds nothing unsaved: the main process writes every file)."""
-    for p in (p for p in procs if p.is_alive()):
-        p.kill()
-    for p in procs:
-        p.join(timeout=5)
 
 
 class NonFiniteError(RuntimeError):

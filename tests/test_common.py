@@ -539,7 +539,7 @@ def test_unroll_writer_fills_overlapping_unrolls_in_async_order(where):
     free_q, full_q = queue.Queue(), queue.Queue()
     for i in range(num_slots):
         free_q.put(i)
-    link = ActorLink(None, torch.zeros(1), buffers, free_q, full_q, queue.Queue(), os.getppid())
+    link = ActorLink(None, torch.zeros(1), buffers, free_q, full_q, queue.Queue())
     writer = UnrollWriter(link, n, T)
     rng = np.random.default_rng(0)
     t = np.zeros(n, np.int64)  # rows written per env
