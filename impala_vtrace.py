@@ -358,6 +358,30 @@ def act(cfg, link: ActorLink) -> None:
 # Learning: setup, the learner's loop (Fig. 1's learner), the end.
 
 
+def learner_step(model, agent, optimizer, batch, args, world, commit, publish, where="", diagnose=False):
+    """The learner's update on a batch of unrolls (Sec. 3, 4.2): the agent's outputs, the V-trace loss, its
+    gradient (summed over the learner processes) clipped to --max-grad-norm, the optimiser's step, PopArt moved
+    toward the batch's targets (per game; outputs preserved), the weights published to the actors. The lines from
+    the step on run in `commit()`: Ctrl-C lets them finish. Returns the logits and the stats (with `diagnose`, the
+    per-layer gradient norms too)."""
+    state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
+    logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
+    out = batch_loss(logits, values, batch, args, agent.popart)
+    optimizer.zero_grad(set_to_none=True)
+    (out.loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
+    layers = grad_norms_by_layer(agent) if diagnose else {}  # before clipping
+    stats = {**loss_stats(out), **{f"grad_norm/{name}": v for name, v in layers.items()}}
+    stats["stats/grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    check_finite(where, loss=out.loss, **{k.split("/")[-1]: v for k, v in stats.items()})
+    with commit():
+        optimizer.step()
+        if agent.popart is not None:
+            real = ~batch["ended"][:-1]
+            agent.popart.update(out.vs[real], batch["task"][:-1][real])
+        publish(agent.state_dict())
+    return logits, stats
+
+
 def main(args: Args):
     args, resumed = resume_args(args)
     spec, games = check_args(args)
@@ -396,70 +420,47 @@ def main(args: Args):
     num_updates = args.total_timesteps // steps_per_update
     anneal_steps = args.lr_anneal_steps or (50_000_000 if atari else args.total_timesteps)
     anneal_updates = max(num_updates, anneal_steps // steps_per_update)
-    global_step, last_checkpoint = log.start_step, time.time()
+    last_checkpoint = time.time()
 
     def checkpoint(update):
         if rank == 0:
+            step = update * steps_per_update
             check_finite_parameters(f"at update {update}", agent=agent)
             if args.save_model:  # a run stopped early can be evaluated too
-                save_atomic(saved_model(args, agent, games, atari, global_step), os.path.join(log.path, "model.pt"))
+                save_atomic(saved_model(args, agent, games, atari, step), os.path.join(log.path, "model.pt"))
             state = dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), update=update)
-            save_atomic(log.state(global_step, **state), os.path.join(log.path, "checkpoint.pt"))
-        return global_step
+            save_atomic(log.state(step, **state), os.path.join(log.path, "checkpoint.pt"))
+        return update * steps_per_update
 
-    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update; only
-    # the lines that change the training state (the optimiser step to the weights' publication) finish first.
-    interrupt, pool = Interrupt(), None
-    update = done_update = start_update
+    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update (the
+    # updates published); only the lines that change the training state (the step to the publication) finish first.
+    interrupt, pool, global_step = Interrupt(), None, log.start_step
     try:
         specs = buffer_specs(spec.observation_space, num_actions, args)
         pool = ActorPool(actor_configs(args, rank, device, games), agent, specs, args.batch_size // world, device)
+        collecting = (pool.batch_size, args.unroll_length)  # a progress line also while a batch is collected
         for update in range(start_update + 1, num_updates + 1):
             lr = args.learning_rate * (1 - (update - 1) / anneal_updates) if args.anneal_lr else args.learning_rate
-            for g in optimizer.param_groups:
+            for g in optimizer.param_groups:  # annealed linearly to 0 (Table G.1)
                 g["lr"] = lr
-            batch = pool.next_batch(  # a progress line also while the batch is being collected
-                lambda ready: (
-                    rank == 0 and log.console(global_step, collecting=(ready, pool.batch_size, args.unroll_length))
-                )
+            batch = pool.next_batch(
+                lambda ready: rank == 0 and log.console(global_step, collecting=(ready, *collecting))
             )
-            state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
-            logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
-            out = batch_loss(logits, values, batch, args, agent.popart)
-            loss, vs, stats = out.loss, out.vs, loss_stats(out)
-            optimizer.zero_grad(set_to_none=True)
-            (loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
-            log_due = rank == 0 and (log.due() or update == num_updates)
-            layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
-            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            where = f"at update {update} (step {update * steps_per_update})"
-            check_finite(where, loss=loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
-            with interrupt.commit():
-                optimizer.step()
-                if agent.popart is not None:  # toward this batch's targets, per game; outputs preserved
-                    real = ~batch["ended"][:-1]
-                    agent.popart.update(vs[real], batch["task"][:-1][real])
-                done_update = update
-                policy_lag = (pool.version.item() - batch["version"][:-1].float().mean()).item()
-                pool.publish(agent.state_dict())
-                global_step = update * steps_per_update
-                log.first_update(global_step)
+            global_step, diagnose = update * steps_per_update, rank == 0 and (log.due() or update == num_updates)
+            lag = pool.version.item() - batch["version"][:-1].float().mean()  # updates behind, of the acting policy
+            where = f"at update {update} (step {global_step})"
+            logits, stats = learner_step(
+                model, agent, optimizer, batch, args, world, interrupt.commit, pool.publish, where, diagnose
+            )
             if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
                 checkpoint(update)
                 last_checkpoint = time.time()
-            episodes = list(pool.episodes)
-            pool.episodes.clear()
-            if rank != 0:
-                continue
-            for score, length, task in episodes:
-                log.episode(score, length, global_step, *([games[task]] if multitask else []))
-            if log_due:
-                stats.update({"charts/learning_rate": lr, "stats/policy_lag": policy_lag, "stats/grad_norm": grad_norm})
-                log_diagnostics(log, agent, games or [args.env_id], stats, layer_norms, logits, batch, global_step)
-                log.console(global_step, f"entropy {stats['stats/entropy'].item():.2f} | lag {policy_lag:.1f}")
+            stats.update({"charts/learning_rate": lr, "stats/policy_lag": lag})
+            log_update(log, pool.take_episodes(), games, global_step, stats if diagnose else None, agent, logits, batch)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path, pool)
     except KeyboardInterrupt:
+        done_update = start_update + int(pool.version) if pool is not None else start_update
         save = (lambda: checkpoint(done_update)) if done_update > start_update else None
         stop_on_interrupt(pool, interrupt, save, log, world)
     pool.close()
@@ -471,11 +472,24 @@ def main(args: Args):
         torch.distributed.destroy_process_group()
 
 
-def log_diagnostics(log, agent, tasks, stats, layer_norms, logits, batch, step) -> None:
+def log_update(log, episodes, games, step, stats, agent, logits, batch) -> None:
+    """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
+    learner's diagnostics and the console line."""
+    if log.writer is None:
+        return
+    log.first_update(step)
+    for score, length, task in episodes:
+        log.episode(score, length, step, *([games[task]] if games else []))
+    if stats is not None:
+        log_diagnostics(log, agent, games or [log.args.env_id], stats, logits, batch, step)
+        log.console(step, f"entropy {stats['stats/entropy'].item():.2f} | lag {stats['stats/policy_lag']:.1f}")
+
+
+def log_diagnostics(log, agent, tasks, stats, logits, batch, step) -> None:
     """The learner's stats, gradient norms per layer, whether the policy depends on the state yet (logits' spread
     across states), the torso's dead units, PopArt's statistics per game, several games' median human-normalised
     score (of their last 10 episodes)."""
-    log.scalars({**stats, **{f"grad_norm/{name}": v for name, v in layer_norms.items()}}, step)
+    log.scalars(stats, step)
     with torch.no_grad():
         features = agent.torso(batch["obs"][:-1].flatten(0, 1))
         log.scalars({"stats/logits_std_across_states": logits_std_across_states(logits[:-1])}, step)
@@ -667,6 +681,10 @@ class ActorPool:
             for dst, src in zip(self.agent.state_dict().values(), state.values()):
                 dst.copy_(src)
         self.version += 1
+
+    def take_episodes(self) -> list:
+        episodes, self.episodes = self.episodes, []
+        return episodes
 
     def close(self):
         stop_workers(self.workers)
@@ -950,7 +968,7 @@ class RunLog:
         )
         self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))  # groups: games
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_log = time.time()
+        self.start = self.last_log = self.last_line = time.time()  # last_line: also the lines while collecting
         if write:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -991,13 +1009,13 @@ class RunLog:
         printed while a batch is collected, at most every --log-interval seconds (at least 1 s)."""
         now = time.time()
         if collecting is not None:
-            if now - self.last_log < max(self.args.log_interval, 1.0):
+            if now - self.last_line < max(self.args.log_interval, 1.0):
                 return
             ready, needed, T = collecting
             sps = (step - self.start_step + ready * T) / max(now - self.start, 1e-9)
             line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | collecting a batch: "
             print(f"{line}{ready}/{needed} unrolls of {T} steps", flush=True)
-            self.last_log = now
+            self.last_line = now
             return
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         self.writer.add_scalar("charts/SPS", sps, step)
@@ -1008,7 +1026,7 @@ class RunLog:
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        self.last_log = now
+        self.last_log = self.last_line = now
 
     def end(self, model: dict, end_time: float, device, games=()) -> dict:
         """model.pt (with `--save-model`), the evaluation (each game's, with a table, for a multi-task model; the

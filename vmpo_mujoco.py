@@ -1094,7 +1094,7 @@ class RunLog:
         )
         self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))  # groups: games
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_log = time.time()
+        self.start = self.last_log = self.last_line = time.time()  # last_line: also the lines while collecting
         if write:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -1135,13 +1135,13 @@ class RunLog:
         printed while a batch is collected, at most every --log-interval seconds (at least 1 s)."""
         now = time.time()
         if collecting is not None:
-            if now - self.last_log < max(self.args.log_interval, 1.0):
+            if now - self.last_line < max(self.args.log_interval, 1.0):
                 return
             ready, needed, T = collecting
             sps = (step - self.start_step + ready * T) / max(now - self.start, 1e-9)
             line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | collecting a batch: "
             print(f"{line}{ready}/{needed} unrolls of {T} steps", flush=True)
-            self.last_log = now
+            self.last_line = now
             return
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         self.writer.add_scalar("charts/SPS", sps, step)
@@ -1152,7 +1152,7 @@ class RunLog:
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        self.last_log = now
+        self.last_log = self.last_line = now
 
     def end(self, model: dict, end_time: float, device) -> dict:
         """model.pt (with `--save-model`), the evaluation (the first episode filmed with `--capture-video`),
