@@ -370,9 +370,9 @@ def learner_step(model, agent, optimizer, batch, args, world, commit, publish, w
     optimizer.zero_grad(set_to_none=True)
     (out.loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
     layers = grad_norms_by_layer(agent) if diagnose else {}  # before clipping
-    stats = {**loss_stats(out), **{f"grad_norm/{name}": v for name, v in layers.items()}}
-    stats["stats/grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    check_finite(where, loss=out.loss, **{k.split("/")[-1]: v for k, v in stats.items()})
+    grad_norm, stats = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm), loss_stats(out)
+    check_finite(where, loss=out.loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+    stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
     with commit():
         optimizer.step()
         if agent.popart is not None:

@@ -400,6 +400,31 @@ def act(cfg, link: ActorLink) -> None:
 # Learning: setup, the learner's loop (Algorithm 1), the end.
 
 
+def learner_step(agent, multipliers, optimizer, batch, args, world, commit, where="", diagnose=False):
+    """Algorithm 1's update on a batch of unrolls, `--update-epochs` passes against the same π_target (the batch's
+    logits): on each minibatch of columns the n-step targets, PopArt's statistics moved toward them (first pass
+    only), the E-step's weights on the top half of advantages and the M-step's loss with the temperature and KL
+    multipliers (`minibatch_gradients`); the gradient averaged over the learners, clipped, an Adam step, the
+    multipliers kept positive, these last two in `commit()` (Ctrl-C lets them finish). Returns the last pass's
+    stats (with `diagnose`, the per-layer gradient norms too), logits and observations."""
+    for epoch in range(args.update_epochs):
+        optimizer.zero_grad(set_to_none=False)
+        stats, logits, obs = minibatch_gradients(
+            agent, multipliers, batch, args, args.num_minibatches // world, epoch == 0
+        )
+        if world > 1:
+            average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
+        layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # before clipping
+        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
+        check_finite(where, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+        stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
+        with commit():
+            optimizer.step()
+            multipliers.project()
+    return stats, logits, obs
+
+
 def main(args: Args):
     args, resumed = resume_args(args)
     spec, games = check_args(args)
@@ -413,9 +438,8 @@ def main(args: Args):
     popart = (args.popart_beta, args.popart_scale_lower, args.popart_scale_upper)
     agent = Agent(spec.observation_space.shape, num_actions, *net, *popart, args.init).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
-    params = list(agent.parameters()) + list(multipliers.parameters())
     if world > 1:  # the same initial weights in every learner (rank 0's)
-        for p in params:
+        for p in list(agent.parameters()) + list(multipliers.parameters()):
             torch.distributed.broadcast(p.data, 0)
     optimizer = make_optimizer(args, agent, multipliers)
     start_update, target_state = 0, None
@@ -430,7 +454,6 @@ def main(args: Args):
     log = RunLog(args, task_name, resumed, describe, write=rank == 0)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
-    chunks = args.num_minibatches // world  # minibatches of this learner process, one after the other
     global_step, last_checkpoint = log.start_step, time.time()
 
     def checkpoint(update):
@@ -469,54 +492,26 @@ def main(args: Args):
         pool = ActorPool(cfgs, agent, specs, args.batch_size // world, device)
         if target_state is not None:  # the target network the run was acting with
             pool.publish(target_state)
+        collecting = (pool.batch_size, args.unroll_length)  # a progress line also while a batch is collected
         for update in range(start_update + 1, num_updates + 1):
-            batch = pool.next_batch(  # a progress line also while the batch is being collected
-                lambda ready: (
-                    rank == 0 and log.console(global_step, collecting=(ready, pool.batch_size, args.unroll_length))
-                )
+            batch = pool.next_batch(
+                lambda ready: rank == 0 and log.console(global_step, collecting=(ready, *collecting))
             )
+            diagnose, where = rank == 0 and (log.due() or update == num_updates), f"at update {update}"
             before = copy.deepcopy((agent.state_dict(), multipliers.state_dict(), optimizer.state_dict()))
-            for epoch in range(args.update_epochs):  # PopArt's statistics move on the first pass only
-                optimizer.zero_grad(set_to_none=False)
-                stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks, epoch == 0)
-                if world > 1:
-                    average_gradients(params, world)
-                log_due = rank == 0 and epoch == args.update_epochs - 1 and (log.due() or update == num_updates)
-                layer_norms = grad_norms_by_layer(agent) if log_due else {}  # before clipping, only when logged
-                grad_norm = nn.utils.clip_grad_norm_(
-                    agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-                )
-                where = f"at update {update} (step {update * steps_per_update})"
-                check_finite(where, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
-                with interrupt.commit():
-                    optimizer.step()
-                    multipliers.project()
+            stats, logits, obs = learner_step(
+                agent, multipliers, optimizer, batch, args, world, interrupt.commit, where, diagnose
+            )
             with interrupt.commit():
-                stale = (batch["version"][:-1] != pool.version.item()).float().mean()
+                stats["stats/stale_fraction"] = (batch["version"][:-1] != pool.version.item()).float().mean()
                 if update % args.target_update_period == 0:
                     pool.publish(agent.state_dict())  # θ_target ← θ_online
-                global_step = update * steps_per_update
-                log.first_update(global_step)
-                done_update, before = update, None
+                global_step, done_update, before = update * steps_per_update, update, None
             if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
                 checkpoint(update)
                 last_checkpoint = time.time()
-            episodes = list(pool.episodes)
-            pool.episodes.clear()
-            if rank != 0:
-                continue
-            for score, length, task in episodes:
-                log.episode(score, length, global_step, *([games[task]] if multitask else []))
-            if log_due:
-                stats.update({"stats/stale_fraction": stale, "stats/target_version": pool.version.item()})
-                stats["charts/learning_rate"] = args.learning_rate
-                tasks = games or [args.env_id]
-                log_diagnostics(log, agent, tasks, stats, layer_norms, logits, {"obs": obs}, global_step)
-                log.console(
-                    global_step,
-                    f"entropy {stats['stats/entropy'].item():.2f} | η {stats['stats/eta'].item():.3f} "
-                    f"α {stats['stats/alpha'].item():.3f} KL {stats['stats/kl'].item():.4f}",
-                )
+            stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": args.learning_rate})
+            log_update(log, pool.take_episodes(), games, global_step, stats if diagnose else None, agent, logits, obs)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path, pool)
     except KeyboardInterrupt:
@@ -531,11 +526,25 @@ def main(args: Args):
         torch.distributed.destroy_process_group()
 
 
-def log_diagnostics(log, agent, tasks, stats, layer_norms, logits, batch, step) -> None:
+def log_update(log, episodes, games, step, stats, agent, logits, obs) -> None:
+    """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
+    learner's diagnostics and the console line."""
+    if log.writer is None:
+        return
+    log.first_update(step)
+    for score, length, task in episodes:
+        log.episode(score, length, step, *([games[task]] if games else []))
+    if stats is not None:
+        log_diagnostics(log, agent, games or [log.args.env_id], stats, logits, {"obs": obs}, step)
+        eta, alpha, kl = (stats[f"stats/{k}"].item() for k in ("eta", "alpha", "kl"))
+        log.console(step, f"entropy {stats['stats/entropy'].item():.2f} | η {eta:.3f} α {alpha:.3f} KL {kl:.4f}")
+
+
+def log_diagnostics(log, agent, tasks, stats, logits, batch, step) -> None:
     """The learner's stats, gradient norms per layer, whether the policy depends on the state yet (logits' spread
     across states), the torso's dead units, PopArt's statistics per game, several games' median human-normalised
     score (of their last 10 episodes)."""
-    log.scalars({**stats, **{f"grad_norm/{name}": v for name, v in layer_norms.items()}}, step)
+    log.scalars(stats, step)
     with torch.no_grad():
         features = agent.torso(batch["obs"][:-1].flatten(0, 1))
         log.scalars({"stats/logits_std_across_states": logits_std_across_states(logits[:-1])}, step)
@@ -810,6 +819,10 @@ class ActorPool:
             for dst, src in zip(self.agent.state_dict().values(), state.values()):
                 dst.copy_(src)
         self.version += 1
+
+    def take_episodes(self) -> list:
+        episodes, self.episodes = self.episodes, []
+        return episodes
 
     def close(self):
         stop_workers(self.workers)
