@@ -806,16 +806,18 @@ def learner_process(args):
 
 class Interrupt:
     """Ctrl-C and SIGTERM: stop at once, dropping the update in progress, except inside `with commit():` (the lines
-    that change the training state), which finishes first; a second Ctrl-C stops at once wherever it is."""
+    that change the training state), which finishes first; a second Ctrl-C stops at once wherever it is. Once it
+    has raised, later signals change nothing (the shutdown under way must not be cut short)."""
 
     def __init__(self):
-        self.signals, self.committing = [], False
+        self.signals, self.committing, self.raised = [], False, False
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum, frame):
         self.signals.append(signum)
-        if len(self.signals) > 1 or not self.committing:
+        if not self.raised and (len(self.signals) > 1 or not self.committing):
+            self.raised = True
             raise KeyboardInterrupt
 
     @property
@@ -833,7 +835,8 @@ class Interrupt:
             yield
         finally:
             self.committing = False
-        if self.signals:
+        if self.signals and not self.raised:
+            self.raised = True
             raise KeyboardInterrupt
 
 

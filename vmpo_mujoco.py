@@ -457,6 +457,30 @@ def act(cfg, link: ActorLink) -> None:
 # Learning: setup, the learner's loop (Algorithm 1), the end.
 
 
+def learner_step(agent, multipliers, optimizer, batch, args, world, commit, groups=1, where=""):
+    """Algorithm 1's update on a batch of unrolls: the observation statistics moved by its rows, then
+    `--update-epochs` passes against the same π_target (the batch's means and deviations): the n-step targets,
+    PopArt's statistics moved toward them (first pass only), the E-step's weights on the top half of advantages,
+    the M-step's loss with the decoupled mean and covariance KL multipliers (`batch_loss`); the gradient averaged
+    over the learners, clipped, an Adam step and the multipliers kept positive, in `commit()` (Ctrl-C lets them
+    finish). Returns the last pass's stats."""
+    agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
+    for epoch in range(args.update_epochs):
+        mean, std, value_features = agent(batch["obs"])
+        out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
+        optimizer.zero_grad(set_to_none=False)
+        out.loss.backward()
+        if world > 1:
+            average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
+        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
+        check_finite(where, loss=out.loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+        with commit():
+            optimizer.step()
+            multipliers.project()
+    return {**stats, "stats/grad_norm": grad_norm}
+
+
 def main(args: Args):
     args, resumed = resume_args(args)
     spec = check_args(args)
@@ -517,54 +541,24 @@ def main(args: Args):
         pool = ActorPool(actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
         if target_state is not None:  # the target network the run was acting with
             pool.publish(target_state)
+        collecting = (pool.batch_size, args.unroll_length)  # a progress line also while a batch is collected
         for update in range(start_update + 1, num_updates + 1):
-            batch = pool.next_batch(  # a progress line also while the batch is being collected
-                lambda ready: (
-                    rank == 0 and log.console(global_step, collecting=(ready, pool.batch_size, args.unroll_length))
-                )
+            batch = pool.next_batch(
+                lambda ready: rank == 0 and log.console(global_step, collecting=(ready, *collecting))
             )
             before = copy.deepcopy((agent.state_dict(), multipliers.state_dict(), optimizer.state_dict()))
-            agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
-            for epoch in range(args.update_epochs):  # PopArt's statistics move on the first pass only
-                mean, std, value_features = agent(batch["obs"])
-                out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
-                loss = out.loss
-                optimizer.zero_grad(set_to_none=False)
-                loss.backward()
-                if world > 1:
-                    average_gradients(params, world)
-                grad_norm = nn.utils.clip_grad_norm_(
-                    agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-                )
-                where = f"at update {update} (step {update * steps_per_update})"
-                check_finite(where, loss=loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
-                with interrupt.commit():
-                    optimizer.step()
-                    multipliers.project()
+            where = f"at update {update} (step {update * steps_per_update})"
+            stats = learner_step(agent, multipliers, optimizer, batch, args, world, interrupt.commit, groups, where)
             with interrupt.commit():
-                stale = (batch["version"][:-1] != pool.version.item()).float().mean()
+                stats["stats/stale_fraction"] = (batch["version"][:-1] != pool.version.item()).float().mean()
                 if update % args.target_update_period == 0:
                     pool.publish(agent.state_dict())  # θ_target ← θ_online
-                global_step = update * steps_per_update
-                log.first_update(global_step)
-                done_update, before = update, None
+                global_step, done_update, before = update * steps_per_update, update, None
             if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
                 checkpoint(update)
                 last_checkpoint = time.time()
-            episodes = list(pool.episodes)
-            pool.episodes.clear()
-            if rank != 0:
-                continue
-            for score, length in episodes:
-                log.episode(score, length, global_step)
-            if log.due() or update == num_updates:
-                stats.update({"stats/stale_fraction": stale, "stats/target_version": pool.version.item()})
-                log.scalars({**stats, "charts/learning_rate": args.learning_rate}, global_step)
-                log.console(
-                    global_step,
-                    f"η {stats['stats/eta'].item():.3f} α_μ {stats['stats/alpha_mu'].item():.3f} "
-                    f"α_Σ {stats['stats/alpha_sigma'].item():.3f} σ {stats['stats/policy_std'].item():.3f}",
-                )
+            stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": args.learning_rate})
+            log_update(log, pool.take_episodes(), global_step, stats if log.due() or update == num_updates else None)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path, pool)
     except KeyboardInterrupt:
@@ -577,6 +571,22 @@ def main(args: Args):
         log.end(saved_model(args, spec, agent, multipliers, global_step), end_time, device)
     if world > 1:
         torch.distributed.destroy_process_group()
+
+
+def log_update(log, episodes, step, stats) -> None:
+    """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
+    learner's stats and the console line."""
+    if log.writer is None:
+        return
+    log.first_update(step)
+    for score, length in episodes:
+        log.episode(score, length, step)
+    if stats is not None:
+        log.scalars(stats, step)
+        eta, alpha_mu, alpha_sigma, std = (
+            stats[f"stats/{k}"].item() for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std")
+        )
+        log.console(step, f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f}")
 
 
 def to_env_action(action, low, high):
@@ -840,6 +850,10 @@ class ActorPool:
                 dst.copy_(src)
         self.version += 1
 
+    def take_episodes(self) -> list:
+        episodes, self.episodes = self.episodes, []
+        return episodes
+
     def close(self):
         stop_workers(self.workers)
 
@@ -943,16 +957,18 @@ def learner_process(args):
 
 class Interrupt:
     """Ctrl-C and SIGTERM: stop at once, dropping the update in progress, except inside `with commit():` (the lines
-    that change the training state), which finishes first; a second Ctrl-C stops at once wherever it is."""
+    that change the training state), which finishes first; a second Ctrl-C stops at once wherever it is. Once it
+    has raised, later signals change nothing (the shutdown under way must not be cut short)."""
 
     def __init__(self):
-        self.signals, self.committing = [], False
+        self.signals, self.committing, self.raised = [], False, False
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum, frame):
         self.signals.append(signum)
-        if len(self.signals) > 1 or not self.committing:
+        if not self.raised and (len(self.signals) > 1 or not self.committing):
+            self.raised = True
             raise KeyboardInterrupt
 
     @property
@@ -970,7 +986,8 @@ class Interrupt:
             yield
         finally:
             self.committing = False
-        if self.signals:
+        if self.signals and not self.raised:
+            self.raised = True
             raise KeyboardInterrupt
 
 

@@ -649,7 +649,7 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
 @pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
 def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once(where):
     """Ctrl-C outside a commit stops at once; inside, the commit finishes and the stop follows right after it;
-    a second Ctrl-C inside a commit stops at once."""
+    a second Ctrl-C inside a commit stops at once; after the stop has been raised, more signals change nothing."""
     import signal as _signal
 
     Interrupt = importlib.import_module(where).Interrupt
@@ -673,6 +673,13 @@ def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once(where)
                 os.kill(os.getpid(), _signal.SIGINT)
                 done.append("not reached")
         assert done == [] and not interrupt.once
+        interrupt = Interrupt()  # once it has raised, a second Ctrl-C (the impatient user) cannot cut the shutdown
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), _signal.SIGINT)
+        os.kill(os.getpid(), _signal.SIGINT)
+        with interrupt.commit():
+            done.append("the shutdown goes on")
+        assert done == ["the shutdown goes on"] and not interrupt.once
     finally:
         _signal.signal(_signal.SIGINT, old[0])
         _signal.signal(_signal.SIGTERM, old[1])
