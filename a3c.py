@@ -200,17 +200,12 @@ def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
     the gradient before clipping."""
     local.zero_grad(set_to_none=True)
     loss.backward()
-    params = [p for p in local.parameters() if p.grad is not None]
-    if max_grad_norm > 0:
-        norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    norm = nn.utils.clip_grad_norm_(local.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
     check_finite("in a worker's update (nothing applied)", loss=loss, gradient=norm)
     for shared_p, local_p in zip(shared.parameters(), local.parameters()):
         shared_p.grad = local_p.grad
     optimizer.step()
-    for shared_p in shared.parameters():
-        shared_p.grad = None
+    shared.zero_grad(set_to_none=True)
     return norm
 
 
@@ -461,14 +456,7 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q):
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", worker_id, counter.value, score, length))
-                for k, v in (
-                    ("obs", obs),
-                    ("first", first),
-                    ("action", action),
-                    ("reward", reward),
-                    ("terminated", term),
-                    ("ended", ended),
-                ):
+                for k, v in zip(rows, (obs, first, action, reward, term, ended)):
                     rows[k].append(torch.as_tensor(v))
                 first, ended = ended, torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
@@ -476,17 +464,10 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q):
         pi, values, _ = local(torch.stack(rows["obs"] + [obs]), torch.stack(rows["first"] + [first]), start_state)
         log_probs, entropies = local.log_prob_entropy(pi[:-1], torch.stack(rows["action"]))
         ent_coef = args.ent_coef if args.ent_coef >= 0 else (1e-4 if continuous else 0.01)
+        rewards, terminated, ends = (torch.stack(rows[k]) for k in ("reward", "terminated", "ended"))
+        hyper = (args.gamma, ent_coef, args.value_coef)
         loss, stats = a3c_loss(
-            log_probs,
-            entropies,
-            values[:-1],
-            torch.stack(rows["reward"]).float(),
-            torch.stack(rows["terminated"]),
-            torch.stack(rows["ended"]),
-            values[-1].detach(),
-            args.gamma,
-            ent_coef,
-            args.value_coef,
+            log_probs, entropies, values[:-1], rewards.float(), terminated, ends, values[-1].detach(), *hyper
         )
         with counter.get_lock():
             step = counter.value
@@ -500,13 +481,8 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q):
                 shared.obs_norm.update(torch.stack(rows["obs"]))
         now = time.time()
         if worker_id == 0 and (now - last_report >= 1.0 or counter.value >= args.total_timesteps):  # or the last
-            stats.update(
-                {
-                    "charts/learning_rate": lr,
-                    "stats/grad_norm": grad_norm,
-                    "stats/policy_lag": (step - synced_at) / (T * n),
-                }
-            )  # other workers' updates meanwhile
+            lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
+            stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
             if continuous:
                 stats["stats/policy_std"] = pi[:-1, :, -1].detach().mean()
             msg_q.put(("stats", worker_id, step + T * n, {k: float(v) for k, v in stats.items()}))
@@ -653,17 +629,14 @@ def start_workers(target, per_worker, *args):
     return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
 
 
-def check_workers(workers, what, must_live=False) -> None:
-    """WorkerError if a worker raised (with its traceback) or died (`must_live`: ended at all); torch's `join` has
-    then stopped the others."""
+def check_workers(workers, what) -> None:
+    """WorkerError if a worker raised (with its traceback) or died; torch's `join` has then stopped the others."""
     try:
         workers.join(timeout=0, grace_period=2.0)
     except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
         raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
     except torch.multiprocessing.ProcessExitedException as e:
         raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-    if must_live and any(p.exitcode == 0 for p in workers.processes):
-        raise WorkerError(f"{what} ended before its learner")
 
 
 def stop_workers(workers) -> None:

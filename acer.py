@@ -390,17 +390,12 @@ def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
     """The gradient of this segment's loss at θ', clipped, assigned afresh to the shared parameters and applied."""
     local.zero_grad(set_to_none=True)
     loss.backward()
-    params = [p for p in local.parameters() if p.grad is not None]
-    if max_grad_norm > 0:
-        norm = nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    norm = nn.utils.clip_grad_norm_(local.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
     check_finite("in a worker's update (nothing applied)", loss=loss, gradient=norm)
     for shared_p, local_p in zip(shared.parameters(), local.parameters()):
         shared_p.grad = local_p.grad
     optimizer.step()
-    for shared_p in shared.parameters():
-        shared_p.grad = None
+    shared.zero_grad(set_to_none=True)
     return norm
 
 
@@ -490,6 +485,8 @@ class ContinuousAgent(nn.Module):
 
 def segment_loss(local, avg_agent, segment, args, generator=None):
     """Runs the local and average networks over a segment and returns the ACER loss (Algorithm 2 or 3)."""
+    data = [segment[key] for key in ("action", "reward", "terminated", "ended", "mu")]
+    hyper = {k: getattr(args, k) for k in ("gamma", "c", "delta", "value_coef", "trust_region")}
     with torch.no_grad():
         avg_out, _ = avg_agent(segment["obs"])
     if isinstance(local, ContinuousAgent):
@@ -500,33 +497,10 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
             sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape, generator=generator)
             q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples, generator)
         return acer_loss_continuous(
-            mean,
-            values,
-            q_taken,
-            q_sampled,
-            sampled,
-            avg_out,
-            *(segment[key] for key in ("action", "reward", "terminated", "ended", "mu")),
-            args.policy_std,
-            args.gamma,
-            args.c,
-            args.delta,
-            args.value_coef,
-            args.trust_region,
+            mean, values, q_taken, q_sampled, sampled, avg_out, *data, std=args.policy_std, **hyper
         )
     logits, q = local(segment["obs"])
-    return acer_loss(
-        logits,
-        q,
-        avg_out,
-        *(segment[key] for key in ("action", "reward", "terminated", "ended", "mu")),
-        args.gamma,
-        args.c,
-        args.delta,
-        args.ent_coef,
-        args.value_coef,
-        args.trust_region,
-    )
+    return acer_loss(logits, q, avg_out, *data, ent_coef=args.ent_coef, **hyper)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -706,21 +680,13 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q):
                     env_action = to_env_action(action.numpy(), low, high)
                 else:  # μ is stored as the behaviour probabilities
                     mu = F.softmax(local(obs[None])[0][0], dim=-1)
-                    check_finite(f"while acting at step {counter.value}", policy=mu)
                     action = torch.multinomial(mu, 1, generator=generator).squeeze(-1)
                     env_action = action.numpy()
                 check_finite(f"while acting at step {counter.value}", policy=mu)
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", worker_id, counter.value, score, length))
-                for key, v in (
-                    ("obs", obs),
-                    ("action", action),
-                    ("reward", reward),
-                    ("terminated", term),
-                    ("ended", ended),
-                    ("mu", mu),
-                ):
+                for key, v in zip(rows, (obs, action, reward, term, ended, mu)):
                     rows[key].append(torch.as_tensor(v))
                 ended = torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
@@ -915,17 +881,14 @@ def start_workers(target, per_worker, *args):
     return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
 
 
-def check_workers(workers, what, must_live=False) -> None:
-    """WorkerError if a worker raised (with its traceback) or died (`must_live`: ended at all); torch's `join` has
-    then stopped the others."""
+def check_workers(workers, what) -> None:
+    """WorkerError if a worker raised (with its traceback) or died; torch's `join` has then stopped the others."""
     try:
         workers.join(timeout=0, grace_period=2.0)
     except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
         raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
     except torch.multiprocessing.ProcessExitedException as e:
         raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-    if must_live and any(p.exitcode == 0 for p in workers.processes):
-        raise WorkerError(f"{what} ended before its learner")
 
 
 def stop_workers(workers) -> None:

@@ -52,12 +52,11 @@ import torch.nn.functional as F
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, task_family
 from common.evaluation import (
     evaluate,
+    evaluate_games,
     expand_env_ids,
     human_normalized_score,
     recurrent_policy,
     resume_checkpoint,
-    score_table,
-    write_score_table,
 )
 from common.networks import (
     LSTMCore,
@@ -694,11 +693,8 @@ def check_actor_args(args) -> list[str]:
     """The actors' options, checked before any work (UsageError): a multi-task run's games (Atari, the same share of
     the actors each), the unroll, the batch over the learners and its minibatches, the envs per actor and their
     async batch, a run of at least one batch. Returns the games of a multi-task run (none for one task)."""
-    games, world, steps = (
-        expand_env_ids(getattr(args, "env_ids", ())),
-        world_size(),
-        args.batch_size * args.unroll_length,
-    )
+    games, world = expand_env_ids(getattr(args, "env_ids", ())), world_size()
+    steps = args.batch_size * args.unroll_length
     per_actor, mb = args.num_envs // max(args.num_actors, 1), getattr(args, "num_minibatches", world)
     for game in games:
         env_spec(game, discrete=True)
@@ -819,10 +815,6 @@ class Interrupt:
         if not self.raised and (len(self.signals) > 1 or not self.committing):
             self.raised = True
             raise KeyboardInterrupt
-
-    @property
-    def requested(self) -> bool:
-        return bool(self.signals)
 
     @property
     def once(self) -> bool:
@@ -1038,24 +1030,17 @@ class RunLog:
             torch.save(model, os.path.join(self.path, "model.pt"))
         step, summary, eval_mean, n = model["global_step"], {}, None, self.args.eval_episodes
         if n > 0:
-            film, seed, policy = (
-                self.path if self.args.capture_video else None,
-                self.args.seed + 10_000,
-                lambda k: make_eval_policy(model, k, str(device)),
-            )
-            scores = {
-                g: evaluate(policy, g, n, None, seed, film if i == 0 else None, bool(games))
-                for i, g in enumerate(games or [model["env_id"]])
-            }
-            eval_mean = float(np.mean([np.mean(s) for s in scores.values()]))
+            film, seed = self.path if self.args.capture_video else None, self.args.seed + 10_000
+            policy = lambda k: make_eval_policy(model, k, str(device))  # noqa: E731
             if games:
-                table = score_table(scores)
-                print(write_score_table(table, os.path.join(self.path, "evaluation")), flush=True)
+                table = evaluate_games(policy, games, n, seed, os.path.join(self.path, "evaluation"), film)
+                eval_mean = float(np.mean([r["mean"] for r in table["games"]]))
                 self.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
                 self.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
                 summary = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
                 summary["eval_per_game"] = table["games"]
             else:
+                eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, seed, film)))
                 self.scalars({"charts/eval_return": eval_mean}, step)
                 print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
         if games:

@@ -291,13 +291,9 @@ class Linears(nn.Module):
 
 def mlp(sizes, num_learners, out_activation=None, init="xavier", common=True):
     layers = []
-    for i in range(len(sizes) - 1):
-        layers.append(Linears(num_learners, sizes[i], sizes[i + 1], init, common))
-        if i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    if out_activation is not None:
-        layers.append(out_activation)
-    return nn.Sequential(*layers)
+    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+        layers += [Linears(num_learners, n_in, n_out, init, common), nn.ReLU()]
+    return nn.Sequential(*layers[:-1], *([out_activation] if out_activation is not None else []))
 
 
 class Actor(nn.Module):
@@ -601,9 +597,7 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
             "cpu_generator": cpu_generator.get_state(),
         }
         shared.publish(learners)  # for model.pt
-        path = population_file(run_path, t)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        save_atomic(state, population_file(run_path, t))
         msg_q.put(("saved", t, generation))
 
     learner_ids = torch.arange(N)
@@ -626,15 +620,8 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
         next_obs = torch.from_numpy(flatten_obs(next_obs))
         real = ~ended
         agent_rewards = delayed(rewards, term | trunc, real)
-        keep = torch.from_numpy(real)
-        replay.add(
-            owner[keep],
-            obs[keep],
-            actions[keep],
-            torch.from_numpy(agent_rewards)[keep],
-            next_obs[keep],
-            torch.from_numpy(term.astype(np.float32))[keep],
-        )
+        keep, rewards_t, term_t = (torch.from_numpy(x) for x in (real, agent_rewards, term.astype(np.float32)))
+        replay.add(*(x[keep] for x in (owner, obs, actions, rewards_t, next_obs, term_t)))
         stored += torch.bincount(owner[keep], minlength=N)
         rewarded += torch.bincount(owner[keep], torch.from_numpy(agent_rewards != 0)[keep].float(), minlength=N)
         shared.steps[0] = t * N * n
@@ -687,7 +674,7 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
             "done",
             {
                 "foreign_sample_fraction": (foreign / max(sampled, 1)).tolist(),
-                "updates": [learners.updates] * N,
+                "updates_per_learner": [learners.updates] * N,
                 "rewarded_fraction": (rewarded / stored.clamp(min=1)).tolist(),
             },
         )
@@ -992,9 +979,7 @@ def population_summary(log, done, best, beta, eval_means):
         "mean_episodic_return_last_10_per_learner": [float(np.mean(r)) if r else None for r in recent],
         "best_learner": best,
         "beta": beta,
-        "foreign_sample_fraction": done["foreign_sample_fraction"],
-        "rewarded_fraction": done["rewarded_fraction"],
-        "updates_per_learner": done["updates"],
+        **done,  # foreign_sample_fraction, rewarded_fraction, updates_per_learner
     }
 
 
@@ -1047,17 +1032,14 @@ def start_workers(target, per_worker, *args):
     return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
 
 
-def check_workers(workers, what, must_live=False) -> None:
-    """WorkerError if a worker raised (with its traceback) or died (`must_live`: ended at all); torch's `join` has
-    then stopped the others."""
+def check_workers(workers, what) -> None:
+    """WorkerError if a worker raised (with its traceback) or died; torch's `join` has then stopped the others."""
     try:
         workers.join(timeout=0, grace_period=2.0)
     except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
         raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
     except torch.multiprocessing.ProcessExitedException as e:
         raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-    if must_live and any(p.exitcode == 0 for p in workers.processes):
-        raise WorkerError(f"{what} ended before its learner")
 
 
 def stop_workers(workers) -> None:
@@ -1262,17 +1244,10 @@ class RunLog:
         self.last_log = now
 
     def end(self, model: dict, end_time: float, eval_mean=None, **extra) -> dict:
-        """model.pt (with `--save-model`), the evaluation (the first episode filmed with `--capture-video`; or the
-        script's own `eval_mean`), summary.json."""
-        step, n = model["global_step"], self.args.eval_episodes
+        """model.pt (with `--save-model`) and summary.json, with the population's evaluation (`eval_mean`)."""
+        step = model["global_step"]
         if self.args.save_model:
             torch.save(model, os.path.join(self.path, "model.pt"))
-        if n > 0 and eval_mean is None:
-            film = self.path if self.args.capture_video else None
-            policy = lambda k: make_eval_policy(model, k)  # noqa: E731
-            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000, film)))
-            self.scalars({"charts/eval_return": eval_mean}, step)
-            print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
         steady = None
         if self.first is not None and end_time > self.first[0] and step > self.first[1]:
             steady = (step - self.first[1]) / (end_time - self.first[0])

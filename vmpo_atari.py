@@ -56,12 +56,11 @@ import torch.nn.functional as F
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, task_family
 from common.evaluation import (
     evaluate,
+    evaluate_games,
     expand_env_ids,
     human_normalized_score,
     recurrent_policy,
     resume_checkpoint,
-    score_table,
-    write_score_table,
 )
 from common.networks import (
     LSTMCore,
@@ -443,10 +442,10 @@ def main(args: Args):
             torch.distributed.broadcast(p.data, 0)
     optimizer = make_optimizer(args, agent, multipliers)
     start_update, target_state = 0, None
+    learner = dict(agent=agent, multipliers=multipliers, optimizer=optimizer)  # what a checkpoint saves and restores
     if resumed is not None:
-        agent.load_state_dict(resumed["agent"])
-        multipliers.load_state_dict(resumed["multipliers"])
-        optimizer.load_state_dict(resumed["optimizer"])
+        for k, part in learner.items():
+            part.load_state_dict(resumed[k])
         start_update, target_state = resumed["update"], resumed["target_agent"]
     task_name = f"{len(games)}games" if multitask else args.env_id
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
@@ -462,21 +461,14 @@ def main(args: Args):
             if args.save_model:  # a run stopped early can be evaluated too
                 model = saved_model(args, agent, multipliers, games, atari, global_step)
                 save_atomic(model, os.path.join(log.path, "model.pt"))
-            state = dict(
-                agent=agent.state_dict(),
-                target_agent=pool.agent.state_dict(),
-                multipliers=multipliers.state_dict(),
-                optimizer=optimizer.state_dict(),
-                update=update,
-            )
+            state = {k: part.state_dict() for k, part in learner.items()}
+            state.update(target_agent=pool.agent.state_dict(), update=update)
             save_atomic(log.state(global_step, **state), os.path.join(log.path, "checkpoint.pt"))
         return global_step
 
     def save_last():
-        if before is not None:  # the update in progress is dropped whole: weights, normalisers, multipliers, Adam
-            agent.load_state_dict(before[0])
-            multipliers.load_state_dict(before[1])
-            optimizer.load_state_dict(before[2])
+        for k, state in (before or {}).items():  # the update in progress dropped whole: weights, normalisers, Adam
+            learner[k].load_state_dict(state)
         return checkpoint(done_update)
 
     # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (on a CPU one update of the default ResNet
@@ -498,7 +490,7 @@ def main(args: Args):
                 lambda ready: rank == 0 and log.console(global_step, collecting=(ready, *collecting))
             )
             diagnose, where = rank == 0 and (log.due() or update == num_updates), f"at update {update}"
-            before = copy.deepcopy((agent.state_dict(), multipliers.state_dict(), optimizer.state_dict()))
+            before = copy.deepcopy({k: part.state_dict() for k, part in learner.items()})
             stats, logits, obs = learner_step(
                 agent, multipliers, optimizer, batch, args, world, interrupt.commit, where, diagnose
             )
@@ -617,19 +609,8 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
     real = ~batch["ended"][:-1]
     popart.update(returns[real], task[:-1][real], popart_beta)
     value_norm, returns_norm = own(popart(value_features[:-1])), popart.normalize(returns, task[:-1])
-    out = vmpo_loss(
-        logits,
-        batch["logits"],
-        batch["action"],
-        value_norm,
-        returns_norm,
-        batch["ended"],
-        eta,
-        alpha,
-        args.eps_eta,
-        args.eps_alpha,
-        args.top_fraction,
-    )
+    target, bounds = (batch["logits"], batch["action"]), (args.eps_eta, args.eps_alpha, args.top_fraction)
+    out = vmpo_loss(logits, *target, value_norm, returns_norm, batch["ended"], eta, alpha, *bounds)  # π_target's logits
     n = real.sum().clamp(min=1)
     stats = {
         **loss_stats(out),
@@ -694,11 +675,8 @@ def average_gradients(params, world: int) -> None:
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     torch.distributed.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g, part in zip(grads, flat.div_(world).split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -832,11 +810,8 @@ def check_actor_args(args) -> list[str]:
     """The actors' options, checked before any work (UsageError): a multi-task run's games (Atari, the same share of
     the actors each), the unroll, the batch over the learners and its minibatches, the envs per actor and their
     async batch, a run of at least one batch. Returns the games of a multi-task run (none for one task)."""
-    games, world, steps = (
-        expand_env_ids(getattr(args, "env_ids", ())),
-        world_size(),
-        args.batch_size * args.unroll_length,
-    )
+    games, world = expand_env_ids(getattr(args, "env_ids", ())), world_size()
+    steps = args.batch_size * args.unroll_length
     per_actor, mb = args.num_envs // max(args.num_actors, 1), getattr(args, "num_minibatches", world)
     for game in games:
         env_spec(game, discrete=True)
@@ -957,10 +932,6 @@ class Interrupt:
         if not self.raised and (len(self.signals) > 1 or not self.committing):
             self.raised = True
             raise KeyboardInterrupt
-
-    @property
-    def requested(self) -> bool:
-        return bool(self.signals)
 
     @property
     def once(self) -> bool:
@@ -1176,24 +1147,17 @@ class RunLog:
             torch.save(model, os.path.join(self.path, "model.pt"))
         step, summary, eval_mean, n = model["global_step"], {}, None, self.args.eval_episodes
         if n > 0:
-            film, seed, policy = (
-                self.path if self.args.capture_video else None,
-                self.args.seed + 10_000,
-                lambda k: make_eval_policy(model, k, str(device)),
-            )
-            scores = {
-                g: evaluate(policy, g, n, None, seed, film if i == 0 else None, bool(games))
-                for i, g in enumerate(games or [model["env_id"]])
-            }
-            eval_mean = float(np.mean([np.mean(s) for s in scores.values()]))
+            film, seed = self.path if self.args.capture_video else None, self.args.seed + 10_000
+            policy = lambda k: make_eval_policy(model, k, str(device))  # noqa: E731
             if games:
-                table = score_table(scores)
-                print(write_score_table(table, os.path.join(self.path, "evaluation")), flush=True)
+                table = evaluate_games(policy, games, n, seed, os.path.join(self.path, "evaluation"), film)
+                eval_mean = float(np.mean([r["mean"] for r in table["games"]]))
                 self.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
                 self.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
                 summary = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
                 summary["eval_per_game"] = table["games"]
             else:
+                eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, seed, film)))
                 self.scalars({"charts/eval_return": eval_mean}, step)
                 print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
         if games:

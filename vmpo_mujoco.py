@@ -363,17 +363,8 @@ class Agent(nn.Module):
         popart_scale_upper=1e6,
     ):
         super().__init__()
-        self.config = dict(
-            obs_dim=obs_dim,
-            action_dim=action_dim,
-            hidden=tuple(hidden),
-            head_hidden=head_hidden,
-            init_std=init_std,
-            num_tasks=num_tasks,
-            popart_beta=popart_beta,
-            popart_scale_lower=popart_scale_lower,
-            popart_scale_upper=popart_scale_upper,
-        )
+        self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
+        self.config["hidden"] = tuple(hidden)
         self.action_dim = action_dim
         self.obs_norm = RunningNorm(obs_dim)
         self.core = MLPTorso(obs_dim, hidden, activation=nn.ELU)
@@ -496,10 +487,10 @@ def main(args: Args):
             torch.distributed.broadcast(p.data, 0)
     optimizer = make_optimizer(args, agent, multipliers)
     start_update, target_state = 0, None
+    learner = dict(agent=agent, multipliers=multipliers, optimizer=optimizer)  # what a checkpoint saves and restores
     if resumed is not None:
-        agent.load_state_dict(resumed["agent"])
-        multipliers.load_state_dict(resumed["multipliers"])
-        optimizer.load_state_dict(resumed["optimizer"])
+        for k, part in learner.items():
+            part.load_state_dict(resumed[k])
         start_update, target_state = resumed["update"], resumed["target_agent"]
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
     log = RunLog(args, args.env_id, resumed, describe + f"{args.num_envs * world} envs", rank == 0)
@@ -515,21 +506,14 @@ def main(args: Args):
                 save_atomic(
                     saved_model(args, spec, agent, multipliers, global_step), os.path.join(log.path, "model.pt")
                 )
-            state = dict(
-                agent=agent.state_dict(),
-                target_agent=pool.agent.state_dict(),
-                multipliers=multipliers.state_dict(),
-                optimizer=optimizer.state_dict(),
-                update=update,
-            )
+            state = {k: part.state_dict() for k, part in learner.items()}
+            state.update(target_agent=pool.agent.state_dict(), update=update)
             save_atomic(log.state(global_step, **state), os.path.join(log.path, "checkpoint.pt"))
         return global_step
 
     def save_last():
-        if before is not None:  # the update in progress is dropped whole: weights, normalisers, multipliers, Adam
-            agent.load_state_dict(before[0])
-            multipliers.load_state_dict(before[1])
-            optimizer.load_state_dict(before[2])
+        for k, state in (before or {}).items():  # the update in progress dropped whole: weights, normalisers, Adam
+            learner[k].load_state_dict(state)
         return checkpoint(done_update)
 
     # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update's
@@ -546,7 +530,7 @@ def main(args: Args):
             batch = pool.next_batch(
                 lambda ready: rank == 0 and log.console(global_step, collecting=(ready, *collecting))
             )
-            before = copy.deepcopy((agent.state_dict(), multipliers.state_dict(), optimizer.state_dict()))
+            before = copy.deepcopy({k: part.state_dict() for k, part in learner.items()})
             where = f"at update {update} (step {update * steps_per_update})"
             stats = learner_step(agent, multipliers, optimizer, batch, args, world, interrupt.commit, groups, where)
             with interrupt.commit():
@@ -657,24 +641,9 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
         popart.update(returns[real], task[:-1][real])
     value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
     eta, alpha_mu, alpha_sigma = multipliers.values()
-    out = vmpo_loss(
-        mean,
-        std,
-        batch["mean"],
-        batch["std"],
-        batch["action"],
-        value_norm,
-        returns_norm,
-        batch["ended"],
-        eta,
-        alpha_mu,
-        alpha_sigma,
-        args.eps_eta,
-        args.eps_alpha_mu,
-        args.eps_alpha_sigma,
-        args.top_fraction,
-        num_minibatches,
-    )
+    target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
+    bounds = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)
+    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], eta, alpha_mu, alpha_sigma, *bounds)
     n = real.sum().clamp(min=1)
     stats = {
         **loss_stats(out),
@@ -728,11 +697,8 @@ def average_gradients(params, world: int) -> None:
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     torch.distributed.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g, part in zip(grads, flat.div_(world).split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -970,10 +936,6 @@ class Interrupt:
         if not self.raised and (len(self.signals) > 1 or not self.committing):
             self.raised = True
             raise KeyboardInterrupt
-
-    @property
-    def requested(self) -> bool:
-        return bool(self.signals)
 
     @property
     def once(self) -> bool:

@@ -228,6 +228,16 @@ def evaluate(
     return [s for per_env in scores for s in per_env]
 
 
+def evaluate_games(make_policy, games, episodes: int, seed: int, prefix: str, video_dir=None) -> dict:
+    """A multi-task policy (all 18 Atari actions) on each game of `games` for `episodes` episodes (the first game's
+    first episode filmed into `video_dir`); the per-game table printed and written to `prefix`.json/.csv."""
+    film = [video_dir] + [None] * (len(games) - 1)
+    scores = {g: evaluate(make_policy, g, episodes, None, seed, v, True) for g, v in zip(games, film)}
+    table = score_table(scores)
+    print(write_score_table(table, prefix), flush=True)
+    return table
+
+
 def write_apng(path: str, frames: list, fps: int = 30) -> None:
     """Writes RGB frames `[H, W, 3]` uint8 as an animated PNG (plays in any web browser; no codec needed)."""
     from PIL import Image  # Pillow: envpool's own dependency

@@ -659,7 +659,7 @@ def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once(where)
         interrupt = Interrupt()
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), _signal.SIGINT)
-        assert interrupt.requested and interrupt.once
+        assert interrupt.signals and interrupt.once
         interrupt, done = Interrupt(), []
         with pytest.raises(KeyboardInterrupt):
             with interrupt.commit():

@@ -378,6 +378,40 @@ def test_smoke_torchrun_two_learners(tmp_path):
 
 
 @pytest.mark.e2e
+def test_two_nodes_through_a_c10d_rendezvous(tmp_path):
+    """torchrun's multi-node launch as on two machines: two launchers of one learner each (`--nnodes 2`), meeting at
+    a c10d rendezvous, here on this machine's loopback. One run folder (rank 0's), the batch split between the
+    nodes (each node's learner takes 4 of the 8 unrolls, with its own actors), the updates of a one-node run."""
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+    launch += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes"]
+    argv = ["--env-id", "CartPole-v1", "--total-timesteps", "3200", "--num-envs", "4", "--batch-size", "8"]
+    argv += ["--eval-episodes", "0", "--log-interval", "0", "--run-dir", str(tmp_path)]
+    nodes = [
+        subprocess.Popen(
+            [*launch, "impala_vtrace.py", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    (run,) = os.listdir(tmp_path)
+    summary = check_run(os.path.join(tmp_path, run), expect_model=False)
+    T = json.load(open(os.path.join(tmp_path, run, "args.json")))["unroll_length"]
+    assert summary["total_timesteps"] == 3200 // (8 * T) * 8 * T  # whole updates of 8 unrolls over both nodes
+    assert sum("2 learner process(es)" in o for o in outputs) == 1  # rank 0 alone writes
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "argv,needle",
     [
