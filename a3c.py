@@ -47,17 +47,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.envs import (
-    EpisodeTracker,
-    UsageError,
-    check_render,
-    env_spec,
-    flat_obs_dim,
-    flatten_obs,
-    is_atari,
-    make_env,
-    task_family,
-)
+from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
+from common.envs import make_env, require, task_family
 from common.evaluation import evaluate, resume_checkpoint
 from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, init_output_, init_weights_
 
@@ -501,10 +492,8 @@ def check_args(args):
         )
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be at least 1, or 0 for one per CPU core; got {args.num_workers}")
-    if args.num_envs < 1:
-        raise UsageError(f"--num-envs must be at least 1, got {args.num_envs}")
-    if args.t_max < 0:
-        raise UsageError(f"--t-max must be at least 1, or 0 for the paper's 5 (20 with --lstm); got {args.t_max}")
+    require(args.num_envs >= 1, f"--num-envs must be at least 1, got {args.num_envs}")
+    require(args.t_max >= 0, f"--t-max must be at least 1, or 0 for the paper's 5 (20 with --lstm); got {args.t_max}")
     t_max = args.t_max or (20 if args.lstm else 5)
     if args.total_timesteps < t_max * args.num_envs:
         raise UsageError(
@@ -512,17 +501,12 @@ def check_args(args):
             f"(t-max x num-envs = {t_max * args.num_envs} steps)"
         )
     for name in ("learning_rate", "rmsprop_eps"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.rmsprop_alpha < 1:
-        raise UsageError(f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
-    if not 0 <= args.gamma <= 1:
-        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    require(0 <= args.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     for name in ("value_coef", "lstm_size"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    if args.hidden < 1:
-        raise UsageError(f"--hidden must be at least 1, got {args.hidden}")
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
     if args.capture_video:
         check_render(args.env_id)
     pixels = is_atari(args.env_id)

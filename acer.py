@@ -52,17 +52,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.envs import (
-    EpisodeTracker,
-    UsageError,
-    check_render,
-    env_spec,
-    flat_obs_dim,
-    flatten_obs,
-    is_atari,
-    make_env,
-    task_family,
-)
+from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
+from common.envs import make_env, require, task_family
 from common.evaluation import evaluate, resume_checkpoint
 from common.networks import MLPTorso, init_output_, init_weights_
 
@@ -746,8 +737,7 @@ def check_args(args):
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be at least 1, or 0 for one per CPU core; got {args.num_workers}")
     for name in ("num_envs", "sdn_samples"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("k", "replay_size"):
         if getattr(args, name) < 0:
             raise UsageError(
@@ -772,18 +762,14 @@ def check_args(args):
         )
     for name in ("c", "delta", "learning_rate", "rmsprop_eps", "policy_std"):
         value = derived.get(name, getattr(args, name))
-        if not value > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        require(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("avg_decay", "rmsprop_alpha"):
         value = derived.get(name, getattr(args, name))
-        if not 0 <= value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
-    if not 0 <= args.gamma <= 1:
-        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+        require(0 <= value < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     if args.value_coef < 0 or args.ent_coef < 0:
         raise UsageError("--value-coef and --ent-coef must not be negative")
-    if args.hidden < 1:
-        raise UsageError(f"--hidden must be at least 1, got {args.hidden}")
+    require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
     pixels = is_atari(args.env_id)
     derived["obs_shape"] = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     derived["max_grad_norm"] = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)

@@ -49,26 +49,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, task_family
-from common.evaluation import (
-    evaluate,
-    evaluate_games,
-    expand_env_ids,
-    human_normalized_score,
-    recurrent_policy,
-    resume_checkpoint,
-)
-from common.networks import (
-    LSTMCore,
-    PolicyValueHeads,
-    check_channels,
-    dead_units,
-    grad_norms_by_layer,
-    init_output_,
-    init_weights_,
-    logits_std_across_states,
-    make_torso,
-)
+from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, require, task_family
+from common.evaluation import evaluate, evaluate_games, expand_env_ids, human_normalized_score, recurrent_policy
+from common.evaluation import resume_checkpoint
+from common.networks import LSTMCore, PolicyValueHeads, check_channels, dead_units, grad_norms_by_layer, init_output_
+from common.networks import init_weights_, logits_std_across_states, make_torso
 from common.popart import PopArt
 
 
@@ -557,8 +542,7 @@ def check_args(args):
     if args.lr_anneal_steps < 0:
         raise UsageError(f"--lr-anneal-steps must be 0 (automatic) or a number of steps, got {args.lr_anneal_steps}")
     check_channels(args.network, args.channels)
-    if not 0 < args.popart_beta <= 1:
-        raise UsageError(f"--popart-beta must be in (0, 1], got {args.popart_beta}")
+    require(0 < args.popart_beta <= 1, f"--popart-beta must be in (0, 1], got {args.popart_beta}")
     return spec, games
 
 
@@ -731,11 +715,6 @@ def check_actor_args(args) -> list[str]:
         f"--batch-size {args.batch_size} and be a multiple of the number of learner processes ({world})",
     )
     return games
-
-
-def require(condition, message: str) -> None:
-    if not condition:
-        raise UsageError(message)
 
 
 class WorkerError(RuntimeError):

@@ -60,17 +60,10 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import vector_to_parameters
 
-from common.envs import (
-    EpisodeTracker,
-    UsageError,
-    check_render,
-    env_spec,
-    flat_obs_dim,
-    flatten_obs,
-    make_env,
-    task_family,
-)
+from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, make_env
+from common.envs import require, task_family
 from common.evaluation import evaluate, load_run_file, resume_checkpoint
+from common.networks import batched_mlp
 
 
 @dataclass
@@ -259,41 +252,9 @@ class DelayedReward:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The networks (App. I): 400-300 ReLU, a tanh policy and two linear Q-functions of (s, a), for N learners at once.
-
-
-class Linears(nn.Module):
-    """N linear layers side by side, one per learner: `[N, B, in] -> [N, B, out]` as one batched matmul, so that
-    the whole population's forward and backward passes are one set of kernels. Slice i of `weight` `[N, out, in]`
-    and `bias` `[N, out]` is learner i's `nn.Linear`. With `common` all N start as the same `nn.Linear` (Algorithm 1,
-    line 1: φ_i and θ_i initialised to the same parameters for every learner); without, each learner draws its own
-    (the authors' launcher re-initialises every variable after the copies: docs/p3s_td3.md)."""
-
-    def __init__(self, num_learners, in_features, out_features, init="xavier", common=True):
-        super().__init__()
-        # "torch": PyTorch's default, as TD3's own code has it
-        layers = [nn.Linear(in_features, out_features) for _ in range(1 if common else num_learners)]
-        if init == "xavier":  # the P3S authors' code (td3/misc/mlp.py): Xavier-uniform weights, zero biases
-            for layer in layers:
-                nn.init.xavier_uniform_(layer.weight)
-                nn.init.zeros_(layer.bias)
-        weight = torch.stack([layer.weight.detach() for layer in layers])
-        bias = torch.stack([layer.bias.detach() for layer in layers])
-        self.weight = nn.Parameter(weight.expand(num_learners, -1, -1).clone())
-        self.bias = nn.Parameter(bias.expand(num_learners, -1).clone())
-
-    def forward(self, x):
-        # y^T = W x^T + b, computed feature-major ([N, out, B]) and returned as its transposed view: the gradient of
-        # W (grad^T x) then comes out in W's own layout, where y = x W^T + b would give a transposed one that autograd
-        # copies into W's layout (docs/p3s_td3.md, "Speed on a CPU"). A layer fed by another gets a contiguous x^T.
-        return torch.baddbmm(self.bias.unsqueeze(2), self.weight, x.transpose(1, 2)).transpose(1, 2)
-
-
-def mlp(sizes, num_learners, out_activation=None, init="xavier", common=True):
-    layers = []
-    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
-        layers += [Linears(num_learners, n_in, n_out, init, common), nn.ReLU()]
-    return nn.Sequential(*layers[:-1], *([out_activation] if out_activation is not None else []))
+# The networks (App. I): 400-300 ReLU, a tanh policy and two linear Q-functions of (s, a), for N learners at once:
+# `batched_mlp`'s layers (`common.networks.Linears`) hold the N learners' weights side by side, `[N, out, in]`, and
+# start alike (Algorithm 1, line 1: φ_i and θ_i the same for every learner) or, with --no-common-init, each its own.
 
 
 class Actor(nn.Module):
@@ -303,7 +264,7 @@ class Actor(nn.Module):
     def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True):
         super().__init__()
         self.config = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden))
-        self.net = mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init, common)
+        self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init, common)
 
     def forward(self, obs):
         return self.net(obs)
@@ -318,8 +279,8 @@ class TwinQ(nn.Module):
 
     def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True):
         super().__init__()
-        self.q1 = mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init, common=common)
-        self.q2 = mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init, common=common)
+        self.q1 = batched_mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init, common=common)
+        self.q2 = batched_mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init, common=common)
 
     def forward(self, obs, actions):
         x = torch.cat([obs, actions], -1)
@@ -487,11 +448,9 @@ class Learners:
             if self.period_count == 0:
                 return None
             return self.period_sums / self.period_count
-        obs = obs.to(self.device)
-        pi, reduction = self.actor(obs), self.args.distance
-        return policy_distance(pi, self.best_actions(obs), reduction), policy_distance(
-            pi, self.old_actor(obs), reduction
-        )
+        obs, d = obs.to(self.device), self.args.distance
+        pi = self.actor(obs)
+        return policy_distance(pi, self.best_actions(obs), d), policy_distance(pi, self.old_actor(obs), d)
 
     @torch.no_grad()
     def adopt(self, best):
@@ -501,19 +460,17 @@ class Learners:
         self.period_sums.zero_()
         self.period_count = 0
 
+    NETS = ("actor", "qf", "actor_target", "qf_target", "best_actor", "old_actor", "actor_opt", "qf_opt")
+
     def state_dict(self):
-        nets = ("actor", "qf", "actor_target", "qf_target", "best_actor", "old_actor", "actor_opt", "qf_opt")
         period = {"period_sums": self.period_sums.cpu(), "period_count": self.period_count}
-        return {**{k: getattr(self, k).state_dict() for k in nets}, "updates": self.updates, **period}
+        return {**{k: getattr(self, k).state_dict() for k in self.NETS}, "updates": self.updates, **period}
 
     def load_state_dict(self, state):
-        for k, v in state.items():
-            if k == "period_sums":
-                self.period_sums.copy_(v)
-            elif k in ("updates", "period_count"):
-                setattr(self, k, v)
-            else:
-                getattr(self, k).load_state_dict(v)
+        for k in self.NETS:
+            getattr(self, k).load_state_dict(state[k])
+        self.period_sums.copy_(state["period_sums"])
+        self.updates, self.period_count = state["updates"], state["period_count"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -648,7 +605,8 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
         if t % args.best_period == 0:
             if N > 1 and learning:
                 generation += 1
-                best, beta, sync = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
+                sync = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
+                best, beta = sync["best"], sync["beta"]
                 guided = learner_ids != best
                 guided_on_device = guided.to(device)
                 msg_q.put(("sync", int(shared.steps[0]), sync))
@@ -669,16 +627,8 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
         steps_per_learner % args.best_period == 0 and os.path.exists(population_file(run_path, steps_per_learner))
     ):
         save(steps_per_learner)  # the end of the run (unless just saved at this very step)
-    msg_q.put(
-        (
-            "done",
-            {
-                "foreign_sample_fraction": (foreign / max(sampled, 1)).tolist(),
-                "updates_per_learner": [learners.updates] * N,
-                "rewarded_fraction": (rewarded / stored.clamp(min=1)).tolist(),
-            },
-        )
-    )
+    done = dict(updates_per_learner=[learners.updates] * N, rewarded_fraction=(rewarded / stored.clamp(min=1)).tolist())
+    msg_q.put(("done", {**done, "foreign_sample_fraction": (foreign / max(sampled, 1)).tolist()}))
 
 
 def evaluate_learners(actor, env_id, episodes, seed, low, high):
@@ -710,22 +660,12 @@ def synchronise(learners, replay, recent, best, beta, args, generator):
     if distances is not None:
         d_spread, d_change = float(distances[0][others].mean()), float(distances[1][others].mean())
         beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min, args.beta_min, args.beta_max)
-    scores = [float(np.mean(r)) if r else math.nan for r in recent]
-    new_best = select_best([[] if math.isnan(s) else [s] for s in scores], best)
+    new_best = select_best(recent, best)
     learners.adopt(new_best)
-    return (
-        new_best,
-        beta,
-        {
-            "best": new_best,
-            "previous_best": best,
-            "beta": beta,
-            "d_spread": d_spread,
-            "d_change": d_change,
-            "d_search": max(args.rho * d_change, args.d_min) if distances is not None else math.nan,
-            "scores": scores,
-        },
-    )
+    scores = [float(np.mean(r)) if r else math.nan for r in recent]
+    sync = dict(best=new_best, previous_best=best, beta=beta, d_spread=d_spread, d_change=d_change, scores=scores)
+    sync["d_search"] = max(args.rho * d_change, args.d_min) if distances is not None else math.nan
+    return sync
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -872,8 +812,7 @@ def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
     spec = env_spec(args.env_id, discrete=False)
     for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not args.hidden or min(args.hidden) < 1:
         raise UsageError(f"--hidden needs one or more positive layer sizes, got {args.hidden}")
     if args.buffer_size // args.num_learners < args.batch_size:
@@ -882,19 +821,15 @@ def check_args(args):
             f"than --batch-size {args.batch_size} rows; use at least {args.batch_size * args.num_learners}"
         )
     for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not args.beta_min <= args.beta_init <= args.beta_max:
         raise UsageError(
             f"--beta-init {args.beta_init} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
         )
-    if not 0 < args.tau <= 1:
-        raise UsageError(f"--tau must be in (0, 1], got {args.tau}")
-    if not 0 <= args.gamma <= 1:
-        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+    require(0 < args.tau <= 1, f"--tau must be in (0, 1], got {args.tau}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes", "eval_interval"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     text = args.preset == "paper"
     t_initial, learning_starts, d_min = task_defaults(args.env_id, args.reward_delay > 1, args.num_learners, text)
     t_initial = args.t_initial if args.t_initial >= 0 else t_initial
@@ -933,18 +868,10 @@ def saved_model(args, spec, actor, shared, best, global_step):
     for i in range(args.num_learners):
         vector_to_parameters(shared.policies[i], actor.parameters())
         actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
-    return {
-        "script": "p3s_td3",
-        "env_id": args.env_id,
-        "args": dataclasses.asdict(args),
-        "actor_config": actor.config,
-        "actor": actors[best],
-        "actors": actors,
-        "best_learner": best,
-        "action_low": spec.action_space.low.astype(np.float32).tolist(),
-        "action_high": spec.action_space.high.astype(np.float32).tolist(),
-        "global_step": global_step,
-    }
+    model = dict(script="p3s_td3", env_id=args.env_id, args=dataclasses.asdict(args), actor_config=actor.config)
+    model.update(actor=actors[best], actors=actors, best_learner=best, global_step=global_step)
+    low, high = (x.astype(np.float32).tolist() for x in (spec.action_space.low, spec.action_space.high))
+    return {**model, "action_low": low, "action_high": high}
 
 
 def log_selection(log, selections, step, sync):
@@ -1187,16 +1114,12 @@ class RunLog:
         self.path = args.resume or os.path.join(
             args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         )
-        self.returns, self.groups = (
-            list(resumed.get("returns", [])),
-            dict(resumed.get("groups", {})),
-        )  # groups: learners
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))  # per learner
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_log = time.time()
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = self.path if args.resume else new_run_folder(self.path)
-        os.makedirs(self.path, exist_ok=True)
         family, source = describe_defaults(args)
         print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
         with open(os.path.join(self.path, "args.json"), "w") as f:

@@ -53,25 +53,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, task_family
-from common.evaluation import (
-    evaluate,
-    evaluate_games,
-    expand_env_ids,
-    human_normalized_score,
-    recurrent_policy,
-    resume_checkpoint,
-)
-from common.networks import (
-    LSTMCore,
-    check_channels,
-    dead_units,
-    grad_norms_by_layer,
-    init_output_,
-    init_weights_,
-    logits_std_across_states,
-    make_torso,
-)
+from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, require, task_family
+from common.evaluation import evaluate, evaluate_games, expand_env_ids, human_normalized_score, recurrent_policy
+from common.evaluation import resume_checkpoint
+from common.networks import LSTMCore, check_channels, dead_units, grad_norms_by_layer, init_output_, init_weights_
+from common.networks import logits_std_across_states, make_torso
 from common.popart import PopArt
 
 
@@ -578,13 +564,10 @@ def check_args(args):
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
-    if not 0 < args.top_fraction <= 1:
-        raise UsageError(f"--top-fraction must be in (0, 1], got {args.top_fraction}")
+    require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
     for name in ("eps_eta", "eps_alpha", "init_eta", "init_alpha", "learning_rate"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.gamma <= 1:
-        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     if len(spec.observation_space.shape) == 3:
         check_channels(args.network, args.channels)
     return spec, games
@@ -848,11 +831,6 @@ def check_actor_args(args) -> list[str]:
         f"--batch-size {args.batch_size} and be a multiple of the number of learner processes ({world})",
     )
     return games
-
-
-def require(condition, message: str) -> None:
-    if not condition:
-        raise UsageError(message)
 
 
 class WorkerError(RuntimeError):

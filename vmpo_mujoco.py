@@ -53,16 +53,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.envs import (
-    EpisodeTracker,
-    UsageError,
-    check_render,
-    env_spec,
-    flat_obs_dim,
-    flatten_obs,
-    make_env,
-    task_family,
-)
+from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, make_env, require
+from common.envs import task_family
 from common.evaluation import evaluate, resume_checkpoint
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
@@ -605,21 +597,16 @@ def check_args(args):
     check_actor_args(args)
     if args.target_update_period < 1:
         raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
-    if not 0 < args.top_fraction <= 1:
-        raise UsageError(f"--top-fraction must be in (0, 1], got {args.top_fraction}")
+    require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
     for name in ("eps_eta", "eps_alpha_mu", "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not args.learning_rate > 0:
-        raise UsageError(f"--learning-rate must be positive, got {args.learning_rate}")
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    require(args.learning_rate > 0, f"--learning-rate must be positive, got {args.learning_rate}")
     if not args.dual_learning_rate >= 0:
         raise UsageError(
             f"--dual-learning-rate must be 0 (the networks' Adam) or positive, got {args.dual_learning_rate}"
         )
-    if not args.init_std > Agent.MIN_STD:
-        raise UsageError(f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
-    if not 0 <= args.gamma <= 1:
-        raise UsageError(f"--gamma must be in [0, 1], got {args.gamma}")
+    require(args.init_std > Agent.MIN_STD, f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     if not args.hidden or min(args.hidden) < 1:
         raise UsageError(f"--hidden takes one or more positive layer sizes, got {args.hidden}")
     if args.capture_video:
@@ -852,11 +839,6 @@ def check_actor_args(args) -> None:
         f"--num-minibatches {mb} must divide "
         f"--batch-size {args.batch_size} and be a multiple of the number of learner processes ({world})",
     )
-
-
-def require(condition, message: str) -> None:
-    if not condition:
-        raise UsageError(message)
 
 
 class WorkerError(RuntimeError):

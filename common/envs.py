@@ -28,6 +28,12 @@ class UsageError(Exception):
     """Bad input found before any work starts: the scripts print it as one line and exit with status 2."""
 
 
+def require(condition, message: str) -> None:
+    """UsageError(`message`) unless `condition` holds (a NaN fails every comparison, so it is refused too)."""
+    if not condition:
+        raise UsageError(message)
+
+
 def _envpool():
     import envpool  # imported lazily so that importing a script touches no environment library
 

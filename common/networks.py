@@ -239,6 +239,44 @@ def init_output_(layer: nn.Linear, std: float) -> nn.Linear:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Batched networks: N networks side by side, one per learner of a population (P3S), trained as one.
+
+
+class Linears(nn.Module):
+    """N linear layers side by side, one per learner: `[N, B, in] -> [N, B, out]` as one batched matmul, so that the
+    whole population's forward and backward passes are one set of kernels. Slice i of `weight` `[N, out, in]` and
+    `bias` `[N, out]` is learner i's `nn.Linear`. With `common` all N start as the same `nn.Linear`; without, each
+    draws its own. `init` "xavier": Xavier-uniform weights, zero biases (the P3S authors' td3/misc/mlp.py);
+    "torch": PyTorch's default, as TD3's own code has it."""
+
+    def __init__(self, num_learners, in_features, out_features, init="xavier", common=True):
+        super().__init__()
+        layers = [nn.Linear(in_features, out_features) for _ in range(1 if common else num_learners)]
+        if init == "xavier":
+            for layer in layers:
+                nn.init.xavier_uniform_(layer.weight)
+                nn.init.zeros_(layer.bias)
+        weight = torch.stack([layer.weight.detach() for layer in layers])
+        bias = torch.stack([layer.bias.detach() for layer in layers])
+        self.weight = nn.Parameter(weight.expand(num_learners, -1, -1).clone())
+        self.bias = nn.Parameter(bias.expand(num_learners, -1).clone())
+
+    def forward(self, x):
+        # y^T = W x^T + b, computed feature-major ([N, out, B]) and returned as its transposed view: the gradient of
+        # W (grad^T x) then comes out in W's own layout, where y = x W^T + b would give a transposed one that autograd
+        # copies into W's layout (docs/p3s_td3.md, "Speed on a CPU"). A layer fed by another gets a contiguous x^T.
+        return torch.baddbmm(self.bias.unsqueeze(2), self.weight, x.transpose(1, 2)).transpose(1, 2)
+
+
+def batched_mlp(sizes, num_learners, out_activation=None, init="xavier", common=True):
+    """N ReLU MLPs of layer sizes `sizes`, side by side (`Linears`): `[N, B, sizes[0]] -> [N, B, sizes[-1]]`."""
+    layers = []
+    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+        layers += [Linears(num_learners, n_in, n_out, init, common), nn.ReLU()]
+    return nn.Sequential(*layers[:-1], *([out_activation] if out_activation is not None else []))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Diagnostics that tell learning from a stall early.
 
 
