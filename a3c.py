@@ -673,13 +673,6 @@ PAPER = "the paper's settings (the Args defaults)"
 FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
-def family_key(args, table) -> str:
-    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
-    family = task_family(args.env_id)
-    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
-    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
-
-
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
     """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take;
     none under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
@@ -687,21 +680,20 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    overrides = {} if first.preset == "paper" or first.resume else table.get(family_key(first, table), (PAPER, {}))[1]
+    overrides = {} if first.preset == "paper" or first.resume else table.get(task_family(first.env_id), (PAPER, {}))[1]
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
-    key = family_key(args, table)
-    source, overrides = table.get(key, (PAPER, {}))
+    family = task_family(args.env_id)
+    source, overrides = table.get(family, (PAPER, {}))
     if args.preset == "paper":
-        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
-    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+        return family, PAPER + ", forced by --preset paper"
     show = [
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
-    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "")
+    return family, source + (": " + ", ".join(show) if show else "")
 
 
 def resume_args(args):

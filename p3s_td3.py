@@ -300,16 +300,13 @@ class SharedReplay:
     row written by anyone. The write counts live on the CPU, so that neither writing nor sampling waits for the
     device."""
 
-    FIELDS = ("obs", "next_obs", "actions", "rewards", "terminated")
+    FIELDS = ("obs", "actions", "rewards", "next_obs", "terminated")  # a row, in `add`'s and `sample`'s order
 
     def __init__(self, capacity, num_learners, obs_dim, action_dim, device="cpu"):
         self.num_learners, self.part, self.device = num_learners, capacity // num_learners, torch.device(device)
-        n = self.part * num_learners
-        self.obs = torch.zeros(n, obs_dim, device=self.device)
-        self.next_obs = torch.zeros(n, obs_dim, device=self.device)
-        self.actions = torch.zeros(n, action_dim, device=self.device)
-        self.rewards = torch.zeros(n, device=self.device)
-        self.terminated = torch.zeros(n, device=self.device)
+        shapes = dict(obs=(obs_dim,), actions=(action_dim,), rewards=(), next_obs=(obs_dim,), terminated=())
+        for k, shape in shapes.items():
+            setattr(self, k, torch.zeros(self.part * num_learners, *shape, device=self.device))
         self.writes = torch.zeros(num_learners, dtype=torch.int64)  # rows ever written by each learner
 
     def add(self, learners, obs, actions, rewards, next_obs, terminated):
@@ -320,11 +317,8 @@ class SharedReplay:
         mine = nn.functional.one_hot(learners, self.num_learners)  # [k, N]
         rank = (mine.cumsum(0) - 1).gather(1, learners[:, None])[:, 0]  # earlier rows of the same learner
         rows = (learners * self.part + (self.writes[learners] + rank) % self.part).to(self.device)
-        self.obs[rows] = obs.to(self.device)
-        self.next_obs[rows] = next_obs.to(self.device)
-        self.actions[rows] = actions.to(self.device)
-        self.rewards[rows] = rewards.to(self.device)
-        self.terminated[rows] = terminated.to(self.device)
+        for k, v in zip(self.FIELDS, (obs, actions, rewards, next_obs, terminated)):
+            getattr(self, k)[rows] = v.to(self.device)
         self.writes += mine.sum(0)
 
     def sizes(self):
@@ -339,7 +333,7 @@ class SharedReplay:
         u = torch.randint(int(ends[-1]), shape, generator=generator)
         writer = torch.searchsorted(ends, u.flatten(), right=True).view(shape)
         rows = (writer * self.part + u - (ends[writer] - sizes[writer])).to(self.device)
-        return tuple(getattr(self, k)[rows] for k in ("obs", "actions", "rewards", "next_obs", "terminated")), writer
+        return tuple(getattr(self, k)[rows] for k in self.FIELDS), writer
 
     def state(self):
         """Every learner's part (the rows it wrote) and write count, for a checkpoint (on the CPU)."""
@@ -370,8 +364,7 @@ class Learners:
         nets = (args.hidden, num_learners, args.init, args.common_init)
         self.actor = Actor(obs_dim, action_dim, *nets).to(self.device)
         self.qf = TwinQ(obs_dim, action_dim, *nets).to(self.device)
-        self.actor_target = copy.deepcopy(self.actor)
-        self.qf_target = copy.deepcopy(self.qf)
+        self.actor_target, self.qf_target = copy.deepcopy(self.actor), copy.deepcopy(self.qf)
         self.old_actor = copy.deepcopy(self.actor)  # π_old, each learner's policy at the start of the period
         self.best_actor = Actor(obs_dim, action_dim, args.hidden).to(self.device)  # π_b, frozen
         self.best_actor.load_state_dict(self.actor.learner_state(0))  # Algorithm 1, line 1: φ_b = φ_i at start
@@ -541,18 +534,11 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
     def save(t):
         """The population's part of a checkpoint, then a note to the main process, which writes checkpoint.pt."""
         check_finite_parameters(f"at step {t * N * n}", actor=learners.actor, qf=learners.qf)
-        state = {
-            "learners": learners.state_dict(),
-            "replay": replay.state(),
-            "t": t,
-            "best": best,
-            "beta": beta,
-            "generation": generation,
-            "counts": (foreign, sampled, stored, rewarded),
-            "recent": [list(r) for r in recent],
-            "generator": generator.get_state(),
-            "cpu_generator": cpu_generator.get_state(),
-        }
+        state = dict(learners=learners.state_dict(), replay=replay.state(), t=t, best=best, beta=beta)
+        state.update(
+            generation=generation, counts=(foreign, sampled, stored, rewarded), recent=[list(r) for r in recent]
+        )
+        state.update(generator=generator.get_state(), cpu_generator=cpu_generator.get_state())
         shared.publish(learners)  # for model.pt
         save_atomic(state, population_file(run_path, t))
         msg_q.put(("saved", t, generation))
@@ -563,8 +549,7 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
     guided = (learner_ids != best) & (N > 1) & (generation > 0 or args.guide_first_period)
     guided_on_device = guided.to(device)
     updates_per_t = n * args.updates_per_step  # per learner, for its n interactions of this time step
-    obs, _ = envs.reset()
-    obs = torch.from_numpy(flatten_obs(obs))
+    obs = torch.from_numpy(flatten_obs(envs.reset()[0]))
     ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
     for t in range(start_t + 1, steps_per_learner + 1):
         if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
@@ -613,19 +598,13 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
             if int(shared.save_request[0]) and run_path is not None:
                 shared.save_request[0] = 0
                 save(t)
-        now = time.time()
-        if now - last_report >= 2.0 and learning and "actor_loss" in stats:
-            for i in range(N):
-                learner_stats = {k: float(v[i]) for k, v in stats.items()}
-                learner_stats.update(
-                    beta=beta, guided=float(guided[i]), foreign_sample_fraction=int(foreign[i]) / sampled
-                )
-                msg_q.put(("stats", i, int(shared.steps[0]), learner_stats))
-            last_report = now
+        if time.time() - last_report >= 2.0 and learning and "actor_loss" in stats:  # every learner's, in one message
+            extra = dict(beta=torch.full((N,), beta), guided=guided.float(), foreign_sample_fraction=foreign / sampled)
+            msg_q.put(("stats", int(shared.steps[0]), {k: v.tolist() for k, v in {**stats, **extra}.items()}))
+            last_report = time.time()
     shared.publish(learners)
-    if run_path is not None and not (
-        steps_per_learner % args.best_period == 0 and os.path.exists(population_file(run_path, steps_per_learner))
-    ):
+    last = population_file(run_path, steps_per_learner) if run_path is not None else None
+    if last is not None and not (steps_per_learner % args.best_period == 0 and os.path.exists(last)):
         save(steps_per_learner)  # the end of the run (unless just saved at this very step)
     done = dict(updates_per_learner=[learners.updates] * N, rewarded_fraction=(rewarded / stored.clamp(min=1)).tolist())
     msg_q.put(("done", {**done, "foreign_sample_fraction": (foreign / max(sampled, 1)).tolist()}))
@@ -674,27 +653,20 @@ def synchronise(learners, replay, recent, best, beta, args, generator):
 
 def main(args: Args):
     args, resumed = resume_args(args)
-    spec, derived = check_args(args)
-    args = dataclasses.replace(
-        args, **{k: derived[k] for k in ("t_initial", "learning_starts", "d_min", "updates_per_step")}
-    )
+    spec, args = check_args(args)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     N = args.num_learners
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    log = RunLog(
-        args,
-        resumed,
-        f"{'P3S-TD3 with ' + str(N) + ' learners' if N > 1 else 'TD3 (one learner)'} x {args.num_envs} env(s) on "
-        f"{device}; {args.updates_per_step} update(s) per learner step, T_initial {args.t_initial}, updates from "
-        f"{first_update_step(args)} steps, d_min {args.d_min}"
-        f"{', rewards delayed by ' + str(args.reward_delay) if args.reward_delay > 1 else ''}",
-    )
+    describe = f"P3S-TD3 with {N} learners" if N > 1 else "TD3 (one learner)"
+    describe += f" x {args.num_envs} env(s) on {device}; {args.updates_per_step} update(s) per learner step, "
+    describe += f"T_initial {args.t_initial}, updates from {first_update_step(args)} steps, d_min {args.d_min}"
+    describe += f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else ""
+    log = RunLog(args, resumed, describe)
     best, beta = (resumed["best"], resumed["beta"]) if resumed else (0, args.beta_init)
     resume_file = population_file(log.path, resumed["t"]) if resumed else None
-    ctx = torch.multiprocessing.get_context("spawn")
-    actor = Actor(derived["obs_dim"], derived["action_dim"], args.hidden)
+    actor = Actor(flat_obs_dim(spec), int(spec.action_space.shape[0]), args.hidden)
     shared = Shared(N, sum(p.numel() for p in actor.parameters()))
-    msg_q = ctx.Queue()
+    msg_q = torch.multiprocessing.get_context("spawn").Queue()
     stop = []  # Ctrl-C or SIGTERM: a checkpoint at the next selection, then stop
 
     def checkpoint(t, generation):
@@ -722,7 +694,8 @@ def main(args: Args):
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # ignored from its first instruction on: the population's
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process inherits it across the exec of its start (spawn)
-        workers = start_workers(run_population, [args], shared, msg_q, log.path, resume_file)
+        run = (args, shared, msg_q, log.path, resume_file)
+        workers = torch.multiprocessing.start_processes(run_worker, run, 1, join=False, start_method="spawn")
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         while done is None:
@@ -732,12 +705,10 @@ def main(args: Args):
             kind = msg[0] if msg is not None else None
             if kind == "episode":
                 log.episode(msg[3], msg[4], msg[2], f"learner_{msg[1]}")
-            elif kind == "stats":
-                _, i, step, stats = msg
-                log.scalars(
-                    {f"{'losses' if k.endswith('loss') else 'stats'}/learner_{i}/{k}": v for k, v in stats.items()},
-                    step,
-                )
+            elif kind == "stats":  # a value per learner
+                for k, values in msg[2].items():
+                    group = "losses" if k.endswith("loss") else "stats"
+                    log.scalars({f"{group}/learner_{i}/{k}": v for i, v in enumerate(values)}, msg[1])
             elif kind == "sync":
                 best, beta = log_selection(log, selections, *msg[1:])
             elif kind == "eval":
@@ -763,10 +734,9 @@ def main(args: Args):
             if step > max(first_update_step(args), log.start_step):
                 log.first_update(step)
             if log.due():
+                selected = f"best {best} | beta {beta:.3g}" if N > 1 else ""
                 evaluated = f"eval {last_eval[1]:.1f} at {last_eval[0]}" if last_eval else ""
-                log.console(
-                    step, " | ".join(filter(None, (f"best {best} | beta {beta:.3g}" if N > 1 else "", evaluated)))
-                )
+                log.console(step, " | ".join(filter(None, (selected, evaluated))))
     except WorkerError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         if "NonFiniteError" in str(e):
@@ -779,8 +749,7 @@ def main(args: Args):
         if workers is not None:
             stop_workers(workers)
         sys.exit(130)
-    for p in workers.processes:
-        p.join()
+    workers.join()  # the population's process, after its last message
     selections.close()
     evaluations.close()
     end_time = time.time()
@@ -788,8 +757,7 @@ def main(args: Args):
     log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
     model = saved_model(args, spec, actor, shared, best, global_step)
     eval_means = evaluate_population(log, model)
-    eval_mean = max(eval_means) if eval_means else None
-    log.end(model, end_time, eval_mean, **population_summary(log, done, best, beta, eval_means))
+    log.end(model, end_time, max(eval_means, default=None), **population_summary(log, done, best, beta, eval_means))
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
@@ -813,19 +781,16 @@ def check_args(args):
     spec = env_spec(args.env_id, discrete=False)
     for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if not args.hidden or min(args.hidden) < 1:
-        raise UsageError(f"--hidden needs one or more positive layer sizes, got {args.hidden}")
-    if args.buffer_size // args.num_learners < args.batch_size:
-        raise UsageError(
-            f"--buffer-size {args.buffer_size} leaves each of the {args.num_learners} learners fewer "
-            f"than --batch-size {args.batch_size} rows; use at least {args.batch_size * args.num_learners}"
-        )
+    require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
+    require(
+        args.buffer_size // args.num_learners >= args.batch_size,
+        f"--buffer-size {args.buffer_size} leaves each of the {args.num_learners} learners fewer than --batch-size "
+        f"{args.batch_size} rows; use at least {args.batch_size * args.num_learners}",
+    )
     for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not args.beta_min <= args.beta_init <= args.beta_max:
-        raise UsageError(
-            f"--beta-init {args.beta_init} must lie in [--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
-        )
+    beta_range = f"[--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
+    require(args.beta_min <= args.beta_init <= args.beta_max, f"--beta-init {args.beta_init} must lie in {beta_range}")
     require(0 < args.tau <= 1, f"--tau must be in (0, 1], got {args.tau}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes", "eval_interval"):
@@ -838,10 +803,12 @@ def check_args(args):
     # the authors' code: N updates of each learner per step of its own (p3s_td3.py:147, base.py:118-123), so that at
     # equal steps of all learners each learner has made as many updates as one TD3; the text (Sec. 4.1): one
     updates_per_step = args.updates_per_step if args.updates_per_step >= 0 else (1 if text else args.num_learners)
-    if updates_per_step < 1:
-        raise UsageError(f"--updates-per-step must be at least 1 (negative: the default), got {args.updates_per_step}")
-    derived = dict(t_initial=t_initial, learning_starts=learning_starts, updates_per_step=updates_per_step)
-    first = first_update_step(dataclasses.replace(args, **derived))
+    require(
+        updates_per_step >= 1, f"--updates-per-step must be 1 or more (negative: the default), got {updates_per_step}"
+    )
+    derived = dict(t_initial=t_initial, learning_starts=learning_starts, updates_per_step=updates_per_step, d_min=d_min)
+    args = dataclasses.replace(args, **derived)
+    first = first_update_step(args)
     if args.total_timesteps <= first:
         raise UsageError(
             f"--total-timesteps {args.total_timesteps} ends before the first update at step {first} (T_initial "
@@ -850,7 +817,7 @@ def check_args(args):
         )
     if args.capture_video:
         check_render(args.env_id)
-    return spec, dict(**derived, d_min=d_min, obs_dim=flat_obs_dim(spec), action_dim=int(spec.action_space.shape[0]))
+    return spec, args
 
 
 def first_update_step(args):
@@ -940,23 +907,17 @@ class WorkerError(RuntimeError):
     """A worker process raised (its traceback) or died (its exit code)."""
 
 
-def run_worker(i, target, per_worker, *args):
-    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
-    Ctrl-C and SIGTERM are the main process's to handle (it asks for a checkpoint first: a SIGTERM sent
-    to the whole process group, by `timeout` or a job scheduler, must not kill the population before), it dies
-    with the main process, one torch thread."""
+def run_worker(i, *args):
+    """The population's process (`run_population(*args)`), started by torch's `start_processes` (whose `join` brings
+    an exception's traceback back): Ctrl-C and SIGTERM are the main process's to handle (it asks for a checkpoint
+    first: a SIGTERM sent to the whole process group, by `timeout` or a job scheduler, must not kill the population
+    before), it dies with the main process, one torch thread."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
     if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
-        target(per_worker[i], *args)
-
-
-def start_workers(target, per_worker, *args):
-    """One process per item of `per_worker`, running `target(item, *args)`."""
-    run = (target, per_worker, *args)
-    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+        run_population(*args)
 
 
 def check_workers(workers, what) -> None:
@@ -1048,13 +1009,6 @@ PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code de
 FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
-def family_key(args, table) -> str:
-    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
-    family = task_family(args.env_id)
-    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
-    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
-
-
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
     """tyro's flags over the family's defaults, or under `--preset paper` over the text's reading where the
     authors' code departs from it (`PAPER_TEXT`): a flag given wins, `--help` shows the values a run would take;
@@ -1063,22 +1017,21 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    family = {} if first.resume or first.preset == "paper" else table.get(family_key(first, table), (PAPER, {}))[1]
+    family = {} if first.resume or first.preset == "paper" else table.get(task_family(first.env_id), (PAPER, {}))[1]
     overrides = PAPER_TEXT if first.preset == "paper" and not first.resume else family
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
-    key = family_key(args, table)
-    source, overrides = table.get(key, (PAPER, {}))
+    family = task_family(args.env_id)
+    source, overrides = table.get(family, (PAPER, {}))
     if args.preset == "paper":
-        return key.removesuffix("_cpu"), PAPER_FORCED
-    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+        return family, PAPER_FORCED
     show = [
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
-    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "")
+    return family, source + (": " + ", ".join(show) if show else "")
 
 
 def resume_args(args):
@@ -1141,8 +1094,8 @@ class RunLog:
     def first_update(self, step: int) -> None:
         self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
 
-    def wall(self) -> float:
-        return self.previous_wall + time.time() - self.start
+    def wall(self, now=None) -> float:
+        return self.previous_wall + (now or time.time()) - self.start
 
     def state(self, step: int, **script_state) -> dict:
         """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
@@ -1174,16 +1127,10 @@ class RunLog:
         steady = None
         if self.first is not None and end_time > self.first[0] and step > self.first[1]:
             steady = (step - self.first[1]) / (end_time - self.first[0])
-        summary = {
-            "env_id": self.args.env_id,
-            "total_timesteps": step,
-            "wall_time_s": self.previous_wall + end_time - self.start,
-            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
-            "sps_after_first_update": steady,
-            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
-            "eval_mean_return": eval_mean,
-            **extra,
-        }
+        summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.wall(end_time))
+        summary.update(sps=(step - self.start_step) / max(end_time - self.start, 1e-9), sps_after_first_update=steady)
+        recent = float(np.mean(self.returns[-100:])) if self.returns else None
+        summary.update(mean_episodic_return_last_100=recent, eval_mean_return=eval_mean, **extra)
         with open(os.path.join(self.path, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         self.writer.close()

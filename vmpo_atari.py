@@ -215,19 +215,8 @@ class VmpoLoss(NamedTuple):
     advantage_mean: torch.Tensor
 
 
-def vmpo_loss(
-    logits,
-    target_logits,
-    actions,
-    value_norm,
-    returns_norm,
-    ended,
-    eta,
-    alpha,
-    eps_eta=0.1,
-    eps_alpha=0.007,
-    top_fraction=0.5,
-) -> VmpoLoss:
+def vmpo_loss(logits, target_logits, actions, value_norm, returns_norm, ended, eta, alpha, eps_eta=0.1, eps_alpha=0.007,
+              top_fraction=0.5) -> VmpoLoss:  # fmt: skip
     """Eq. (10): L_V + L_π + L_η + L_α on a batch of unrolls, in PopArt's normalised units.
 
     `logits [T+1, B, A]` from the online network on rows 0..T (row T only bootstraps), `target_logits` π_target's
@@ -595,15 +584,9 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
     target, bounds = (batch["logits"], batch["action"]), (args.eps_eta, args.eps_alpha, args.top_fraction)
     out = vmpo_loss(logits, *target, value_norm, returns_norm, batch["ended"], eta, alpha, *bounds)  # π_target's logits
     n = real.sum().clamp(min=1)
-    stats = {
-        **loss_stats(out),
-        "stats/eta": eta.detach(),
-        "stats/alpha": alpha.detach(),
-        "stats/value_mean": (real * values[:-1]).sum() / n,
-        "stats/popart_mu": popart.mu[0].clone(),
-        "stats/popart_sigma": popart.sigma[0].clone(),
-    }
-    return out, stats
+    stats = {**loss_stats(out), "stats/eta": eta.detach(), "stats/alpha": alpha.detach()}
+    stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
+    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
 
 
 def minibatch_gradients(agent, multipliers, batch, args, chunks, move_popart=True):
@@ -638,18 +621,11 @@ def make_optimizer(args, agent, multipliers):
 
 def saved_model(args, agent, multipliers, games, atari, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
-    return {
-        "script": "vmpo_atari",
-        "env_id": games[0] if games else args.env_id,
-        "env_ids": list(games),
-        "full_action_space": bool(games),
-        "args": dataclasses.asdict(args),
-        "agent_config": agent.config,
-        "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-        "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
-        "reward_clip": atari and args.reward_clip,
-        "global_step": global_step,
-    }
+    model = dict(script="vmpo_atari", env_id=games[0] if games else args.env_id, env_ids=list(games))
+    model.update(full_action_space=bool(games), args=dataclasses.asdict(args), agent_config=agent.config)
+    weights = dict(agent=agent.state_dict(), multipliers=multipliers.state_dict())
+    model.update({k: {n: v.cpu() for n, v in w.items()} for k, w in weights.items()})
+    return {**model, "reward_clip": atari and args.reward_clip, "global_step": global_step}
 
 
 def average_gradients(params, world: int) -> None:

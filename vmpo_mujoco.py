@@ -228,24 +228,9 @@ class VmpoLoss(NamedTuple):
     advantage_std: torch.Tensor  # the advantages' spread in PopArt units: what η is set against
 
 
-def vmpo_loss(
-    mean,
-    std,
-    target_mean,
-    target_std,
-    actions,
-    value_norm,
-    returns_norm,
-    ended,
-    eta,
-    alpha_mu,
-    alpha_sigma,
-    eps_eta=0.01,
-    eps_alpha_mu=0.007,
-    eps_alpha_sigma=1.6e-5,
-    top_fraction=0.5,
-    num_minibatches=1,
-) -> VmpoLoss:
+def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_norm, ended, eta, alpha_mu, alpha_sigma,
+              eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5,
+              num_minibatches=1) -> VmpoLoss:  # fmt: skip
     """Eq. (26): L_V + L_π + L_η + L_αμ + L_αΣ on a batch of unrolls, in PopArt's normalised units.
 
     `mean, std [T+1, B, d]` from the online network on rows 0..T (row T only bootstraps), `target_mean,
@@ -631,32 +616,19 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
     bounds = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)
     out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], eta, alpha_mu, alpha_sigma, *bounds)
-    n = real.sum().clamp(min=1)
-    stats = {
-        **loss_stats(out),
-        "stats/eta": eta.detach().clone(),
-        "stats/alpha_mu": alpha_mu.detach().clone(),
-        "stats/alpha_sigma": alpha_sigma.detach().clone(),
-        "stats/value_mean": (real * values[:-1]).sum() / n,
-        "stats/popart_mu": popart.mu[0].clone(),
-        "stats/popart_sigma": popart.sigma[0].clone(),
-    }
-    return out, stats
+    n, named = real.sum().clamp(min=1), dict(eta=eta, alpha_mu=alpha_mu, alpha_sigma=alpha_sigma)
+    stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in named.items()}}
+    stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
+    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
 
 
 def saved_model(args, spec, agent, multipliers, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
-    return {
-        "script": "vmpo_mujoco",
-        "env_id": args.env_id,
-        "args": dataclasses.asdict(args),
-        "agent_config": agent.config,
-        "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-        "multipliers": {k: v.cpu() for k, v in multipliers.state_dict().items()},
-        "action_low": spec.action_space.low.astype(np.float32).tolist(),
-        "action_high": spec.action_space.high.astype(np.float32).tolist(),
-        "global_step": global_step,
-    }
+    model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args), agent_config=agent.config)
+    weights = dict(agent=agent.state_dict(), multipliers=multipliers.state_dict())
+    model.update({k: {n: v.cpu() for n, v in w.items()} for k, w in weights.items()})
+    low, high = (x.astype(np.float32).tolist() for x in (spec.action_space.low, spec.action_space.high))
+    return {**model, "action_low": low, "action_high": high, "global_step": global_step}
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):

@@ -494,10 +494,11 @@ def test_family_defaults_fill_what_the_user_did_not_give(where, capsys):
     assert describe_defaults(A(preset="paper"), table)[1].endswith("forced by --preset paper")
 
 
-@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
+@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
 def test_family_defaults_split_by_device(where):
     """A table with `<family>_cpu` gives those settings to a run with no usable GPU (`--no-cuda`, or no CUDA device),
-    says so on the start-up line, and still lets a given flag and `--preset paper` win."""
+    says so on the start-up line, and still lets a given flag and `--preset paper` win. (A3C, ACER and P3S have no
+    such split: their settings are the same on either device.)"""
     import dataclasses
 
     import torch
@@ -516,8 +517,7 @@ def test_family_defaults_split_by_device(where):
     table = {"atari": ("the paper's", {}), "atari_cpu": ("the CPU settings", dict(network="shallow", lr=5e-4))}
     assert parse_args(["--no-cuda"], table, A) == A(cuda=False, network="shallow", lr=5e-4)
     assert parse_args(["--no-cuda", "--network", "deep"], table, A) == A(cuda=False, lr=5e-4)
-    if where != "p3s_td3":
-        assert parse_args(["--no-cuda", "--preset", "paper"], table, A) == A(cuda=False, preset="paper")
+    assert parse_args(["--no-cuda", "--preset", "paper"], table, A) == A(cuda=False, preset="paper")
     family, source = describe_defaults(A(cuda=False), table)
     assert family == "atari" and source.startswith("no GPU: the CPU settings") and "--preset paper" in source
     # --cuda (the default): the paper's table where a GPU is there, the CPU one where none is
