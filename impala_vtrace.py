@@ -342,27 +342,32 @@ def act(cfg, link: ActorLink) -> None:
 # Learning: setup, the learner's loop (Fig. 1's learner), the end.
 
 
-def learner_step(model, agent, optimizer, batch, args, world, commit, publish, where="", diagnose=False):
-    """The learner's update on a batch of unrolls (Sec. 3, 4.2): the agent's outputs, the V-trace loss, its
-    gradient (summed over the learner processes) clipped to --max-grad-norm, the optimiser's step, PopArt moved
-    toward the batch's targets (per game; outputs preserved), the weights published to the actors. The lines from
-    the step on run in `commit()`: Ctrl-C lets them finish. Returns the logits and the stats (with `diagnose`, the
-    per-layer gradient norms too)."""
+def learner_step(model, agent, optimizer, batch, args, interrupt, pool, update, lr, diagnose=False):
+    """The learner's update number `update` on a batch of unrolls (Sec. 3, 4.2): the learning rate `lr`, the agent's
+    outputs, the V-trace loss, its gradient (summed over the learner processes) clipped to --max-grad-norm, the
+    optimiser's step, PopArt moved toward the batch's targets (per game; outputs preserved), the weights published
+    to the actors (`pool`). The lines from the step on run in `interrupt.commit()`: Ctrl-C lets them finish.
+    Returns the logits and the stats (with `diagnose`, the per-layer gradient norms too)."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    lag = pool.version.item() - batch["version"][:-1].float().mean()  # updates behind, of the acting policy
     state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
     logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
     out = batch_loss(logits, values, batch, args, agent.popart)
     optimizer.zero_grad(set_to_none=True)
-    (out.loss * world).backward()  # DDP averages over processes: keep the sum over the global batch
+    (out.loss * world_size()).backward()  # DDP averages over processes: keep the sum over the global batch
     layers = grad_norms_by_layer(agent) if diagnose else {}  # before clipping
     grad_norm, stats = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm), loss_stats(out)
-    check_finite(where, loss=out.loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+    named = {k.split("/")[-1]: v for k, v in stats.items()}
+    check_finite(f"at update {update}", loss=out.loss, gradient=grad_norm, **named)
     stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
-    with commit():
+    stats.update({"charts/learning_rate": lr, "stats/policy_lag": lag})
+    with interrupt.commit():
         optimizer.step()
         if agent.popart is not None:
             real = ~batch["ended"][:-1]
             agent.popart.update(out.vs[real], batch["task"][:-1][real])
-        publish(agent.state_dict())
+        pool.publish(agent.state_dict())
     return logits, stats
 
 
@@ -406,7 +411,11 @@ def main(args: Args):
     anneal_updates = max(num_updates, anneal_steps // steps_per_update)
     last_checkpoint = time.time()
 
-    def checkpoint(update):
+    def checkpoint(update, timed=False):  # timed: only every --checkpoint-interval seconds
+        nonlocal last_checkpoint
+        if timed and not 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
+            return None
+        last_checkpoint = time.time()
         if rank == 0:
             step = update * steps_per_update
             check_finite_parameters(f"at update {update}", agent=agent)
@@ -424,22 +433,12 @@ def main(args: Args):
         pool = ActorPool(actor_configs(args, rank, device, games), agent, specs, args.batch_size // world, device)
         collecting = (pool.batch_size, args.unroll_length)  # a progress line also while a batch is collected
         for update in range(start_update + 1, num_updates + 1):
+            # the learning rate annealed linearly to 0 (Table G.1)
             lr = args.learning_rate * (1 - (update - 1) / anneal_updates) if args.anneal_lr else args.learning_rate
-            for g in optimizer.param_groups:  # annealed linearly to 0 (Table G.1)
-                g["lr"] = lr
-            batch = pool.next_batch(
-                lambda ready: rank == 0 and log.console(global_step, collecting=(ready, *collecting))
-            )
+            batch = pool.next_batch(lambda k: rank == 0 and log.console(global_step, collecting=(k, *collecting)))
             global_step, diagnose = update * steps_per_update, rank == 0 and (log.due() or update == num_updates)
-            lag = pool.version.item() - batch["version"][:-1].float().mean()  # updates behind, of the acting policy
-            where = f"at update {update} (step {global_step})"
-            logits, stats = learner_step(
-                model, agent, optimizer, batch, args, world, interrupt.commit, pool.publish, where, diagnose
-            )
-            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
-                checkpoint(update)
-                last_checkpoint = time.time()
-            stats.update({"charts/learning_rate": lr, "stats/policy_lag": lag})
+            logits, stats = learner_step(model, agent, optimizer, batch, args, interrupt, pool, update, lr, diagnose)
+            checkpoint(update, timed=True)
             log_update(log, pool.take_episodes(), games, global_step, stats if diagnose else None, agent, logits, batch)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path, pool)

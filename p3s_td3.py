@@ -511,7 +511,7 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
     cpu_generator = torch.Generator().manual_seed(args.seed + 1)
     learners = Learners(N, obs_dim, action_dim, args, device, generator)
     replay = SharedReplay(args.buffer_size, N, obs_dim, action_dim, device)
-    owner = torch.arange(N).repeat_interleave(n)  # the learner of each env
+    learner_ids, owner = torch.arange(N), torch.arange(N).repeat_interleave(n)  # owner: the learner of each env
     low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
     tracker, delayed = EpisodeTracker(N * n), DelayedReward(N * n, args.reward_delay)
     recent = [deque(maxlen=args.recent_episodes) for _ in range(N)]
@@ -543,65 +543,64 @@ def run_population(args, shared, msg_q, run_path=None, resume_file=None):
         save_atomic(state, population_file(run_path, t))
         msg_q.put(("saved", t, generation))
 
-    learner_ids = torch.arange(N)
     # 1{i≠b}: on the CPU for the logs, on the device for the loss. Before the first selection no learner is guided
     # (the authors' code), or all but learner 0 toward the common initial policy (the text: Algorithm 1, line 1).
     guided = (learner_ids != best) & (N > 1) & (generation > 0 or args.guide_first_period)
     guided_on_device = guided.to(device)
     updates_per_t = n * args.updates_per_step  # per learner, for its n interactions of this time step
+    R, E = args.eval_interval, args.eval_episodes  # R_eval, and the episodes of each learner's evaluation
     obs = torch.from_numpy(flatten_obs(envs.reset()[0]))
     ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
     for t in range(start_t + 1, steps_per_learner + 1):
+        step, news = t * N * n, {}  # news: this step's episodes, statistics, evaluation, selection (one message)
         if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
             actions = torch.rand(N * n, action_dim, generator=cpu_generator) * 2.0 - 1.0
-        else:
+        else:  # line 9: π_i(s) + N(0, σ²)
             actions = learners.act(obs.view(N, n, obs_dim), args.exploration_noise).reshape(N * n, action_dim).cpu()
         next_obs, rewards, term, trunc, info = envs.step(
             np.clip(low + (actions.numpy() + 1.0) * 0.5 * (high - low), low, high)
         )
         next_obs = torch.from_numpy(flatten_obs(next_obs))
+        # line 10: (s, a, r, s') into D, not envpool's reset steps; the rewards delayed by f_reward (Sec. 4.2)
         real = ~ended
         agent_rewards = delayed(rewards, term | trunc, real)
         keep, rewards_t, term_t = (torch.from_numpy(x) for x in (real, agent_rewards, term.astype(np.float32)))
         replay.add(*(x[keep] for x in (owner, obs, actions, rewards_t, next_obs, term_t)))
         stored += torch.bincount(owner[keep], minlength=N)
         rewarded += torch.bincount(owner[keep], torch.from_numpy(agent_rewards != 0)[keep].float(), minlength=N)
-        shared.steps[0] = t * N * n
-        for env, score, length in tracker.step(info["env_id"], rewards, term, trunc, info):
-            recent[env // n].append(score)
-            msg_q.put(("episode", env // n, int(shared.steps[0]), score, length))
-        ended = term | trunc
-        obs = next_obs
-        # Algorithm 1, lines 13-14: no updates during the random phase (the text); the authors' code starts them
-        # once D holds `learning_starts` rows, whatever the actions
+        news["episodes"] = [(env // n, r, k) for env, r, k in tracker.step(info["env_id"], rewards, term, trunc, info)]
+        for i, score, _ in news["episodes"]:
+            recent[i].append(score)
+        ended, obs = term | trunc, next_obs
+        # lines 13-22: no updates during the random phase (the text); the authors' code starts them once D holds
+        # `learning_starts` rows, whatever the actions. Each update on a fresh minibatch (authors' base.py:118-123).
         learning = int(replay.sizes().sum()) >= args.learning_starts if args.learning_starts > 0 else t > args.t_initial
         started = time.perf_counter()
-        for _ in range(updates_per_t if learning else 0):  # each on a fresh minibatch (authors' base.py:118-123)
+        for _ in range(updates_per_t if learning else 0):
             batch, writers = replay.sample((N, args.batch_size), cpu_generator)
             foreign += (writers != learner_ids[:, None]).sum(1)
             sampled += args.batch_size
             stats = learners.update(batch, beta, guided_on_device)
         if learning and threads.record(time.perf_counter() - started, updates_per_t, started):
             torch.set_num_threads(threads.current)
-        step, R = t * N * n, args.eval_interval
-        if R and args.eval_episodes and step // R > (step - N * n) // R:  # every R_eval steps (Sec. 4.1)
-            means = evaluate_learners(learners.actor, args.env_id, args.eval_episodes, args.seed + 10_000, low, high)
-            msg_q.put(("eval", step, means))
-        if t % args.best_period == 0:
-            if N > 1 and learning:
-                generation += 1
-                sync = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
-                best, beta = sync["best"], sync["beta"]
-                guided = learner_ids != best
-                guided_on_device = guided.to(device)
-                msg_q.put(("sync", int(shared.steps[0]), sync))
-            if int(shared.save_request[0]) and run_path is not None:
-                shared.save_request[0] = 0
-                save(t)
-        if time.time() - last_report >= 2.0 and learning and "actor_loss" in stats:  # every learner's, in one message
+        if R and E and step // R > (step - N * n) // R:  # every R_eval steps (Sec. 4.1)
+            news["eval"] = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
+        if t % args.best_period == 0 and N > 1 and learning:  # lines 24-26: every M steps
+            generation += 1
+            news["sync"] = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
+            best, beta = news["sync"]["best"], news["sync"]["beta"]
+            guided = learner_ids != best
+            guided_on_device = guided.to(device)
+        if time.time() - last_report >= 2.0 and learning and "actor_loss" in stats:  # every learner's, a few a second
             extra = dict(beta=torch.full((N,), beta), guided=guided.float(), foreign_sample_fraction=foreign / sampled)
-            msg_q.put(("stats", int(shared.steps[0]), {k: v.tolist() for k, v in {**stats, **extra}.items()}))
+            news["stats"] = {k: v.tolist() for k, v in {**stats, **extra}.items()}
             last_report = time.time()
+        shared.steps[0] = step
+        if news["episodes"] or len(news) > 1:
+            msg_q.put(("news", step, news))
+        if t % args.best_period == 0 and int(shared.save_request[0]) and run_path is not None:
+            shared.save_request[0] = 0
+            save(t)
     shared.publish(learners)
     last = population_file(run_path, steps_per_learner) if run_path is not None else None
     if last is not None and not (steps_per_learner % args.best_period == 0 and os.path.exists(last)):
@@ -703,16 +702,17 @@ def main(args: Args):
             with contextlib.suppress(queue.Empty):
                 msg = msg_q.get(timeout=0.2)
             kind = msg[0] if msg is not None else None
-            if kind == "episode":
-                log.episode(msg[3], msg[4], msg[2], f"learner_{msg[1]}")
-            elif kind == "stats":  # a value per learner
-                for k, values in msg[2].items():
+            if kind == "news":  # one step's
+                step, news = msg[1:]
+                for i, score, length in news["episodes"]:
+                    log.episode(score, length, step, f"learner_{i}")
+                for k, values in news.get("stats", {}).items():  # a value per learner
                     group = "losses" if k.endswith("loss") else "stats"
-                    log.scalars({f"{group}/learner_{i}/{k}": v for i, v in enumerate(values)}, msg[1])
-            elif kind == "sync":
-                best, beta = log_selection(log, selections, *msg[1:])
-            elif kind == "eval":
-                last_eval = log_evaluation(log, evaluations, *msg[1:])
+                    log.scalars({f"{group}/learner_{i}/{k}": v for i, v in enumerate(values)}, step)
+                if "sync" in news:
+                    best, beta = log_selection(log, selections, step, news["sync"])
+                if "eval" in news:
+                    last_eval = log_evaluation(log, evaluations, step, news["eval"])
             elif kind == "saved":
                 step = checkpoint(msg[1], msg[2])
                 if stop:

@@ -374,28 +374,38 @@ def act(cfg, link: ActorLink) -> None:
 # Learning: setup, the learner's loop (Algorithm 1), the end.
 
 
-def learner_step(agent, multipliers, optimizer, batch, args, world, commit, where="", diagnose=False):
-    """Algorithm 1's update on a batch of unrolls, `--update-epochs` passes against the same π_target (the batch's
-    logits): on each minibatch of columns the n-step targets, PopArt's statistics moved toward them (first pass
-    only), the E-step's weights on the top half of advantages and the M-step's loss with the temperature and KL
-    multipliers (`minibatch_gradients`); the gradient averaged over the learners, clipped, an Adam step, the
-    multipliers kept positive, these last two in `commit()` (Ctrl-C lets them finish). Returns the last pass's
-    stats (with `diagnose`, the per-layer gradient norms too), logits and observations."""
-    for epoch in range(args.update_epochs):
-        optimizer.zero_grad(set_to_none=False)
-        stats, logits, obs = minibatch_gradients(
-            agent, multipliers, batch, args, args.num_minibatches // world, epoch == 0
-        )
-        if world > 1:
-            average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
-        layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # before clipping
-        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-        check_finite(where, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
-        stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
-        with commit():
-            optimizer.step()
-            multipliers.project()
+def learner_step(learner, batch, args, interrupt, update, target_version, diagnose=False):
+    """Algorithm 1's update number `update` on a batch of unrolls (`learner`: the agent, the multipliers and their
+    optimiser), `--update-epochs` passes against the same π_target (the batch's logits): on each minibatch of
+    columns the n-step targets, PopArt's statistics moved toward them (first pass only), the E-step's weights on the
+    top half of advantages and the M-step's loss with the temperature and KL multipliers (`minibatch_gradients`);
+    the gradient averaged over the learners, clipped, an Adam step, the multipliers kept positive, these last two
+    in `interrupt.commit()`. Ctrl-C drops the update whole (the learner's state restored). Returns the last pass's
+    stats (with `diagnose`, the per-layer gradient norms too; `target_version`, π_target's, tells the rows acted by
+    an older one), logits and observations."""
+    (agent, multipliers, optimizer), world = learner.values(), world_size()
+    before = copy.deepcopy({k: part.state_dict() for k, part in learner.items()})
+    try:
+        for epoch in range(args.update_epochs):
+            optimizer.zero_grad(set_to_none=False)
+            stats, logits, obs = minibatch_gradients(
+                agent, multipliers, batch, args, args.num_minibatches // world, epoch == 0
+            )
+            if world > 1:
+                average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
+            layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # unclipped
+            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
+            check_finite(f"at update {update}", gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+            stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
+            with interrupt.commit():
+                optimizer.step()
+                multipliers.project()
+    except KeyboardInterrupt:  # weights, PopArt and Adam as they were before this update
+        for k, state in before.items():
+            learner[k].load_state_dict(state)
+        raise
+    stats["stats/stale_fraction"] = (batch["version"][:-1] != target_version).float().mean()
     return stats, logits, obs
 
 
@@ -430,7 +440,11 @@ def main(args: Args):
     num_updates = args.total_timesteps // steps_per_update
     global_step, last_checkpoint = log.start_step, time.time()
 
-    def checkpoint(update):
+    def checkpoint(update, timed=False):  # timed: only every --checkpoint-interval seconds
+        nonlocal last_checkpoint
+        if timed and not 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
+            return None
+        last_checkpoint = time.time()
         if rank == 0:
             check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
             if args.save_model:  # a run stopped early can be evaluated too
@@ -441,17 +455,11 @@ def main(args: Args):
             save_atomic(log.state(global_step, **state), os.path.join(log.path, "checkpoint.pt"))
         return global_step
 
-    def save_last():
-        for k, state in (before or {}).items():  # the update in progress dropped whole: weights, normalisers, Adam
-            learner[k].load_state_dict(state)
-        return checkpoint(done_update)
-
     # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (on a CPU one update of the default ResNet
     # + LSTM takes minutes), and save the last completed update's state. Only the few lines that change the
     # training state (the optimiser step to the target refresh) finish first.
     interrupt, pool = Interrupt(), None
-    update = done_update = start_update
-    before = None
+    done_update = start_update
     try:
         specs = buffer_specs(spec.observation_space, num_actions, args)
         env_options = dict(episodic_life=args.episodic_life, reward_clip=args.reward_clip)
@@ -461,28 +469,19 @@ def main(args: Args):
             pool.publish(target_state)
         collecting = (pool.batch_size, args.unroll_length)  # a progress line also while a batch is collected
         for update in range(start_update + 1, num_updates + 1):
-            batch = pool.next_batch(
-                lambda ready: rank == 0 and log.console(global_step, collecting=(ready, *collecting))
-            )
-            diagnose, where = rank == 0 and (log.due() or update == num_updates), f"at update {update}"
-            before = copy.deepcopy({k: part.state_dict() for k, part in learner.items()})
-            stats, logits, obs = learner_step(
-                agent, multipliers, optimizer, batch, args, world, interrupt.commit, where, diagnose
-            )
+            batch = pool.next_batch(lambda k: rank == 0 and log.console(global_step, collecting=(k, *collecting)))
+            diagnose = rank == 0 and (log.due() or update == num_updates)
+            stats, logits, obs = learner_step(learner, batch, args, interrupt, update, pool.version.item(), diagnose)
             with interrupt.commit():
-                stats["stats/stale_fraction"] = (batch["version"][:-1] != pool.version.item()).float().mean()
                 if update % args.target_update_period == 0:
                     pool.publish(agent.state_dict())  # θ_target ← θ_online
-                global_step, done_update, before = update * steps_per_update, update, None
-            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
-                checkpoint(update)
-                last_checkpoint = time.time()
-            stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": args.learning_rate})
-            log_update(log, pool.take_episodes(), games, global_step, stats if diagnose else None, agent, logits, obs)
+                global_step, done_update = update * steps_per_update, update
+            checkpoint(update, timed=True)
+            log_update(log, pool, games, global_step, stats if diagnose else None, agent, logits, obs)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path, pool)
     except KeyboardInterrupt:
-        save = save_last if done_update > start_update else None
+        save = (lambda: checkpoint(done_update)) if done_update > start_update else None
         stop_on_interrupt(pool, interrupt, save, log, world)
     pool.close()
     end_time = time.time()
@@ -493,15 +492,17 @@ def main(args: Args):
         torch.distributed.destroy_process_group()
 
 
-def log_update(log, episodes, games, step, stats, agent, logits, obs) -> None:
+def log_update(log, pool, games, step, stats, agent, logits, obs) -> None:
     """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
-    learner's diagnostics and the console line."""
+    learner's diagnostics, π_target's version and the console line."""
+    episodes = pool.take_episodes()
     if log.writer is None:
         return
     log.first_update(step)
     for score, length, task in episodes:
         log.episode(score, length, step, *([games[task]] if games else []))
     if stats is not None:
+        stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
         log_diagnostics(log, agent, games or [log.args.env_id], stats, logits, {"obs": obs}, step)
         eta, alpha, kl = (stats[f"stats/{k}"].item() for k in ("eta", "alpha", "kl"))
         log.console(step, f"entropy {stats['stats/entropy'].item():.2f} | η {eta:.3f} α {alpha:.3f} KL {kl:.4f}")

@@ -425,28 +425,38 @@ def act(cfg, link: ActorLink) -> None:
 # Learning: setup, the learner's loop (Algorithm 1), the end.
 
 
-def learner_step(agent, multipliers, optimizer, batch, args, world, commit, groups=1, where=""):
-    """Algorithm 1's update on a batch of unrolls: the observation statistics moved by its rows, then
-    `--update-epochs` passes against the same π_target (the batch's means and deviations): the n-step targets,
-    PopArt's statistics moved toward them (first pass only), the E-step's weights on the top half of advantages,
-    the M-step's loss with the decoupled mean and covariance KL multipliers (`batch_loss`); the gradient averaged
-    over the learners, clipped, an Adam step and the multipliers kept positive, in `commit()` (Ctrl-C lets them
-    finish). Returns the last pass's stats."""
-    agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
-    for epoch in range(args.update_epochs):
-        mean, std, value_features = agent(batch["obs"])
-        out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
-        optimizer.zero_grad(set_to_none=False)
-        out.loss.backward()
-        if world > 1:
-            average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
-        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-        check_finite(where, loss=out.loss, gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
-        with commit():
-            optimizer.step()
-            multipliers.project()
-    return {**stats, "stats/grad_norm": grad_norm}
+def learner_step(learner, batch, args, interrupt, update, target_version, groups=1):
+    """Algorithm 1's update number `update` on a batch of unrolls (`learner`: the agent, the multipliers and their
+    optimiser): the observation statistics moved by its rows, then `--update-epochs` passes against the same
+    π_target (the batch's means and deviations): the n-step targets, PopArt's statistics moved toward them (first
+    pass only), the E-step's weights on the top half of advantages, the M-step's loss with the decoupled mean and
+    covariance KL multipliers (`batch_loss`); the gradient averaged over the learners, clipped, an Adam step and
+    the multipliers kept positive, in `interrupt.commit()`. Ctrl-C drops the update whole (the learner's state
+    restored). Returns the last pass's stats; `target_version`, π_target's, tells the rows acted by an older one."""
+    (agent, multipliers, optimizer), world = learner.values(), world_size()
+    before = copy.deepcopy({k: part.state_dict() for k, part in learner.items()})
+    try:
+        agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
+        for epoch in range(args.update_epochs):
+            mean, std, value_features = agent(batch["obs"])
+            out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
+            optimizer.zero_grad(set_to_none=False)
+            out.loss.backward()
+            if world > 1:
+                average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
+            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
+            named = {k.split("/")[-1]: v for k, v in stats.items()}
+            check_finite(f"at update {update}", loss=out.loss, gradient=grad_norm, **named)
+            with interrupt.commit():
+                optimizer.step()
+                multipliers.project()
+    except KeyboardInterrupt:  # weights, normalisers and Adam as they were before this update
+        for k, state in before.items():
+            learner[k].load_state_dict(state)
+        raise
+    stale = (batch["version"][:-1] != target_version).float().mean()
+    return {**stats, "stats/grad_norm": grad_norm, "stats/stale_fraction": stale}
 
 
 def main(args: Args):
@@ -476,7 +486,11 @@ def main(args: Args):
     groups = args.num_minibatches // world  # E-step minibatches of this learner process
     global_step, last_checkpoint = log.start_step, time.time()
 
-    def checkpoint(update):
+    def checkpoint(update, timed=False):  # timed: only every --checkpoint-interval seconds
+        nonlocal last_checkpoint
+        if timed and not 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
+            return None
+        last_checkpoint = time.time()
         if rank == 0:
             check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
             if args.save_model:  # a run stopped early can be evaluated too
@@ -488,15 +502,10 @@ def main(args: Args):
             save_atomic(log.state(global_step, **state), os.path.join(log.path, "checkpoint.pt"))
         return global_step
 
-    def save_last():
-        for k, state in (before or {}).items():  # the update in progress dropped whole: weights, normalisers, Adam
-            learner[k].load_state_dict(state)
-        return checkpoint(done_update)
-
     # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update's
     # state; only the lines that change the training state (the optimiser step to the target refresh) finish first.
     interrupt, pool = Interrupt(), None
-    done_update, before = start_update, None
+    done_update = start_update
     try:
         specs = buffer_specs(obs_dim, action_dim, args.unroll_length)
         pool = ActorPool(actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
@@ -504,26 +513,18 @@ def main(args: Args):
             pool.publish(target_state)
         collecting = (pool.batch_size, args.unroll_length)  # a progress line also while a batch is collected
         for update in range(start_update + 1, num_updates + 1):
-            batch = pool.next_batch(
-                lambda ready: rank == 0 and log.console(global_step, collecting=(ready, *collecting))
-            )
-            before = copy.deepcopy({k: part.state_dict() for k, part in learner.items()})
-            where = f"at update {update} (step {update * steps_per_update})"
-            stats = learner_step(agent, multipliers, optimizer, batch, args, world, interrupt.commit, groups, where)
+            batch = pool.next_batch(lambda k: rank == 0 and log.console(global_step, collecting=(k, *collecting)))
+            stats = learner_step(learner, batch, args, interrupt, update, pool.version.item(), groups)
             with interrupt.commit():
-                stats["stats/stale_fraction"] = (batch["version"][:-1] != pool.version.item()).float().mean()
                 if update % args.target_update_period == 0:
                     pool.publish(agent.state_dict())  # θ_target ← θ_online
-                global_step, done_update, before = update * steps_per_update, update, None
-            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
-                checkpoint(update)
-                last_checkpoint = time.time()
-            stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": args.learning_rate})
-            log_update(log, pool.take_episodes(), global_step, stats if log.due() or update == num_updates else None)
+                global_step, done_update = update * steps_per_update, update
+            checkpoint(update, timed=True)
+            log_update(log, pool, global_step, stats if log.due() or update == num_updates else None)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path, pool)
     except KeyboardInterrupt:
-        save = save_last if done_update > start_update else None
+        save = (lambda: checkpoint(done_update)) if done_update > start_update else None
         stop_on_interrupt(pool, interrupt, save, log, world)
     pool.close()
     end_time = time.time()
@@ -534,15 +535,17 @@ def main(args: Args):
         torch.distributed.destroy_process_group()
 
 
-def log_update(log, episodes, step, stats) -> None:
+def log_update(log, pool, step, stats) -> None:
     """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
-    learner's stats and the console line."""
+    learner's stats, π_target's version and the console line."""
+    episodes = pool.take_episodes()
     if log.writer is None:
         return
     log.first_update(step)
     for score, length in episodes:
         log.episode(score, length, step)
     if stats is not None:
+        stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
         log.scalars(stats, step)
         eta, alpha_mu, alpha_sigma, std = (
             stats[f"stats/{k}"].item() for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std")
