@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from common.envs import UsageError, check_render, env_spec
-from common.evaluation import evaluate, expand_env_ids, load_run_file, score_table, write_score_table
+from common.evaluation import evaluate, evaluate_games, expand_env_ids, load_run_file
 
 
 def main(argv=None):
@@ -47,32 +47,27 @@ def main(argv=None):
         raise UsageError(f"{a.model} is a model of {model['script']}.py, which is not beside evaluate.py") from None
     if not hasattr(script, "make_eval_policy"):
         raise UsageError(f"{a.model} names {model['script']}, which is not a script of this project")
+    if a.env_ids and not model.get("full_action_space"):
+        raise UsageError(f"--env-ids plays a multi-task model (all 18 actions); {a.model} knows {model['env_id']} only")
+    env_ids = expand_env_ids(a.env_ids or [])
+    for e in env_ids:
+        env_spec(e)
     if a.capture_video:
         check_render(model["env_id"])
     device = "cuda" if a.cuda and torch.cuda.is_available() else "cpu"
     run = os.path.dirname(os.path.abspath(a.model))
+    film = run if a.capture_video else None
 
-    def play(env_id, video_dir=None):
-        return evaluate(
-            lambda n: script.make_eval_policy(model, n, device, a.greedy),
-            env_id,
-            a.episodes,
-            a.num_envs,
-            a.seed,
-            video_dir,
-            model.get("full_action_space", False),
-        )
+    def policy(num_envs):
+        return script.make_eval_policy(model, num_envs, device, a.greedy)
 
-    if a.env_ids:
-        env_ids = expand_env_ids(a.env_ids)
-        for e in env_ids:
-            env_spec(e)
-        scores = {e: play(e) for e in env_ids}
-        table = score_table(scores)
-        print(write_score_table(table, a.out or os.path.join(run, "evaluation")))
+    if env_ids:  # a table of the games (the first game's first episode filmed)
+        out = a.out or os.path.join(run, "evaluation")
+        scores, table = evaluate_games(policy, env_ids, a.episodes, a.seed, out, film, a.num_envs)
         print(json.dumps({k: table[k] for k in ("median_human_normalized", "mean_human_normalized")}))
         return scores
-    scores = play(model["env_id"], run if a.capture_video else None)
+    full_action_space = model.get("full_action_space", False)
+    scores = evaluate(policy, model["env_id"], a.episodes, a.num_envs, a.seed, film, full_action_space)
     summary = dict(env_id=model["env_id"], episodes=len(scores), mean=float(np.mean(scores)), std=float(np.std(scores)))
     print(json.dumps({**summary, "scores": scores}))
     return scores

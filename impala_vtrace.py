@@ -1011,7 +1011,7 @@ class RunLog:
             film, seed = self.path if self.args.capture_video else None, self.args.seed + 10_000
             policy = lambda k: make_eval_policy(model, k, str(device))  # noqa: E731
             if games:
-                table = evaluate_games(policy, games, n, seed, os.path.join(self.path, "evaluation"), film)
+                _, table = evaluate_games(policy, games, n, seed, os.path.join(self.path, "evaluation"), film)
                 eval_mean = float(np.mean([r["mean"] for r in table["games"]]))
                 self.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
                 self.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)

@@ -582,8 +582,8 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
     real = ~batch["ended"][:-1]
     popart.update(returns[real], task[:-1][real], popart_beta)
     value_norm, returns_norm = own(popart(value_features[:-1])), popart.normalize(returns, task[:-1])
-    target, bounds = (batch["logits"], batch["action"]), (args.eps_eta, args.eps_alpha, args.top_fraction)
-    out = vmpo_loss(logits, *target, value_norm, returns_norm, batch["ended"], eta, alpha, *bounds)  # π_target's logits
+    pi_target, bounds = batch["logits"], (args.eps_eta, args.eps_alpha, args.top_fraction)  # π_target's logits
+    out = vmpo_loss(logits, pi_target, batch["action"], value_norm, returns_norm, batch["ended"], eta, alpha, *bounds)
     n = real.sum().clamp(min=1)
     stats = {**loss_stats(out), "stats/eta": eta.detach(), "stats/alpha": alpha.detach()}
     stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
@@ -1105,7 +1105,7 @@ class RunLog:
             film, seed = self.path if self.args.capture_video else None, self.args.seed + 10_000
             policy = lambda k: make_eval_policy(model, k, str(device))  # noqa: E731
             if games:
-                table = evaluate_games(policy, games, n, seed, os.path.join(self.path, "evaluation"), film)
+                _, table = evaluate_games(policy, games, n, seed, os.path.join(self.path, "evaluation"), film)
                 eval_mean = float(np.mean([r["mean"] for r in table["games"]]))
                 self.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
                 self.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)

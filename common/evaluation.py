@@ -59,65 +59,29 @@ def resume_checkpoint(folder: str, script: str, cls):
 # Atari-57 reference scores (random, human): the table of Mnih et al. (2015) and Badia et al. (2020, Agent57), as
 # used across the literature (e.g. DQN Zoo, Quan and Ostrovski 2020), each the mean game score with up to 30
 # no-op starts and at most 108,000 frames an episode. Keys are envpool's game names (`<Game>-v5`).
+# fmt: off
 ATARI_SCORES = {
-    "Alien": (227.8, 7127.7),
-    "Amidar": (5.8, 1719.5),
-    "Assault": (222.4, 742.0),
-    "Asterix": (210.0, 8503.3),
-    "Asteroids": (719.1, 47388.7),
-    "Atlantis": (12850.0, 29028.1),
-    "BankHeist": (14.2, 753.1),
-    "BattleZone": (2360.0, 37187.5),
-    "BeamRider": (363.9, 16926.5),
-    "Berzerk": (123.7, 2630.4),
-    "Bowling": (23.1, 160.7),
-    "Boxing": (0.1, 12.1),
-    "Breakout": (1.7, 30.5),
-    "Centipede": (2090.9, 12017.0),
-    "ChopperCommand": (811.0, 7387.8),
-    "CrazyClimber": (10780.5, 35829.4),
-    "Defender": (2874.5, 18688.9),
-    "DemonAttack": (152.1, 1971.0),
-    "DoubleDunk": (-18.6, -16.4),
-    "Enduro": (0.0, 860.5),
-    "FishingDerby": (-91.7, -38.7),
-    "Freeway": (0.0, 29.6),
-    "Frostbite": (65.2, 4334.7),
-    "Gopher": (257.6, 2412.5),
-    "Gravitar": (173.0, 3351.4),
-    "Hero": (1027.0, 30826.4),
-    "IceHockey": (-11.2, 0.9),
-    "Jamesbond": (29.0, 302.8),
-    "Kangaroo": (52.0, 3035.0),
-    "Krull": (1598.0, 2665.5),
-    "KungFuMaster": (258.5, 22736.3),
-    "MontezumaRevenge": (0.0, 4753.3),
-    "MsPacman": (307.3, 6951.6),
-    "NameThisGame": (2292.3, 8049.0),
-    "Phoenix": (761.4, 7242.6),
-    "Pitfall": (-229.4, 6463.7),
-    "Pong": (-20.7, 14.6),
-    "PrivateEye": (24.9, 69571.3),
-    "Qbert": (163.9, 13455.0),
-    "Riverraid": (1338.5, 17118.0),
-    "RoadRunner": (11.5, 7845.0),
-    "Robotank": (2.2, 11.9),
-    "Seaquest": (68.4, 42054.7),
-    "Skiing": (-17098.1, -4336.9),
-    "Solaris": (1236.3, 12326.7),
-    "SpaceInvaders": (148.0, 1668.7),
-    "StarGunner": (664.0, 10250.0),
-    "Surround": (-10.0, 6.5),
-    "Tennis": (-23.8, -8.3),
-    "TimePilot": (3568.0, 5229.2),
-    "Tutankham": (11.4, 167.6),
-    "UpNDown": (533.4, 11693.2),
-    "Venture": (0.0, 1187.5),
-    "VideoPinball": (16256.9, 17667.9),
-    "WizardOfWor": (563.5, 4756.5),
-    "YarsRevenge": (3092.9, 54576.9),
-    "Zaxxon": (32.5, 9173.3),
+    "Alien": (227.8, 7127.7),            "Amidar": (5.8, 1719.5),             "Assault": (222.4, 742.0),
+    "Asterix": (210.0, 8503.3),          "Asteroids": (719.1, 47388.7),       "Atlantis": (12850.0, 29028.1),
+    "BankHeist": (14.2, 753.1),          "BattleZone": (2360.0, 37187.5),     "BeamRider": (363.9, 16926.5),
+    "Berzerk": (123.7, 2630.4),          "Bowling": (23.1, 160.7),            "Boxing": (0.1, 12.1),
+    "Breakout": (1.7, 30.5),             "Centipede": (2090.9, 12017.0),      "ChopperCommand": (811.0, 7387.8),
+    "CrazyClimber": (10780.5, 35829.4),  "Defender": (2874.5, 18688.9),       "DemonAttack": (152.1, 1971.0),
+    "DoubleDunk": (-18.6, -16.4),        "Enduro": (0.0, 860.5),              "FishingDerby": (-91.7, -38.7),
+    "Freeway": (0.0, 29.6),              "Frostbite": (65.2, 4334.7),         "Gopher": (257.6, 2412.5),
+    "Gravitar": (173.0, 3351.4),         "Hero": (1027.0, 30826.4),           "IceHockey": (-11.2, 0.9),
+    "Jamesbond": (29.0, 302.8),          "Kangaroo": (52.0, 3035.0),          "Krull": (1598.0, 2665.5),
+    "KungFuMaster": (258.5, 22736.3),    "MontezumaRevenge": (0.0, 4753.3),   "MsPacman": (307.3, 6951.6),
+    "NameThisGame": (2292.3, 8049.0),    "Phoenix": (761.4, 7242.6),          "Pitfall": (-229.4, 6463.7),
+    "Pong": (-20.7, 14.6),               "PrivateEye": (24.9, 69571.3),       "Qbert": (163.9, 13455.0),
+    "Riverraid": (1338.5, 17118.0),      "RoadRunner": (11.5, 7845.0),        "Robotank": (2.2, 11.9),
+    "Seaquest": (68.4, 42054.7),         "Skiing": (-17098.1, -4336.9),       "Solaris": (1236.3, 12326.7),
+    "SpaceInvaders": (148.0, 1668.7),    "StarGunner": (664.0, 10250.0),      "Surround": (-10.0, 6.5),
+    "Tennis": (-23.8, -8.3),             "TimePilot": (3568.0, 5229.2),       "Tutankham": (11.4, 167.6),
+    "UpNDown": (533.4, 11693.2),         "Venture": (0.0, 1187.5),            "VideoPinball": (16256.9, 17667.9),
+    "WizardOfWor": (563.5, 4756.5),      "YarsRevenge": (3092.9, 54576.9),    "Zaxxon": (32.5, 9173.3),
 }
+# fmt: on
 
 # Named sets of games for `--env-ids`: all 57, and Atari-5 (Aitchison, Sweetser, Hutter 2023), five games whose
 # scores predict the median over the 57.
@@ -228,14 +192,15 @@ def evaluate(
     return [s for per_env in scores for s in per_env]
 
 
-def evaluate_games(make_policy, games, episodes: int, seed: int, prefix: str, video_dir=None) -> dict:
+def evaluate_games(make_policy, games, episodes: int, seed: int, prefix: str, video_dir=None, num_envs=None):
     """A multi-task policy (all 18 Atari actions) on each game of `games` for `episodes` episodes (the first game's
-    first episode filmed into `video_dir`); the per-game table printed and written to `prefix`.json/.csv."""
+    first episode filmed into `video_dir`); the per-game table printed and written to `prefix`.json/.csv. Returns
+    the scores by game and the table."""
     film = [video_dir] + [None] * (len(games) - 1)
-    scores = {g: evaluate(make_policy, g, episodes, None, seed, v, True) for g, v in zip(games, film)}
+    scores = {g: evaluate(make_policy, g, episodes, num_envs, seed, v, True) for g, v in zip(games, film)}
     table = score_table(scores)
     print(write_score_table(table, prefix), flush=True)
-    return table
+    return scores, table
 
 
 def write_apng(path: str, frames: list, fps: int = 30) -> None:

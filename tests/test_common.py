@@ -348,6 +348,16 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
         timeout=120,
     )
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: unknown env id")
+    one_game = tmp_path / "one_game.pt"  # a model of one game knows its own actions only
+    torch.save({"script": "tests.random_policy", "env_id": "Pong-v5", "num_actions": 6}, one_game)
+    bad = subprocess.run(
+        [sys.executable, "evaluate.py", str(one_game), "--env-ids", "Pong-v5", "Boxing-v5"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --env-ids plays a multi-task model")
 
 
 @pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
