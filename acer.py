@@ -695,21 +695,11 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q):
         replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
         for _ in range(replays):
             replay_stats = learn(replay.sample(generator))
-        now = time.time()
-        last = counter.value >= args.total_timesteps  # whichever worker ends the run reports its last update too
+        now, last = time.time(), counter.value >= args.total_timesteps  # the worker that ends the run reports too
         if (stats or replays) and ((worker_id == 0 and now - last_report >= 1.0) or last):
-            report = {
-                f"on_policy/{key.split('/')[1]}" if key.startswith("stats/") else key: v for key, v in stats.items()
-            }
-            if replays:
-                report.update(replay_stats)
-            report.update(
-                {
-                    "charts/learning_rate": args.learning_rate,
-                    "stats/replay_updates": replays,
-                    "stats/replay_segments": len(replay),
-                }
-            )
+            report = {key.replace("stats/", "on_policy/", 1): v for key, v in stats.items()}  # the on-policy update's
+            report.update({**(replay_stats if replays else {}), "charts/learning_rate": args.learning_rate})
+            report.update({"stats/replay_updates": replays, "stats/replay_segments": len(replay)})
             msg_q.put(("stats", worker_id, step + k * n, {key: float(v) for key, v in report.items()}))
             last_report = now
     msg_q.put(("done", worker_id))
