@@ -1,19 +1,26 @@
-"""A3C, asynchronous advantage actor-critic, discrete (Atari, any envpool discrete task) and continuous actions:
-Mnih, Badia, Mirza, Graves, Lillicrap, Harley, Silver, Kavukcuoglu (2016), "Asynchronous Methods for Deep
-Reinforcement Learning".
+"""The asynchronous methods of Mnih, Badia, Mirza, Graves, Lillicrap, Harley, Silver, Kavukcuoglu (2016),
+"Asynchronous Methods for Deep Reinforcement Learning": A3C, asynchronous advantage actor-critic, for discrete
+(Atari, any envpool discrete task) and continuous actions, and the three value-based methods of Sec. 4 (one-step
+Q-learning, one-step Sarsa, n-step Q-learning) for discrete actions: `--method`.
 
 Several actor-learner processes share one network in shared memory. Each copies the shared weights, acts t_max
-steps in its own environments, computes n-step returns bootstrapped from its value estimate, and applies the
-gradient of its actor-critic loss straight to the shared weights, without locks (Hogwild). The optimiser is the
-paper's *shared* RMSProp: the running average of squared gradients is itself in shared memory.
+steps in its own environments, computes its targets (A3C: n-step returns bootstrapped from its value estimate; the
+value-based methods: from a shared target network θ⁻ refreshed every I_target steps), and applies the gradient of
+its loss straight to the shared weights, without locks (Hogwild). The optimiser is the paper's *shared* RMSProp:
+the running average of squared gradients is itself in shared memory.
 
 | paper                                                               | here                          |
 |---------------------------------------------------------------------|-------------------------------|
 | Algorithm S3: sync θ' ← θ, act t_max steps, R ← r_i + γR backwards  | `train_worker`, `n_step_returns` |
 | Algorithm S3: dθ ← ∇ log π(a|s)(R − V) + β∇H, dθ_v ← ∂(R − V)²/∂θ_v | `a3c_loss`                    |
+| Algorithm 1: y = r + γ max_a' Q(s', a'; θ⁻); Sec. 4: Sarsa's Q(s', a') | `one_step_targets`         |
+| Algorithm S2: R ← max_a Q(s_T, a; θ⁻), R ← r_i + γR backwards       | `value_targets`               |
+| Algorithm 1, S2: dθ ← dθ + ∂(y − Q(s, a; θ))²/∂θ, θ⁻ ← θ every I_target | `q_loss`, `train_worker`  |
+| Supp. 8: ε-greedy, ε from 1 to 0.1, 0.01, 0.5 (p 0.4, 0.3, 0.3)     | `epsilon_at`, `final_epsilon` |
 | Algorithm S3: "asynchronous update of θ using dθ" (Hogwild)         | `hogwild_update`              |
 | Sec. 4 Eq. (1), Supp. Eqs. (S2)-(S3): shared RMSProp                | `SharedRMSprop`               |
 | Supp. 8: Atari network (16 8x8/4, 32 4x4/2, 256), softmax + value   | `Agent` (common/networks.py)  |
+| Supp. 8: the value-based methods' one linear output per action      | `QAgent`                      |
 | Sec. 5.1: 256 LSTM cells after the last hidden layer                | `--lstm`                      |
 | Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V    | `Agent`, vector observations  |
 | Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0              | `Args` defaults               |
@@ -24,12 +31,14 @@ What the paper leaves open (RMSProp's ε, gradient clipping, the initialisation,
 the measurements behind the defaults: docs/a3c.md. A3C is a CPU algorithm: `--cuda` is refused.
 
     python a3c.py --env-id Breakout-v5
+    python a3c.py --env-id Breakout-v5 --method n-step-q
     python a3c.py --env-id HalfCheetah-v4 --num-workers 8 --lstm
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import multiprocessing
@@ -56,6 +65,7 @@ from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, init_
 @dataclass
 class Args:
     env_id: str = "Breakout-v5"  # envpool task id, discrete (Atari *-v5, CartPole-v1) or continuous (HalfCheetah-v4)
+    method: Literal["a3c", "one-step-q", "one-step-sarsa", "n-step-q"] = "a3c"  # Sec. 4's four methods
     preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
     exp_name: str = "a3c"  # name of this experiment, part of the run folder's name
     seed: int = 1  # seed of the initial weights; worker w: torch seed + w, envs from seed + w·num_envs
@@ -64,7 +74,11 @@ class Args:
     total_timesteps: int = 20_000_000  # environment steps over all workers (80M frames on Atari)
     num_workers: int = 0  # actor-learner processes; 0: one per CPU core (the paper: 16 threads, Supp. 8)
     num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
-    t_max: int = 0  # t_max, steps per rollout and update; 0: 5 (Supp. 8), or 20 with --lstm
+    t_max: int = 0  # t_max (I_update of the one-step methods), steps per rollout and update; 0: 5 (Supp. 8), 20 --lstm
+    target_update_period: int = 0  # I_target, steps of all workers between θ⁻ ← θ; 0: 10,000 Atari (40,000 frames,
+    # Supp. 8), 2,000 otherwise (measured on CartPole-v1: docs/a3c.md)
+    epsilon_steps: int = 0  # steps of all workers over which ε anneals from 1; 0: 1M Atari (4M frames, Supp. 8), else
+    # a third of the run (measured on CartPole-v1)
     learning_rate: float = 1e-3  # η, initial learning rate (middle of the paper's LogUniform(1e-4, 1e-2), Supp. 8)
     anneal_lr: bool = True  # anneal η linearly to 0 over the run (Supp. 8)
     rmsprop_alpha: float = 0.99  # α, RMSProp decay of the squared-gradient average g (Supp. 8)
@@ -73,9 +87,7 @@ class Args:
     gamma: float = 0.99  # γ, discount (Supp. 8)
     ent_coef: float = -1.0  # β, entropy regularisation; negative: 0.01 discrete (Supp. 8), 1e-4 continuous (Supp. 9)
     value_coef: float = 0.5  # weight of the value loss Σ (R − V)²
-    max_grad_norm: float = (
-        -1.0
-    )  # gradient-norm clipping (not given in the paper); 0: none; negative: 40 pixels, none else
+    max_grad_norm: float = -1.0  # gradient-norm clipping (not in the paper); 0: none; negative: 40 pixels, else none
     lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
     lstm_size: int = 0  # LSTM cells; 0: 256 pixels (Sec. 5.1), 128 vectors (Supp. 9)
     hidden: int = 200  # ReLU units of the hidden layer for vector observations (Supp. 9)
@@ -100,6 +112,13 @@ FAMILY_DEFAULTS = {
         dict(num_envs=4),
     ),
     "classic": ("the paper's settings, with a budget measured on CartPole-v1", dict(total_timesteps=300_000)),
+}
+
+METHODS = {
+    "a3c": "A3C (Algorithm S3)",
+    "one-step-q": "one-step Q-learning (Algorithm 1)",
+    "one-step-sarsa": "one-step Sarsa (Sec. 4)",
+    "n-step-q": "n-step Q-learning (Algorithm S2)",
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -146,6 +165,61 @@ def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap
         "stats/value_mean": (mask * values_sg).sum() / n,
     }
     return loss, stats
+
+
+@torch.no_grad()
+def one_step_targets(rewards, discounts, next_q_target, next_actions=None):
+    """Algorithm 1's one-step Q-learning target y = r + γ max_a' Q(s', a'; θ⁻), or with `next_actions` one-step
+    Sarsa's y = r + γ Q(s', a'; θ⁻), a' the action taken at s' (Sec. 4). `[T, B]` rewards and per-step discounts
+    γ_t = γ (1 − terminated_t); `next_q_target` `[T, B, A]`: θ⁻'s values at s_{t+1}."""
+    if next_actions is None:
+        return rewards + discounts * next_q_target.max(-1).values
+    return rewards + discounts * next_q_target.gather(-1, next_actions.long().unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def value_targets(method, rewards, terminated, ended, q_target, next_actions, gamma):
+    """A value-based method's targets on a rollout `[T, B]`, from θ⁻'s values `q_target` `[T+1, B, A]` at
+    s_0..s_T: the one-step methods' `one_step_targets` at s_1..s_T; n-step Q-learning's (Algorithm S2) returns
+    R ← r_i + γ R backwards from R = max_a Q(s_T, a; θ⁻), the longest each step's rollout allows. `ended[t]`: obs_t
+    ended an episode, step t is envpool's reset step (no loss there), and n-step's R_t = max_a Q(s_t, a; θ⁻), so a
+    truncated episode bootstraps from its last observation, as in `a3c_loss`."""
+    discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
+    if method == "n-step-q":
+        v = q_target.max(-1).values
+        return n_step_returns(torch.where(ended, v[:-1], rewards), discounts, v[-1])
+    return one_step_targets(rewards, discounts, q_target[1:], next_actions)
+
+
+def q_loss(q_taken, targets, ended):
+    """Algorithm 1's and S2's accumulated gradients dθ ← dθ + ∂(y − Q(s, a; θ'))²/∂θ' as one loss on a rollout:
+    Σ_t (y_t − Q(s_t, a_t))² summed over time and averaged over the B environments, none at envpool's reset
+    steps (`ended`). Returns (loss, stats)."""
+    mask = (~ended).float()
+    loss = (mask * (targets - q_taken) ** 2).sum() / q_taken.shape[1]
+    q_mean = (mask * q_taken.detach()).sum() / mask.sum().clamp(min=1)
+    return loss, {"losses/td_loss": loss.detach(), "stats/q_mean": q_mean}
+
+
+# Supp. 8: each worker's ε anneals from 1 to a final value drawn once per worker from three, with these probabilities
+FINAL_EPSILONS, FINAL_EPSILON_PROBS = (0.1, 0.01, 0.5), (0.4, 0.3, 0.3)
+EVAL_EPSILON = 0.05  # the value-based methods' evaluation policy: ε-greedy, DQN's ε (greedy with evaluate.py --greedy)
+
+
+def final_epsilon(generator=None) -> float:
+    """A worker's final ε: 0.1, 0.01 or 0.5 with probabilities 0.4, 0.3, 0.3 (Supp. 8)."""
+    return FINAL_EPSILONS[int(torch.multinomial(torch.tensor(FINAL_EPSILON_PROBS), 1, generator=generator))]
+
+
+def epsilon_at(step, final, anneal_steps) -> float:
+    """ε after `step` steps of all workers: linear from 1 to `final` over `anneal_steps`, then `final` (Supp. 8)."""
+    return final + (1.0 - final) * max(0.0, 1.0 - step / anneal_steps)
+
+
+def epsilon_greedy(q, epsilon, generator=None):
+    """The action of the largest Q-value `[..., A]` with probability 1 − ε, else a uniform one (Algorithm 1)."""
+    explore = torch.rand(q.shape[:-1], generator=generator) < epsilon
+    return torch.where(explore, torch.randint(q.shape[-1], q.shape[:-1], generator=generator), q.argmax(-1))
 
 
 class SharedRMSprop(torch.optim.Optimizer):
@@ -297,6 +371,31 @@ class Agent(nn.Module):
         return torch.multinomial(F.softmax(pi.reshape(-1, pi.shape[-1]), -1), 1).view(pi.shape[:-1])
 
 
+class QAgent(nn.Module):
+    """The value-based methods' Q-network (Supp. 8): A3C's body (no LSTM) and one linear output per action,
+    Q(s, ·; θ); vector observations normalised by running statistics first. `forward(obs, first, state=())` takes
+    time-major `[T, B, ...]` and returns, as `Agent` does, the outputs `[T, B, A]` (the Q-values), the values
+    `[T, B]` (max_a Q) and the (empty) recurrent state."""
+
+    def __init__(self, obs_shape, num_actions, hidden=200):
+        super().__init__()
+        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, hidden=hidden)  # for model.pt
+        self.num_actions, self.action_dim = num_actions, 0
+        self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
+        self.body = Body(obs_shape, hidden)
+        self.q = nn.Linear(self.body.out_features, num_actions)
+        if len(obs_shape) == 3:  # pixels: orthogonal readout as A3C's value head; vectors keep PyTorch's default
+            init_output_(self.q, 1.0)
+
+    def initial_state(self, batch_size):
+        return ()
+
+    def forward(self, obs, first, state=()):
+        x, _ = self.body(self.obs_norm(obs) if self.obs_norm is not None else obs, first, None)
+        q = self.q(x)
+        return q, q.max(-1).values, ()
+
+
 def detach_state(state):
     return tuple((h.detach(), c.detach()) for h, c in state)
 
@@ -308,18 +407,16 @@ def detach_state(state):
 def main(args: Args):
     args, resumed = resume_args(args)
     spec, derived = check_args(args)
-    args = dataclasses.replace(args, **{k: derived[k] for k in ("t_max", "num_workers", "lstm_size", "max_grad_norm")})
+    args = dataclasses.replace(args, **{k: v for k, v in derived.items() if k not in ("discrete", "obs_shape")})
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    discrete = derived["discrete"]
-    agent = Agent(
-        derived["obs_shape"],
-        spec.action_space.n if discrete else 0,
-        0 if discrete else int(spec.action_space.shape[0]),
-        args.hidden,
-        args.lstm_size,
-    )
+    num_actions, action_dim = (spec.action_space.n, 0) if derived["discrete"] else (0, spec.action_space.shape[0])
+    if args.method == "a3c":
+        agent, target = Agent(derived["obs_shape"], num_actions, int(action_dim), args.hidden, args.lstm_size), None
+    else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
+        agent = QAgent(derived["obs_shape"], num_actions, args.hidden)
+        target = copy.deepcopy(agent).requires_grad_(False).share_memory()
     agent.share_memory()  # θ (and the observation statistics) in shared memory, written by every worker
     optimizer = None
     if args.shared_statistics:
@@ -328,30 +425,20 @@ def main(args: Args):
         ).share_memory()
     if resumed is not None:  # in place: the tensors stay in shared memory
         agent.load_state_dict(resumed["agent"])
+        if target is not None:
+            target.load_state_dict(resumed["target"])
         if optimizer is not None and resumed["square_avg"] is not None:
             for p, g in zip(agent.parameters(), resumed["square_avg"]):
                 optimizer.state[p]["square_avg"].copy_(g)
-    log = RunLog(
-        args,
-        resumed,
-        f"{args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
-        f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
-        "RMSProp statistics",
-    )
+    describe = f"{METHODS[args.method]}, {args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
+    describe += f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
+    describe += "RMSProp statistics" + (f", θ⁻ every {args.target_update_period} steps" if target is not None else "")
+    log = RunLog(args, resumed, describe)
 
     ctx = torch.multiprocessing.get_context("spawn")
     counter, obs_lock, msg_q = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    work = (
-        train_worker,
-        range(args.num_workers),
-        args,
-        agent,
-        optimizer,
-        counter,
-        obs_lock,
-        msg_q,
-    )  # what each worker process runs
+    work = (train_worker, range(args.num_workers), args, agent, target, optimizer, counter, obs_lock, msg_q)
 
     def checkpoint():
         """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
@@ -360,7 +447,8 @@ def main(args: Args):
         if args.save_model:  # a run stopped early can be evaluated too
             save_atomic(saved_model(args, spec, agent, step), os.path.join(log.path, "model.pt"))
         square_avg = None if optimizer is None else [optimizer.state[p]["square_avg"] for p in agent.parameters()]
-        state = log.state(step, agent=agent.state_dict(), square_avg=square_avg)
+        target_state = target.state_dict() if target is not None else None
+        state = log.state(step, agent=agent.state_dict(), target=target_state, square_avg=square_avg)
         save_atomic(state, os.path.join(log.path, "checkpoint.pt"))
         return step
 
@@ -383,10 +471,12 @@ def obs_tensor(obs, pixels):
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): it keeps the LSTM state
-    itself; the saved observation statistics normalise; actions are sampled (or the most probable / the mean)."""
-    config = dict(checkpoint["agent_config"])
-    config.setdefault("separate_value", bool(config["action_dim"]))  # a model.pt from before vectors separated
-    agent = Agent(**config).to(device)
+    itself; the saved observation statistics normalise; actions are sampled (or the most probable / the mean); a
+    value-based method's are ε-greedy with ε = EVAL_EPSILON (or greedy)."""
+    config, value_based = dict(checkpoint["agent_config"]), checkpoint["args"].get("method", "a3c") != "a3c"
+    if not value_based:
+        config.setdefault("separate_value", bool(config["action_dim"]))  # a model.pt from before vectors separated
+    agent = (QAgent if value_based else Agent)(**config).to(device)
     agent.load_state_dict(checkpoint["agent"])
     agent.eval()
     pixels = len(agent.config["obs_shape"]) == 3
@@ -397,8 +487,10 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     def policy(obs, rewards, first):
         nonlocal state
         first_t = torch.as_tensor(first, device=device).bool()[None]
-        pi, _, state = agent(obs_tensor(obs, pixels).to(device)[None], first_t, state)
-        action = agent.sample(pi[0], greedy).cpu().numpy()
+        out, _, state = agent(obs_tensor(obs, pixels).to(device)[None], first_t, state)
+        if value_based:
+            return epsilon_greedy(out[0].cpu(), 0.0 if greedy else EVAL_EPSILON).numpy()
+        action = agent.sample(out[0], greedy).cpu().numpy()
         return to_env_action(action, np.asarray(low), np.asarray(high)) if agent.action_dim else action
 
     return policy
@@ -408,13 +500,14 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 # The actor-learner workers and the process that watches them.
 
 
-def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q):
-    """Algorithm S3 for one actor-learner thread, here a process: sync, act t_max steps, update the shared θ."""
-    n, T = args.num_envs, args.t_max
+def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q):
+    """One actor-learner thread, here a process: sync θ' ← θ, act t_max steps, update the shared θ: A3C (Algorithm
+    S3), or a value-based method (Algorithm 1, Sec. 4's Sarsa, Algorithm S2; `target`: the shared θ⁻)."""
+    n, T, value_based = args.num_envs, args.t_max, target is not None
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
-    local = Agent(**shared.config)
+    local = (QAgent if value_based else Agent)(**shared.config)
     if optimizer is None:  # --no-shared-statistics: this worker's own g, on the shared parameters
         optimizer = SharedRMSprop(shared.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     continuous = local.action_dim > 0
@@ -422,6 +515,8 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q):
     if continuous:
         low = envs.action_space.low.astype(np.float32)
         high = envs.action_space.high.astype(np.float32)
+    final = final_epsilon() if value_based else None  # this worker's final ε (Supp. 8)
+    sarsa_action = None  # one-step Sarsa: a', chosen at the last rollout's s_T, is the next rollout's first action
     tracker = EpisodeTracker(n)
     obs, _ = envs.reset()
     obs = obs_tensor(obs, pixels)
@@ -436,13 +531,17 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q):
             for dst, src in zip(local_tensors, shared_tensors):
                 dst.copy_(src)
         synced_at = counter.value
+        epsilon = epsilon_at(synced_at, final, args.epsilon_steps) if value_based else None
         start_state = state = detach_state(state)
         rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "ended")}
         with torch.no_grad():  # act; the loss takes one batched pass over the rollout afterwards
-            for _ in range(T):
-                pi, _, state = local(obs[None], first[None], state)
-                check_finite(f"while acting at step {counter.value}", policy=pi)
-                action = local.sample(pi[0])
+            for t in range(T):
+                out, _, state = local(obs[None], first[None], state)  # π's parameters, or the Q-values
+                check_finite(f"while acting at step {counter.value}", policy=out)
+                if not value_based:
+                    action = local.sample(out[0])
+                else:
+                    action = sarsa_action if t == 0 and sarsa_action is not None else epsilon_greedy(out[0], epsilon)
                 env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
@@ -452,14 +551,26 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q):
                 first, ended = ended, torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
         # rows 0..T-1 of the rollout and the bootstrap observation s_T, through θ' from the rollout's first state
-        pi, values, _ = local(torch.stack(rows["obs"] + [obs]), torch.stack(rows["first"] + [first]), start_state)
-        log_probs, entropies = local.log_prob_entropy(pi[:-1], torch.stack(rows["action"]))
-        ent_coef = args.ent_coef if args.ent_coef >= 0 else (1e-4 if continuous else 0.01)
-        rewards, terminated, ends = (torch.stack(rows[k]) for k in ("reward", "terminated", "ended"))
-        hyper = (args.gamma, ent_coef, args.value_coef)
-        loss, stats = a3c_loss(
-            log_probs, entropies, values[:-1], rewards.float(), terminated, ends, values[-1].detach(), *hyper
-        )
+        all_obs, all_first = torch.stack(rows["obs"] + [obs]), torch.stack(rows["first"] + [first])
+        out, values, _ = local(all_obs, all_first, start_state)
+        actions, rewards = torch.stack(rows["action"]), torch.stack(rows["reward"]).float()
+        terminated, ends = torch.stack(rows["terminated"]), torch.stack(rows["ended"])
+        if value_based:
+            with torch.no_grad():  # θ⁻'s values at s_0..s_T
+                q_target = target(all_obs, all_first)[0]
+            if args.method == "one-step-sarsa":  # a' at s_T, ε-greedy on θ' (taken first in the next rollout)
+                sarsa_action = epsilon_greedy(out[-1].detach(), epsilon)
+            next_actions = torch.cat([actions[1:], sarsa_action[None]]) if sarsa_action is not None else None
+            targets = value_targets(args.method, rewards, terminated, ends, q_target, next_actions, args.gamma)
+            loss, stats = q_loss(out[:-1].gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), targets, ends)
+            stats["stats/epsilon"] = epsilon
+        else:
+            log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
+            ent_coef = args.ent_coef if args.ent_coef >= 0 else (1e-4 if continuous else 0.01)
+            hyper = (args.gamma, ent_coef, args.value_coef)
+            loss, stats = a3c_loss(
+                log_probs, entropies, values[:-1], rewards, terminated, ends, values[-1].detach(), *hyper
+            )
         with counter.get_lock():
             step = counter.value
             counter.value += T * n
@@ -470,12 +581,16 @@ def train_worker(worker_id, args, shared, optimizer, counter, obs_lock, msg_q):
         if shared.obs_norm is not None:
             with obs_lock:
                 shared.obs_norm.update(torch.stack(rows["obs"]))
+        if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
+            with torch.no_grad():  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1), statistics too
+                for dst, src in zip(list(target.parameters()) + list(target.buffers()), shared_tensors):
+                    dst.copy_(src)
         now = time.time()
         if worker_id == 0 and (now - last_report >= 1.0 or counter.value >= args.total_timesteps):  # or the last
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
             if continuous:
-                stats["stats/policy_std"] = pi[:-1, :, -1].detach().mean()
+                stats["stats/policy_std"] = out[:-1, :, -1].detach().mean()
             msg_q.put(("stats", worker_id, step + T * n, {k: float(v) for k, v in stats.items()}))
             last_report = now
     msg_q.put(("done", worker_id))
@@ -507,9 +622,19 @@ def check_args(args):
     for name in ("value_coef", "lstm_size"):
         require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
+    if args.method != "a3c":
+        what = f"--method {args.method}"
+        require(discrete, f"{what} takes discrete actions, {args.env_id} has continuous ones (A3C takes both)")
+        require(not args.lstm, f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
+        for name in ("target_update_period", "epsilon_steps"):
+            require(
+                getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}"
+            )
     if args.capture_video:
         check_render(args.env_id)
     pixels = is_atari(args.env_id)
+    target_update_period = args.target_update_period or (10_000 if pixels else 2_000)
+    epsilon_steps = args.epsilon_steps or (1_000_000 if pixels else max(1, args.total_timesteps // 3))
     obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     lstm_size = (args.lstm_size or (256 if pixels else 128)) if args.lstm else 0
     max_grad_norm = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
@@ -520,6 +645,8 @@ def check_args(args):
         lstm_size=lstm_size,
         num_workers=args.num_workers or os.cpu_count() or 1,
         max_grad_norm=max_grad_norm,
+        target_update_period=target_update_period,
+        epsilon_steps=epsilon_steps,
     )
 
 

@@ -176,10 +176,10 @@ def kill_after_first_checkpoint(script, argv, run_dir, settle=1.0):
             proc.kill()
 
 
-def evaluate_cli(run, episodes=2):
-    """Plays a run's model.pt through `python evaluate.py` and returns its JSON report."""
+def evaluate_cli(run, episodes=2, extra=()):
+    """Plays a run's model.pt through `python evaluate.py` (with the flags `extra`) and returns its JSON report."""
     out = subprocess.run(
-        [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", str(episodes)],
+        [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", str(episodes), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,

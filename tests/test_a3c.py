@@ -124,6 +124,131 @@ def test_truncation_bootstraps_from_the_last_observation():
 
 
 # --------------------------------------------------------------------------------------------------------
+# The value-based methods (Algorithm 1, Sec. 4's Sarsa, Algorithm S2) written as plain loops.
+
+
+def random_q_rollout(seed=0, A=3):
+    rewards, terminated, reset, _, _ = random_rollout(seed=seed)
+    T, B = rewards.shape
+    g = torch.Generator().manual_seed(100 + seed)
+    q_target = torch.randn(T + 1, B, A, generator=g, dtype=torch.float64)  # θ⁻'s values at s_0..s_T
+    actions = torch.randint(A, (T + 1, B), generator=g)  # a_0..a_T (a_T: Sarsa's a' at s_T)
+    return rewards, terminated, reset, q_target, actions
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("method", ["one-step-q", "one-step-sarsa"])
+def test_one_step_targets_match_algorithm_1(seed, method):
+    """Algorithm 1 per step: y = r for a terminal s', else r + γ max_a' Q(s', a'; θ⁻); Sarsa (Sec. 4): r + γ
+    Q(s', a'; θ⁻), a' the action taken at s'. A step before envpool's reset step (a truncation) bootstraps from
+    the episode's last observation; the reset step's own target is not used (no loss there)."""
+    rewards, terminated, reset, q_target, actions = random_q_rollout(seed)
+    T, B = rewards.shape
+    gamma, sarsa = 0.9, method == "one-step-sarsa"
+    expected = torch.zeros(T, B, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            nxt = float(q_target[t + 1, b, actions[t + 1, b]]) if sarsa else float(q_target[t + 1, b].max())
+            expected[t, b] = float(rewards[t, b]) + (0.0 if terminated[t, b] else gamma * nxt)
+    got = a3c.value_targets(method, rewards, terminated, reset, q_target, actions[1:] if sarsa else None, gamma)
+    torch.testing.assert_close(got[~reset], expected[~reset])
+    direct = a3c.one_step_targets(rewards, gamma * (~terminated).double(), q_target[1:], actions[1:] if sarsa else None)
+    torch.testing.assert_close(direct[~reset], expected[~reset])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_n_step_q_targets_match_algorithm_s2(seed):
+    """Algorithm S2 per environment: R ← max_a Q(s_T, a; θ⁻) (0 past a terminal state); for i = T−1..0: R ← r_i +
+    γR. A reset step is no transition: R restarts there from max_a Q of its observation (the episode's last), so a
+    truncated episode bootstraps from it."""
+    rewards, terminated, reset, q_target, _ = random_q_rollout(seed)
+    T, B = rewards.shape
+    gamma = 0.95
+    expected = torch.zeros(T, B, dtype=torch.float64)
+    for b in range(B):
+        R = float(q_target[T, b].max())
+        for i in reversed(range(T)):
+            if reset[i, b]:
+                R = float(q_target[i, b].max())
+                continue
+            R = float(rewards[i, b]) + (0.0 if terminated[i, b] else gamma * R)
+            expected[i, b] = R
+    got = a3c.value_targets("n-step-q", rewards, terminated, reset, q_target, None, gamma)
+    torch.testing.assert_close(got[~reset], expected[~reset])
+    if not terminated[4, 1]:  # a truncation at step 4 of env 1: the bootstrap is θ⁻'s value of s_5, its last state
+        assert reset[5, 1] and got[4, 1] == pytest.approx(float(rewards[4, 1]) + gamma * float(q_target[5, 1].max()))
+
+
+def test_q_loss_gradient_is_the_accumulated_td_gradient():
+    """dθ ← dθ + ∂(y − Q(s_i, a_i; θ'))²/∂θ' summed over the rollout (Algorithms 1, S2), averaged over the
+    environments; nothing at reset steps; the targets carry no gradient."""
+    rewards, terminated, reset, q_target, actions = random_q_rollout(0)
+    T, B = rewards.shape
+    q_taken = torch.randn(T, B, dtype=torch.float64, requires_grad=True)
+    targets = a3c.value_targets("n-step-q", rewards, terminated, reset, q_target, None, 0.99)
+    loss, stats = a3c.q_loss(q_taken, targets, reset)
+    loss.backward()
+    expected = torch.where(reset, 0.0, 2 * (q_taken.detach() - targets) / B)
+    torch.testing.assert_close(q_taken.grad, expected)
+    assert float(stats["losses/td_loss"]) == pytest.approx(float(((q_taken - targets)[~reset] ** 2).sum() / B))
+
+
+def test_epsilon_schedule_and_each_workers_final_value():
+    """Supp. 8: ε from 1 down to the worker's final value over the annealing steps, then flat; the final value is
+    0.1, 0.01 or 0.5 with probabilities 0.4, 0.3, 0.3; ε-greedy takes the greedy action with probability 1 − ε."""
+    assert a3c.epsilon_at(0, 0.1, 1000) == 1.0 and a3c.epsilon_at(500, 0.1, 1000) == pytest.approx(0.55)
+    assert a3c.epsilon_at(1000, 0.01, 1000) == pytest.approx(0.01) and a3c.epsilon_at(5000, 0.5, 1000) == 0.5
+    g = torch.Generator().manual_seed(0)
+    draws = [a3c.final_epsilon(g) for _ in range(20_000)]
+    for value, p in zip((0.1, 0.01, 0.5), (0.4, 0.3, 0.3)):
+        assert draws.count(value) / len(draws) == pytest.approx(p, abs=0.015)
+    q = torch.tensor([[0.0, 2.0, 1.0]]).expand(20_000, 3)
+    torch.manual_seed(0)
+    for epsilon in (0.0, 0.3, 1.0):
+        counts = torch.bincount(a3c.epsilon_greedy(q, epsilon), minlength=3).double() / len(q)
+        expected = torch.tensor([epsilon / 3, 1 - epsilon + epsilon / 3, epsilon / 3], dtype=torch.float64)
+        torch.testing.assert_close(counts, expected, atol=0.012, rtol=0)
+
+
+def test_target_network_follows_the_shared_weights_every_i_target_steps():
+    """Algorithm 1: θ⁻ ← θ (the observation statistics with it) when the steps of all workers pass a multiple of
+    I_target, and not before; the worker's updates move θ meanwhile. One worker, in this process."""
+    import copy
+    import dataclasses
+    import multiprocessing
+    import queue
+
+    argv = ["--env-id", "CartPole-v1", "--method", "one-step-q", "--target-update-period", "10", "--num-workers", "1"]
+    args = a3c.parse_args([*argv, "--total-timesteps", "10"])
+    _, derived = a3c.check_args(args)
+    args = dataclasses.replace(args, **{k: v for k, v in derived.items() if k not in ("discrete", "obs_shape")})
+    agent = a3c.QAgent((4,), 2, args.hidden)
+    target = copy.deepcopy(agent)
+    initial = copy.deepcopy(agent.state_dict())
+    optimizer = a3c.SharedRMSprop(agent.parameters(), 1e-2)
+    counter, lock, msg_q = multiprocessing.Value("q", 0), multiprocessing.Lock(), queue.Queue()
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    a3c.train_worker(0, dataclasses.replace(args, total_timesteps=5), agent, target, optimizer, counter, lock, msg_q)
+    assert counter.value == 5 and same(target.state_dict(), initial) and not same(agent.state_dict(), initial)
+    a3c.train_worker(0, args, agent, target, optimizer, counter, lock, msg_q)  # steps 5..10: passes 10
+    assert counter.value == 10 and same(target.state_dict(), agent.state_dict())
+    assert float(target.obs_norm.count) == float(agent.obs_norm.count) > 0
+
+
+def test_q_agent_outputs_one_value_per_action():
+    """Supp. 8: the value-based methods' network is A3C's body with one linear output per action; `values` is
+    max_a Q; the running statistics normalise vector observations as A3C's agent does."""
+    agent = a3c.QAgent((4,), 2, hidden=16)
+    obs, first = torch.randn(3, 5, 4), torch.zeros(3, 5, dtype=torch.bool)
+    q, v, state = agent(obs, first)
+    assert q.shape == (3, 5, 2) and state == () and torch.equal(v, q.max(-1).values)
+    assert agent.obs_norm is not None and a3c.QAgent((4, 84, 84), 6).obs_norm is None
+
+
+# --------------------------------------------------------------------------------------------------------
 # Shared RMSProp and the Hogwild update.
 
 
@@ -403,6 +528,37 @@ def test_smoke_halfcheetah(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("method", ["one-step-q", "one-step-sarsa", "n-step-q"])
+def test_smoke_value_based_methods(tmp_path, method):
+    """Each value-based method runs end to end on CartPole: its TensorBoard tags, the target network in the
+    checkpoint, the defaults it ran with in args.json, a model that evaluate.py plays (ε-greedy, or greedy)."""
+    argv = ["--env-id", "CartPole-v1", "--method", method, "--num-workers", "2", "--total-timesteps", "3000"]
+    run = run_script("a3c.py", [*argv, "--eval-episodes", "1", "--save-model", "--log-interval", "1"], tmp_path)
+    tags = events_tags(run)
+    assert {"losses/td_loss", "stats/q_mean", "stats/epsilon", "stats/grad_norm", "charts/learning_rate"} <= tags
+    assert "losses/policy_loss" not in tags
+    saved = json.load(open(os.path.join(run, "args.json")))
+    assert (saved["method"], saved["t_max"], saved["target_update_period"]) == (method, 5, 2000)
+    assert saved["epsilon_steps"] == 1000  # a third of the run
+    checkpoint = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
+    assert set(checkpoint["target"]) == set(checkpoint["agent"]) and "q.weight" in checkpoint["agent"]
+    for greedy in (False, True):
+        result = evaluate_cli(run, extra=["--greedy"] if greedy else [])
+        assert result["env_id"] == "CartPole-v1" and result["episodes"] == 2
+
+
+@pytest.mark.e2e
+def test_smoke_breakout_n_step_q(tmp_path):
+    """n-step Q-learning from pixels: the Atari Q-network, θ⁻ every 10,000 steps and ε over 1M (Supp. 8)."""
+    argv = ["--env-id", "Breakout-v5", "--method", "n-step-q", "--num-workers", "2", "--total-timesteps", "1500"]
+    run = run_script("a3c.py", [*argv, "--eval-episodes", "1", "--save-model"], tmp_path)
+    saved = json.load(open(os.path.join(run, "args.json")))
+    assert (saved["target_update_period"], saved["epsilon_steps"], saved["max_grad_norm"]) == (10_000, 1_000_000, 40.0)
+    model = torch.load(os.path.join(run, "model.pt"), weights_only=False)
+    assert model["agent"]["q.weight"].shape[0] == 4 and evaluate_cli(run)["episodes"] == 2
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -414,6 +570,9 @@ def test_smoke_halfcheetah(tmp_path):
         (["--env-id", "CartPole-v1", "--rmsprop-alpha", "1"], "--rmsprop-alpha"),
         (["--env-id", "CartPole-v1", "--hidden", "0"], "--hidden"),
         (["--resume", "runs/no-such-run"], "--resume"),
+        (["--env-id", "HalfCheetah-v4", "--method", "n-step-q"], "takes discrete actions"),
+        (["--env-id", "CartPole-v1", "--method", "one-step-q", "--lstm"], "--lstm is A3C's"),
+        (["--env-id", "CartPole-v1", "--method", "one-step-sarsa", "--target-update-period", "-1"], "--target-update"),
     ],
 )
 def test_bad_input_one_clear_line(argv, needle, tmp_path):
