@@ -668,11 +668,14 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path):
 
 
 @pytest.mark.e2e
-def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("method", ["a3c", "n-step-q"])
+def test_killed_run_resumes_from_its_checkpoint(tmp_path, method):
     """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, the shared
     weights and RMSProp statistics, the step counter (so the learning-rate schedule goes on where
-    it was) and the curves from the checkpoint's step."""
+    it was) and the curves from the checkpoint's step; a value-based method's target network and ε schedule too."""
     argv = [
+        "--method",
+        method,
         "--env-id",
         "CartPole-v1",
         "--num-workers",
@@ -710,6 +713,11 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert any(e.step <= saved["global_step"] for e in lr) and after
     for e in after:  # the linear annealing of the whole run, not restarted from the resumed step
         assert abs(e.value - 1e-3 * (1 - (e.step - 5 * 2) / 150000)) < 1e-7, (e.step, e.value)  # step + t_max x envs
+    if method != "a3c":
+        assert set(saved["target"]) == set(saved["agent"])
+        epsilon = acc.Scalars("stats/epsilon")
+        last_before = [e.value for e in epsilon if e.step <= saved["global_step"]][-1]
+        assert all(e.value <= last_before for e in epsilon if e.step > saved["global_step"] + 1000)  # not from 1
 
 
 @pytest.mark.e2e
