@@ -473,7 +473,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): it keeps the LSTM state
     itself; the saved observation statistics normalise; actions are sampled (or the most probable / the mean); a
     value-based method's are ε-greedy with ε = EVAL_EPSILON (or greedy)."""
-    config, value_based = dict(checkpoint["agent_config"]), checkpoint["args"].get("method", "a3c") != "a3c"
+    config, value_based = dict(checkpoint["agent_config"]), checkpoint.get("args", {}).get("method", "a3c") != "a3c"
     if not value_based:
         config.setdefault("separate_value", bool(config["action_dim"]))  # a model.pt from before vectors separated
     agent = (QAgent if value_based else Agent)(**config).to(device)
