@@ -852,9 +852,11 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     """A run SIGKILLed after a checkpoint continues with --resume: the learners' networks, Adam states, π_b,
     π_old and replay parts as saved at a selection, β and the best learner, the step counters; curves go on from
     the checkpoint's step and population.jsonl is appended to."""
-    ckpt = kill_after_first_checkpoint(
-        "p3s_td3.py", [*SMALL, "--total-timesteps", "12000", "--checkpoint-interval", "0.5", "--save-model"], tmp_path
-    )
+    argv = [*SMALL, "--total-timesteps", "12000", "--checkpoint-interval", "0.5", "--save-model"]
+    # the first checkpoint comes at the first selection (t = 50), before any update; the run goes on 3 s past it, so
+    # that the checkpoint it is killed with is one of the later ones, after the updates began (t = 100), on a busy
+    # machine too (1 s was not always enough in CI)
+    ckpt = kill_after_first_checkpoint("p3s_td3.py", argv, tmp_path, settle=3.0)
     run = os.path.dirname(ckpt)
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
     saved = torch.load(ckpt, weights_only=False)
