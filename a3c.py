@@ -75,10 +75,8 @@ class Args:
     num_workers: int = 0  # actor-learner processes; 0: one per CPU core (the paper: 16 threads, Supp. 8)
     num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
     t_max: int = 0  # t_max (I_update of the one-step methods), steps per rollout and update; 0: 5 (Supp. 8), 20 --lstm
-    target_update_period: int = 0  # I_target, steps of all workers between θ⁻ ← θ; 0: 10,000 Atari (40,000 frames,
-    # Supp. 8), 2,000 otherwise (measured on CartPole-v1: docs/a3c.md)
-    epsilon_steps: int = 0  # steps of all workers over which ε anneals from 1; 0: 1M Atari (4M frames, Supp. 8), else
-    # a third of the run (measured on CartPole-v1)
+    target_update_period: int = 0  # I_target, steps between θ⁻ ← θ; 0: 10k Atari (40k frames, Supp. 8), else 2k
+    epsilon_steps: int = 0  # steps over which ε anneals from 1; 0: 1M Atari (4M frames, Supp. 8), else run / 3
     learning_rate: float = 1e-3  # η, initial learning rate (middle of the paper's LogUniform(1e-4, 1e-2), Supp. 8)
     anneal_lr: bool = True  # anneal η linearly to 0 over the run (Supp. 8)
     rmsprop_alpha: float = 0.99  # α, RMSProp decay of the squared-gradient average g (Supp. 8)
