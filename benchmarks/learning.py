@@ -4,6 +4,7 @@
     python benchmarks/learning.py --preset gpu --parallel 4 --time-limit 500 --seeds 1
     python benchmarks/learning.py --preset cpu --report-only       # redraw from the runs already there
     python benchmarks/learning.py --preset atari-cpu --seeds 1     # Breakout, IMPALA and V-MPO, 1M steps each
+    python benchmarks/learning.py --preset a3c-atari-cpu --seeds 1 2  # Breakout, a3c.py's four methods, 1M steps
     python benchmarks/learning.py --preset mujoco-cpu              # Hopper, Walker2d, HalfCheetah: P3S, TD3, V-MPO
     python benchmarks/learning.py --preset p3s-cpu --seeds 1 2 --parallel 2   # P3S, TD3, one update per step
 
@@ -92,6 +93,12 @@ PRESETS = {
     "atari-cpu": [
         Entry("impala_vtrace", "Breakout-v5", 1_000_000, ()),
         Entry("vmpo_atari", "Breakout-v5", 1_000_000, ()),
+    ],
+    # the A3C paper's Fig. 1 comparison on 2 CPU cores: its four asynchronous methods on Breakout, 1M steps each,
+    # `--env-id`, the budget and `--method` alone (the Atari family: 2 workers x 1 env, θ⁻ every 10k steps, ε over 1M)
+    "a3c-atari-cpu": [
+        Entry("a3c", "Breakout-v5", 1_000_000, ("--method", m), label=m)
+        for m in ("a3c", "one-step-q", "one-step-sarsa", "n-step-q")
     ],
     # MuJoCo locomotion on 2 CPU cores, `--env-id` and the budget alone: P3S-TD3 (4 learners) and TD3 on Hopper,
     # V-MPO (the MuJoCo family's settings) on three tasks
