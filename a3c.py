@@ -525,7 +525,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     shared_tensors = list(shared.parameters()) + list(shared.buffers())
     last_report = 0.0
     while counter.value < args.total_timesteps:
-        with torch.no_grad():  # θ' ← θ (the observation statistics come along)
+        with torch.no_grad(), obs_lock:  # θ' ← θ; the observation statistics come along, whole (their lock)
             for dst, src in zip(local_tensors, shared_tensors):
                 dst.copy_(src)
         synced_at = counter.value
@@ -580,7 +580,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             with obs_lock:
                 shared.obs_norm.update(torch.stack(rows["obs"]))
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
-            with torch.no_grad():  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1), statistics too
+            with torch.no_grad(), obs_lock:  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1), statistics too
                 for dst, src in zip(list(target.parameters()) + list(target.buffers()), shared_tensors):
                     dst.copy_(src)
         now = time.time()
