@@ -521,13 +521,15 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     first = torch.ones(n, dtype=torch.bool)  # obs starts an episode (the LSTM state is zeroed there)
     state = local.initial_state(n)
-    local_tensors = list(local.parameters()) + list(local.buffers())
     shared_tensors = list(shared.parameters()) + list(shared.buffers())
     last_report = 0.0
     while counter.value < args.total_timesteps:
-        with torch.no_grad(), obs_lock:  # θ' ← θ; the observation statistics come along, whole (their lock)
-            for dst, src in zip(local_tensors, shared_tensors):
+        with torch.no_grad():  # θ' ← θ without a lock (Hogwild); the observation statistics whole, under theirs
+            for dst, src in zip(local.parameters(), shared.parameters()):
                 dst.copy_(src)
+            with obs_lock:
+                for dst, src in zip(local.buffers(), shared.buffers()):
+                    dst.copy_(src)
         synced_at = counter.value
         epsilon = epsilon_at(synced_at, final, args.epsilon_steps) if value_based else None
         start_state = state = detach_state(state)
