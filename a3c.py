@@ -253,6 +253,16 @@ class SharedRMSprop(torch.optim.Optimizer):
                 p.addcdiv_(p.grad, (g + eps).sqrt_(), value=-lr)
 
 
+@torch.no_grad()
+def copy_network(dst, src, obs_lock):
+    """dst ← src: the parameters without a lock (Hogwild), the observation statistics (buffers) whole, under theirs."""
+    for d, s in zip(dst.parameters(), src.parameters()):
+        d.copy_(s)
+    with obs_lock:
+        for d, s in zip(dst.buffers(), src.buffers()):
+            d.copy_(s)
+
+
 def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
     """Algorithm S3, 'perform asynchronous update of θ using dθ': dθ is the gradient of *this rollout's* loss at
     the local copy θ', clipped, handed to the shared parameters and applied by the (shared) optimiser.
@@ -521,15 +531,9 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     first = torch.ones(n, dtype=torch.bool)  # obs starts an episode (the LSTM state is zeroed there)
     state = local.initial_state(n)
-    shared_tensors = list(shared.parameters()) + list(shared.buffers())
     last_report = 0.0
     while counter.value < args.total_timesteps:
-        with torch.no_grad():  # θ' ← θ without a lock (Hogwild); the observation statistics whole, under theirs
-            for dst, src in zip(local.parameters(), shared.parameters()):
-                dst.copy_(src)
-            with obs_lock:
-                for dst, src in zip(local.buffers(), shared.buffers()):
-                    dst.copy_(src)
+        copy_network(local, shared, obs_lock)  # θ' ← θ
         synced_at = counter.value
         epsilon = epsilon_at(synced_at, final, args.epsilon_steps) if value_based else None
         start_state = state = detach_state(state)
@@ -582,9 +586,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             with obs_lock:
                 shared.obs_norm.update(torch.stack(rows["obs"]))
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
-            with torch.no_grad(), obs_lock:  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1), statistics too
-                for dst, src in zip(list(target.parameters()) + list(target.buffers()), shared_tensors):
-                    dst.copy_(src)
+            copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
         now = time.time()
         if worker_id == 0 and (now - last_report >= 1.0 or counter.value >= args.total_timesteps):  # or the last
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
