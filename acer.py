@@ -665,15 +665,15 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q):
         rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu")}
         with torch.no_grad():
             for _ in range(k):
-                if continuous:  # μ is stored as the behaviour mean (σ is fixed)
-                    mu = local(obs[None])[0][0]
+                # μ is stored as the behaviour mean (continuous: σ is fixed) or the behaviour probabilities
+                mu = local(obs[None])[0][0] if continuous else F.softmax(local(obs[None])[0][0], dim=-1)
+                check_finite(f"while acting at step {counter.value}", policy=mu)  # before sampling from it
+                if continuous:
                     action = mu + local.std * torch.randn(mu.shape, generator=generator)
                     env_action = to_env_action(action.numpy(), low, high)
-                else:  # μ is stored as the behaviour probabilities
-                    mu = F.softmax(local(obs[None])[0][0], dim=-1)
+                else:
                     action = torch.multinomial(mu, 1, generator=generator).squeeze(-1)
                     env_action = action.numpy()
-                check_finite(f"while acting at step {counter.value}", policy=mu)
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", worker_id, counter.value, score, length))
