@@ -89,6 +89,8 @@ class Args:
     lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
     lstm_size: int = 0  # LSTM cells; 0: 256 pixels (Sec. 5.1), 128 vectors (Supp. 9)
     hidden: int = 200  # ReLU units of the hidden layer for vector observations (Supp. 9)
+    policy_std: Literal["softplus", "parameter"] = "softplus"  # continuous σ: the paper's softplus σ² of the state
+    # (Supp. 9), or a learned per-dimension log σ, state-independent (PPO's; the MuJoCo family's, docs/a3c.md)
     save_model: bool = False  # write model.pt (weights, observation statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
@@ -254,6 +256,15 @@ class SharedRMSprop(torch.optim.Optimizer):
 
 
 @torch.no_grad()
+def active_fraction(agent, obs):
+    """The fraction of the body's last hidden ReLU units positive on at least one of `obs` `[N, ...]`: 0 when
+    the layer has died (then no gradient reaches the torso, and the policy no longer sees the state)."""
+    if agent.obs_norm is not None:
+        obs = agent.obs_norm(obs)
+    return (agent.body.torso(obs) > 0).any(0).float().mean()
+
+
+@torch.no_grad()
 def copy_network(dst, src, obs_lock):
     """dst ← src: the parameters without a lock (Hogwild), the observation statistics (buffers) whole, under theirs."""
     for d, s in zip(dst.parameters(), src.parameters()):
@@ -308,28 +319,45 @@ class Body(nn.Module):
 
 class Agent(nn.Module):
     """Discrete actions (`num_actions`): a softmax policy and a linear value (Supp. 8). Continuous actions
-    (`action_dim`): a linear mean μ and a spherical variance σ² = softplus(linear) + 1e-5 (Supp. 9). Pixels: the
+    (`action_dim`): a linear mean μ and, with `policy_std="softplus"`, the paper's spherical variance σ² =
+    softplus(linear) + 1e-5 of the state (Supp. 9); with "parameter", a learned log σ per action dimension that does
+    not depend on the state, its mean layer initialised ×0.01 (PPO's and A2C's in CleanRL and SB3). Pixels: the
     policy and the value share one body (Supp. 8); vector observations: separate policy and value bodies (Supp. 9),
     for discrete actions too (`separate_value`; docs/a3c.md has the measurements). Vector observations are
     normalised by running statistics first.
 
     `forward(obs, first, state)` takes time-major `[T, B, ...]` and returns the policy's parameters `pi`
-    (`[T, B, A]` logits, or `[T, B, d+1]`: μ then σ), the values `[T, B]` and the recurrent state."""
+    (`[T, B, A]` logits, or `[T, B, 2d]`: μ then σ per dimension), the values `[T, B]` and the recurrent state."""
 
     MIN_VAR = 1e-5
+    LOG_STD_INIT = -0.5  # σ ≈ 0.6 at the start with policy_std="parameter" (Tianshou's MuJoCo A2C and PPO)
 
-    def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, separate_value=None):
+    def __init__(
+        self,
+        obs_shape,
+        num_actions=0,
+        action_dim=0,
+        hidden=200,
+        lstm_size=0,
+        separate_value=None,
+        policy_std="softplus",
+    ):
         super().__init__()
         if separate_value is None:
             separate_value = bool(action_dim) or len(obs_shape) != 3
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim, hidden=hidden)
-        self.config.update(lstm_size=lstm_size, separate_value=separate_value)  # for model.pt
-        self.num_actions, self.action_dim = num_actions, action_dim
+        self.config.update(lstm_size=lstm_size, separate_value=separate_value, policy_std=policy_std)  # for model.pt
+        self.num_actions, self.action_dim, self.policy_std = num_actions, action_dim, policy_std
         self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
         self.body = Body(obs_shape, hidden, lstm_size)
         self.value_body = Body(obs_shape, hidden, lstm_size) if separate_value else None
         n = self.body.out_features
-        self.policy = nn.Linear(n, action_dim + 1 if action_dim else num_actions)
+        state_std = action_dim and policy_std == "softplus"
+        self.policy = nn.Linear(n, action_dim + 1 if state_std else action_dim or num_actions)
+        self.log_std = None
+        if action_dim and policy_std == "parameter":
+            self.log_std = nn.Parameter(torch.full((action_dim,), self.LOG_STD_INIT))
+            init_output_(self.policy, 0.01)  # μ ≈ 0 at the start, whatever the observation
         self.value = nn.Linear(n, 1)
         if len(obs_shape) == 3:  # pixels: CleanRL's readouts (near-uniform first policy); vectors keep PyTorch's
             init_output_(self.policy, 0.01)
@@ -352,19 +380,21 @@ class Agent(nn.Module):
             xv, sv = self.value_body(obs, first, state[1] if recurrent else None)
             new_state = (s, sv)
         pi = self.policy(x)
-        if self.action_dim:
+        if self.log_std is not None:
+            pi = torch.cat([pi, self.log_std.exp().expand_as(pi)], dim=-1)
+        elif self.action_dim:
             mean, raw_var = pi.split(self.action_dim, dim=-1)
-            pi = torch.cat([mean, (F.softplus(raw_var) + self.MIN_VAR).sqrt()], dim=-1)
+            pi = torch.cat([mean, (F.softplus(raw_var) + self.MIN_VAR).sqrt().expand_as(mean)], dim=-1)
         return pi, self.value(xv).squeeze(-1), new_state if recurrent else ()
 
     def log_prob_entropy(self, pi, actions):
-        """log π(a|s) and the entropy H(π(·|s)), both `[...]`; for the spherical Gaussian the entropy is the
-        paper's d · ½ (log(2πσ²) + 1) (Supp. 9)."""
+        """log π(a|s) and the entropy H(π(·|s)), both `[...]`; the Gaussian's entropy is Σ_i ½ (log(2πσ_i²) + 1),
+        for the paper's spherical one d · ½ (log(2πσ²) + 1) (Supp. 9)."""
         if self.action_dim:
-            mean, std = pi[..., :-1], pi[..., -1:]
+            mean, std = pi[..., : self.action_dim], pi[..., self.action_dim :]
             z = (actions - mean) / std
             log_prob = (-0.5 * z * z - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
-            entropy = self.action_dim * (0.5 * (math.log(2 * math.pi) + 1.0) + std[..., 0].log())
+            entropy = (0.5 * (math.log(2 * math.pi) + 1.0) + std.log()).sum(-1)
             return log_prob, entropy
         log_p = F.log_softmax(pi, dim=-1)
         return log_p.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
@@ -372,7 +402,7 @@ class Agent(nn.Module):
     @torch.no_grad()
     def sample(self, pi, greedy=False):
         if self.action_dim:
-            mean, std = pi[..., :-1], pi[..., -1:]
+            mean, std = pi[..., : self.action_dim], pi[..., self.action_dim :]
             return mean if greedy else mean + std * torch.randn_like(mean)
         if greedy:
             return pi.argmax(-1)
@@ -421,7 +451,10 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     num_actions, action_dim = (spec.action_space.n, 0) if derived["discrete"] else (0, spec.action_space.shape[0])
     if args.method == "a3c":
-        agent, target = Agent(derived["obs_shape"], num_actions, int(action_dim), args.hidden, args.lstm_size), None
+        agent = Agent(
+            derived["obs_shape"], num_actions, int(action_dim), args.hidden, args.lstm_size, None, args.policy_std
+        )
+        target = None
     else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
         agent = QAgent(derived["obs_shape"], num_actions, args.hidden)
         target = copy.deepcopy(agent).requires_grad_(False).share_memory()
@@ -591,8 +624,9 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         if worker_id == 0 and (now - last_report >= 1.0 or counter.value >= args.total_timesteps):  # or the last
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
+            stats["stats/active_units"] = active_fraction(local, all_obs[:-1].flatten(0, 1))
             if continuous:
-                stats["stats/policy_std"] = out[:-1, :, -1].detach().mean()
+                stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
             msg_q.put(("stats", worker_id, step + T * n, {k: float(v) for k, v in stats.items()}))
             last_report = now
     msg_q.put(("done", worker_id))

@@ -354,28 +354,36 @@ def test_hogwild_update_applies_the_last_rollouts_gradient(max_grad_norm):
 # The agent.
 
 
-def test_gaussian_policy_log_prob_and_entropy():
-    """Continuous policy: N(μ, σ²I) with σ² = softplus(·) + 1e-5, log-probabilities and entropy against torch's
-    MultivariateNormal; the entropy is d · ½ (log(2πσ²) + 1) (Supp. 9)."""
+@pytest.mark.parametrize("policy_std", ["softplus", "parameter"])
+def test_gaussian_policy_log_prob_and_entropy(policy_std):
+    """Continuous policy: N(μ, diag σ²), log-probabilities and entropy against torch's MultivariateNormal.
+    softplus (the paper's, Supp. 9): one σ² = softplus(·) + 1e-5 of the state for all d dimensions, entropy
+    d · ½ (log(2πσ²) + 1). parameter: σ_i = exp(log σ_i), the same in every state, starting at exp(−0.5)."""
     torch.manual_seed(0)
-    agent = a3c.Agent((6,), action_dim=3)
+    agent = a3c.Agent((6,), action_dim=3, policy_std=policy_std)
     pi, values, _ = agent(torch.randn(4, 5, 6), torch.zeros(4, 5, dtype=torch.bool))
-    assert pi.shape == (4, 5, 4) and values.shape == (4, 5)
-    mean, std = pi[..., :3], pi[..., 3]
+    assert pi.shape == (4, 5, 6) and values.shape == (4, 5)
+    mean, std = pi[..., :3], pi[..., 3:]
     actions = agent.sample(pi)
     log_prob, entropy = agent.log_prob_entropy(pi, actions)
-    cov = torch.diag_embed(std[..., None].expand(4, 5, 3) ** 2)
-    ref = torch.distributions.MultivariateNormal(mean, covariance_matrix=cov)
+    ref = torch.distributions.MultivariateNormal(mean, covariance_matrix=torch.diag_embed(std**2))
     torch.testing.assert_close(log_prob, ref.log_prob(actions), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy, ref.entropy(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(entropy, 3 * 0.5 * (torch.log(2 * math.pi * std**2) + 1))
-    raw = agent.policy(agent.body(agent.obs_norm(torch.zeros(1, 1, 6)), torch.zeros(1, 1, dtype=torch.bool), None)[0])[
-        ..., 3
-    ]
-    torch.testing.assert_close(
-        agent(torch.zeros(1, 1, 6), torch.zeros(1, 1, dtype=torch.bool))[0][..., 3] ** 2,
-        nn.functional.softplus(raw) + 1e-5,
-    )
+    if policy_std == "softplus":
+        torch.testing.assert_close(std, std[..., :1].expand_as(std))  # spherical
+        torch.testing.assert_close(entropy, 3 * 0.5 * (torch.log(2 * math.pi * std[..., 0] ** 2) + 1))
+        first = torch.zeros(1, 1, dtype=torch.bool)
+        raw = agent.policy(agent.body(agent.obs_norm(torch.zeros(1, 1, 6)), first, None)[0])[..., 3]
+        torch.testing.assert_close(
+            agent(torch.zeros(1, 1, 6), first)[0][..., 3] ** 2, nn.functional.softplus(raw) + 1e-5
+        )
+    else:
+        torch.testing.assert_close(std, torch.full_like(std, math.exp(-0.5)))  # the same in every state
+        with torch.no_grad():
+            agent.log_std.copy_(torch.tensor([-1.0, 0.0, 0.5]))
+        std = agent(torch.randn(2, 3, 6), torch.zeros(2, 3, dtype=torch.bool))[0][..., 3:]
+        torch.testing.assert_close(std, torch.tensor([-1.0, 0.0, 0.5]).exp().expand(2, 3, 3))
+        assert agent.policy.weight.abs().max() < 0.05  # the mean layer ×0.01: μ ≈ 0 at the start
 
 
 @pytest.mark.parametrize("actions", [dict(action_dim=2), dict(num_actions=3)])
@@ -744,3 +752,16 @@ def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
         "a3c.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path, checkpoint_expected=False
     )
     assert "policy" in line or "loss" in line or "gradient" in line
+
+
+def test_active_units_statistic_sees_a_dead_layer():
+    """stats/active_units: the fraction of the last hidden ReLU layer's units positive on some frame; a layer whose
+    biases push every unit below zero (a dead torso) reads 0, a fresh one most of its units."""
+    torch.manual_seed(0)
+    agent = a3c.Agent((4, 84, 84), num_actions=4)
+    obs = torch.randint(0, 255, (8, 4, 84, 84), dtype=torch.uint8)
+    assert a3c.active_fraction(agent, obs) > 0.5
+    last = [m for m in agent.body.torso.modules() if isinstance(m, nn.Linear)][-1]
+    with torch.no_grad():
+        last.bias.fill_(-1e4)
+    assert a3c.active_fraction(agent, obs) == 0
