@@ -89,8 +89,10 @@ class Args:
     lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
     lstm_size: int = 0  # LSTM cells; 0: 256 pixels (Sec. 5.1), 128 vectors (Supp. 9)
     hidden: int = 200  # ReLU units of the hidden layer for vector observations (Supp. 9)
-    policy_std: Literal["softplus", "parameter"] = "softplus"  # continuous σ: the paper's softplus σ² of the state
-    # (Supp. 9), or a learned per-dimension log σ, state-independent (PPO's; the MuJoCo family's, docs/a3c.md)
+    # continuous policy: paper: μ linear, σ² = softplus(linear) of the state, one for all dimensions (Supp. 9);
+    # tanh: μ = tanh(linear) within the action box, σ a learned vector independent of the state
+    gaussian: Literal["paper", "tanh"] = "paper"
+    scale_rewards: bool = False  # A3C: r / std of the running discounted return, clipped to ±10 (SB3's VecNormalize)
     save_model: bool = False  # write model.pt (weights, observation statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
@@ -101,15 +103,18 @@ class Args:
 
 
 # Defaults by task family (a flag the user gives wins; measurements in docs/a3c.md): Atari takes RMSProp's ε at 1e-5
-# (with 0.1 RMSProp is plain SGD on Breakout's small gradients), MuJoCo 4 envs per worker, classic control a budget.
+# (with 0.1 RMSProp is plain SGD on Breakout's small gradients); MuJoCo 4 envs per worker, a tanh-bounded mean with a
+# learned σ per dimension (the paper's linear μ drifts outside the action box and its σ collapses), rewards over the
+# return's std and RMSProp ε 1e-5 (docs/a3c.md, "Locomotion"); classic control a budget.
 FAMILY_DEFAULTS = {
     "atari": (
         "the paper's Atari settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5",
         dict(rmsprop_eps=1e-5),
     ),
     "mujoco": (
-        "the paper's settings (Supp. 9) with 4 envs per worker, measured on InvertedPendulum-v4",
-        dict(num_envs=4),
+        "the paper's settings (Supp. 9) with 4 envs per worker, a tanh-bounded mean and a learned σ per dimension, "
+        "rewards scaled by the return's std and RMSProp ε 1e-5, measured on Hopper-v4 and HalfCheetah-v4",
+        dict(num_envs=4, gaussian="tanh", scale_rewards=True, rmsprop_eps=1e-5),
     ),
     "classic": ("the paper's settings, with a budget measured on CartPole-v1", dict(total_timesteps=300_000)),
 }
@@ -255,6 +260,13 @@ class SharedRMSprop(torch.optim.Optimizer):
                 p.addcdiv_(p.grad, (g + eps).sqrt_(), value=-lr)
 
 
+def scale_rewards(rewards, return_var, clip=10.0):
+    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's
+    episode so far (VecNormalize's reward scaling in SB3, used by CleanRL's PPO on MuJoCo; not in the paper). The
+    value then learns returns of unit scale whatever the task's reward scale."""
+    return np.clip(rewards / math.sqrt(float(return_var[0]) + 1e-8), -clip, clip)
+
+
 @torch.no_grad()
 def active_fraction(agent, obs):
     """The fraction of the body's last hidden ReLU units positive on at least one of `obs` `[N, ...]`: 0 when
@@ -319,9 +331,10 @@ class Body(nn.Module):
 
 class Agent(nn.Module):
     """Discrete actions (`num_actions`): a softmax policy and a linear value (Supp. 8). Continuous actions
-    (`action_dim`): a linear mean μ and, with `policy_std="softplus"`, the paper's spherical variance σ² =
-    softplus(linear) + 1e-5 of the state (Supp. 9); with "parameter", a learned log σ per action dimension that does
-    not depend on the state, its mean layer initialised ×0.01 (PPO's and A2C's in CleanRL and SB3). Pixels: the
+    (`action_dim`), `gaussian="paper"`: a linear mean μ and a spherical variance σ² = softplus(linear) + 1e-5 of
+    the state (Supp. 9); "tanh": μ = tanh(linear), inside the [-1, 1] action box, its layer initialised ×0.01, and a
+    learned log σ per action dimension that does not depend on the state (PPO's and A2C's σ in CleanRL and SB3;
+    docs/a3c.md: a linear μ drifts outside the box, where clipped actions no longer explore). Pixels: the
     policy and the value share one body (Supp. 8); vector observations: separate policy and value bodies (Supp. 9),
     for discrete actions too (`separate_value`; docs/a3c.md has the measurements). Vector observations are
     normalised by running statistics first.
@@ -330,7 +343,7 @@ class Agent(nn.Module):
     (`[T, B, A]` logits, or `[T, B, 2d]`: μ then σ per dimension), the values `[T, B]` and the recurrent state."""
 
     MIN_VAR = 1e-5
-    LOG_STD_INIT = -0.5  # σ ≈ 0.6 at the start with policy_std="parameter" (Tianshou's MuJoCo A2C and PPO)
+    LOG_STD_INIT = -0.5  # σ ≈ 0.6 at the start with gaussian="tanh" (Tianshou's MuJoCo A2C and PPO)
 
     def __init__(
         self,
@@ -340,22 +353,25 @@ class Agent(nn.Module):
         hidden=200,
         lstm_size=0,
         separate_value=None,
-        policy_std="softplus",
+        gaussian="paper",
+        scale_rewards=False,
     ):
         super().__init__()
         if separate_value is None:
             separate_value = bool(action_dim) or len(obs_shape) != 3
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim, hidden=hidden)
-        self.config.update(lstm_size=lstm_size, separate_value=separate_value, policy_std=policy_std)  # for model.pt
-        self.num_actions, self.action_dim, self.policy_std = num_actions, action_dim, policy_std
+        self.config.update(lstm_size=lstm_size, separate_value=separate_value, gaussian=gaussian)  # for model.pt
+        self.config.update(scale_rewards=scale_rewards)
+        self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
+        self.num_actions, self.action_dim = num_actions, action_dim
         self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
         self.body = Body(obs_shape, hidden, lstm_size)
         self.value_body = Body(obs_shape, hidden, lstm_size) if separate_value else None
         n = self.body.out_features
-        state_std = action_dim and policy_std == "softplus"
+        state_std = action_dim and gaussian == "paper"
         self.policy = nn.Linear(n, action_dim + 1 if state_std else action_dim or num_actions)
         self.log_std = None
-        if action_dim and policy_std == "parameter":
+        if action_dim and gaussian == "tanh":
             self.log_std = nn.Parameter(torch.full((action_dim,), self.LOG_STD_INIT))
             init_output_(self.policy, 0.01)  # μ ≈ 0 at the start, whatever the observation
         self.value = nn.Linear(n, 1)
@@ -381,7 +397,7 @@ class Agent(nn.Module):
             new_state = (s, sv)
         pi = self.policy(x)
         if self.log_std is not None:
-            pi = torch.cat([pi, self.log_std.exp().expand_as(pi)], dim=-1)
+            pi = torch.cat([torch.tanh(pi), self.log_std.exp().expand_as(pi)], dim=-1)
         elif self.action_dim:
             mean, raw_var = pi.split(self.action_dim, dim=-1)
             pi = torch.cat([mean, (F.softplus(raw_var) + self.MIN_VAR).sqrt().expand_as(mean)], dim=-1)
@@ -419,6 +435,7 @@ class QAgent(nn.Module):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, hidden=hidden)  # for model.pt
         self.num_actions, self.action_dim = num_actions, 0
+        self.return_norm = None  # (A3C's --scale-rewards)
         self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
         self.body = Body(obs_shape, hidden)
         self.q = nn.Linear(self.body.out_features, num_actions)
@@ -451,10 +468,8 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     num_actions, action_dim = (spec.action_space.n, 0) if derived["discrete"] else (0, spec.action_space.shape[0])
     if args.method == "a3c":
-        agent = Agent(
-            derived["obs_shape"], num_actions, int(action_dim), args.hidden, args.lstm_size, None, args.policy_std
-        )
-        target = None
+        sizes = (num_actions, int(action_dim), args.hidden, args.lstm_size, None, args.gaussian, args.scale_rewards)
+        agent, target = Agent(derived["obs_shape"], *sizes), None
     else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
         agent = QAgent(derived["obs_shape"], num_actions, args.hidden)
         target = copy.deepcopy(agent).requires_grad_(False).share_memory()
@@ -565,12 +580,14 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     first = torch.ones(n, dtype=torch.bool)  # obs starts an episode (the LSTM state is zeroed there)
     state = local.initial_state(n)
     last_report = 0.0
+    discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
     while counter.value < args.total_timesteps:
         copy_network(local, shared, obs_lock)  # θ' ← θ
         synced_at = counter.value
         epsilon = epsilon_at(synced_at, final, args.epsilon_steps) if value_based else None
         start_state = state = detach_state(state)
         rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "ended")}
+        returns_seen = []
         with torch.no_grad():  # act; the loss takes one batched pass over the rollout afterwards
             for t in range(T):
                 out, _, state = local(obs[None], first[None], state)  # π's parameters, or the Q-values
@@ -583,6 +600,11 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", worker_id, counter.value, score, length))
+                if local.return_norm is not None:
+                    discounted_return = discounted_return * args.gamma + reward
+                    returns_seen.append(torch.as_tensor(discounted_return))
+                    reward = scale_rewards(reward, local.return_norm.var)
+                    discounted_return[term | trunc] = 0.0
                 for k, v in zip(rows, (obs, first, action, reward, term, ended)):
                     rows[k].append(torch.as_tensor(v))
                 first, ended = ended, torch.as_tensor(term | trunc)
@@ -618,6 +640,9 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         if shared.obs_norm is not None:
             with obs_lock:
                 shared.obs_norm.update(torch.stack(rows["obs"]))
+        if shared.return_norm is not None:
+            with obs_lock:
+                shared.return_norm.update(torch.stack(returns_seen)[..., None])
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
             copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
         now = time.time()

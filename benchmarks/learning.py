@@ -5,6 +5,7 @@
     python benchmarks/learning.py --preset cpu --report-only       # redraw from the runs already there
     python benchmarks/learning.py --preset atari-cpu --seeds 1     # Breakout, IMPALA and V-MPO, 1M steps each
     python benchmarks/learning.py --preset a3c-atari-cpu --seeds 1 2  # Breakout, a3c.py's four methods, 1M steps
+    python benchmarks/learning.py --preset a3c-mujoco-cpu --seeds 1 2 --parallel 2  # Hopper, HalfCheetah: A3C, 1M
     python benchmarks/learning.py --preset mujoco-cpu              # Hopper, Walker2d, HalfCheetah: P3S, TD3, V-MPO
     python benchmarks/learning.py --preset p3s-cpu --seeds 1 2 --parallel 2   # P3S, TD3, one update per step
 
@@ -57,7 +58,8 @@ class Entry:
 # Public curves drawn beside a preset's runs (dashed): (label, [(environment steps, return)]), per env id. RLlib's
 # IMPALA on Breakout (ray-project/rl-experiments, atari-impala, progress.csv; agent steps of 4 frames, game scores).
 # MuJoCo: TD3's evaluation curve as its paper reports it (Fujimoto et al. 2018, v1 tasks, 10 seeds: at 100k, 300k,
-# 1M steps) and PPO's return at 1M (CleanRL's ppo_continuous_action, v4 tasks).
+# 1M steps), PPO's return at 1M (CleanRL's ppo_continuous_action, v4 tasks) and A2C's (Tianshou's MuJoCo benchmark,
+# v3 tasks, mean of 10 seeds).
 REFERENCES = {
     "Breakout-v5": [
         ("RLlib IMPALA", [(242_000, 4.1), (473_000, 7.9), (786_000, 14.3), (1_030_000, 19.7), (2_040_000, 49.8)]),
@@ -65,6 +67,7 @@ REFERENCES = {
     "Hopper-v4": [
         ("TD3 paper (eval)", [(100_000, 660), (300_000, 2410), (1_000_000, 3391)]),
         ("CleanRL PPO", [(1_000_000, 2383)]),
+        ("Tianshou A2C", [(1_000_000, 1253)]),
     ],
     "Walker2d-v4": [
         ("TD3 paper (eval)", [(100_000, 770), (300_000, 3336), (1_000_000, 4413)]),
@@ -73,6 +76,7 @@ REFERENCES = {
     "HalfCheetah-v4": [
         ("TD3 paper (eval)", [(100_000, 5514), (300_000, 7697), (1_000_000, 9567)]),
         ("CleanRL PPO", [(1_000_000, 1443)]),
+        ("Tianshou A2C", [(1_000_000, 1830)]),
     ],
 }
 
@@ -100,6 +104,9 @@ PRESETS = {
         Entry("a3c", "Breakout-v5", 1_000_000, ("--method", m), label=m)
         for m in ("a3c", "one-step-q", "one-step-sarsa", "n-step-q")
     ],
+    # A3C on MuJoCo locomotion (the paper's Supp. 9 domain) on 2 CPU cores, `--env-id` and the budget alone (the
+    # MuJoCo family: 2 workers x 4 envs, tanh-bounded mean, learned σ, scaled rewards), against Tianshou's A2C
+    "a3c-mujoco-cpu": [Entry("a3c", env, 1_000_000) for env in ("Hopper-v4", "HalfCheetah-v4")],
     # MuJoCo locomotion on 2 CPU cores, `--env-id` and the budget alone: P3S-TD3 (4 learners) and TD3 on Hopper,
     # V-MPO (the MuJoCo family's settings) on three tasks
     "mujoco-cpu": [

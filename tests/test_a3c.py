@@ -354,13 +354,14 @@ def test_hogwild_update_applies_the_last_rollouts_gradient(max_grad_norm):
 # The agent.
 
 
-@pytest.mark.parametrize("policy_std", ["softplus", "parameter"])
-def test_gaussian_policy_log_prob_and_entropy(policy_std):
+@pytest.mark.parametrize("gaussian", ["paper", "tanh"])
+def test_gaussian_policy_log_prob_and_entropy(gaussian):
     """Continuous policy: N(μ, diag σ²), log-probabilities and entropy against torch's MultivariateNormal.
     softplus (the paper's, Supp. 9): one σ² = softplus(·) + 1e-5 of the state for all d dimensions, entropy
-    d · ½ (log(2πσ²) + 1). parameter: σ_i = exp(log σ_i), the same in every state, starting at exp(−0.5)."""
+    d · ½ (log(2πσ²) + 1). tanh: μ = tanh(linear) within [-1, 1], σ_i = exp(log σ_i), the same in every state,
+    starting at exp(−0.5)."""
     torch.manual_seed(0)
-    agent = a3c.Agent((6,), action_dim=3, policy_std=policy_std)
+    agent = a3c.Agent((6,), action_dim=3, gaussian=gaussian)
     pi, values, _ = agent(torch.randn(4, 5, 6), torch.zeros(4, 5, dtype=torch.bool))
     assert pi.shape == (4, 5, 6) and values.shape == (4, 5)
     mean, std = pi[..., :3], pi[..., 3:]
@@ -369,7 +370,7 @@ def test_gaussian_policy_log_prob_and_entropy(policy_std):
     ref = torch.distributions.MultivariateNormal(mean, covariance_matrix=torch.diag_embed(std**2))
     torch.testing.assert_close(log_prob, ref.log_prob(actions), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy, ref.entropy(), rtol=1e-5, atol=1e-5)
-    if policy_std == "softplus":
+    if gaussian == "paper":
         torch.testing.assert_close(std, std[..., :1].expand_as(std))  # spherical
         torch.testing.assert_close(entropy, 3 * 0.5 * (torch.log(2 * math.pi * std[..., 0] ** 2) + 1))
         first = torch.zeros(1, 1, dtype=torch.bool)
@@ -384,6 +385,15 @@ def test_gaussian_policy_log_prob_and_entropy(policy_std):
         std = agent(torch.randn(2, 3, 6), torch.zeros(2, 3, dtype=torch.bool))[0][..., 3:]
         torch.testing.assert_close(std, torch.tensor([-1.0, 0.0, 0.5]).exp().expand(2, 3, 3))
         assert agent.policy.weight.abs().max() < 0.05  # the mean layer ×0.01: μ ≈ 0 at the start
+        with torch.no_grad():
+            agent.policy.bias.copy_(torch.tensor([-50.0, 0.3, 50.0]))
+        first = torch.zeros(1, 1, dtype=torch.bool)
+        torch.testing.assert_close(
+            agent(torch.zeros(1, 1, 6), first)[0][0, 0, :3],
+            torch.tanh(torch.tensor([-50.0, 0.3, 50.0])),
+            atol=0.02,
+            rtol=0,
+        )
 
 
 @pytest.mark.parametrize("actions", [dict(action_dim=2), dict(num_actions=3)])
@@ -765,3 +775,20 @@ def test_active_units_statistic_sees_a_dead_layer():
     with torch.no_grad():
         last.bias.fill_(-1e4)
     assert a3c.active_fraction(agent, obs) == 0
+
+
+def test_scale_rewards_divides_by_the_std_of_the_discounted_return():
+    """--scale-rewards (VecNormalize's): each reward over sqrt(Var[R] + 1e-8), clipped to ±10, R_t = γ R_{t−1} +
+    r_t the discounted return of the episode so far; a plain loop over one environment's rewards."""
+    rng = np.random.default_rng(0)
+    rewards, dones, gamma = rng.normal(3.0, 1.0, 200), rng.random(200) < 0.05, 0.99
+    norm, ret, seen, out = a3c.RunningNorm(1), 0.0, [], []
+    for r, d in zip(rewards, dones):  # the worker's order: R_t, then scale with the statistics so far, then reset
+        ret = gamma * ret + r
+        seen.append(ret)
+        var = np.var(seen[:-1]) if len(seen) > 1 else 1.0
+        out.append(float(a3c.scale_rewards(np.array([r]), norm.var)[0]))
+        assert out[-1] == pytest.approx(np.clip(r / np.sqrt(var + 1e-8), -10, 10), rel=1e-6)
+        norm.update(torch.tensor([[ret]]))
+        ret = 0.0 if d else ret
+    assert a3c.scale_rewards(np.array([1e9, -1e9]), norm.var).tolist() == [10.0, -10.0]
