@@ -26,7 +26,10 @@ correction that uses Q for the actions the data does not cover; an efficient tru
 The policy's statistics φ are its probabilities: the trust region acts on them per state (Eq. 12). envpool's reset
 step (after an episode ends) gets no loss and a truncated weight of 0 in Retrace, so a time-limit truncation
 bootstraps. What the paper leaves open (the optimiser's settings, the initialisation, replay storage, the
-continuous truncation c) and the measurements behind the defaults: docs/acer.md.
+continuous truncation c) and the measurements behind the defaults: docs/acer.md. Continuous control keeps the
+policy's θ and the critic's θ_v in separate networks (Algorithm 3; pfrl's train_acer_mujoco.py), starts the mean
+layer at weights ×0.01 (pfrl's) and normalises vector observations by running statistics (as a3c.py; not in the
+paper): `ContinuousAgent`.
 
     python acer.py --env-id Breakout-v5
     python acer.py --env-id CartPole-v1 --num-workers 2 --num-envs 4
@@ -55,7 +58,7 @@ import torch.nn.functional as F
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
 from common.envs import make_env, require, task_family
 from common.evaluation import evaluate, resume_checkpoint
-from common.networks import MLPTorso, init_output_, init_weights_
+from common.networks import MLPTorso, RunningNorm, init_output_, init_weights_
 
 
 @dataclass
@@ -344,10 +347,31 @@ def acer_loss_continuous(
 
 
 @torch.no_grad()
-def update_average(avg_agent, agent, decay):
-    """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ, after every update of θ."""
+def update_average(avg_agent, agent, decay, obs_lock=None):
+    """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ, after every update of θ. The observation statistics (buffers) are
+    copied whole, not averaged, under `obs_lock` where given: the average network normalises as θ does."""
     for pa, p in zip(avg_agent.parameters(), agent.parameters()):
         pa.mul_(decay).add_(p, alpha=1 - decay)
+    copy_statistics(avg_agent, agent, obs_lock)
+
+
+@torch.no_grad()
+def copy_statistics(dst, src, obs_lock=None):
+    """dst's observation statistics (its buffers) ← src's, whole, under `obs_lock` where given (a worker's update
+    of the shared statistics is not read half done)."""
+    pairs = list(zip(dst.buffers(), src.buffers()))
+    if pairs:
+        with obs_lock if obs_lock is not None else contextlib.nullcontext():
+            for d, s in pairs:
+                d.copy_(s)
+
+
+@torch.no_grad()
+def copy_network(dst, src, obs_lock=None):
+    """θ' ← θ: the parameters without a lock (Hogwild), the observation statistics whole, under theirs."""
+    for d, s in zip(dst.parameters(), src.parameters()):
+        d.copy_(s)
+    copy_statistics(dst, src, obs_lock)
 
 
 class SharedRMSprop(torch.optim.Optimizer):
@@ -443,32 +467,50 @@ class Agent(nn.Module):
 
 
 class ContinuousAgent(nn.Module):
-    """Sec. 5-6: a Gaussian policy N(φ(x), σ²I) with a fixed σ, and a stochastic dueling network (Eq. 13): V(x) on
-    the same torso as the mean, and a small separate network A(x, a). `forward(obs)` takes `[T, B, D]` and returns
-    the mean `[T, B, d]` and V `[T, B]`; `q_tilde` gives Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i)."""
+    """Sec. 5-6: a Gaussian policy N(φ(x), σ²I) with a fixed σ, and a stochastic dueling network (Eq. 13): V(x)
+    and a small separate network A(x, a). `forward(obs)` takes `[T, B, D]` and returns the mean `[T, B, d]` and V
+    `[T, B]`; `q_tilde` gives Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i).
 
-    def __init__(self, obs_shape, action_dim, hidden=200, policy_std=0.3):
+    `separate_value`: the mean has its own torso (the policy's θ) and V another (the critic's θ_v, with A), as
+    Algorithm 3 keeps θ and θ_v apart and pfrl's train_acer_mujoco.py builds them; off: V on the mean's torso.
+    `obs_norm`: observations normalised by running statistics (`RunningNorm`, buffers that the workers update
+    with their on-policy observations, as a3c.py) before the torsos and A; not in the paper. The mean layer
+    starts at weights ×0.01 (pfrl's train_acer_mujoco.py), so μ ≈ 0 whatever the observation. A config saved
+    before these options (neither key) means both off: `make_eval_policy` and `--resume` read it so."""
+
+    def __init__(self, obs_shape, action_dim, hidden=200, policy_std=0.3, separate_value=True, obs_norm=True):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), action_dim=action_dim, hidden=hidden, policy_std=policy_std)
+        self.config.update(separate_value=separate_value, obs_norm=obs_norm)  # for model.pt and checkpoints
         self.action_dim, self.std = action_dim, policy_std
         obs_dim = int(math.prod(obs_shape))
-        self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)
+        self.obs_norm = RunningNorm(obs_dim) if obs_norm else None
+        self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # the mean's (and V's, without separate_value)
         self.mean = nn.Linear(hidden, action_dim)
         self.value = nn.Linear(hidden, 1)
         self.advantage = nn.Sequential(nn.Linear(obs_dim + action_dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.value_torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU) if separate_value else None
+        init_output_(self.mean, 0.01)  # pfrl's train_acer_mujoco.py: the mean's weights ×0.01
+
+    def normalise(self, obs):
+        """The observations as the networks see them: through the running statistics, or as they are."""
+        return self.obs_norm(obs) if self.obs_norm is not None else obs
 
     def forward(self, obs):
         T, B = obs.shape[:2]
-        x = self.torso(obs.reshape(T * B, -1))
-        return self.mean(x).view(T, B, -1), self.value(x).view(T, B)
+        x = self.normalise(obs.reshape(T * B, -1))
+        h = self.torso(x)
+        hv = self.value_torso(x) if self.value_torso is not None else h
+        return self.mean(h).view(T, B, -1), self.value(hv).view(T, B)
 
     def q_tilde(self, obs, actions, mean, values, n, generator=None):
-        """Eq. (13) for `[..., D]` observations and `[..., d]` actions, with n samples u_i ~ π(·|x) (no gradient
-        through the samples)."""
+        """Eq. (13) for `[..., D]` observations (raw: normalised here as in `forward`) and `[..., d]` actions, with
+        n samples u_i ~ π(·|x) (no gradient through the samples)."""
         u = mean.detach().unsqueeze(-2) + self.std * torch.randn(
             *mean.shape[:-1], n, self.action_dim, generator=generator
         )
         a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
+        obs = self.normalise(obs)
         obs_all = obs.unsqueeze(-2).expand(*obs.shape[:-1], n + 1, obs.shape[-1])
         adv = self.advantage(torch.cat([obs_all.float(), a_all], dim=-1)).squeeze(-1)
         return values + adv[..., 0] - adv[..., 1:].mean(-1)
@@ -515,8 +557,11 @@ def main(args: Args):
             hidden=args.hidden,
             policy_std=args.policy_std,
         )
+        if resumed is not None:  # the run's own network (a checkpoint from before the options: both off)
+            saved = resumed.get("agent_config", {})
+            config.update(separate_value=saved.get("separate_value", False), obs_norm=saved.get("obs_norm", False))
         agent, avg_agent = ContinuousAgent(**config), ContinuousAgent(**config)
-    avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ
+    avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ (and its observation statistics at θ's)
     agent.share_memory()
     avg_agent.share_memory()
     optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
@@ -534,7 +579,7 @@ def main(args: Args):
     )
 
     ctx = torch.multiprocessing.get_context("spawn")
-    counter, msg_q = ctx.Value("q", log.start_step), ctx.Queue()
+    counter, obs_lock, msg_q = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
     work = (
         train_worker,
@@ -544,6 +589,7 @@ def main(args: Args):
         avg_agent,
         optimizer,
         counter,
+        obs_lock,
         msg_q,
     )  # what each worker process runs
 
@@ -554,7 +600,8 @@ def main(args: Args):
         if args.save_model:  # a run stopped early can be evaluated too
             save_atomic(saved_model(args, spec, agent, avg_agent, step), os.path.join(log.path, "model.pt"))
         square_avg = [optimizer.state[p]["square_avg"] for p in agent.parameters()]
-        state = log.state(step, agent=agent.state_dict(), avg_agent=avg_agent.state_dict(), square_avg=square_avg)
+        nets = dict(agent=agent.state_dict(), avg_agent=avg_agent.state_dict(), agent_config=agent.config)
+        state = log.state(step, **nets, square_avg=square_avg)
         save_atomic(state, os.path.join(log.path, "checkpoint.pt"))
         return step
 
@@ -575,11 +622,21 @@ def obs_tensor(obs, pixels):
     return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
 
 
+def agent_from_config(config):
+    """The network of a saved `agent_config`. A continuous one saved before `separate_value` and `obs_norm` existed
+    has neither key: the shared torso and raw observations it was trained with."""
+    config = dict(config)
+    if "action_dim" not in config:
+        return Agent(**config)
+    config.setdefault("separate_value", False)
+    config.setdefault("obs_norm", False)
+    return ContinuousAgent(**config)
+
+
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """A callable `policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it)."""
-    config = checkpoint["agent_config"]
-    agent = (ContinuousAgent if "action_dim" in config else Agent)(**config).to(device)
-    agent.load_state_dict(checkpoint["agent"])
+    agent = agent_from_config(checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])  # with the observation statistics it was trained with
     agent.eval()
     pixels = len(agent.config["obs_shape"]) == 3
 
@@ -624,16 +681,18 @@ class Replay:
         return len(self.segments)
 
 
-def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q):
+def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_lock, msg_q):
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions:
     acted and stored only, Sec. 6), then Poisson(r) segments replayed from this worker's memory; each update is
-    Algorithm 2 (or 3) followed by θ_a's soft update."""
+    Algorithm 2 (or 3) followed by θ_a's soft update. With observation statistics (`obs_norm`, as a3c.py) the
+    segment's observations update the shared ones under `obs_lock`; replay stores raw observations, which are
+    normalised with the statistics of the update that replays them."""
     n, k = args.num_envs, args.k
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
     generator = torch.Generator().manual_seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
-    local = (ContinuousAgent if "action_dim" in shared.config else Agent)(**shared.config)
+    local = agent_from_config(shared.config)
     continuous = isinstance(local, ContinuousAgent)
     if continuous:
         low = envs.action_space.low.astype(np.float32)
@@ -644,24 +703,19 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q):
     obs, _ = envs.reset()
     obs = obs_tensor(obs, pixels)
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
-    local_tensors, shared_tensors = list(local.parameters()), list(shared.parameters())
     last_report = 0.0
 
     def learn(segment):
-        with torch.no_grad():  # θ' ← θ
-            for dst, src in zip(local_tensors, shared_tensors):
-                dst.copy_(src)
+        copy_network(local, shared, obs_lock)  # θ' ← θ
         out = segment_loss(local, avg_agent, segment, args, generator)
         loss, stats = out.loss, {k: v for k, v in loss_stats(out).items() if not v.isnan()}
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
-        update_average(avg_agent, shared, args.avg_decay)
+        update_average(avg_agent, shared, args.avg_decay, obs_lock)
         stats["stats/grad_norm"] = grad_norm
         return stats
 
     while counter.value < args.total_timesteps:
-        with torch.no_grad():
-            for dst, src in zip(local_tensors, shared_tensors):
-                dst.copy_(src)
+        copy_network(local, shared, obs_lock)
         rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu")}
         with torch.no_grad():
             for _ in range(k):
@@ -691,6 +745,11 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, msg_q):
             step = counter.value
             counter.value += k * n
         stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
+        # the shared statistics take the segment's on-policy observations (the bootstrap one is the next segment's)
+        if getattr(shared, "obs_norm", None) is not None:
+            with obs_lock:
+                shared.obs_norm.update(segment["obs"][:-1])
+                copy_statistics(avg_agent, shared)  # θ_a normalises as θ from the next update on (lock held)
         replay.add(segment)
         replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
         for _ in range(replays):

@@ -322,6 +322,116 @@ def test_acer_loss_continuous_gradients_follow_algorithm_3():
     assert (mean.grad[2, 0] == 0).all() and out.trust_region_adjustment > 0
 
 
+def test_continuous_policy_and_value_are_separate_networks():
+    """Algorithm 3's θ and θ_v: with separate_value the mean and V share no parameter, so the mean's gradient
+    reaches no part of the critic (V's torso and head, A) and V's none of the policy's; with the shared torso of
+    separate_value=False V's gradient does reach the mean's torso."""
+    torch.manual_seed(0)
+    agent = acer.ContinuousAgent((5,), 2, hidden=16, separate_value=True)
+    policy = {id(p) for p in [*agent.torso.parameters(), *agent.mean.parameters()]}
+    critic = {id(p) for m in (agent.value_torso, agent.value, agent.advantage) for p in m.parameters()}
+    assert not policy & critic and policy | critic == {id(p) for p in agent.parameters()}
+    obs = torch.randn(3, 4, 5)
+    for out, reached in ((0, policy), (1, critic - {id(p) for p in agent.advantage.parameters()})):
+        agent.zero_grad(set_to_none=True)
+        agent(obs)[out].sum().backward()
+        got = {id(p) for p in agent.parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        assert got == reached
+    shared = acer.ContinuousAgent((5,), 2, hidden=16, separate_value=False)
+    assert shared.value_torso is None
+    shared(obs)[1].sum().backward()
+    assert shared.torso.net[0].weight.grad.abs().sum() > 0
+
+
+def test_continuous_mean_starts_small():
+    """pfrl's train_acer_mujoco.py: the mean layer's weights ×0.01, so μ ≈ 0 at the start whatever the state."""
+    torch.manual_seed(0)
+    agent = acer.ContinuousAgent((11,), 3, obs_norm=False)
+    assert agent.mean.weight.abs().max() < 0.05 and (agent.mean.bias == 0).all()
+    assert agent.value.weight.abs().max() > 0.05  # the value head keeps PyTorch's default
+    mean, _ = agent(torch.randn(4, 8, 11) * 3)
+    assert mean.abs().max() < 0.1
+
+
+def test_continuous_observation_statistics():
+    """Vector observations normalised by running statistics (as a3c.py): once the statistics have taken a batch,
+    the agent's mean, V and Q̃ equal those of the same weights without normalisation fed clip((x − m)/√(v + ε),
+    ±10), and the same weights with statistics updated on an affinely shifted and scaled batch give the same
+    outputs on the shifted observations."""
+    torch.manual_seed(0)
+    D = 4
+    normed = acer.ContinuousAgent((D,), 2, hidden=16, obs_norm=True)
+    plain = acer.ContinuousAgent((D,), 2, hidden=16, obs_norm=False)
+    plain.load_state_dict({k: v for k, v in normed.state_dict().items() if not k.startswith("obs_norm.")})
+    g_ = torch.Generator().manual_seed(0)
+    scale, shift = torch.tensor([100.0, 0.01, 3.0, 1.0]), torch.tensor([50.0, -2.0, 0.0, 100.0])
+    batch = torch.randn(6, 5, D, generator=g_) * scale + shift
+    normed.obs_norm.update(batch)
+    torch.testing.assert_close(normed.obs_norm.mean.float(), batch.reshape(-1, D).mean(0), rtol=1e-5, atol=1e-3)
+    obs = torch.randn(3, 5, D, generator=g_) * scale + shift
+    obs[0, 0] = shift + 50 * scale  # clipped at +10
+    z = ((obs - normed.obs_norm.mean) / (normed.obs_norm.var + normed.obs_norm.eps).sqrt()).clamp(-10, 10).float()
+    assert (z == 10).any()
+    with torch.no_grad():
+        (m1, v1), (m2, v2) = normed(obs), plain(z)
+        torch.testing.assert_close(m1, m2)
+        torch.testing.assert_close(v1, v2)
+        actions = torch.randn(3, 5, 2, generator=g_)
+        q1 = normed.q_tilde(obs, actions, m1, v1, 5, torch.Generator().manual_seed(1))
+        q2 = plain.q_tilde(z, actions, m2, v2, 5, torch.Generator().manual_seed(1))
+        torch.testing.assert_close(q1, q2)
+        assert not torch.allclose(plain(obs)[1], v2)  # the normalisation does change what the torsos see
+    a, b = torch.tensor([3.0, 0.5, 7.0, 2.0]), torch.tensor([10.0, -4.0, 0.5, 0.0])
+    other = acer.ContinuousAgent((D,), 2, hidden=16, obs_norm=True)
+    other.load_state_dict(plain.state_dict(), strict=False)  # the same weights, fresh statistics
+    other.obs_norm.update(batch * a + b)
+    with torch.no_grad():
+        mean, values = other(obs * a + b)
+        torch.testing.assert_close(mean, m1, rtol=1e-3, atol=1e-6)  # float32 rounding of the shifted inputs
+        torch.testing.assert_close(values, v1, rtol=1e-3, atol=1e-5)
+
+
+def test_average_network_copies_the_observation_statistics():
+    """θ_a ← α θ_a + (1 − α) θ for the weights, but the statistics copied whole (not averaged): the average
+    network normalises as θ does."""
+    torch.manual_seed(0)
+    agent, avg = acer.ContinuousAgent((3,), 1, hidden=8), acer.ContinuousAgent((3,), 1, hidden=8)
+    agent.obs_norm.update(torch.randn(50, 3) * 5 + 2)
+    old = [p.detach().clone() for p in avg.parameters()]
+    acer.update_average(avg, agent, 0.99)
+    for pa, p0, p in zip(avg.parameters(), old, agent.parameters()):
+        torch.testing.assert_close(pa.detach(), 0.99 * p0 + 0.01 * p.detach())
+    for name in ("mean", "var", "count"):
+        torch.testing.assert_close(getattr(avg.obs_norm, name), getattr(agent.obs_norm, name))
+    assert avg.obs_norm.count == 50
+
+
+def test_continuous_old_config_loads():
+    """A model.pt saved before `separate_value` and `obs_norm` (neither key in its config) rebuilds the shared
+    torso without statistics and plays its saved weights; a new one keeps its statistics."""
+    torch.manual_seed(0)
+    old = acer.ContinuousAgent((5,), 2, hidden=16, separate_value=False, obs_norm=False)
+    assert set(old.state_dict()) == {
+        f"{m}.{p}" for m in ("torso.net.0", "mean", "value", "advantage.0", "advantage.2") for p in ("weight", "bias")
+    }
+    config = {k: v for k, v in old.config.items() if k not in ("separate_value", "obs_norm")}
+    model = dict(agent_config=config, agent=old.state_dict(), action_low=[-1.0, -1.0], action_high=[1.0, 1.0])
+    rebuilt = acer.agent_from_config(config)
+    assert rebuilt.value_torso is None and rebuilt.obs_norm is None and "separate_value" not in config
+    policy = acer.make_eval_policy(model, 3, greedy=True)
+    obs = np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
+    expected = old(torch.from_numpy(obs)[None])[0][0].detach().numpy()
+    np.testing.assert_allclose(policy(obs, None, None), expected, atol=1e-6)
+    with pytest.raises(RuntimeError):  # the new defaults are another network: the keys are needed
+        acer.ContinuousAgent(**config).load_state_dict(old.state_dict())
+    new = acer.ContinuousAgent((5,), 2, hidden=16)
+    new.obs_norm.update(torch.randn(20, 5) + 3)
+    model = dict(agent_config=new.config, agent=new.state_dict(), action_low=[-1.0] * 2, action_high=[1.0] * 2)
+    expected = new(torch.from_numpy(obs)[None])[0][0].detach().numpy()
+    assert not np.allclose(expected, new.mean(new.torso(torch.from_numpy(obs))).detach().numpy(), atol=1e-4)
+    np.testing.assert_allclose(acer.make_eval_policy(model, 3, greedy=True)(obs, None, None), expected, atol=1e-6)
+
+
 def test_average_network_moves():
     """After an update θ_a = α θ_a_old + (1 − α) θ_new (Sec. 3.3)."""
     torch.manual_seed(0)
@@ -439,6 +549,10 @@ def test_killed_process_ends_the_run(tmp_path, victim):
     )
 
 
+def summary_steps(run):
+    return json.load(open(os.path.join(run, "summary.json")))["total_timesteps"]
+
+
 @pytest.mark.e2e
 def test_smoke_halfcheetah(tmp_path):
     run = run_script(
@@ -460,6 +574,16 @@ def test_smoke_halfcheetah(tmp_path):
     assert (saved["k"], saved["replay_size"], saved["c"], saved["avg_decay"]) == (50, 5000, 5.0, 0.995)  # Sec. 6
     checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
     assert checkpoint["agent_config"]["action_dim"] == 6 and len(checkpoint["action_low"]) == 6
+    assert checkpoint["agent_config"]["separate_value"] and checkpoint["agent_config"]["obs_norm"]
+    # every on-policy step went into the shared statistics, and the average network holds the same ones
+    agent, avg = checkpoint["agent"], checkpoint["avg_agent"]
+    assert agent["obs_norm.count"] == checkpoint["global_step"] == summary_steps(run)
+    assert (agent["obs_norm.var"] != 1).all()
+    for name in ("mean", "var", "count"):
+        torch.testing.assert_close(avg[f"obs_norm.{name}"], agent[f"obs_norm.{name}"], rtol=0, atol=0)
+    saved_checkpoint = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
+    assert saved_checkpoint["agent_config"] == checkpoint["agent_config"]
+    torch.testing.assert_close(saved_checkpoint["agent"]["obs_norm.mean"], agent["obs_norm.mean"])
     assert {"stats/rho_mean", "stats/kl_avg", "stats/trust_region_adjustment"} <= events_tags(run)
     out = subprocess.run(
         [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", "2", "--greedy"],
