@@ -360,8 +360,8 @@ class Agent(nn.Module):
         if separate_value is None:
             separate_value = bool(action_dim) or len(obs_shape) != 3
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim, hidden=hidden)
-        self.config.update(lstm_size=lstm_size, separate_value=separate_value, gaussian=gaussian)  # for model.pt
-        self.config.update(scale_rewards=scale_rewards)
+        self.config.update(lstm_size=lstm_size, separate_value=separate_value)  # for model.pt
+        self.config.update(gaussian=gaussian, scale_rewards=scale_rewards)
         self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
         self.num_actions, self.action_dim = num_actions, action_dim
         self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
@@ -468,8 +468,9 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     num_actions, action_dim = (spec.action_space.n, 0) if derived["discrete"] else (0, spec.action_space.shape[0])
     if args.method == "a3c":
-        sizes = (num_actions, int(action_dim), args.hidden, args.lstm_size, None, args.gaussian, args.scale_rewards)
-        agent, target = Agent(derived["obs_shape"], *sizes), None
+        heads = dict(gaussian=args.gaussian, scale_rewards=args.scale_rewards)
+        agent = Agent(derived["obs_shape"], num_actions, int(action_dim), args.hidden, args.lstm_size, **heads)
+        target = None
     else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
         agent = QAgent(derived["obs_shape"], num_actions, args.hidden)
         target = copy.deepcopy(agent).requires_grad_(False).share_memory()
@@ -637,11 +638,10 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         for group in optimizer.param_groups:
             group["lr"] = lr
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
-        if shared.obs_norm is not None:
-            with obs_lock:
+        with obs_lock:  # the shared statistics take this rollout's observations (and returns)
+            if shared.obs_norm is not None:
                 shared.obs_norm.update(torch.stack(rows["obs"]))
-        if shared.return_norm is not None:
-            with obs_lock:
+            if shared.return_norm is not None:
                 shared.return_norm.update(torch.stack(returns_seen)[..., None])
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
             copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
