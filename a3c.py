@@ -75,7 +75,7 @@ class Args:
     num_workers: int = 0  # actor-learner processes; 0: one per CPU core (the paper: 16 threads, Supp. 8)
     num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
     t_max: int = 0  # t_max (I_update of the one-step methods), steps per rollout and update; 0: 5 (Supp. 8), 20 --lstm
-    target_update_period: int = 0  # I_target, steps between θ⁻ ← θ; 0: 10k Atari (40k frames, Supp. 8), else 2k
+    target_update_period: int = 0  # I_target, steps between θ⁻ ← θ; 0: 10k Atari (40k frames, Supp. 8), else 500
     epsilon_steps: int = 0  # steps over which ε anneals from 1; 0: 1M Atari (4M frames, Supp. 8), else run / 3
     learning_rate: float = 1e-3  # η, initial learning rate (middle of the paper's LogUniform(1e-4, 1e-2), Supp. 8)
     anneal_lr: bool = True  # anneal η linearly to 0 over the run (Supp. 8)
@@ -694,7 +694,7 @@ def check_args(args):
     if args.capture_video:
         check_render(args.env_id)
     pixels = is_atari(args.env_id)
-    target_update_period = args.target_update_period or (10_000 if pixels else 2_000)
+    target_update_period = args.target_update_period or (10_000 if pixels else 500)
     epsilon_steps = args.epsilon_steps or (1_000_000 if pixels else max(1, args.total_timesteps // 3))
     obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     lstm_size = (args.lstm_size or (256 if pixels else 128)) if args.lstm else 0
