@@ -59,10 +59,14 @@ class Entry:
 # IMPALA on Breakout (ray-project/rl-experiments, atari-impala, progress.csv; agent steps of 4 frames, game scores).
 # MuJoCo: TD3's evaluation curve as its paper reports it (Fujimoto et al. 2018, v1 tasks, 10 seeds: at 100k, 300k,
 # 1M steps), PPO's return at 1M (CleanRL's ppo_continuous_action, v4 tasks) and A2C's (Tianshou's MuJoCo benchmark,
-# v3 tasks, mean of 10 seeds).
+# v3 tasks, mean of 10 seeds). Qbert: RLlib's IMPALA and A2C (rl-experiments, one seed each) at 1M and 2M steps.
 REFERENCES = {
     "Breakout-v5": [
         ("RLlib IMPALA", [(242_000, 4.1), (473_000, 7.9), (786_000, 14.3), (1_030_000, 19.7), (2_040_000, 49.8)]),
+    ],
+    "Qbert-v5": [
+        ("RLlib IMPALA", [(1_000_000, 455), (2_000_000, 719)]),
+        ("RLlib A2C", [(1_000_000, 471), (2_000_000, 894)]),
     ],
     "Hopper-v4": [
         ("TD3 paper (eval)", [(100_000, 660), (300_000, 2410), (1_000_000, 3391)]),
@@ -107,6 +111,11 @@ PRESETS = {
     # A3C on MuJoCo locomotion (the paper's Supp. 9 domain) on 2 CPU cores, `--env-id` and the budget alone (the
     # MuJoCo family: 2 workers x 4 envs, tanh-bounded mean, learned σ, scaled rewards), against Tianshou's A2C
     "a3c-mujoco-cpu": [Entry("a3c", env, 1_000_000) for env in ("Hopper-v4", "HalfCheetah-v4")],
+    # ACER on MuJoCo locomotion (Sec. 6's domain) on 2 CPU cores, `--env-id` and the budget alone (the MuJoCo family:
+    # separate policy and value torsos, observation normalisation), beside Tianshou's A2C and CleanRL's PPO
+    "acer-mujoco-cpu": [Entry("acer", env, 1_000_000) for env in ("Hopper-v4", "HalfCheetah-v4")],
+    # A3C and ACER on Qbert at 1M steps, `--env-id` and the budget alone (the Atari family's settings)
+    "qbert-cpu": [Entry("a3c", "Qbert-v5", 1_000_000), Entry("acer", "Qbert-v5", 1_000_000)],
     # MuJoCo locomotion on 2 CPU cores, `--env-id` and the budget alone: P3S-TD3 (4 learners) and TD3 on Hopper,
     # V-MPO (the MuJoCo family's settings) on three tasks
     "mujoco-cpu": [
