@@ -49,6 +49,18 @@ class Entry:
     steps: int
     args: tuple[str, ...] = ()
     label: str = ""  # tells apart two entries of one script and env
+    games: tuple[str, ...] = ()  # several games, one agent (`--env-ids`): a row and a curve per game
+
+    def views(self):
+        """(entry as one row shows it, its TensorBoard tag, its share of the steps): one per game of a multi-game
+        run, each game's steps taken as the run's over the games (every game has the same number of envs)."""
+        if not self.games:
+            return [(self, "charts/episodic_return", 1)]
+        n, label = len(self.games), f"{len(self.games)} games" + (f", {self.label}" if self.label else "")
+        return [
+            (dataclasses.replace(self, env_id=g, steps=self.steps // n, label=label), f"charts/{g}/episodic_return", n)
+            for g in self.games
+        ]
 
     @property
     def name(self):
@@ -59,7 +71,8 @@ class Entry:
 # IMPALA on Breakout (ray-project/rl-experiments, atari-impala, progress.csv; agent steps of 4 frames, game scores).
 # MuJoCo: TD3's evaluation curve as its paper reports it (Fujimoto et al. 2018, v1 tasks, 10 seeds: at 100k, 300k,
 # 1M steps), PPO's return at 1M (CleanRL's ppo_continuous_action, v4 tasks) and A2C's (Tianshou's MuJoCo benchmark,
-# v3 tasks, mean of 10 seeds). Qbert: RLlib's IMPALA and A2C (rl-experiments, one seed each) at 1M and 2M steps.
+# v3 tasks, mean of 10 seeds). Qbert and BeamRider: RLlib's IMPALA and A2C (rl-experiments, one seed each) at 1M
+# and 2M steps.
 REFERENCES = {
     "Breakout-v5": [
         ("RLlib IMPALA", [(242_000, 4.1), (473_000, 7.9), (786_000, 14.3), (1_030_000, 19.7), (2_040_000, 49.8)]),
@@ -67,6 +80,10 @@ REFERENCES = {
     "Qbert-v5": [
         ("RLlib IMPALA", [(1_000_000, 455), (2_000_000, 719)]),
         ("RLlib A2C", [(1_000_000, 471), (2_000_000, 894)]),
+    ],
+    "BeamRider-v5": [
+        ("RLlib IMPALA", [(1_000_000, 425), (2_000_000, 572)]),
+        ("RLlib A2C", [(1_000_000, 418), (2_000_000, 568)]),
     ],
     "Hopper-v4": [
         ("TD3 paper (eval)", [(100_000, 660), (300_000, 2410), (1_000_000, 3391)]),
@@ -116,6 +133,18 @@ PRESETS = {
     "acer-mujoco-cpu": [Entry("acer", env, 1_000_000) for env in ("Hopper-v4", "HalfCheetah-v4")],
     # A3C and ACER on Qbert at 1M steps, `--env-id` and the budget alone (the Atari family's settings)
     "qbert-cpu": [Entry("a3c", "Qbert-v5", 1_000_000), Entry("acer", "Qbert-v5", 1_000_000)],
+    # IMPALA's many-games headline at CPU scale (Sec. 5.3; PopArt, on with --env-ids): one agent on three games, 3M
+    # steps in all (about 1M each: one actor per game, 11 envs each), beside each game alone at 1M (the CPU defaults)
+    "impala-multi-cpu": [
+        *[Entry("impala_vtrace", game, 1_000_000) for game in ("Breakout-v5", "Qbert-v5", "BeamRider-v5")],
+        Entry(
+            "impala_vtrace",
+            "3games",
+            3_000_000,
+            ("--num-actors", "3", "--num-envs", "33"),
+            games=("Breakout-v5", "Qbert-v5", "BeamRider-v5"),
+        ),
+    ],
     # MuJoCo locomotion on 2 CPU cores, `--env-id` and the budget alone: P3S-TD3 (4 learners) and TD3 on Hopper,
     # V-MPO (the MuJoCo family's settings) on three tasks
     "mujoco-cpu": [
@@ -167,8 +196,7 @@ def launch(entry, seed, out, extra):
     cmd = [
         sys.executable,
         os.path.join(ROOT, f"{entry.script}.py"),
-        "--env-id",
-        entry.env_id,
+        *(["--env-ids", *entry.games] if entry.games else ["--env-id", entry.env_id]),
         "--seed",
         str(seed),
         "--total-timesteps",
@@ -215,15 +243,15 @@ def run_all(jobs, out, parallel, time_limit, extra):
     return failed
 
 
-def episode_returns(run_path):
-    """(steps, returns) of `charts/episodic_return` in a run folder's TensorBoard log, in step order."""
+def episode_returns(run_path, tag="charts/episodic_return"):
+    """(steps, returns) of `tag` in a run folder's TensorBoard log, in step order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
     acc.Reload()
-    if "charts/episodic_return" not in acc.Tags()["scalars"]:
+    if tag not in acc.Tags()["scalars"]:
         return np.zeros(0), np.zeros(0)
-    events = sorted(acc.Scalars("charts/episodic_return"), key=lambda e: e.step)
+    events = sorted(acc.Scalars(tag), key=lambda e: e.step)
     return np.array([e.step for e in events], float), np.array([e.value for e in events], float)
 
 
@@ -253,17 +281,24 @@ def curve_on_grid(steps, returns, grid, window=WINDOW):
     return np.where(pos >= 0, mean[np.maximum(pos, 0)], np.nan)
 
 
-def collect(out, entry, seeds):
-    """Per seed: the run's folder, its curve and its summary (None when it has no log)."""
+def collect(out, entry, seeds, tag="charts/episodic_return", share=1):
+    """Per seed: the run's folder, its curve and its summary (None when it has no log); with `share` > 1, one game
+    of a multi-game run: its curve over its own steps (the run's / share), its own evaluation."""
     runs = []
     for seed in seeds:
         folders = [os.path.dirname(p) for p in glob.glob(os.path.join(run_folder(out, entry, seed), "*", "events.*"))]
         if not folders:
             continue
         path = sorted(folders)[-1]
-        steps, returns = episode_returns(path)
+        steps, returns = episode_returns(path, tag)
         summary_file = os.path.join(path, "summary.json")
         summary = json.load(open(summary_file)) if os.path.exists(summary_file) else None
+        if summary and share > 1:
+            game = tag.split("/")[1]
+            evals = [g["mean"] for g in summary.get("eval_per_game", []) if g["env_id"] == game]
+            summary = {**summary, "total_timesteps": summary["total_timesteps"] // share}
+            summary["eval_mean_return"] = evals[0] if evals else None
+        steps = steps / share
         runs.append(
             dict(seed=seed, path=path, steps=steps, returns=returns, summary=summary, evals=evaluation_curve(path))
         )
@@ -281,8 +316,8 @@ def fmt(values):
 
 def report(out, preset, entries, seeds, settings):
     machine, rows, panels = settings["machine"], [], []
-    for entry in entries:
-        runs = collect(out, entry, seeds)
+    for source, (entry, tag, share) in [(e, view) for e in entries for view in e.views()]:
+        runs = collect(out, source, seeds, tag, share)
         if not runs:
             continue
         reached = [
@@ -295,7 +330,7 @@ def report(out, preset, entries, seeds, settings):
         walls = [r["summary"]["wall_time_s"] for r in runs if r["summary"] and "wall_time_s" in r["summary"]]
         rows.append(
             dict(
-                script=f"{entry.script} {' '.join(entry.args)}".strip(),
+                script=f"{entry.script} {' '.join(entry.args)}".strip() + (f" ({entry.label})" if share > 1 else ""),
                 env_id=entry.env_id,
                 budget=entry.steps,
                 args=list(entry.args),
@@ -465,7 +500,8 @@ def main():
     a = p.parse_args()
     if a.parallel < 1:
         p.error("--parallel must be at least 1")
-    entries = [e for e in PRESETS[a.preset] if not a.only or e.script in a.only or e.env_id in a.only]
+    only = set(a.only)
+    entries = [e for e in PRESETS[a.preset] if not only or only & {e.script, e.env_id, *e.games}]
     if not entries:
         p.error(f"--only {' '.join(a.only)} matches nothing in preset {a.preset}")
     out = a.out or os.path.join(ROOT, "benchmarks", f"learning_{a.preset}")

@@ -238,3 +238,43 @@ def test_evaluation_curves_of_entries_on_one_env_are_drawn_together(tmp_path):
     assert "| p3s_td3 | Hopper-v4 | 1,000,000 | 1 | 30,000 |" in table
     assert "| p3s_td3 --num-learners 1 | Hopper-v4 | 300,000 | 1 | 30,000 |" in table
     assert os.path.getsize(os.path.join(out, "learning_p3s-cpu_eval.png")) > 10_000
+
+
+@pytest.mark.e2e
+def test_a_multi_game_run_gets_a_row_and_a_curve_per_game(tmp_path):
+    """A run of one agent on several games (`--env-ids`): each game's row reads its own TensorBoard tag, its steps
+    as the run's over the games, and its own end-of-run evaluation; the single-game runs keep their rows."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    out, games = str(tmp_path), ("Breakout-v5", "Qbert-v5", "BeamRider-v5")
+    folder = os.path.join(out, "runs", "impala_vtrace__3games__s1", "3games__impala_vtrace__1__1")
+    writer = SummaryWriter(folder)
+    for i in range(30):  # game g scores 100 g + i; its episodes every 3,000 steps of the run
+        for g, game in enumerate(games):
+            writer.add_scalar("charts/episodic_return", 100.0 * g + i, 3000 * (i + 1))
+            writer.add_scalar(f"charts/{game}/episodic_return", 100.0 * g + i, 3000 * (i + 1))
+    writer.close()
+    per_game = [{"env_id": game, "mean": 1000.0 + g} for g, game in enumerate(games)]
+    with open(os.path.join(folder, "summary.json"), "w") as f:
+        json.dump({"total_timesteps": 90_000, "wall_time_s": 60.0, "eval_per_game": per_game}, f)
+    single = os.path.join(out, "runs", "impala_vtrace__Qbert-v5__s1", "Qbert-v5__impala_vtrace__1__1")
+    writer = SummaryWriter(single)
+    for i in range(30):
+        writer.add_scalar("charts/episodic_return", 7.0, 1000 * (i + 1))
+    writer.close()
+    argv = ["benchmarks/learning.py", "--preset", "impala-multi-cpu", "--seeds", "1", "--report-only", "--out", out]
+    res = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    rows = {
+        (r["script"], r["env_id"]): r
+        for r in json.load(open(os.path.join(out, "learning_impala-multi-cpu.json")))["rows"]
+    }
+    multi = "impala_vtrace --num-actors 3 --num-envs 33 (3 games)"
+    assert set(rows) == {(multi, game) for game in games} | {("impala_vtrace", "Qbert-v5")}
+    for g, game in enumerate(games):
+        row = rows[(multi, game)]
+        assert row["budget"] == 1_000_000 and row["steps_reached"] == [30_000]
+        assert row["final_mean_20"] == [100.0 * g + 19.5]  # the last 20 of 0..29, that game's scores alone
+        assert row["eval_mean_return"] == [1000.0 + g]
+    assert rows[("impala_vtrace", "Qbert-v5")]["final_mean_20"] == [7.0]
+    assert os.path.getsize(os.path.join(out, "learning_impala-multi-cpu.png")) > 10_000
