@@ -71,7 +71,7 @@ class Args:
     total_timesteps: int = 50_000_000  # environment steps in all (200M frames, Sec. 5.3)
     num_envs: int = 32  # environments per learner process, split evenly over its actors
     env_batch_size: int = 0  # envs per envpool step (async below envs per actor); 0: half of an actor's envs
-    num_actors: int = 1  # actor processes per learner process
+    num_actors: int = 1  # actor processes per learner process (with --env-ids: one per game, envs rounded up to match)
     unroll_length: int = 20  # n, unroll length (Table G.1)
     batch_size: int = 32  # unrolls per learner batch, over all learner processes (Table G.1)
     learning_rate: float = 6e-4  # learning rate (Table G.1)
@@ -895,7 +895,18 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
     overrides = {} if first.preset == "paper" or first.resume else table.get(family_key(first, table), (PAPER, {}))[1]
+    if first.env_ids and first.preset != "paper" and not first.resume:
+        overrides = {**overrides, **multi_task_defaults(first, dataclasses.replace(cls(), **overrides), cls())}
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
+
+
+def multi_task_defaults(first, family, plain) -> dict:
+    """With --env-ids: one actor per game, unless --num-actors is given, and the family's envs rounded up to a
+    multiple of the actors, unless --num-envs is given (every game the same share of both). `first`: the flags as
+    given over `plain`, the class's defaults; `family`: the family's defaults."""
+    actors = first.num_actors if first.num_actors != plain.num_actors else len(expand_env_ids(first.env_ids))
+    envs = first.num_envs if first.num_envs != plain.num_envs else -(-family.num_envs // actors) * actors
+    return dict(num_actors=actors, num_envs=envs)
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:

@@ -134,16 +134,10 @@ PRESETS = {
     # A3C and ACER on Qbert at 1M steps, `--env-id` and the budget alone (the Atari family's settings)
     "qbert-cpu": [Entry("a3c", "Qbert-v5", 1_000_000), Entry("acer", "Qbert-v5", 1_000_000)],
     # IMPALA's many-games headline at CPU scale (Sec. 5.3; PopArt, on with --env-ids): one agent on three games, 3M
-    # steps in all (about 1M each: one actor per game, 11 envs each), beside each game alone at 1M (the CPU defaults)
+    # steps in all (about 1M each; `--env-ids` alone: one actor per game, 11 envs each), beside each game alone at 1M
     "impala-multi-cpu": [
         *[Entry("impala_vtrace", game, 1_000_000) for game in ("Breakout-v5", "Qbert-v5", "BeamRider-v5")],
-        Entry(
-            "impala_vtrace",
-            "3games",
-            3_000_000,
-            ("--num-actors", "3", "--num-envs", "33"),
-            games=("Breakout-v5", "Qbert-v5", "BeamRider-v5"),
-        ),
+        Entry("impala_vtrace", "3games", 3_000_000, games=("Breakout-v5", "Qbert-v5", "BeamRider-v5")),
     ],
     # MuJoCo locomotion on 2 CPU cores, `--env-id` and the budget alone: P3S-TD3 (4 learners) and TD3 on Hopper,
     # V-MPO (the MuJoCo family's settings) on three tasks

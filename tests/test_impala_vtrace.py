@@ -641,3 +641,22 @@ def test_ctrl_c_with_a_large_network_stops_within_seconds(tmp_path):
         "8",
     ]
     ctrl_c_during_second_update("impala_vtrace.py", argv, tmp_path, steps_per_update=8 * 20)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--env-ids", "Breakout-v5", "Qbert-v5", "BeamRider-v5"], (3, 33)),  # one actor per game, 32 envs rounded up
+        (["--env-ids", "Breakout-v5", "Qbert-v5", "BeamRider-v5", "--num-actors", "6"], (6, 36)),
+        (["--env-ids", "Pong-v5", "Breakout-v5", "--num-envs", "8"], (2, 8)),  # a flag given wins
+        (["--env-ids", "Pong-v5", "Breakout-v5", "--preset", "paper"], (1, impala_vtrace.Args().num_envs)),
+        (["--env-id", "Pong-v5"], (1, 32)),
+    ],
+)
+def test_env_ids_alone_give_every_game_the_same_share_of_actors_and_envs(argv, expected):
+    """`--env-ids` alone runs: one actor per game and the family's envs rounded up to a multiple of them (the
+    actors must divide evenly over the games); flags given and `--preset paper` keep theirs."""
+    args = impala_vtrace.parse_args([*argv, "--no-cuda"])
+    assert (args.num_actors, args.num_envs) == expected
+    if args.env_ids and args.preset != "paper":
+        impala_vtrace.check_actor_args(args)  # accepted: no UsageError

@@ -737,3 +737,22 @@ def test_the_design_command_on_a_cpu_shows_progress_within_30_s_and_stops_on_ctr
     assert saved["defaults_from"].startswith("no GPU") and saved["network"] == "shallow" and not saved["use_lstm"]
     ckpt = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
     assert ckpt["update"] >= 1 and ckpt["global_step"] == ckpt["update"] * saved["batch_size"] * saved["unroll_length"]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--env-ids", "Breakout-v5", "Qbert-v5", "BeamRider-v5"], (3, 33)),  # one actor per game, 32 envs rounded up
+        (["--env-ids", "Breakout-v5", "Qbert-v5", "BeamRider-v5", "--num-actors", "6"], (6, 36)),
+        (["--env-ids", "Pong-v5", "Breakout-v5", "--num-envs", "8"], (2, 8)),  # a flag given wins
+        (["--env-ids", "Pong-v5", "Breakout-v5", "--preset", "paper"], (1, vmpo_atari.Args().num_envs)),
+        (["--env-id", "Pong-v5"], (1, 32)),
+    ],
+)
+def test_env_ids_alone_give_every_game_the_same_share_of_actors_and_envs(argv, expected):
+    """`--env-ids` alone runs: one actor per game and the family's envs rounded up to a multiple of them (the
+    actors must divide evenly over the games); flags given and `--preset paper` keep theirs."""
+    args = vmpo_atari.parse_args([*argv, "--no-cuda"])
+    assert (args.num_actors, args.num_envs) == expected
+    if args.env_ids and args.preset != "paper":
+        vmpo_atari.check_actor_args(args)  # accepted: no UsageError
