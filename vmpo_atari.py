@@ -791,7 +791,8 @@ def check_actor_args(args) -> list[str]:
     )
     require(
         1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0,
-        f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}",
+        f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}"
+        + (" (with --env-ids: one actor per game unless given)" if games else ""),
     )
     require(
         0 <= args.env_batch_size <= per_actor,
@@ -990,16 +991,17 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
     overrides = {} if first.preset == "paper" or first.resume else table.get(family_key(first, table), (PAPER, {}))[1]
     if first.env_ids and first.preset != "paper" and not first.resume:
-        overrides = {**overrides, **multi_task_defaults(first, dataclasses.replace(cls(), **overrides), cls())}
+        overrides = {**overrides, **multi_task_defaults(first, dataclasses.replace(cls(), **overrides), argv)}
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
-def multi_task_defaults(first, family, plain) -> dict:
+def multi_task_defaults(first, family, argv) -> dict:
     """With --env-ids: one actor per game, unless --num-actors is given, and the family's envs rounded up to a
     multiple of the actors, unless --num-envs is given (every game the same share of both). `first`: the flags as
-    given over `plain`, the class's defaults; `family`: the family's defaults."""
-    actors = first.num_actors if first.num_actors != plain.num_actors else len(expand_env_ids(first.env_ids))
-    envs = first.num_envs if first.num_envs != plain.num_envs else -(-family.num_envs // actors) * actors
+    given; `family`: the family's defaults."""
+    given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
+    actors = first.num_actors if "--num-actors" in given else len(expand_env_ids(first.env_ids))
+    envs = first.num_envs if "--num-envs" in given else -(-family.num_envs // actors) * actors
     return dict(num_actors=actors, num_envs=envs)
 
 
@@ -1013,7 +1015,8 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     show = [
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
-    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "")
+    many = f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
+    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "") + (many if args.env_ids else "")
 
 
 def resume_args(args):

@@ -8,6 +8,9 @@
     python benchmarks/learning.py --preset a3c-mujoco-cpu --seeds 1 2 --parallel 2  # Hopper, HalfCheetah: A3C, 1M
     python benchmarks/learning.py --preset mujoco-cpu              # Hopper, Walker2d, HalfCheetah: P3S, TD3, V-MPO
     python benchmarks/learning.py --preset p3s-cpu --seeds 1 2 --parallel 2   # P3S, TD3, one update per step
+    python benchmarks/learning.py --preset acer-mujoco-cpu --seeds 1 2 --parallel 2  # Hopper, HalfCheetah: ACER, 1M
+    python benchmarks/learning.py --preset qbert-cpu --seeds 1 2   # Qbert, A3C and ACER, 1M steps
+    python benchmarks/learning.py --preset impala-multi-cpu --seeds 1  # one agent on 3 games (3M), each alone (1M)
 
 Every (script, env, budget, arguments) of the preset is run once per seed, each run in its own folder under
 `<out>/runs/`, one after another (`--parallel N`: N at a time). The curve of a run is the mean return of its
@@ -52,13 +55,20 @@ class Entry:
     games: tuple[str, ...] = ()  # several games, one agent (`--env-ids`): a row and a curve per game
 
     def views(self):
-        """(entry as one row shows it, its TensorBoard tag, its share of the steps): one per game of a multi-game
-        run, each game's steps taken as the run's over the games (every game has the same number of envs)."""
+        """(entry as one row shows it, its TensorBoard tag, its share of the steps, its game): one per game of a
+        multi-game run, each game's steps taken as the run's over the games (every game has the same number of envs
+        and actors, so the split is close to even but not exact: the actors run asynchronously)."""
         if not self.games:
-            return [(self, "charts/episodic_return", 1)]
-        n, label = len(self.games), f"{len(self.games)} games" + (f", {self.label}" if self.label else "")
+            return [(self, "charts/episodic_return", 1, None)]
+        n = len(self.games)
+        label = f"{n} games, steps ≈ all / {n}" + (f", {self.label}" if self.label else "")
         return [
-            (dataclasses.replace(self, env_id=g, steps=self.steps // n, label=label), f"charts/{g}/episodic_return", n)
+            (
+                dataclasses.replace(self, env_id=g, steps=self.steps // n, label=label),
+                f"charts/{g}/episodic_return",
+                n,
+                g,
+            )
             for g in self.games
         ]
 
@@ -275,9 +285,9 @@ def curve_on_grid(steps, returns, grid, window=WINDOW):
     return np.where(pos >= 0, mean[np.maximum(pos, 0)], np.nan)
 
 
-def collect(out, entry, seeds, tag="charts/episodic_return", share=1):
+def collect(out, entry, seeds, tag="charts/episodic_return", share=1, game=None):
     """Per seed: the run's folder, its curve and its summary (None when it has no log); with `share` > 1, one game
-    of a multi-game run: its curve over its own steps (the run's / share), its own evaluation."""
+    of a multi-game run (`game`): its curve over its own steps (the run's / share), its own evaluation."""
     runs = []
     for seed in seeds:
         folders = [os.path.dirname(p) for p in glob.glob(os.path.join(run_folder(out, entry, seed), "*", "events.*"))]
@@ -287,8 +297,7 @@ def collect(out, entry, seeds, tag="charts/episodic_return", share=1):
         steps, returns = episode_returns(path, tag)
         summary_file = os.path.join(path, "summary.json")
         summary = json.load(open(summary_file)) if os.path.exists(summary_file) else None
-        if summary and share > 1:
-            game = tag.split("/")[1]
+        if summary and game:
             evals = [g["mean"] for g in summary.get("eval_per_game", []) if g["env_id"] == game]
             summary = {**summary, "total_timesteps": summary["total_timesteps"] // share}
             summary["eval_mean_return"] = evals[0] if evals else None
@@ -310,8 +319,8 @@ def fmt(values):
 
 def report(out, preset, entries, seeds, settings):
     machine, rows, panels = settings["machine"], [], []
-    for source, (entry, tag, share) in [(e, view) for e in entries for view in e.views()]:
-        runs = collect(out, source, seeds, tag, share)
+    for source, (entry, tag, share, game) in [(e, view) for e in entries for view in e.views()]:
+        runs = collect(out, source, seeds, tag, share, game)
         if not runs:
             continue
         reached = [
@@ -324,7 +333,7 @@ def report(out, preset, entries, seeds, settings):
         walls = [r["summary"]["wall_time_s"] for r in runs if r["summary"] and "wall_time_s" in r["summary"]]
         rows.append(
             dict(
-                script=f"{entry.script} {' '.join(entry.args)}".strip() + (f" ({entry.label})" if share > 1 else ""),
+                script=f"{entry.script} {' '.join(entry.args)}".strip() + (f" ({entry.label})" if game else ""),
                 env_id=entry.env_id,
                 budget=entry.steps,
                 args=list(entry.args),
@@ -483,7 +492,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--only", nargs="+", default=[], help="entries whose script or env id is one of these")
+    p.add_argument(
+        "--only", nargs="+", default=[], help="entries whose script, env id or one of whose games is one of these"
+    )
     p.add_argument("--parallel", type=int, default=1, help="runs at a time")
     p.add_argument("--time-limit", type=float, default=0.0, help="seconds per run, then Ctrl-C (0: none)")
     p.add_argument(

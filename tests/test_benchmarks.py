@@ -269,7 +269,7 @@ def test_a_multi_game_run_gets_a_row_and_a_curve_per_game(tmp_path):
         (r["script"], r["env_id"]): r
         for r in json.load(open(os.path.join(out, "learning_impala-multi-cpu.json")))["rows"]
     }
-    multi = "impala_vtrace (3 games)"
+    multi = "impala_vtrace (3 games, steps ≈ all / 3)"
     assert set(rows) == {(multi, game) for game in games} | {("impala_vtrace", "Qbert-v5")}
     for g, game in enumerate(games):
         row = rows[(multi, game)]
