@@ -990,7 +990,7 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
     overrides = {} if first.preset == "paper" or first.resume else table.get(family_key(first, table), (PAPER, {}))[1]
-    if first.env_ids and first.preset != "paper" and not first.resume:
+    if getattr(first, "env_ids", ()) and first.preset != "paper" and not first.resume:
         overrides = {**overrides, **multi_task_defaults(first, dataclasses.replace(cls(), **overrides), argv)}
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
@@ -1015,8 +1015,10 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     show = [
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
-    many = f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
-    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "") + (many if args.env_ids else "")
+    many = ""
+    if getattr(args, "env_ids", ()):
+        many = f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
+    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "") + many
 
 
 def resume_args(args):
