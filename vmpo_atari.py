@@ -989,8 +989,9 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    overrides = {} if first.preset == "paper" or first.resume else table.get(family_key(first, table), (PAPER, {}))[1]
-    if getattr(first, "env_ids", ()) and first.preset != "paper" and not first.resume:
+    family = first.preset != "paper" and not first.resume
+    overrides = table.get(family_key(first, table), (PAPER, {}))[1] if family else {}
+    if family and getattr(first, "env_ids", ()):
         overrides = {**overrides, **multi_task_defaults(first, dataclasses.replace(cls(), **overrides), argv)}
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
