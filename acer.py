@@ -89,6 +89,7 @@ class Args:
     max_grad_norm: float = -1.0  # gradient-norm clipping; 0: none; negative: 40 for pixels, none for vectors
     hidden: int = 200  # ReLU units of the hidden layer for vector observations (and of the advantage network)
     policy_std: float = 0.3  # σ, fixed standard deviation of the Gaussian policy in [-1, 1] action units (Sec. 6)
+    scale_rewards: bool = False  # continuous: r / std of the running discounted return, clipped ±10 (not the paper's)
     sdn_samples: int = 5  # n, samples u_i ~ π of the stochastic dueling network (Eq. 13; Sec. 6)
     save_model: bool = False  # write model.pt (weights, what evaluation needs) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
@@ -476,15 +477,21 @@ class ContinuousAgent(nn.Module):
     `obs_norm`: observations normalised by running statistics (`RunningNorm`, buffers that the workers update
     with their on-policy observations, as a3c.py) before the torsos and A; not in the paper. The mean layer
     starts at weights ×0.01 (pfrl's train_acer_mujoco.py), so μ ≈ 0 whatever the observation. A config saved
-    before these options (neither key) means both off: `make_eval_policy` and `--resume` read it so."""
+    before these options (neither key) means both off: `make_eval_policy` and `--resume` read it so.
+    `scale_rewards`: buffers `return_norm` of the discounted return's statistics, which the workers update and
+    divide the rewards by (the function `scale_rewards`); off in the paper and in configs without the key."""
 
-    def __init__(self, obs_shape, action_dim, hidden=200, policy_std=0.3, separate_value=True, obs_norm=True):
+    def __init__(
+        self, obs_shape, action_dim, hidden=200, policy_std=0.3, separate_value=True, obs_norm=True, scale_rewards=False
+    ):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), action_dim=action_dim, hidden=hidden, policy_std=policy_std)
         self.config.update(separate_value=separate_value, obs_norm=obs_norm)  # for model.pt and checkpoints
+        self.config.update(scale_rewards=scale_rewards)
         self.action_dim, self.std = action_dim, policy_std
         obs_dim = int(math.prod(obs_shape))
         self.obs_norm = RunningNorm(obs_dim) if obs_norm else None
+        self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
         self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # the mean's (and V's, without separate_value)
         self.mean = nn.Linear(hidden, action_dim)
         self.value = nn.Linear(hidden, 1)
@@ -556,6 +563,7 @@ def main(args: Args):
             action_dim=int(spec.action_space.shape[0]),
             hidden=args.hidden,
             policy_std=args.policy_std,
+            scale_rewards=args.scale_rewards,
         )
         if resumed is not None:  # the run's own network (a checkpoint from before the options: both off)
             saved = resumed.get("agent_config", {})
@@ -617,6 +625,13 @@ def to_env_action(action, low, high):
     return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
 
 
+def scale_rewards(rewards, return_var, clip=10.0):
+    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's
+    episode so far (as a3c.py; SB3's VecNormalize). Replay keeps the raw rewards and each update scales them with
+    the statistics of that moment, as SB3's off-policy buffers do, so replayed and fresh segments share one scale."""
+    return (rewards / math.sqrt(float(return_var[0]) + 1e-8)).clamp(-clip, clip)
+
+
 def obs_tensor(obs, pixels):
     """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
     return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
@@ -630,6 +645,7 @@ def agent_from_config(config):
         return Agent(**config)
     config.setdefault("separate_value", False)
     config.setdefault("obs_norm", False)
+    config.setdefault("scale_rewards", False)
     return ContinuousAgent(**config)
 
 
@@ -704,9 +720,13 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
     obs = obs_tensor(obs, pixels)
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     last_report = 0.0
+    return_norm = getattr(shared, "return_norm", None)
+    discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
 
     def learn(segment):
         copy_network(local, shared, obs_lock)  # θ' ← θ
+        if return_norm is not None:
+            segment = {**segment, "reward": scale_rewards(segment["reward"], local.return_norm.var)}  # θ's statistics
         out = segment_loss(local, avg_agent, segment, args, generator)
         loss, stats = out.loss, {k: v for k, v in loss_stats(out).items() if not v.isnan()}
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
@@ -717,6 +737,7 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
     while counter.value < args.total_timesteps:
         copy_network(local, shared, obs_lock)
         rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu")}
+        returns_seen = []
         with torch.no_grad():
             for _ in range(k):
                 # μ is stored as the behaviour mean (continuous: σ is fixed) or the behaviour probabilities
@@ -733,6 +754,10 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
                     msg_q.put(("episode", worker_id, counter.value, score, length))
                 for key, v in zip(rows, (obs, action, reward, term, ended, mu)):
                     rows[key].append(torch.as_tensor(v))
+                if return_norm is not None:
+                    discounted_return = discounted_return * args.gamma + reward
+                    returns_seen.append(torch.as_tensor(discounted_return))
+                    discounted_return[term | trunc] = 0.0
                 ended = torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
         # row k: the bootstrap observation (its other fields are never used)
@@ -746,9 +771,12 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
             counter.value += k * n
         stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
         # the shared statistics take the segment's on-policy observations (the bootstrap one is the next segment's)
-        if getattr(shared, "obs_norm", None) is not None:
+        if getattr(shared, "obs_norm", None) is not None or return_norm is not None:
             with obs_lock:
-                shared.obs_norm.update(segment["obs"][:-1])
+                if getattr(shared, "obs_norm", None) is not None:
+                    shared.obs_norm.update(segment["obs"][:-1])
+                if return_norm is not None:
+                    return_norm.update(torch.stack(returns_seen))
                 copy_statistics(avg_agent, shared)  # θ_a normalises as θ from the next update on (lock held)
         replay.add(segment)
         replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
@@ -819,6 +847,7 @@ def check_args(args):
     if args.value_coef < 0 or args.ent_coef < 0:
         raise UsageError("--value-coef and --ent-coef must not be negative")
     require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
+    require(not (discrete and args.scale_rewards), "--scale-rewards is for continuous actions (Atari clips rewards)")
     pixels = is_atari(args.env_id)
     derived["obs_shape"] = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     derived["max_grad_norm"] = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)

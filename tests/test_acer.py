@@ -432,6 +432,21 @@ def test_continuous_old_config_loads():
     np.testing.assert_allclose(acer.make_eval_policy(model, 3, greedy=True)(obs, None, None), expected, atol=1e-6)
 
 
+def test_scale_rewards_against_a_loop():
+    """--scale-rewards: each reward divided by √(Var[R] + 1e-8) of the return statistics, then clipped to ±10."""
+    rewards = torch.tensor([[0.5, -3.0, 40.0], [0.0, 2.0, -60.0]])
+    var = torch.tensor([9.0], dtype=torch.float64)
+    out = acer.scale_rewards(rewards, var)
+    for i in range(2):
+        for j in range(3):
+            expected = max(-10.0, min(10.0, float(rewards[i, j]) / (9.0 + 1e-8) ** 0.5))
+            assert abs(float(out[i, j]) - expected) < 1e-6
+    assert out.abs().max() == 10.0 and out.dtype == rewards.dtype
+    agent = acer.ContinuousAgent((3,), 1, hidden=8, scale_rewards=True)
+    assert agent.return_norm is not None and "return_norm.var" in agent.state_dict()
+    assert acer.ContinuousAgent((3,), 1, hidden=8).return_norm is None  # off by default: the paper's rewards
+
+
 def test_average_network_moves():
     """After an update θ_a = α θ_a_old + (1 − α) θ_new (Sec. 3.3)."""
     torch.manual_seed(0)
@@ -531,6 +546,7 @@ def test_smoke_breakout(tmp_path):
         (["--env-id", "CartPole-v1", "--delta", "0"], "--delta"),
         (["--env-id", "CartPole-v1", "--avg-decay", "1"], "--avg-decay"),
         (["--env-id", "CartPole-v1", "--replay-size", "10"], "--replay-size"),
+        (["--env-id", "CartPole-v1", "--scale-rewards"], "--scale-rewards"),
         (["--resume", "runs/no-such-run"], "--resume"),
     ],
 )
@@ -593,6 +609,21 @@ def test_smoke_halfcheetah(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.e2e
+def test_smoke_scale_rewards(tmp_path):
+    """--scale-rewards: every on-policy step's discounted return went into the shared statistics, which the
+    average network holds too; the model records the option and evaluates."""
+    argv = ["--env-id", "Hopper-v4", "--num-workers", "2", "--total-timesteps", "400", "--scale-rewards"]
+    run = run_script("acer.py", argv + ["--eval-episodes", "1", "--save-model"], tmp_path)
+    checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
+    agent, avg = checkpoint["agent"], checkpoint["avg_agent"]
+    assert checkpoint["agent_config"]["scale_rewards"]
+    assert agent["return_norm.count"] == agent["obs_norm.count"] == summary_steps(run)
+    assert agent["return_norm.mean"] > 0 and agent["return_norm.var"] != 1  # Hopper's rewards are positive
+    for name in ("mean", "var", "count"):
+        torch.testing.assert_close(avg[f"return_norm.{name}"], agent[f"return_norm.{name}"], rtol=0, atol=0)
 
 
 @pytest.mark.e2e
