@@ -722,7 +722,7 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
     obs = obs_tensor(obs, pixels)
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     last_report = 0.0
-    return_norm = getattr(shared, "return_norm", None)
+    obs_norm, return_norm = getattr(shared, "obs_norm", None), getattr(shared, "return_norm", None)
     discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
 
     def learn(segment):
@@ -773,10 +773,10 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
             counter.value += k * n
         stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
         # the shared statistics take the segment's on-policy observations (the bootstrap one is the next segment's)
-        if getattr(shared, "obs_norm", None) is not None or return_norm is not None:
+        if obs_norm is not None or return_norm is not None:
             with obs_lock:
-                if getattr(shared, "obs_norm", None) is not None:
-                    shared.obs_norm.update(segment["obs"][:-1])
+                if obs_norm is not None:
+                    obs_norm.update(segment["obs"][:-1])
                 if return_norm is not None:
                     return_norm.update(torch.stack(returns_seen))
                 copy_statistics(avg_agent, shared)  # θ_a normalises as θ from the next update on (lock held)
