@@ -84,6 +84,7 @@ class Args:
     shared_statistics: bool = True  # shared RMSProp: one g for all workers (Sec. 4); off: each worker its own
     gamma: float = 0.99  # γ, discount (Supp. 8)
     ent_coef: float = -1.0  # β, entropy regularisation; negative: 0.01 discrete (Supp. 8), 1e-4 continuous (Supp. 9)
+    anneal_ent: bool = False  # anneal β linearly to 0 over the run, as η is (not in the paper)
     value_coef: float = 0.5  # weight of the value loss Σ (R − V)²
     max_grad_norm: float = -1.0  # gradient-norm clipping (not in the paper); 0: none; negative: 40 pixels, else none
     lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
@@ -627,10 +628,13 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         else:
             log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
             ent_coef = args.ent_coef if args.ent_coef >= 0 else (1e-4 if continuous else 0.01)
+            if args.anneal_ent:
+                ent_coef *= max(0.0, 1.0 - synced_at / args.total_timesteps)
             hyper = (args.gamma, ent_coef, args.value_coef)
             loss, stats = a3c_loss(
                 log_probs, entropies, values[:-1], rewards, terminated, ends, values[-1].detach(), *hyper
             )
+            stats["charts/ent_coef"] = ent_coef
         with counter.get_lock():
             step = counter.value
             counter.value += T * n

@@ -518,7 +518,8 @@ def test_smoke_breakout(tmp_path, extra):
 
 
 @pytest.mark.e2e
-def test_smoke_halfcheetah(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--ent-coef", "0.001", "--anneal-ent"]])
+def test_smoke_halfcheetah(tmp_path, extra):
     run = run_script(
         "a3c.py",
         [
@@ -533,6 +534,7 @@ def test_smoke_halfcheetah(tmp_path):
             "--eval-episodes",
             "1",
             "--save-model",
+            *extra,
         ],
         tmp_path,
     )
@@ -543,6 +545,15 @@ def test_smoke_halfcheetah(tmp_path):
     assert stats["obs_norm.var"].min() > 0 and not torch.allclose(stats["obs_norm.mean"], torch.zeros(17).double())
     assert evaluate_cli(run)["episodes"] == 2
     assert "stats/policy_std" in events_tags(run)
+    if extra:  # β from the rollout's first step: 1e-3 (1 − step / 3000), logged after the update (step + t_max x envs)
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(run, size_guidance={"scalars": 0})
+        acc.Reload()
+        logged = acc.Scalars("charts/ent_coef")
+        assert len(logged) >= 2 and logged[0].value > logged[-1].value
+        for e in logged:
+            assert 1e-3 * (1 - (e.step - 10) / 3000) * (1 - 1e-6) <= e.value <= 1e-3 * (1 + 1e-6)  # float32 logs
 
 
 @pytest.mark.e2e
