@@ -86,6 +86,7 @@ class Args:
     ent_coef: float = -1.0  # β, entropy regularisation; negative: 0.01 discrete (Supp. 8), 1e-4 continuous (Supp. 9)
     anneal_ent: bool = False  # anneal β linearly to 0 over the run, as η is (not in the paper)
     value_coef: float = 0.5  # weight of the value loss Σ (R − V)²
+    gae_lambda: float = 1.0  # λ of λ-returns (GAE) within each rollout; 1: the paper's n-step returns (Algorithm S3)
     max_grad_norm: float = -1.0  # gradient-norm clipping (not in the paper); 0: none; negative: 40 pixels, else none
     lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
     lstm_size: int = 0  # LSTM cells; 0: 256 pixels (Sec. 5.1), 128 vectors (Supp. 9)
@@ -144,17 +145,36 @@ def n_step_returns(rewards, discounts, bootstrap_value):
     return torch.stack(out[::-1])
 
 
-def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap_value, gamma, ent_coef, value_coef):
+@torch.no_grad()
+def lambda_returns(rewards, discounts, values, bootstrap_value, lam):
+    """--gae-lambda (not in the paper): G_t = r_t + γ_t ((1 − λ) V(s_{t+1}) + λ G_{t+1}), G from V(s_T) at the
+    rollout's end, so G_t − V(s_t) is GAE's advantage (Schulman et al. 2016); λ = 1 gives `n_step_returns`."""
+    acc, next_value = bootstrap_value, bootstrap_value
+    out = []
+    for t in reversed(range(rewards.shape[0])):
+        acc = rewards[t] + discounts[t] * ((1 - lam) * next_value + lam * acc)
+        next_value = values[t]
+        out.append(acc)
+    return torch.stack(out[::-1])
+
+
+def a3c_loss(
+    log_probs, entropies, values, rewards, terminated, ended, bootstrap_value, gamma, ent_coef, value_coef, lam=1.0
+):
     """Algorithm S3's accumulated gradients as one loss on a rollout `[T, B]`:
 
         L = Σ_t [ −log π(a_t|s_t) (R_t − V(s_t)) − β H(π(·|s_t)) + value_coef (R_t − V(s_t))² ]
 
     summed over time and averaged over the B environments; the advantage carries no gradient. `ended[t]`: obs_t
     ended an episode, so step t is envpool's reset step: no loss there, and R_t = V(s_t), so a truncated
-    episode bootstraps from its last observation. Returns (loss, stats)."""
+    episode bootstraps from its last observation. `lam` < 1: λ-returns in place of R_t. Returns (loss, stats)."""
     values_sg = values.detach()
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
-    returns = n_step_returns(torch.where(ended, values_sg, rewards), discounts, bootstrap_value)
+    rewards = torch.where(ended, values_sg, rewards)
+    if lam == 1.0:
+        returns = n_step_returns(rewards, discounts, bootstrap_value)
+    else:
+        returns = lambda_returns(rewards, discounts, values_sg, bootstrap_value, lam)
     mask = (~ended).float()
     advantages = returns - values_sg
     B = values.shape[1]
@@ -630,7 +650,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             ent_coef = args.ent_coef if args.ent_coef >= 0 else (1e-4 if continuous else 0.01)
             if args.anneal_ent:
                 ent_coef *= max(0.0, 1.0 - synced_at / args.total_timesteps)
-            hyper = (args.gamma, ent_coef, args.value_coef)
+            hyper = (args.gamma, ent_coef, args.value_coef, args.gae_lambda)
             loss, stats = a3c_loss(
                 log_probs, entropies, values[:-1], rewards, terminated, ends, values[-1].detach(), *hyper
             )
@@ -684,6 +704,7 @@ def check_args(args):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     require(0 <= args.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
     for name in ("value_coef", "lstm_size"):
         require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
