@@ -91,6 +91,7 @@ class Args:
     policy_std: float = 0.3  # σ, fixed standard deviation of the Gaussian policy in [-1, 1] action units (Sec. 6)
     scale_rewards: bool = False  # continuous: r / std of the running discounted return, clipped ±10 (not the paper's)
     sdn_samples: int = 5  # n, samples u_i ~ π of the stochastic dueling network (Eq. 13; Sec. 6)
+    bf16: bool = False  # Atari: the updates' network passes in bfloat16, channels-last; acting, loss math float32
     save_model: bool = False  # write model.pt (weights, what evaluation needs) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
@@ -529,8 +530,9 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
     """Runs the local and average networks over a segment and returns the ACER loss (Algorithm 2 or 3)."""
     data = [segment[key] for key in ("action", "reward", "terminated", "ended", "mu")]
     hyper = {k: getattr(args, k) for k in ("gamma", "c", "delta", "value_coef", "trust_region")}
-    with torch.no_grad():
-        avg_out, _ = avg_agent(segment["obs"])
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)  # --bf16: the networks' passes only
+    with torch.no_grad(), amp:
+        avg_out = avg_agent(segment["obs"])[0].float()
     if isinstance(local, ContinuousAgent):
         mean, values = local(segment["obs"])
         obs = segment["obs"][:-1].float()
@@ -541,8 +543,9 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
         return acer_loss_continuous(
             mean, values, q_taken, q_sampled, sampled, avg_out, *data, std=args.policy_std, **hyper
         )
-    logits, q = local(segment["obs"])
-    return acer_loss(logits, q, avg_out, *data, ent_coef=args.ent_coef, **hyper)
+    with amp:
+        logits, q = local(segment["obs"])
+    return acer_loss(logits.float(), q.float(), avg_out, *data, ent_coef=args.ent_coef, **hyper)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -572,6 +575,9 @@ def main(args: Args):
             config.update(separate_value=saved.get("separate_value", False), obs_norm=saved.get("obs_norm", False))
         agent, avg_agent = ContinuousAgent(**config), ContinuousAgent(**config)
     avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ (and its observation statistics at θ's)
+    if args.bf16:  # convolutions in channels-last layout, as oneDNN's bfloat16 kernels prefer
+        agent.to(memory_format=torch.channels_last)
+        avg_agent.to(memory_format=torch.channels_last)
     agent.share_memory()
     avg_agent.share_memory()
     optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
@@ -711,6 +717,8 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
     generator = torch.Generator().manual_seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
     local = agent_from_config(shared.config)
+    if args.bf16:
+        local.to(memory_format=torch.channels_last)
     continuous = isinstance(local, ContinuousAgent)
     if continuous:
         low = envs.action_space.low.astype(np.float32)
@@ -851,6 +859,7 @@ def check_args(args):
     require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
     require(not (discrete and args.scale_rewards), "--scale-rewards is for continuous actions (Atari clips rewards)")
     pixels = is_atari(args.env_id)
+    require(pixels or not args.bf16, "--bf16 is for the Atari network's convolutions; vector tasks run in float32")
     derived["obs_shape"] = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     derived["max_grad_norm"] = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
     return spec, derived

@@ -479,6 +479,42 @@ def test_nature_network():
     assert logits.shape == q.shape == (2, 3, 6) and agent.torso.out_features == 512
 
 
+def test_bf16_update_follows_the_float32_one():
+    """--bf16: the same segment's gradient with the networks' passes in bfloat16 (channels-last) points where the
+    float32 one does, per layer; the loss and its statistics stay float32."""
+    torch.manual_seed(0)
+    agent, avg = acer.Agent((4, 84, 84), 6), acer.Agent((4, 84, 84), 6)
+    avg.load_state_dict(agent.state_dict())
+    with torch.no_grad():
+        for p in avg.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(1)
+    segment = dict(
+        obs=torch.randint(0, 256, (21, 2, 4, 84, 84), generator=g, dtype=torch.uint8),
+        action=torch.randint(6, (21, 2), generator=g),
+        reward=torch.randint(-1, 2, (21, 2), generator=g).float(),
+        terminated=torch.zeros(21, 2, dtype=torch.bool),
+        ended=torch.zeros(21, 2, dtype=torch.bool),
+        mu=torch.softmax(torch.randn(21, 2, 6, generator=g), -1),
+    )
+    grads = {}
+    for bf16 in (False, True):
+        args = SimpleNamespace(
+            gamma=0.99, c=10.0, delta=1.0, value_coef=0.5, trust_region=True, ent_coef=1e-3, bf16=bf16
+        )
+        if bf16:
+            agent.to(memory_format=torch.channels_last)
+            avg.to(memory_format=torch.channels_last)
+        agent.zero_grad()
+        out = acer.segment_loss(agent, avg, segment, args)
+        assert out.loss.dtype == out.kl_avg.dtype == torch.float32
+        out.loss.backward()
+        grads[bf16] = {name: p.grad.flatten().clone() for name, p in agent.named_parameters()}
+    for name, g32 in grads[False].items():
+        cos = torch.nn.functional.cosine_similarity(g32, grads[True][name], dim=0)
+        assert cos > 0.99, (name, float(cos))
+
+
 def test_import_runs_nothing():
     assert imported_envpool_modules("acer") == "[]"
 
@@ -488,7 +524,8 @@ def test_import_runs_nothing():
 
 
 @pytest.mark.e2e
-def test_smoke_breakout(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--bf16"]])
+def test_smoke_breakout(tmp_path, extra):
     run = run_script(
         "acer.py",
         [
@@ -506,6 +543,7 @@ def test_smoke_breakout(tmp_path):
             "--no-poisson-replay",
             "--replay-ratio",
             "2",
+            *extra,
         ],
         tmp_path,
     )
@@ -547,6 +585,7 @@ def test_smoke_breakout(tmp_path):
         (["--env-id", "CartPole-v1", "--avg-decay", "1"], "--avg-decay"),
         (["--env-id", "CartPole-v1", "--replay-size", "10"], "--replay-size"),
         (["--env-id", "CartPole-v1", "--scale-rewards"], "--scale-rewards"),
+        (["--env-id", "CartPole-v1", "--bf16"], "--bf16"),
         (["--resume", "runs/no-such-run"], "--resume"),
     ],
 )
