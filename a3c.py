@@ -712,6 +712,10 @@ def check_args(args):
         what = f"--method {args.method}"
         require(discrete, f"{what} takes discrete actions, {args.env_id} has continuous ones (A3C takes both)")
         require(not args.lstm, f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
+        require(
+            args.gae_lambda == 1 and not args.anneal_ent,
+            f"{what} has no advantage or entropy: --gae-lambda and --anneal-ent are A3C's",
+        )
         for name in ("target_update_period", "epsilon_steps"):
             require(
                 getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}"

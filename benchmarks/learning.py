@@ -352,13 +352,14 @@ def report(out, preset, entries, seeds, settings):
         if evals:  # each run's last evaluation at or before each grid point, averaged over the runs that have one
             eval_curve = np.stack([curve_on_grid(s, v, grid, 1) for s, v in evals])
         panels.append((entry, grid, curves, eval_curve))
-    how = (
-        "runs made outside this script (each run's args.json and console.log say how)"
-        if settings["parallel"] is None
-        else f"{settings['parallel']} runs at a time"
-        if settings["parallel"] > 1
-        else "one run at a time"
-    ) + (f", each stopped after {settings['time_limit']:.0f} s" if settings["time_limit"] else "")
+    if settings["parallel"] is None:
+        how = "runs made outside this script (each run's args.json and console.log say how)"
+    elif settings["parallel"] > 1:
+        how = f"{settings['parallel']} runs at a time"
+    else:
+        how = "one run at a time"
+    if settings["time_limit"]:
+        how += f", each stopped after {settings['time_limit']:.0f} s"
     extra = f"; every run also got `{' '.join(settings['extra'])}`" if settings["extra"] else ""
     lines = [
         f"Preset `{preset}` on {machine}, {how}{extra}. Final: mean return of the last {WINDOW} training "
@@ -522,9 +523,9 @@ def main():
         with open(os.path.join(out, "settings.json"), "w") as f:
             json.dump({"machine": machine, "extra": a.extra, "time_limit": a.time_limit, "parallel": a.parallel}, f)
         failed = run_all(jobs, out, a.parallel, a.time_limit, a.extra)
-    # runs made outside this script (no settings.json): their own folders tell how they ran, not these flags
-    parallel = a.parallel if not a.report_only else None
-    settings = {"machine": machine, "extra": a.extra, "time_limit": a.time_limit, "parallel": parallel}
+    settings = {"machine": machine, "extra": a.extra, "time_limit": a.time_limit, "parallel": a.parallel}
+    if a.report_only:  # runs made outside this script (no settings.json): their folders tell how they ran, not flags
+        settings.update(extra=[], time_limit=0, parallel=None)
     if os.path.exists(os.path.join(out, "settings.json")):
         settings = json.load(open(os.path.join(out, "settings.json")))
     report(out, a.preset, entries, a.seeds, settings)

@@ -513,6 +513,7 @@ def test_bf16_update_follows_the_float32_one():
     for name, g32 in grads[False].items():
         cos = torch.nn.functional.cosine_similarity(g32, grads[True][name], dim=0)
         assert cos > 0.99, (name, float(cos))
+    assert not torch.equal(grads[False]["torso.fc.weight"], grads[True]["torso.fc.weight"])  # bfloat16 did run
 
 
 def test_import_runs_nothing():
