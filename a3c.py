@@ -472,35 +472,32 @@ class QAgent(nn.Module):
         return q, q.max(-1).values, ()
 
 
-def detach_state(state):
-    return tuple((h.detach(), c.detach()) for h, c in state)
-
-
 # ---------------------------------------------------------------------------------------------------------
-# The run: setup, the paper's loop, the end.
+# The run: setup, the workers (the paper's loop runs in them), the end.
 
 
 def main(args: Args):
     args, resumed = resume_args(args)
     spec, derived = check_args(args)
-    args = dataclasses.replace(args, **{k: v for k, v in derived.items() if k not in ("discrete", "obs_shape")})
+    args = dataclasses.replace(args, **derived)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    num_actions, action_dim = (spec.action_space.n, 0) if derived["discrete"] else (0, spec.action_space.shape[0])
+    pixels, discrete = is_atari(args.env_id), hasattr(spec.action_space, "n")
+    obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
+    num_actions, action_dim = (spec.action_space.n, 0) if discrete else (0, spec.action_space.shape[0])
     if args.method == "a3c":
         heads = dict(gaussian=args.gaussian, scale_rewards=args.scale_rewards)
-        agent = Agent(derived["obs_shape"], num_actions, int(action_dim), args.hidden, args.lstm_size, **heads)
+        agent = Agent(obs_shape, num_actions, int(action_dim), args.hidden, args.lstm_size, **heads)
         target = None
     else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
-        agent = QAgent(derived["obs_shape"], num_actions, args.hidden)
+        agent = QAgent(obs_shape, num_actions, args.hidden)
         target = copy.deepcopy(agent).requires_grad_(False).share_memory()
     agent.share_memory()  # θ (and the observation statistics) in shared memory, written by every worker
-    optimizer = None
+    optimizer = None  # --no-shared-statistics: each worker makes its own
     if args.shared_statistics:
-        optimizer = SharedRMSprop(
-            agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps
-        ).share_memory()
+        optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
+        optimizer.share_memory()
     if resumed is not None:  # in place: the tensors stay in shared memory
         agent.load_state_dict(resumed["agent"])
         if target is not None:
@@ -508,33 +505,68 @@ def main(args: Args):
         if optimizer is not None and resumed["square_avg"] is not None:
             for p, g in zip(agent.parameters(), resumed["square_avg"]):
                 optimizer.state[p]["square_avg"].copy_(g)
+    # The training state: views of the shared tensors, so a save writes them as the workers left them (Hogwild:
+    # read without locks, as the workers read them). model.pt: what evaluate.py and `make_eval_policy` play.
+    square_avg = None if optimizer is None else [optimizer.state[p]["square_avg"] for p in agent.parameters()]
+    state = dict(
+        agent=agent.state_dict(), target=None if target is None else target.state_dict(), square_avg=square_avg
+    )
+    model = dict(script="a3c", env_id=args.env_id, args=dataclasses.asdict(args), agent_config=agent.config)
+    model["agent"] = state["agent"]
+    if not discrete:
+        box = spec.action_space
+        model.update(action_low=box.low.astype(np.float32).tolist(), action_high=box.high.astype(np.float32).tolist())
     describe = f"{METHODS[args.method]}, {args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
     describe += f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
     describe += "RMSProp statistics" + (f", θ⁻ every {args.target_update_period} steps" if target is not None else "")
     log = RunLog(args, resumed, describe)
 
     ctx = torch.multiprocessing.get_context("spawn")
-    counter, obs_lock, msg_q = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue()
+    counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    work = (train_worker, range(args.num_workers), args, agent, target, optimizer, counter, obs_lock, msg_q)
-
-    def checkpoint():
-        """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
+    stop, done = Stop(), 0
+    work = (args, agent, target, optimizer, counter, obs_lock, msg_q, halt)
+    workers = start_workers(train_worker, range(args.num_workers), *work)
+    try:
+        while done < args.num_workers:  # until each worker has sent ("done", step)
+            with contextlib.suppress(queue.Empty):  # ("episode", step, return, length), ("stats", step, {tag: value})
+                kind, step, *message = msg_q.get(timeout=1.0)
+                if kind == "episode":
+                    log.episode(*message, step)
+                elif kind == "stats":
+                    log.scalars(*message, step)
+                else:
+                    done += 1
+            check_workers(workers, log.path)
+            if steps.value > (log.last[1] if log.last else log.start_step):  # the step counter moved: an update
+                log.update_done(steps.value)
+            if stop.requested:  # each worker completes its update in hand, sends its last messages and returns
+                halt.set()
+            if log.save_due() and steps.value > log.start_step:
+                check_finite(f"at step {steps.value}", **state["agent"])
+                log.save(steps.value, state, model if args.save_model else None)
+            if log.due():
+                log.console(steps.value)
         step = steps.value
-        check_finite_parameters(f"at step {step}", agent=agent)
-        if args.save_model:  # a run stopped early can be evaluated too
-            save_atomic(saved_model(args, spec, agent, step), os.path.join(log.path, "model.pt"))
-        square_avg = None if optimizer is None else [optimizer.state[p]["square_avg"] for p in agent.parameters()]
-        target_state = target.state_dict() if target is not None else None
-        state = log.state(step, agent=agent.state_dict(), target=target_state, square_avg=square_avg)
-        save_atomic(state, os.path.join(log.path, "checkpoint.pt"))
-        return step
-
-    serve_workers(work, msg_q, log, steps, checkpoint)
-    end_time = time.time()
-    global_step = checkpoint()
-    log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    log.end(saved_model(args, spec, agent, global_step), end_time, num_workers=args.num_workers)
+        check_finite(f"at step {step}", **state["agent"])
+        log.save(step, state, model if args.save_model else None)
+    except NonFiniteError as e:
+        fail(e, log.path)
+    if stop.requested:
+        print(
+            f"checkpoint at step {step}: continue with python {os.path.basename(__file__)} --resume {log.path}",
+            file=sys.stderr,
+        )
+        sys.exit(130)
+    log.console(step)
+    eval_mean = None
+    if args.eval_episodes > 0:  # the first episode filmed with --capture-video
+        film = log.path if args.capture_video else None
+        policy = lambda k: make_eval_policy(model, k)  # noqa: E731
+        eval_mean = float(np.mean(evaluate(policy, args.env_id, args.eval_episodes, None, args.seed + 10_000, film)))
+        log.scalars({"charts/eval_return": eval_mean}, step)
+        print(f"evaluation over {args.eval_episodes} episodes: mean {eval_mean:.1f}", flush=True)
+    log.end(step, eval_mean, num_workers=args.num_workers)
 
 
 def to_env_action(action, low, high):
@@ -574,13 +606,10 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     return policy
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The actor-learner workers and the process that watches them.
-
-
-def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q):
+def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q, halt=None):
     """One actor-learner thread, here a process: sync θ' ← θ, act t_max steps, update the shared θ: A3C (Algorithm
-    S3), or a value-based method (Algorithm 1, Sec. 4's Sarsa, Algorithm S2; `target`: the shared θ⁻)."""
+    S3), or a value-based method (Algorithm 1, Sec. 4's Sarsa, Algorithm S2; `target`: the shared θ⁻). Its episodes
+    and (worker 0) its statistics go to `msg_q`; it stops between two updates once `halt` is set."""
     n, T, value_based = args.num_envs, args.t_max, target is not None
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
@@ -603,11 +632,11 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     state = local.initial_state(n)
     last_report = 0.0
     discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
-    while counter.value < args.total_timesteps:
+    while counter.value < args.total_timesteps and not (halt and halt.is_set()):
         copy_network(local, shared, obs_lock)  # θ' ← θ
         synced_at = counter.value
         epsilon = epsilon_at(synced_at, final, args.epsilon_steps) if value_based else None
-        start_state = state = detach_state(state)
+        start_state = state  # (acting runs without gradients: the state carries none)
         rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "ended")}
         returns_seen = []
         with torch.no_grad():  # act; the loss takes one batched pass over the rollout afterwards
@@ -621,7 +650,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                 env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
-                    msg_q.put(("episode", worker_id, counter.value, score, length))
+                    msg_q.put(("episode", counter.value, score, length))
                 if local.return_norm is not None:
                     discounted_return = discounted_return * args.gamma + reward
                     returns_seen.append(torch.as_tensor(discounted_return))
@@ -658,9 +687,9 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         with counter.get_lock():
             step = counter.value
             counter.value += T * n
+        # η annealed by the steps of all workers (a shared counter, which LambdaLR's per-process count is not)
         lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps) if args.anneal_lr else args.learning_rate
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optimizer.param_groups[0]["lr"] = lr
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
         with obs_lock:  # the shared statistics take this rollout's observations (and returns)
             if shared.obs_norm is not None:
@@ -676,148 +705,58 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             stats["stats/active_units"] = active_fraction(local, all_obs[:-1].flatten(0, 1))
             if continuous:
                 stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
-            msg_q.put(("stats", worker_id, step + T * n, {k: float(v) for k, v in stats.items()}))
+            msg_q.put(("stats", step + T * n, {k: float(v) for k, v in stats.items()}))
             last_report = now
-    msg_q.put(("done", worker_id))
+    msg_q.put(("done", counter.value))
 
 
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
     spec = env_spec(args.env_id)
-    discrete = hasattr(spec.action_space, "n")
-    if args.cuda:
-        raise UsageError(
-            "--cuda is not available in a3c.py: its Hogwild workers share parameters in CPU memory "
-            "(the paper's A3C runs on CPU cores); leave the flag out"
-        )
-    if args.num_workers < 0:
-        raise UsageError(f"--num-workers must be at least 1, or 0 for one per CPU core; got {args.num_workers}")
+    pixels, value_based, t_max = is_atari(args.env_id), args.method != "a3c", args.t_max or (20 if args.lstm else 5)
+    require(not args.cuda, "--cuda is not available in a3c.py: its Hogwild workers share parameters in CPU memory")
+    require(args.num_workers >= 0, f"--num-workers must be at least 1, or 0 for one per core; got {args.num_workers}")
     require(args.num_envs >= 1, f"--num-envs must be at least 1, got {args.num_envs}")
     require(args.t_max >= 0, f"--t-max must be at least 1, or 0 for the paper's 5 (20 with --lstm); got {args.t_max}")
-    t_max = args.t_max or (20 if args.lstm else 5)
-    if args.total_timesteps < t_max * args.num_envs:
-        raise UsageError(
-            f"--total-timesteps {args.total_timesteps} is less than one rollout "
-            f"(t-max x num-envs = {t_max * args.num_envs} steps)"
-        )
-    for name in ("learning_rate", "rmsprop_eps"):
-        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    rollout = f"one rollout (t-max x num-envs = {t_max * args.num_envs} steps)"
+    require(args.total_timesteps >= t_max * args.num_envs, f"--total-timesteps is less than {rollout}")
+    require(args.learning_rate > 0, f"--learning-rate must be positive, got {args.learning_rate}")
+    require(args.rmsprop_eps > 0, f"--rmsprop-eps must be positive, got {args.rmsprop_eps}")
     require(0 <= args.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
-    for name in ("value_coef", "lstm_size"):
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    require(args.value_coef >= 0, f"--value-coef must not be negative, got {args.value_coef}")
+    require(args.lstm_size >= 0, f"--lstm-size must not be negative, got {args.lstm_size}")
     require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
-    if args.method != "a3c":
-        what = f"--method {args.method}"
-        require(discrete, f"{what} takes discrete actions, {args.env_id} has continuous ones (A3C takes both)")
-        require(not args.lstm, f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
-        require(
-            args.gae_lambda == 1 and not args.anneal_ent,
-            f"{what} has no advantage or entropy: --gae-lambda and --anneal-ent are A3C's",
-        )
-        for name in ("target_update_period", "epsilon_steps"):
-            require(
-                getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}"
-            )
+    require(args.target_update_period >= 0, f"--target-update-period must not be negative: {args.target_update_period}")
+    require(args.epsilon_steps >= 0, f"--epsilon-steps must not be negative, got {args.epsilon_steps}")
+    what = f"--method {args.method}"
+    discrete = hasattr(spec.action_space, "n")
+    require(discrete or not value_based, f"{what} takes discrete actions, {args.env_id} has continuous ones")
+    require(not (value_based and args.lstm), f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
+    a3c_only = args.gae_lambda != 1 or args.anneal_ent
+    require(not (value_based and a3c_only), f"{what} has no advantage or entropy: --gae-lambda, --anneal-ent are A3C's")
     if args.capture_video:
         check_render(args.env_id)
-    pixels = is_atari(args.env_id)
-    target_update_period = args.target_update_period or (10_000 if pixels else 500)
-    epsilon_steps = args.epsilon_steps or (1_000_000 if pixels else max(1, args.total_timesteps // 3))
-    obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
-    lstm_size = (args.lstm_size or (256 if pixels else 128)) if args.lstm else 0
-    max_grad_norm = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
     return spec, dict(
         t_max=t_max,
-        discrete=discrete,
-        obs_shape=obs_shape,
-        lstm_size=lstm_size,
+        lstm_size=(args.lstm_size or (256 if pixels else 128)) if args.lstm else 0,
         num_workers=args.num_workers or os.cpu_count() or 1,
-        max_grad_norm=max_grad_norm,
-        target_update_period=target_update_period,
-        epsilon_steps=epsilon_steps,
+        max_grad_norm=args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0),
+        target_update_period=args.target_update_period or (10_000 if pixels else 500),
+        epsilon_steps=args.epsilon_steps or (1_000_000 if pixels else max(1, args.total_timesteps // 3)),
     )
 
 
-def saved_model(args, spec, agent, global_step):
-    """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
-    model = {
-        "script": "a3c",
-        "env_id": args.env_id,
-        "args": dataclasses.asdict(args),
-        "agent_config": agent.config,
-        "agent": {k: v.detach().clone() for k, v in agent.state_dict().items()},
-        "global_step": global_step,
-    }
-    if not hasattr(spec.action_space, "n"):
-        model.update(
-            action_low=spec.action_space.low.astype(np.float32).tolist(),
-            action_high=spec.action_space.high.astype(np.float32).tolist(),
-        )
-    return model
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing: the worker processes and the process that serves them, the run folder, checkpoints, Ctrl-C and
-# failures, the task family's defaults. No equation below.
-
-
-def serve_workers(work, msg_q, log, steps, checkpoint) -> None:
-    """The main process: starts the workers (`start_workers(*work)`) and serves them until each has sent
-    `("done", w)`: their episodes `("episode", w, step, return, length)` and stats `("stats", w, step, {tag:
-    value})` to the log, the console line, a checkpoint every --checkpoint-interval seconds (`checkpoint()` saves
-    the shared state, returns its step). A failed worker or a non-finite value: the error line, the workers
-    stopped, exit 1. Ctrl-C or SIGTERM: the workers stopped, a checkpoint and how to continue, exit 130."""
-    for s in (signal.SIGINT, signal.SIGTERM):  # set explicitly: also where the shell started us ignoring Ctrl-C
-        signal.signal(s, signal.default_int_handler)
-    done, last_checkpoint, workers = set(), time.time(), None
-    try:
-        workers = start_workers(*work)
-        while len(done) < len(workers.processes):
-            with contextlib.suppress(queue.Empty):
-                msg = msg_q.get(timeout=0.2)
-                if msg[0] == "episode":
-                    log.episode(msg[3], msg[4], msg[2])
-                elif msg[0] == "stats":
-                    log.scalars(msg[3], msg[2])
-                elif msg[0] == "done":
-                    done.add(msg[1])
-            check_workers(workers, "worker")
-            if steps.value > 0:
-                log.first_update(steps.value)
-            if 0 < log.args.checkpoint_interval <= time.time() - last_checkpoint and steps.value > log.start_step:
-                checkpoint()
-                last_checkpoint = time.time()
-            if log.due():
-                log.console(steps.value)
-    except (WorkerError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if "NonFiniteError" in f"{type(e).__name__} {e}":
-            print(non_finite_advice(log.path), file=sys.stderr, flush=True)
-        stop_workers(workers)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-        print("interrupted: stopping workers", file=sys.stderr, flush=True)
-        if workers is not None:
-            stop_workers(workers)
-        if steps.value > log.start_step:
-            step, script = checkpoint(), os.path.basename(__file__)
-            print(f"checkpoint at step {step}: continue with python {script} --resume {log.path}", file=sys.stderr)
-        sys.exit(130)
-    for p in workers.processes:
-        p.join()
-
-
-class WorkerError(RuntimeError):
-    """A worker process raised (its traceback) or died (its exit code)."""
+# Plumbing: the worker processes, Ctrl-C and failures, the task family's defaults, the run folder. No equation below.
 
 
 def run_worker(i, target, per_worker, *args):
     """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
-    Ctrl-C is its learner's to handle, it dies with its learner, one torch thread."""
+    Ctrl-C and SIGTERM are the main process's to handle, it dies with the main process, one torch thread."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
     if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
@@ -830,24 +769,31 @@ def start_workers(target, per_worker, *args):
     return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
 
 
-def check_workers(workers, what) -> None:
-    """WorkerError if a worker raised (with its traceback) or died; torch's `join` has then stopped the others."""
+def check_workers(workers, run_path) -> None:
+    """A worker that raised (its traceback) or died ends the run; torch's `join` has then stopped the others."""
     try:
         workers.join(timeout=0, grace_period=2.0)
     except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
-        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
+        fail(RuntimeError(f"worker {e.error_index} failed:" + str(e).partition("following error:")[2]), run_path)
     except torch.multiprocessing.ProcessExitedException as e:
-        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
+        fail(RuntimeError(f"worker {e.error_index} died with exit code {e.exit_code}"), run_path)
 
 
-def stop_workers(workers) -> None:
-    for p in (p for p in workers.processes if p.is_alive()):
-        p.terminate()
-    for p in workers.processes:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
+class Stop:
+    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the update in hand (a wait for a batch or a
+    worker looks every second), saves and says how to continue; a second Ctrl-C exits at once (status 130, the worker
+    processes dying with this one). A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            os._exit(130)
+        self.requested = True
+        print("stopping after the update in hand (Ctrl-C again: at once)", file=sys.stderr, flush=True)
 
 
 class NonFiniteError(RuntimeError):
@@ -862,37 +808,30 @@ def check_finite(where: str, **named) -> None:
         raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
-def check_finite_parameters(where: str, **modules) -> None:
-    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
-    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
-    check_finite(where, **named)
+def fail(error: Exception, run_path: str) -> None:
+    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit 1 (worker
+    processes die with this one; torchrun stops the other learners)."""
+    print(f"error: {error}", file=sys.stderr)
+    if "NonFiniteError" in f"{type(error).__name__} {error}":
+        path = os.path.join(run_path, "checkpoint.pt")
+        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        print(
+            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
+            file=sys.stderr,
+            flush=True,
+        )
+    os._exit(1)
 
 
-def non_finite_advice(run_path: str) -> str:
-    path = os.path.join(run_path, "checkpoint.pt")
-    if not os.path.isfile(path):
-        return "no checkpoint was written before it; try a lower --learning-rate"
-    step = torch.load(path, weights_only=False)["global_step"]
-    return (
-        f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again with a "
-        "lower --learning-rate"
-    )
-
-
-def save_atomic(obj, path: str) -> None:
-    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
+# Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
 PAPER = "the paper's settings (the Args defaults)"
 FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take;
-    none under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
+    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take; none
+    under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
     import tyro
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
@@ -918,114 +857,98 @@ def resume_args(args):
     return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
-def new_run_folder(path: str) -> str:
-    """Creates the run folder `path`, or `path_2`, `path_3`, ... where a run that started in the same second took
-    the name (`os.mkdir` is atomic: two runs never share a folder)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    name, k = path, 1
-    while True:
-        try:
-            os.mkdir(name)
-            return name
-        except FileExistsError:
-            k += 1
-            name = f"{path}_{k}"
-
-
 class RunLog:
-    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
-    None) gives the step, returns and wall time to go on from."""
+    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
+    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
+    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
 
-    def __init__(self, args, resumed, describe):
-        self.args, self.first, resumed = args, None, resumed or {}
-        self.path = args.resume or os.path.join(
-            args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
-        self.returns, self.groups = (
-            list(resumed.get("returns", [])),
-            dict(resumed.get("groups", {})),
-        )  # groups: learners
+    def __init__(self, args, resumed, describe, name=None, write=True):
+        resumed, self.args, self.writer = resumed or {}, args, None
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_log = time.time()
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.path = self.path if args.resume else new_run_folder(self.path)
-        os.makedirs(self.path, exist_ok=True)
+        self.start = self.last_line = self.last_save = time.time()
+        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
+        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
+        self.path += "" if args.resume else f"__{int(self.start)}"
+        if not write:
+            return
+        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+            try:
+                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                break
+            except FileExistsError:
+                pass
+        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
         family, source = describe_defaults(args)
-        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-        print(f"run folder: {self.path}  ({describe})", flush=True)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step, *groups) -> None:
+    def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-        for group in groups:
+        if group is not None:
             self.groups.setdefault(group, []).append(score)
-            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
-    def first_update(self, step: int) -> None:
-        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
-
-    def wall(self) -> float:
-        return self.previous_wall + time.time() - self.start
-
-    def state(self, step: int, **script_state) -> dict:
-        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
-        groups = {g: r[-10:] for g, r in self.groups.items()}
-        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=self.wall())
-        return {**script_state, **log, "args": dataclasses.asdict(self.args), "script": os.path.basename(__file__)}
+    def update_done(self, step: int) -> None:
+        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
+        self.last = (time.time(), step)
+        self.first = self.first or self.last
 
     def due(self) -> bool:
-        return time.time() - self.last_log >= self.args.log_interval
+        """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
+        return time.time() - self.last_line >= self.args.log_interval
 
     def console(self, step: int, extra: str = "") -> None:
-        now = time.time()
+        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+        now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
-        self.writer.add_scalar("charts/SPS", sps, step)
-        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
         print(
             f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        self.last_log = now
+        if self.writer is not None:
+            self.scalars({"charts/SPS": sps}, step)
+        self.last_line = now
 
-    def end(self, model: dict, end_time: float, eval_mean=None, **extra) -> dict:
-        """model.pt (with `--save-model`), the evaluation (the first episode filmed with `--capture-video`; or the
-        script's own `eval_mean`), summary.json."""
-        step, n = model["global_step"], self.args.eval_episodes
-        if self.args.save_model:
-            torch.save(model, os.path.join(self.path, "model.pt"))
-        if n > 0 and eval_mean is None:
-            film = self.path if self.args.capture_video else None
-            policy = lambda k: make_eval_policy(model, k)  # noqa: E731
-            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000, film)))
-            self.scalars({"charts/eval_return": eval_mean}, step)
-            print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
-        steady = None
-        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
-            steady = (step - self.first[1]) / (end_time - self.first[0])
-        summary = {
-            "env_id": self.args.env_id,
-            "total_timesteps": step,
-            "wall_time_s": self.previous_wall + end_time - self.start,
-            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
-            "sps_after_first_update": steady,
-            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
-            "eval_mean_return": eval_mean,
-            **extra,
-        }
+    def save(self, step: int, state: dict, model: dict = None) -> None:
+        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
+        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        wall = self.previous_wall + time.time() - self.start
+        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
+        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
+            if obj is not None:
+                torch.save(obj, os.path.join(self.path, name + ".tmp"))
+                os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.last_save = time.time()
+
+    def save_due(self) -> bool:
+        return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
+
+    def end(self, step: int, eval_mean=None, **extra) -> dict:
+        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
+        SPS run to the last update (`update_done`), not through the evaluation."""
+        end = self.last[0] if self.last else time.time()
+        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
+        summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
+        if self.first is not None and self.last[1] > self.first[1]:
+            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()
-        return summary
+        return {**summary, **extra}
 
 
 def cli():
