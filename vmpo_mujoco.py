@@ -33,9 +33,9 @@ open and the one-machine defaults, with their measurements: docs/vmpo_mujoco.md.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import multiprocessing
 import math
@@ -113,17 +113,16 @@ TABLE7_COLUMNS = {
     "humanoid-state": dict(unroll_length=63, eps_eta=0.01, eps_alpha_mu=0.16, eps_alpha_sigma=2.2e-5),
 }
 
-# Defaults by task family, on top of the task's Table 7 column (a flag the user gives wins; `--preset paper` keeps
-# the column alone). Table 7 is for thousands of envs and billions of steps; these were measured on 2 CPU cores
-# (docs/vmpo_mujoco.md).
-ONE_MACHINE = dict(num_envs=16, batch_size=16, num_minibatches=1, unroll_length=10, target_update_period=10)
-ONE_MACHINE.update(learning_rate=1e-3, popart_beta=0.1)
+# Defaults by task family, on top of the task's Table 7 column, the same on every device (a flag the user gives wins;
+# `--preset paper` keeps the column alone). Table 7 is for thousands of envs and billions of steps; these were
+# measured on 2 CPU cores (docs/vmpo_mujoco.md): short unrolls, frequent refreshes, a fast PopArt.
+ONE_MACHINE = dict(num_minibatches=1, unroll_length=10, target_update_period=10, learning_rate=1e-3, popart_beta=0.1)
 FAMILY_DEFAULTS = {
     "mujoco": (
         "settings measured on InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4 (docs)",
-        dict(ONE_MACHINE, num_envs=32, batch_size=32),
+        dict(num_envs=32, batch_size=32, **ONE_MACHINE),
     ),
-    "classic": ("settings measured on Pendulum-v1 (docs)", ONE_MACHINE),
+    "classic": ("settings measured on Pendulum-v1 (docs)", dict(num_envs=16, batch_size=16, **ONE_MACHINE)),
 }
 
 
@@ -327,18 +326,8 @@ class Agent(nn.Module):
 
     MIN_STD = 1e-4
 
-    def __init__(
-        self,
-        obs_dim,
-        action_dim,
-        hidden=(512, 256),
-        head_hidden=256,
-        init_std=0.5,
-        num_tasks=1,
-        popart_beta=1e-4,
-        popart_scale_lower=1e-2,
-        popart_scale_upper=1e6,
-    ):
+    def __init__(self, obs_dim, action_dim, hidden=(512, 256), head_hidden=256, init_std=0.5, num_tasks=1,
+                 popart_beta=1e-4, popart_scale_lower=1e-2, popart_scale_upper=1e6):  # fmt: skip
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         self.config["hidden"] = tuple(hidden)
@@ -422,39 +411,33 @@ def act(cfg, link: ActorLink) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Learning: setup, the learner's loop (Algorithm 1), the end.
+# Learning: the learner's step, then setup, the learner's loop (Algorithm 1), the end.
 
 
-def learner_step(learner, batch, args, interrupt, update, target_version, groups=1):
-    """Algorithm 1's update number `update` on a batch of unrolls (`learner`: the agent, the multipliers and their
-    optimiser): the observation statistics moved by its rows, then `--update-epochs` passes against the same
-    π_target (the batch's means and deviations): the n-step targets, PopArt's statistics moved toward them (first
-    pass only), the E-step's weights on the top half of advantages, the M-step's loss with the decoupled mean and
-    covariance KL multipliers (`batch_loss`); the gradient averaged over the learners, clipped, an Adam step and
-    the multipliers kept positive, in `interrupt.commit()`. Ctrl-C drops the update whole (the learner's state
-    restored). Returns the last pass's stats; `target_version`, π_target's, tells the rows acted by an older one."""
-    (agent, multipliers, optimizer), world = learner.values(), world_size()
-    before = copy.deepcopy({k: part.state_dict() for k, part in learner.items()})
-    try:
-        agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
-        for epoch in range(args.update_epochs):
-            mean, std, value_features = agent(batch["obs"])
-            out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
-            optimizer.zero_grad(set_to_none=False)
-            out.loss.backward()
-            if world > 1:
-                average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
-            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-            named = {k.split("/")[-1]: v for k, v in stats.items()}
-            check_finite(f"at update {update}", loss=out.loss, gradient=grad_norm, **named)
-            with interrupt.commit():
-                optimizer.step()
-                multipliers.project()
-    except KeyboardInterrupt:  # weights, normalisers and Adam as they were before this update
-        for k, state in before.items():
-            learner[k].load_state_dict(state)
-        raise
+def learner_step(state, batch, args, update, target_version):
+    """Algorithm 1's update number `update` on a batch of unrolls (`state`: the training state): the observation
+    statistics moved by its rows, then `--update-epochs` passes against the same π_target (the batch's means and
+    deviations): the n-step targets, PopArt's statistics moved toward them (first pass only), the E-step's weights
+    on the top half of advantages (this learner's share of the minibatches), the M-step's loss with the decoupled
+    mean and covariance KL multipliers (`batch_loss`); the gradient averaged over the learners, clipped, an Adam
+    step and the multipliers kept positive. Returns the last pass's stats; `target_version`, π_target's, tells the
+    rows acted by an older one."""
+    agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
+    agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
+    for epoch in range(args.update_epochs):
+        mean, std, value_features = agent(batch["obs"])
+        groups = args.num_minibatches // world
+        out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
+        optimizer.zero_grad(set_to_none=False)
+        out.loss.backward()
+        if world > 1:
+            average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
+        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
+        named = {k.split("/")[-1]: v for k, v in stats.items()}
+        check_finite(f"at update {update}", loss=out.loss, gradient=grad_norm, **named)
+        optimizer.step()
+        multipliers.project()
     stale = (batch["version"][:-1] != target_version).float().mean()
     return {**stats, "stats/grad_norm": grad_norm, "stats/stale_fraction": stale}
 
@@ -468,71 +451,59 @@ def main(args: Args):
     agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, 1, *popart).to(device)
     init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
     multipliers = LagrangeMultipliers(*init, args.multipliers, args.min_multiplier).to(device)
-    params = list(agent.parameters()) + list(multipliers.parameters())
-    if world > 1:  # the same initial weights in every learner (rank 0's)
-        for p in params:
-            torch.distributed.broadcast(p.data, 0)
+    for p in [*agent.parameters(), *multipliers.parameters()] if world > 1 else ():  # every learner from rank 0's
+        torch.distributed.broadcast(p.data, 0)
     optimizer = make_optimizer(args, agent, multipliers)
-    start_update, target_state = 0, None
-    learner = dict(agent=agent, multipliers=multipliers, optimizer=optimizer)  # what a checkpoint saves and restores
-    if resumed is not None:
-        for k, part in learner.items():
-            part.load_state_dict(resumed[k])
-        start_update, target_state = resumed["update"], resumed["target_agent"]
-    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
-    log = RunLog(args, args.env_id, resumed, describe + f"{args.num_envs * world} envs", rank == 0)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
-    groups = args.num_minibatches // world  # E-step minibatches of this learner process
-    global_step, last_checkpoint = log.start_step, time.time()
-
-    def checkpoint(update, timed=False):  # timed: only every --checkpoint-interval seconds
-        nonlocal last_checkpoint
-        if timed and not 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
-            return None
-        last_checkpoint = time.time()
-        if rank == 0:
-            check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
-            if args.save_model:  # a run stopped early can be evaluated too
-                save_atomic(
-                    saved_model(args, spec, agent, multipliers, global_step), os.path.join(log.path, "model.pt")
-                )
-            state = {k: part.state_dict() for k, part in learner.items()}
-            state.update(target_agent=pool.agent.state_dict(), update=update)
-            save_atomic(log.state(global_step, **state), os.path.join(log.path, "checkpoint.pt"))
-        return global_step
-
-    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update's
-    # state; only the lines that change the training state (the optimiser step to the target refresh) finish first.
-    interrupt, pool = Interrupt(), None
-    done_update = start_update
+    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
+    log = RunLog(args, resumed, describe + f"{args.num_envs * world} envs", write=rank == 0)
+    specs, cfgs = buffer_specs(obs_dim, action_dim, args.unroll_length), actor_configs(args, rank, device)
+    pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
+    # The training state: the online network (with PopArt and the observation statistics), the target network the
+    # actors act with (θ_target), η, α_μ, α_Σ and Adam; with the update counter.
+    state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer)
+    update = resumed["update"] if resumed else 0
+    if resumed:
+        for k, part in state.items():
+            part.load_state_dict(resumed[k])
+        pool.version += 1  # the actors load the target network the run was acting with
     try:
-        specs = buffer_specs(obs_dim, action_dim, args.unroll_length)
-        pool = ActorPool(actor_configs(args, rank, device), agent, specs, args.batch_size // world, device)
-        if target_state is not None:  # the target network the run was acting with
-            pool.publish(target_state)
-        collecting = (pool.batch_size, args.unroll_length)  # a progress line also while a batch is collected
-        for update in range(start_update + 1, num_updates + 1):
-            batch = pool.next_batch(lambda k: rank == 0 and log.console(global_step, collecting=(k, *collecting)))
-            stats = learner_step(learner, batch, args, interrupt, update, pool.version.item(), groups)
-            with interrupt.commit():
-                if update % args.target_update_period == 0:
-                    pool.publish(agent.state_dict())  # θ_target ← θ_online
-                global_step, done_update = update * steps_per_update, update
-            checkpoint(update, timed=True)
-            log_update(log, pool, global_step, stats if log.due() or update == num_updates else None)
+        while update < num_updates:
+            batch = pool.next_batch(stop, log if rank == 0 else None, update * steps_per_update)
+            if agreed(batch is None, device):  # a stop: every learner after the same update
+                break
+            update += 1
+            stats = learner_step(state, batch, args, update, pool.version.item())
+            if update % args.target_update_period == 0:
+                pool.publish(agent)  # θ_target ← θ_online
+            if rank == 0 and (log.save_due() or update == num_updates):
+                save(log, state, update, spec)
+            log_update(log, pool, update * steps_per_update, stats if log.due() or update == num_updates else None)
     except (WorkerError, NonFiniteError) as e:
-        fail(e, log.path, pool)
-    except KeyboardInterrupt:
-        save = (lambda: checkpoint(done_update)) if done_update > start_update else None
-        stop_on_interrupt(pool, interrupt, save, log, world)
+        fail(e, log.path)
     pool.close()
-    end_time = time.time()
-    checkpoint(num_updates)
-    if rank == 0:
-        log.end(saved_model(args, spec, agent, multipliers, global_step), end_time, device)
+    step = update * steps_per_update
+    if rank == 0 and update < num_updates:  # stopped: the last completed update saved, and how to continue
+        save(log, state, update, spec)
+        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
+        continue_with = f"{again} {os.path.basename(__file__)} --resume {log.path}"
+        print(f"checkpoint at step {step}: continue with {continue_with}", file=sys.stderr)
+    elif rank == 0:
+        log.end(step, evaluate_model(log, saved_model(args, spec, agent, multipliers, step), device))
     if world > 1:
         torch.distributed.destroy_process_group()
+    sys.exit(130 if update < num_updates else 0)
+
+
+def save(log, state, update, spec) -> None:
+    """checkpoint.pt: the training state and the update counter, once the online network and the multipliers are
+    found finite; model.pt with --save-model."""
+    step, weights = update * log.args.batch_size * log.args.unroll_length, {k: v.state_dict() for k, v in state.items()}
+    named = {f"{k}.{n}": v for k in ("agent", "multipliers") for n, v in weights[k].items() if v.is_floating_point()}
+    check_finite(f"at update {update}", **named)
+    model = saved_model(log.args, spec, state["agent"], state["multipliers"], step) if log.args.save_model else None
+    log.save(step, {**weights, "update": update}, model)
 
 
 def log_update(log, pool, step, stats) -> None:
@@ -541,16 +512,28 @@ def log_update(log, pool, step, stats) -> None:
     episodes = pool.take_episodes()
     if log.writer is None:
         return
-    log.first_update(step)
+    log.update_done(step)
     for score, length in episodes:
         log.episode(score, length, step)
-    if stats is not None:
-        stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
-        log.scalars(stats, step)
-        eta, alpha_mu, alpha_sigma, std = (
-            stats[f"stats/{k}"].item() for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std")
-        )
-        log.console(step, f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f}")
+    if stats is None:
+        return
+    stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
+    log.scalars(stats, step)
+    eta, alpha_mu, alpha_sigma, std = (stats[f"stats/{k}"] for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std"))
+    log.console(step, f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f}")
+
+
+def evaluate_model(log, model, device):
+    """The end of training: `--eval-episodes` episodes of the final policy (the first filmed with
+    `--capture-video`); their mean return, or None."""
+    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
+    if n == 0:
+        return None
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
+    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+    log.scalars({"charts/eval_return": mean}, model["global_step"])
+    return mean
 
 
 def to_env_action(action, low, high):
@@ -580,23 +563,28 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError)."""
-    spec = env_spec(args.env_id, discrete=False)
-    check_actor_args(args)
-    if args.target_update_period < 1:
-        raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
+    """Bad input: one clear line before any work (UsageError). Returns the task's spec."""
+    spec, world, steps = env_spec(args.env_id, discrete=False), world_size(), args.batch_size * args.unroll_length
+    per_actor, mb = args.num_envs // max(args.num_actors, 1), args.num_minibatches
+    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
+    require(
+        args.batch_size >= 1 and args.batch_size % world == 0, f"--batch-size: not a multiple of the learners ({world})"
+    )
+    fits = 1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0
+    require(fits, f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
+    require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
+    require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
+    fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
+    require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
+    require(args.target_update_period >= 1, "--target-update-period must be at least 1")
     require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
     for name in ("eps_eta", "eps_alpha_mu", "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     require(args.learning_rate > 0, f"--learning-rate must be positive, got {args.learning_rate}")
-    if not args.dual_learning_rate >= 0:
-        raise UsageError(
-            f"--dual-learning-rate must be 0 (the networks' Adam) or positive, got {args.dual_learning_rate}"
-        )
+    require(args.dual_learning_rate >= 0, "--dual-learning-rate must be 0 (the networks' Adam) or positive")
     require(args.init_std > Agent.MIN_STD, f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    if not args.hidden or min(args.hidden) < 1:
-        raise UsageError(f"--hidden takes one or more positive layer sizes, got {args.hidden}")
+    require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")
     if args.capture_video:
         check_render(args.env_id)
     return spec
@@ -632,25 +620,6 @@ def saved_model(args, spec, agent, multipliers, global_step):
     model.update({k: {n: v.cpu() for n, v in w.items()} for k, w in weights.items()})
     low, high = (x.astype(np.float32).tolist() for x in (spec.action_space.low, spec.action_space.high))
     return {**model, "action_low": low, "action_high": high, "global_step": global_step}
-
-
-def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the task's Table 7 column and, unless `--preset paper`, its family's defaults: a flag
-    given wins, `--help` shows the values a run would take; none on `--resume` (the run keeps its own arguments)."""
-    import tyro
-
-    argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
-    values = [b for a, b in zip(argv, argv[1:]) if a == "--preset"] + [
-        a.split("=", 1)[1] for a in argv if a.startswith("--preset=")
-    ]
-    for value in values:  # one clear line rather than tyro's box
-        if value not in ("family", "paper"):
-            raise UsageError(f"--preset {value!r} is not one of family, paper")
-    first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    overrides = {} if first.resume else dict(TABLE7_COLUMNS[table7_column(first.env_id)])
-    if not first.resume and first.preset != "paper":
-        overrides.update(table.get(family_key(first, table), (PAPER, {}))[1])
-    return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
 def average_gradients(params, world: int) -> None:
@@ -735,7 +704,7 @@ class UnrollWriter:
 
 class ActorPool:
     """The learner's side: one process per config running `act`, batches of full unrolls (`next_batch`), the
-    learner's weights published to the actors (`publish`), their finished episodes (`episodes`), `close`."""
+    learner's weights published to the actors (`publish`), their finished episodes (`take_episodes`), `close`."""
 
     def __init__(self, cfgs, agent, specs, batch_size, device):
         ctx = torch.multiprocessing.get_context("spawn")
@@ -749,32 +718,34 @@ class ActorPool:
             self.link.free_q.put(i)
         self.workers = start_workers(act, cfgs, self.link)
 
-    def next_batch(self, on_wait=None):
-        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`); `on_wait(ready)`
-        while they are collected. Raises WorkerError (with its traceback) if an actor died."""
-        idx = []
-        while len(idx) < self.batch_size:
+    def next_batch(self, stop, log=None, step=0):
+        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`), or None once a stop
+        is requested; while they are collected, a progress line every --log-interval seconds (`log`). Raises
+        WorkerError (with its traceback) if an actor died."""
+        idx, batch_size = [], self.batch_size
+        while len(idx) < batch_size and not stop.requested:
             try:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
-                check_workers(self.workers, "actor", must_live=True)
-            if on_wait is not None:
-                on_wait(len(idx))
+                check_workers(self.workers, "actor")
+            if log is not None and log.due():
+                log.console(step, f"collecting a batch: {len(idx)}/{batch_size} unrolls")
         while not self.link.msg_q.empty():
             self.episodes.append(self.link.msg_q.get()[1:])
-        check_workers(self.workers, "actor", must_live=True)
-        idx_t = torch.tensor(idx)
-        batch = {k: v[idx_t] for k, v in self.link.buffers.items()}
+        check_workers(self.workers, "actor")
+        if stop.requested:
+            return None
+        batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
         for i in idx:
             self.link.free_q.put(i)
-        pin = self.device.type == "cuda"
         batch = {k: v if k.startswith("core_") else v.transpose(0, 1) for k, v in batch.items()}
+        pin = self.device.type == "cuda"
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def publish(self, state):
-        """Copies `state` (a state_dict) into the network the actors act with; they load it at their next step."""
+    def publish(self, agent):
+        """Copies `agent`'s weights into the network the actors act with; they load it at their next step."""
         with torch.no_grad():
-            for dst, src in zip(self.agent.state_dict().values(), state.values()):
+            for dst, src in zip(self.agent.state_dict().values(), agent.state_dict().values()):
                 dst.copy_(src)
         self.version += 1
 
@@ -783,37 +754,9 @@ class ActorPool:
         return episodes
 
     def close(self):
-        stop_workers(self.workers)
-
-
-def check_actor_args(args) -> None:
-    """The actors' options, checked before any work (UsageError): the unroll, the batch over the learners and its
-    minibatches, the envs per actor and their async batch, a run of at least one batch."""
-    world, steps = world_size(), args.batch_size * args.unroll_length
-    per_actor, mb = args.num_envs // max(args.num_actors, 1), args.num_minibatches
-    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
-    require(
-        args.batch_size >= 1 and args.batch_size % world == 0,
-        f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})",
-    )
-    require(
-        1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0,
-        f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}",
-    )
-    require(
-        0 <= args.env_batch_size <= per_actor,
-        f"--env-batch-size {args.env_batch_size} must be between 1 "
-        f"and the envs per actor ({per_actor}), or 0 for half of them",
-    )
-    require(
-        args.total_timesteps >= steps,
-        f"--total-timesteps {args.total_timesteps} is less than one batch (batch-size x unroll-length = {steps} steps)",
-    )
-    require(
-        mb >= 1 and mb % world == 0 and args.batch_size % mb == 0,
-        f"--num-minibatches {mb} must divide "
-        f"--batch-size {args.batch_size} and be a multiple of the number of learner processes ({world})",
-    )
+        for p in self.workers.processes:
+            p.kill()
+            p.join()
 
 
 class WorkerError(RuntimeError):
@@ -821,42 +764,35 @@ class WorkerError(RuntimeError):
 
 
 def run_worker(i, target, per_worker, *args):
-    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
-    Ctrl-C is its learner's to handle, it dies with its learner, one torch thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
+    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back): it
+    dies with its learner, one torch thread."""
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
     if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
         target(per_worker[i], *args)
 
 
 def start_workers(target, per_worker, *args):
-    """One process per item of `per_worker`, running `target(item, *args)`."""
+    """One process per item of `per_worker`, running `target(item, *args)`. They ignore Ctrl-C and SIGTERM from their
+    first instruction (a terminal or a job scheduler signals every process; stopping is their learner's to do)."""
+    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # inherited by them
     run = (target, per_worker, *args)
-    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+    workers = torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+    for s, handler in ignored.items():
+        signal.signal(s, handler)
+    return workers
 
 
-def check_workers(workers, what, must_live=False) -> None:
-    """WorkerError if a worker raised (with its traceback) or died (`must_live`: ended at all); torch's `join` has
-    then stopped the others."""
+def check_workers(workers, what) -> None:
+    """WorkerError if a worker raised (its traceback), died or ended; torch's `join` has then stopped the others."""
     try:
         workers.join(timeout=0, grace_period=2.0)
     except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
         raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
     except torch.multiprocessing.ProcessExitedException as e:
         raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-    if must_live and any(p.exitcode == 0 for p in workers.processes):
+    if any(p.exitcode == 0 for p in workers.processes):
         raise WorkerError(f"{what} ended before its learner")
-
-
-def stop_workers(workers) -> None:
-    for p in (p for p in workers.processes if p.is_alive()):
-        p.terminate()
-    for p in workers.processes:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
 
 
 def world_size() -> int:
@@ -867,10 +803,9 @@ def learner_process(args):
     """(rank, world, device) of this learner: the process group under torchrun, the seeds (seed + rank), cudnn's
     determinism and torch's threads (`--learner-threads`, or the cores shared among the learners)."""
     rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
     if world > 1:
-        torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -878,68 +813,37 @@ def learner_process(args):
     return rank, world, device
 
 
-class Interrupt:
-    """Ctrl-C and SIGTERM: stop at once, dropping the update in progress, except inside `with commit():` (the lines
-    that change the training state), which finishes first; a second Ctrl-C stops at once wherever it is. Once it
-    has raised, later signals change nothing (the shutdown under way must not be cut short)."""
+def agreed(flag: bool, device) -> bool:
+    """Whether `flag` holds in any learner process: under torchrun every learner stops after the same update."""
+    if world_size() == 1:
+        return flag
+    flag = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def loss_stats(result) -> dict:
+    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
+    scalars (the total and what is not a scalar left out)."""
+    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
+    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
+
+
+class Stop:
+    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the update in hand (a wait for a batch or a
+    worker looks every second), saves and says how to continue; a second Ctrl-C exits at once (status 130, the worker
+    processes dying with this one). A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
 
     def __init__(self):
-        self.signals, self.committing, self.raised = [], False, False
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        self.requested = False
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
 
-    def _on_signal(self, signum, frame):
-        self.signals.append(signum)
-        if not self.raised and (len(self.signals) > 1 or not self.committing):
-            self.raised = True
-            raise KeyboardInterrupt
-
-    @property
-    def once(self) -> bool:
-        return len(self.signals) <= 1
-
-    @contextlib.contextmanager
-    def commit(self):
-        self.committing = True
-        try:
-            yield
-        finally:
-            self.committing = False
-        if self.signals and not self.raised:
-            self.raised = True
-            raise KeyboardInterrupt
-
-
-def fail(error: Exception, run_path: str, pool) -> None:
-    """A failed actor or a non-finite value: the error line (and where the last good checkpoint is), the actors
-    stopped, exit 1 (torchrun stops the other learners)."""
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    path = os.path.join(run_path, "checkpoint.pt")
-    if "NonFiniteError" in f"{type(error).__name__} {error}":
-        advice = "no checkpoint was written before it; try a lower --learning-rate"
-        if os.path.isfile(path):
-            step = torch.load(path, weights_only=False)["global_step"]
-            advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start "
-            advice += "again with a lower --learning-rate"
-        print(advice, file=sys.stderr, flush=True)
-    if pool is not None:
-        pool.close()
-    os._exit(1)
-
-
-def stop_on_interrupt(pool, interrupt: Interrupt, save, log, world: int) -> None:
-    """Ctrl-C or SIGTERM: the actors stopped; after one signal `save()` (the last completed update; None where
-    there is none yet) and how to continue; exit 130."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-    print("interrupted: stopping actors", file=sys.stderr, flush=True)
-    if pool is not None:
-        pool.close()
-        if interrupt.once and save is not None:
-            step, script = save(), os.path.basename(__file__)
-            again = f"torchrun --standalone --nproc_per_node {world} {script}" if world > 1 else f"python {script}"
-            if log.writer is not None:
-                print(f"checkpoint at step {step}: continue with {again} --resume {log.path}", file=sys.stderr)
-    sys.exit(130)
+    def on_signal(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            os._exit(130)
+        self.requested = True
+        print("stopping after the update in hand (Ctrl-C again: at once)", file=sys.stderr, flush=True)
 
 
 class NonFiniteError(RuntimeError):
@@ -954,50 +858,55 @@ def check_finite(where: str, **named) -> None:
         raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
-def check_finite_parameters(where: str, **modules) -> None:
-    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
-    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
-    check_finite(where, **named)
+def fail(error: Exception, run_path: str) -> None:
+    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit 1 (worker
+    processes die with this one; torchrun stops the other learners)."""
+    print(f"error: {error}", file=sys.stderr)
+    if "NonFiniteError" in f"{type(error).__name__} {error}":
+        path = os.path.join(run_path, "checkpoint.pt")
+        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        print(
+            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
+            file=sys.stderr,
+            flush=True,
+        )  # (format this with ruff)
+    os._exit(1)
 
 
-def save_atomic(obj, path: str) -> None:
-    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
+# Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
+PAPER = "the paper's settings (the Args defaults)"
+FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
-def loss_stats(result) -> dict:
-    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
-    scalars (the total and what is not a scalar left out)."""
-    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
-    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
+def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
+    """tyro's flags over the task's Table 7 column and, unless `--preset paper`, its family's defaults: a flag
+    given wins, `--help` shows the values a run would take; none on `--resume` (the run keeps its own arguments)."""
+    import tyro
 
-
-# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
-PAPER, FAMILY_NAMES = (
-    "the paper's settings (the Args defaults)",
-    dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control"),
-)
-
-
-def family_key(args, table) -> str:
-    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
-    family = task_family(args.env_id)
-    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
-    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
+    argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
+    presets = [b for a, b in zip(argv, argv[1:]) if a == "--preset"] + [
+        a[9:] for a in argv if a.startswith("--preset=")
+    ]
+    for value in presets:  # one clear line rather than tyro's box
+        require(value in ("family", "paper"), f"--preset {value!r} is not one of family, paper")
+    first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
+    overrides = {} if first.resume else dict(TABLE7_COLUMNS[table7_column(first.env_id)])
+    if not first.resume and first.preset != "paper":
+        overrides.update(table.get(task_family(first.env_id), (PAPER, {}))[1])
+    return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
-    key = family_key(args, table)
-    source, overrides = table.get(key, (PAPER, {}))
+    family = task_family(args.env_id)
+    source, overrides = table.get(family, (PAPER, {}))
     if args.preset == "paper":
-        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
-    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+        return family, PAPER + ", forced by --preset paper"
     show = [
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
-    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "")
+    return family, source + (": " + ", ".join(show) if show else "")
 
 
 def resume_args(args):
@@ -1005,122 +914,102 @@ def resume_args(args):
     return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
-def new_run_folder(path: str) -> str:
-    """Creates the run folder `path`, or `path_2`, `path_3`, ... where a run that started in the same second took
-    the name (`os.mkdir` is atomic: two runs never share a folder)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    name, k = path, 1
-    while True:
-        try:
-            os.mkdir(name)
-            return name
-        except FileExistsError:
-            k += 1
-            name = f"{path}_{k}"
-
-
 class RunLog:
-    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
-    None) gives the step, returns and wall time to go on from. Only rank 0 (`write`) writes."""
+    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
+    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
+    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
 
-    def __init__(self, args, task_name, resumed, describe, write=True):
-        self.args, self.writer, self.first, resumed = args, None, None, resumed or {}
-        self.path = args.resume or os.path.join(
-            args.run_dir, f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
-        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))  # groups: games
+    def __init__(self, args, resumed, describe, name=None, write=True):
+        resumed, self.args, self.writer = resumed or {}, args, None
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_log = self.last_line = time.time()  # last_line: also the lines while collecting
-        if write:
-            from torch.utils.tensorboard import SummaryWriter
+        self.start = self.last_line = self.last_save = time.time()
+        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
+        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
+        self.path += "" if args.resume else f"__{int(self.start)}"
+        if not write:
+            return
+        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+            try:
+                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                break
+            except FileExistsError:
+                pass
+        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
+        family, source = describe_defaults(args)
+        with open(os.path.join(self.path, "args.json"), "w") as f:
+            json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+        from torch.utils.tensorboard import SummaryWriter
 
-            self.path = self.path if args.resume else new_run_folder(self.path)
-            os.makedirs(self.path, exist_ok=True)
-            family, source = describe_defaults(args)
-            print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
-            with open(os.path.join(self.path, "args.json"), "w") as f:
-                json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
-            self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-            print(f"run folder: {self.path}  ({describe})", flush=True)
+        self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step, *groups) -> None:
+    def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-        for group in groups:
+        if group is not None:
             self.groups.setdefault(group, []).append(score)
-            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
-    def first_update(self, step: int) -> None:
-        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
-
-    def state(self, step: int, **script_state) -> dict:
-        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
-        groups, wall = {g: r[-10:] for g, r in self.groups.items()}, self.previous_wall + time.time() - self.start
-        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=wall)
-        return {**script_state, **log, "args": dataclasses.asdict(self.args), "script": os.path.basename(__file__)}
+    def update_done(self, step: int) -> None:
+        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
+        self.last = (time.time(), step)
+        self.first = self.first or self.last
 
     def due(self) -> bool:
-        return time.time() - self.last_log >= self.args.log_interval
+        """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
+        return time.time() - self.last_line >= self.args.log_interval
 
-    def console(self, step: int, extra: str = "", collecting=None) -> None:
-        """The progress line (and charts/SPS); with `collecting` (unrolls ready, needed, steps per unroll) the line
-        printed while a batch is collected, at most every --log-interval seconds (at least 1 s)."""
-        now = time.time()
-        if collecting is not None:
-            if now - self.last_line < max(self.args.log_interval, 1.0):
-                return
-            ready, needed, T = collecting
-            sps = (step - self.start_step + ready * T) / max(now - self.start, 1e-9)
-            line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | collecting a batch: "
-            print(f"{line}{ready}/{needed} unrolls of {T} steps", flush=True)
-            self.last_line = now
-            return
+    def console(self, step: int, extra: str = "") -> None:
+        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+        now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
-        self.writer.add_scalar("charts/SPS", sps, step)
-        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
         print(
             f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        self.last_log = self.last_line = now
+        if self.writer is not None:
+            self.scalars({"charts/SPS": sps}, step)
+        self.last_line = now
 
-    def end(self, model: dict, end_time: float, device) -> dict:
-        """model.pt (with `--save-model`), the evaluation (the first episode filmed with `--capture-video`),
-        summary.json."""
-        step, n, eval_mean, steady = model["global_step"], self.args.eval_episodes, None, None
-        if self.args.save_model:
-            torch.save(model, os.path.join(self.path, "model.pt"))
-        if n > 0:
-            policy = lambda k: make_eval_policy(model, k, str(device))  # noqa: E731
-            film = self.path if self.args.capture_video else None
-            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000, film)))
-            self.scalars({"charts/eval_return": eval_mean}, step)
-            print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
-        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
-            steady = (step - self.first[1]) / (end_time - self.first[0])
-        summary = {
-            "env_id": self.args.env_id,
-            "total_timesteps": step,
-            "wall_time_s": self.previous_wall + end_time - self.start,
-            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
-            "sps_after_first_update": steady,
-            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
-            "eval_mean_return": eval_mean,
-        }
+    def save(self, step: int, state: dict, model: dict = None) -> None:
+        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
+        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        wall = self.previous_wall + time.time() - self.start
+        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
+        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
+            if obj is not None:
+                torch.save(obj, os.path.join(self.path, name + ".tmp"))
+                os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.last_save = time.time()
+
+    def save_due(self) -> bool:
+        return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
+
+    def end(self, step: int, eval_mean=None, **extra) -> dict:
+        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
+        SPS run to the last update (`update_done`), not through the evaluation."""
+        end = self.last[0] if self.last else time.time()
+        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
+        summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
+        if self.first is not None and self.last[1] > self.first[1]:
+            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()
-        return summary
+        return {**summary, **extra}
 
 
 def cli():
-    """The command line: tyro's flags, the Table 7 column and family defaults, bad input as one line (exit 2)."""
+    """tyro's flags over the Table 7 column and the family's defaults, bad input as one line (exit status 2)."""
     try:
         main(parse_args())
     except UsageError as e:

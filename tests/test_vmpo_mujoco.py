@@ -21,6 +21,7 @@ from vmpo_mujoco import (
     vmpo_weights,
 )
 from tests.helpers import (
+    ctrl_c_during_second_update,
     evaluate_cli,
     assert_killed_process_ends_the_run,
     assert_non_finite_stops_the_run,  # noqa: E402
@@ -491,6 +492,16 @@ def test_killed_process_ends_the_run(tmp_path, victim):
         "0",
     ]
     assert_killed_process_ends_the_run("vmpo_mujoco.py", argv, tmp_path, victim)
+
+
+@pytest.mark.e2e
+def test_ctrl_c_completes_the_update_in_hand_and_saves_it(tmp_path):
+    """A wide network taking four Adam steps on each batch, so that an update takes a while on a CPU: Ctrl-C while
+    the second update is collected or in progress lets that update finish (no copy of the learner is kept to undo
+    it), starts no other, checkpoints the last completed update and ends the run with exit 130."""
+    argv = ["--env-id", "Pendulum-v1", "--num-envs", "4", "--batch-size", "4", "--num-minibatches", "1"]
+    argv += ["--unroll-length", "10", "--hidden", "1024", "1024", "--head-hidden", "1024", "--update-epochs", "4"]
+    ctrl_c_during_second_update("vmpo_mujoco.py", argv, tmp_path, steps_per_update=4 * 10)
 
 
 # --------------------------------------------------------------------------------------------------------
