@@ -30,9 +30,9 @@ processes that write unrolls into shared-memory slots; the learner publishes its
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -108,11 +108,11 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family (a flag the user gives wins): Atari runs Table G.1, with 4x its learning rate where no GPU
-# is used; classic control runs settings measured on CartPole-v1 (docs/impala_vtrace.md).
+# Defaults by task family, the same on every device (a flag the user gives wins; `--preset paper`: Table G.1 as it is):
+# Atari runs Table G.1 with 4x its learning rate, measured on Breakout-v5; classic control settings measured on
+# CartPole-v1 (docs/impala_vtrace.md).
 FAMILY_DEFAULTS = {
-    "atari": ("the paper's Atari settings (Table G.1)", {}),
-    "atari_cpu": ("the CPU Atari settings measured on Breakout-v5 (docs)", dict(learning_rate=2.4e-3)),
+    "atari": ("Table G.1 with 4x its learning rate, measured on Breakout-v5 (docs)", dict(learning_rate=2.4e-3)),
     "classic": (
         "settings measured on CartPole-v1 (docs)",
         dict(total_timesteps=300_000, num_envs=16, batch_size=8, learning_rate=3e-3, baseline_cost=0.1),
@@ -335,22 +335,19 @@ def act(cfg, link: ActorLink) -> None:
         unrolls.write(ids, row, core)
         prev_action[ids_t], ended[ids] = action, done
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            link.msg_q.put(("episode", score, length, cfg.task))
+            link.episode_q.put((score, length, cfg.task))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Learning: setup, the learner's loop (Fig. 1's learner), the end.
+# Learning: the learner's step, then setup, the learner's loop (Fig. 1's learner), the end.
 
 
-def learner_step(model, agent, optimizer, batch, args, interrupt, pool, update, lr, diagnose=False):
-    """The learner's update number `update` on a batch of unrolls (Sec. 3, 4.2): the learning rate `lr`, the agent's
-    outputs, the V-trace loss, its gradient (summed over the learner processes) clipped to --max-grad-norm, the
-    optimiser's step, PopArt moved toward the batch's targets (per game; outputs preserved), the weights published
-    to the actors (`pool`). The lines from the step on run in `interrupt.commit()`: Ctrl-C lets them finish.
-    Returns the logits and the stats (with `diagnose`, the per-layer gradient norms too)."""
-    for g in optimizer.param_groups:
-        g["lr"] = lr
-    lag = pool.version.item() - batch["version"][:-1].float().mean()  # updates behind, of the acting policy
+def learner_step(model, optimizer, batch, args, diagnose=False):
+    """One update on a batch of unrolls (Sec. 3, 4.2): the agent's outputs, the V-trace loss, its gradient (summed
+    over the learner processes) clipped to --max-grad-norm, the optimiser's step, PopArt moved toward the batch's
+    targets (per game; outputs preserved). Returns the logits and the stats (`diagnose`: the per-layer gradient
+    norms too)."""
+    agent = getattr(model, "module", model)  # under DDP, the module it wraps
     state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
     logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
     out = batch_loss(logits, values, batch, args, agent.popart)
@@ -358,132 +355,129 @@ def learner_step(model, agent, optimizer, batch, args, interrupt, pool, update, 
     (out.loss * world_size()).backward()  # DDP averages over processes: keep the sum over the global batch
     layers = grad_norms_by_layer(agent) if diagnose else {}  # before clipping
     grad_norm, stats = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm), loss_stats(out)
-    named = {k.split("/")[-1]: v for k, v in stats.items()}
-    check_finite(f"at update {update}", loss=out.loss, gradient=grad_norm, **named)
+    check_finite("in an update", loss=out.loss, gradient=grad_norm, **{k.split("/")[1]: v for k, v in stats.items()})
     stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
-    stats.update({"charts/learning_rate": lr, "stats/policy_lag": lag})
-    with interrupt.commit():
-        optimizer.step()
-        if agent.popart is not None:
-            real = ~batch["ended"][:-1]
-            agent.popart.update(out.vs[real], batch["task"][:-1][real])
-        pool.publish(agent.state_dict())
+    stats["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    if agent.popart is not None:
+        real = ~batch["ended"][:-1]
+        agent.popart.update(out.vs[real], batch["task"][:-1][real])
     return logits, stats
 
 
 def main(args: Args):
     args, resumed = resume_args(args)
     spec, games = check_args(args)
-    multitask = len(games) > 0
-    use_popart = args.popart == "on" or (args.popart == "auto" and multitask)
+    use_popart = args.popart == "on" or (args.popart == "auto" and len(games) > 0)
     args = dataclasses.replace(args, env_ids=tuple(games), popart="on" if use_popart else "off")
     rank, world, device = learner_process(args)
-    num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
-    atari = is_atari(games[0] if multitask else args.env_id)
-    net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.mlp_hidden)
-    agent = Agent(
-        spec.observation_space.shape, num_actions, *net, max(1, len(games)), use_popart, args.popart_beta, args.init
-    )
-    agent = agent.to(device)
-    if world > 1:  # the same initial weights in every learner (rank 0's)
-        for p in agent.parameters():
-            torch.distributed.broadcast(p.data, 0)
-    model = agent
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(agent, device_ids=[device.index] if device.type == "cuda" else None)
+    num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
+    net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.mlp_hidden, max(1, len(games)))
+    agent = Agent(spec.observation_space.shape, num_actions, *net, use_popart, args.popart_beta, args.init).to(device)
     optimizer = make_optimizer(args, agent.parameters())
-    start_update = 0
-    if resumed is not None:
-        agent.load_state_dict(resumed["agent"])
-        optimizer.load_state_dict(resumed["optimizer"])
-        start_update = resumed["update"]
-    describe = (
-        f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
-        f"{args.num_envs * world} envs{', ' + str(len(games)) + ' games' if multitask else ''}"
-        f"{', PopArt' if use_popart else ''}"
-    )
-    log = RunLog(args, f"{len(games)}games" if multitask else args.env_id, resumed, describe, write=rank == 0)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
-    anneal_steps = args.lr_anneal_steps or (50_000_000 if atari else args.total_timesteps)
-    anneal_updates = max(num_updates, anneal_steps // steps_per_update)
-    last_checkpoint = time.time()
-
-    def checkpoint(update, timed=False):  # timed: only every --checkpoint-interval seconds
-        nonlocal last_checkpoint
-        if timed and not 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
-            return None
-        last_checkpoint = time.time()
-        if rank == 0:
-            step = update * steps_per_update
-            check_finite_parameters(f"at update {update}", agent=agent)
-            if args.save_model:  # a run stopped early can be evaluated too
-                save_atomic(saved_model(args, agent, games, atari, step), os.path.join(log.path, "model.pt"))
-            state = dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), update=update)
-            save_atomic(log.state(step, **state), os.path.join(log.path, "checkpoint.pt"))
-        return update * steps_per_update
-
-    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress, and save the last completed update (the
-    # updates published); only the lines that change the training state (the step to the publication) finish first.
-    interrupt, pool, global_step = Interrupt(), None, log.start_step
+    anneal_steps = args.lr_anneal_steps or (50_000_000 if is_atari(args.env_id) or games else args.total_timesteps)
+    anneal_updates = max(num_updates, anneal_steps // steps_per_update)  # the learning rate to 0 linearly (Table G.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates if args.anneal_lr else 1)
+    update = resumed["update"] if resumed else 0
+    if resumed:
+        agent.load_state_dict(resumed["agent"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        schedule.load_state_dict(resumed["schedule"])
+    model = agent
+    if world > 1:  # gradients averaged over the learners, every one starting from rank 0's weights
+        model = nn.parallel.DistributedDataParallel(agent, [device.index] if device.type == "cuda" else None)
+    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
+    describe += f"{args.num_envs * world} envs" + (f", {len(games)} games" if games else "") + ", PopArt" * use_popart
+    log = RunLog(args, resumed, describe, f"{len(games)}games" if games else None, write=rank == 0)
+    specs, cfgs = buffer_specs(spec.observation_space, num_actions, args), actor_configs(args, rank, device, games)
+    pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
     try:
-        specs = buffer_specs(spec.observation_space, num_actions, args)
-        pool = ActorPool(actor_configs(args, rank, device, games), agent, specs, args.batch_size // world, device)
-        collecting = (pool.batch_size, args.unroll_length)  # a progress line also while a batch is collected
-        for update in range(start_update + 1, num_updates + 1):
-            # the learning rate annealed linearly to 0 (Table G.1)
-            lr = args.learning_rate * (1 - (update - 1) / anneal_updates) if args.anneal_lr else args.learning_rate
-            batch = pool.next_batch(lambda k: rank == 0 and log.console(global_step, collecting=(k, *collecting)))
-            global_step, diagnose = update * steps_per_update, rank == 0 and (log.due() or update == num_updates)
-            logits, stats = learner_step(model, agent, optimizer, batch, args, interrupt, pool, update, lr, diagnose)
-            checkpoint(update, timed=True)
-            log_update(log, pool.take_episodes(), games, global_step, stats if diagnose else None, agent, logits, batch)
+        while update < num_updates:
+            batch = pool.next_batch(stop, log if rank == 0 else None, update * steps_per_update)
+            if agreed(batch is None, device):  # a stop: every learner after the same update
+                break
+            update, diagnose = update + 1, rank == 0 and (log.due() or update + 1 == num_updates)
+            logits, stats = learner_step(model, optimizer, batch, args, diagnose)
+            schedule.step()
+            pool.publish(agent)
+            if rank == 0 and (log.save_due() or update == num_updates):
+                save(log, update, steps_per_update, agent, optimizer, schedule)
+            log_update(log, pool, agent, update * steps_per_update, stats if diagnose else None, logits, batch)
     except (WorkerError, NonFiniteError) as e:
-        fail(e, log.path, pool)
-    except KeyboardInterrupt:
-        done_update = start_update + int(pool.version) if pool is not None else start_update
-        save = (lambda: checkpoint(done_update)) if done_update > start_update else None
-        stop_on_interrupt(pool, interrupt, save, log, world)
+        fail(e, log.path)
     pool.close()
-    end_time = time.time()
-    checkpoint(num_updates)
-    if rank == 0:
-        log.end(saved_model(args, agent, games, atari, global_step), end_time, device, games)
+    if rank == 0 and update < num_updates:  # stopped: the last completed update saved, and how to continue
+        save(log, update, steps_per_update, agent, optimizer, schedule)
+        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
+        step, continue_with = update * steps_per_update, f"{again} {os.path.basename(__file__)} --resume {log.path}"
+        print(f"checkpoint at step {step}: continue with {continue_with}", file=sys.stderr)
+    elif rank == 0:
+        model = saved_model(args, agent, update * steps_per_update)
+        eval_mean, extra = evaluate_model(log, model, device)
+        log.end(update * steps_per_update, eval_mean, **extra)
     if world > 1:
         torch.distributed.destroy_process_group()
+    sys.exit(130 if update < num_updates else 0)
 
 
-def log_update(log, episodes, games, step, stats, agent, logits, batch) -> None:
+def save(log, update, steps_per_update, agent, optimizer, schedule) -> None:
+    """checkpoint.pt: the training state (weights with PopArt's statistics, the optimiser, the learning-rate schedule,
+    the update counter), once it is found finite; model.pt with --save-model."""
+    step, weights = update * steps_per_update, agent.state_dict()
+    check_finite("in the weights", **{f"agent.{k}": v for k, v in weights.items() if v.is_floating_point()})
+    state = dict(agent=weights, optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), update=update)
+    log.save(step, state, saved_model(log.args, agent, step) if log.args.save_model else None)
+
+
+def log_update(log, pool, agent, step, stats, logits, batch) -> None:
     """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
-    learner's diagnostics and the console line."""
+    learner's diagnostics (the policy's lag, whether the policy depends on the state yet, the torso's dead units,
+    PopArt's statistics per game, several games' median human-normalised score) and the console line."""
     if log.writer is None:
         return
-    log.first_update(step)
-    for score, length, task in episodes:
-        log.episode(score, length, step, *([games[task]] if games else []))
-    if stats is not None:
-        log_diagnostics(log, agent, games or [log.args.env_id], stats, logits, batch, step)
-        log.console(step, f"entropy {stats['stats/entropy'].item():.2f} | lag {stats['stats/policy_lag']:.1f}")
-
-
-def log_diagnostics(log, agent, tasks, stats, logits, batch, step) -> None:
-    """The learner's stats, gradient norms per layer, whether the policy depends on the state yet (logits' spread
-    across states), the torso's dead units, PopArt's statistics per game, several games' median human-normalised
-    score (of their last 10 episodes)."""
-    log.scalars(stats, step)
+    log.update_done(step)
+    games = log.args.env_ids
+    for score, length, task in pool.take_episodes():
+        log.episode(score, length, step, games[task] if games else None)
+    if stats is None:
+        return
+    lag = pool.version.item() - 1 - batch["version"][:-1].float().mean()  # updates behind, of the acting policy
     with torch.no_grad():
-        features = agent.torso(batch["obs"][:-1].flatten(0, 1))
-        log.scalars({"stats/logits_std_across_states": logits_std_across_states(logits[:-1])}, step)
-        log.scalars({"stats/dead_units": dead_units(features)}, step)
-    for k, task in enumerate(tasks if agent.popart is not None else []):
-        log.scalars(
-            {f"stats/popart_sigma/{task}": agent.popart.sigma[k], f"stats/popart_mu/{task}": agent.popart.mu[k]}, step
+        stats["stats/dead_units"] = dead_units(agent.torso(batch["obs"][:-1].flatten(0, 1)))
+    stats.update({"stats/logits_std_across_states": logits_std_across_states(logits[:-1]), "stats/policy_lag": lag})
+    for k, game in enumerate(games if agent.popart is not None else ()):
+        stats.update(
+            {f"stats/popart_sigma/{game}": agent.popart.sigma[k], f"stats/popart_mu/{game}": agent.popart.mu[k]}
         )
-    hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in tasks if log.groups.get(g)]
-    if len(tasks) > 1 and len(hns) == len(tasks):
-        log.scalars({"charts/median_human_normalized": float(np.median(hns))}, step)
+    hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in games if log.groups.get(g)]
+    if len(games) > 1 and len(hns) == len(games):
+        stats["charts/median_human_normalized"] = float(np.median(hns))
+    log.scalars(stats, step)
+    log.console(step, f"entropy {stats['stats/entropy']:.2f} | lag {lag:.1f}")
+
+
+def evaluate_model(log, model, device) -> tuple:
+    """The end of training: `--eval-episodes` episodes of the final policy (each game's, with a table, for several
+    games; the first episode filmed with `--capture-video`). Returns (mean return, summary.json's extra entries)."""
+    n, games, step = log.args.eval_episodes, log.args.env_ids, model["global_step"]
+    film, seed = log.path if log.args.capture_video else None, log.args.seed + 10_000
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    if n == 0:
+        return None, {}
+    if not games:
+        mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, seed, film)))
+        print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+        log.scalars({"charts/eval_return": mean}, step)
+        return mean, {}
+    _, table = evaluate_games(policy, games, n, seed, os.path.join(log.path, "evaluation"), film)
+    log.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
+    log.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
+    extra = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
+    last10 = {g: float(np.mean(log.groups[g][-10:])) if log.groups.get(g) else None for g in games}
+    extra.update(eval_per_game=table["games"], env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
+    return float(np.mean([r["mean"] for r in table["games"]])), extra
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -494,8 +488,9 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
 
 
-def saved_model(args, agent, games, atari, global_step):
+def saved_model(args, agent, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
+    games = args.env_ids
     return {
         "script": "impala_vtrace",
         "env_id": games[0] if games else args.env_id,
@@ -504,7 +499,7 @@ def saved_model(args, agent, games, atari, global_step):
         "args": dataclasses.asdict(args),
         "agent_config": agent.config,
         "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-        "reward_clip": atari,
+        "reward_clip": bool(games) or is_atari(args.env_id),
         "global_step": global_step,
     }
 
@@ -536,12 +531,24 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
     of a multi-task run (presets expanded; empty for one game)."""
-    games = check_actor_args(args)
+    games, world, steps = expand_env_ids(args.env_ids), world_size(), args.batch_size * args.unroll_length
+    for game in games:
+        require(is_atari(game), f"--env-ids takes Atari games (Pong-v5 Breakout-v5, or atari57, atari5), not {game}")
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
-    if args.lr_anneal_steps < 0:
-        raise UsageError(f"--lr-anneal-steps must be 0 (automatic) or a number of steps, got {args.lr_anneal_steps}")
-    check_channels(args.network, args.channels)
+    per_actor = args.num_envs // max(args.num_actors, 1)
+    actors = f"--num-actors {args.num_actors}" + " (with --env-ids: one per game unless given)" * bool(games)
+    require(not games or args.num_actors % len(games) == 0, f"{actors} must be a multiple of the number of games")
+    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
+    require(args.batch_size % world == 0, f"--batch-size {args.batch_size}: not a multiple of the learners ({world})")
+    fits = 0 < args.num_actors <= args.num_envs and per_actor * args.num_actors == args.num_envs
+    require(fits, f"--num-envs {args.num_envs} must be a positive multiple of {actors}")
+    require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
+    require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
+    require(args.lr_anneal_steps >= 0, f"--lr-anneal-steps must be 0 (automatic) or steps, not {args.lr_anneal_steps}")
     require(0 < args.popart_beta <= 1, f"--popart-beta must be in (0, 1], got {args.popart_beta}")
+    check_channels(args.network, args.channels)
+    for game in games[1:]:
+        env_spec(game, discrete=True)
     return spec, games
 
 
@@ -567,14 +574,14 @@ def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNam
 @dataclass
 class ActorLink:
     """What an actor process shares with its learner: the published network and its version, the unroll buffers,
-    the free and full slot queues, the message queue."""
+    the free and full slot queues, the finished episodes' queue."""
 
     agent: nn.Module
     version: torch.Tensor
     buffers: dict
     free_q: object
     full_q: object
-    msg_q: object
+    episode_q: object
     seen: int = -1  # the version the actor's copy holds
 
     def local_agent(self, device):
@@ -621,11 +628,11 @@ class UnrollWriter:
 
 class ActorPool:
     """The learner's side: one process per config running `act`, batches of full unrolls (`next_batch`), the
-    learner's weights published to the actors (`publish`), their finished episodes (`episodes`), `close`."""
+    learner's weights published to the actors (`publish`), their finished episodes (`take_episodes`), `close`."""
 
     def __init__(self, cfgs, agent, specs, batch_size, device):
         ctx = torch.multiprocessing.get_context("spawn")
-        self.batch_size, self.device, self.episodes = batch_size, device, []
+        self.batch_size, self.device = batch_size, device
         num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
         buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
         shared, version = copy.deepcopy(agent).cpu().share_memory(), torch.zeros(1, dtype=torch.long).share_memory_()
@@ -635,86 +642,43 @@ class ActorPool:
             self.link.free_q.put(i)
         self.workers = start_workers(act, cfgs, self.link)
 
-    def next_batch(self, on_wait=None):
-        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`); `on_wait(ready)`
-        while they are collected. Raises WorkerError (with its traceback) if an actor died."""
-        idx = []
-        while len(idx) < self.batch_size:
+    def next_batch(self, stop, log=None, step=0):
+        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`), or None once a stop
+        is requested; while they are collected, a progress line every --log-interval seconds (`log`). Raises
+        WorkerError (with its traceback) if an actor died."""
+        idx, batch_size = [], self.batch_size
+        while len(idx) < batch_size and not stop.requested:
             try:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
-                check_workers(self.workers, "actor", must_live=True)
-            if on_wait is not None:
-                on_wait(len(idx))
-        while not self.link.msg_q.empty():
-            self.episodes.append(self.link.msg_q.get()[1:])
-        check_workers(self.workers, "actor", must_live=True)
-        idx_t = torch.tensor(idx)
-        batch = {k: v[idx_t] for k, v in self.link.buffers.items()}
+                check_workers(self.workers, "actor")
+            if log is not None and log.due():
+                log.console(step, f"collecting a batch: {len(idx)}/{batch_size} unrolls")
+        check_workers(self.workers, "actor")
+        if stop.requested:
+            return None
+        batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
         for i in idx:
             self.link.free_q.put(i)
-        pin = self.device.type == "cuda"
         batch = {k: v if k.startswith("core_") else v.transpose(0, 1) for k, v in batch.items()}
+        pin = self.device.type == "cuda"
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def publish(self, state):
-        """Copies `state` (a state_dict) into the network the actors act with; they load it at their next step."""
+    def publish(self, agent):
+        """Copies `agent`'s weights into the network the actors act with; they load it at their next step."""
         with torch.no_grad():
-            for dst, src in zip(self.agent.state_dict().values(), state.values()):
+            for dst, src in zip(self.agent.state_dict().values(), agent.state_dict().values()):
                 dst.copy_(src)
         self.version += 1
 
     def take_episodes(self) -> list:
-        episodes, self.episodes = self.episodes, []
-        return episodes
+        """(score, length, task) of each episode the actors finished since the last call."""
+        return [self.link.episode_q.get() for _ in range(self.link.episode_q.qsize())]
 
     def close(self):
-        stop_workers(self.workers)
-
-
-def check_actor_args(args) -> list[str]:
-    """The actors' options, checked before any work (UsageError): a multi-task run's games (Atari, the same share of
-    the actors each), the unroll, the batch over the learners and its minibatches, the envs per actor and their
-    async batch, a run of at least one batch. Returns the games of a multi-task run (none for one task)."""
-    games, world = expand_env_ids(getattr(args, "env_ids", ())), world_size()
-    steps = args.batch_size * args.unroll_length
-    per_actor, mb = args.num_envs // max(args.num_actors, 1), getattr(args, "num_minibatches", world)
-    for game in games:
-        env_spec(game, discrete=True)
-        require(
-            is_atari(game),
-            f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: atari57, atari5); {game} is not one",
-        )
-    require(
-        not games or args.num_actors % len(games) == 0,
-        f"--num-actors {args.num_actors} must be a multiple "
-        f"of the number of games ({len(games)}) so that every game gets the same share of the actors",
-    )
-    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
-    require(
-        args.batch_size >= 1 and args.batch_size % world == 0,
-        f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})",
-    )
-    require(
-        1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0,
-        f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}"
-        + (" (with --env-ids: one actor per game unless given)" if games else ""),
-    )
-    require(
-        0 <= args.env_batch_size <= per_actor,
-        f"--env-batch-size {args.env_batch_size} must be between 1 "
-        f"and the envs per actor ({per_actor}), or 0 for half of them",
-    )
-    require(
-        args.total_timesteps >= steps,
-        f"--total-timesteps {args.total_timesteps} is less than one batch (batch-size x unroll-length = {steps} steps)",
-    )
-    require(
-        mb >= 1 and mb % world == 0 and args.batch_size % mb == 0,
-        f"--num-minibatches {mb} must divide "
-        f"--batch-size {args.batch_size} and be a multiple of the number of learner processes ({world})",
-    )
-    return games
+        for p in self.workers.processes:
+            p.kill()
+            p.join()
 
 
 class WorkerError(RuntimeError):
@@ -722,42 +686,35 @@ class WorkerError(RuntimeError):
 
 
 def run_worker(i, target, per_worker, *args):
-    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
-    Ctrl-C is its learner's to handle, it dies with its learner, one torch thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
+    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back): it
+    dies with its learner, one torch thread."""
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
     if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
         target(per_worker[i], *args)
 
 
 def start_workers(target, per_worker, *args):
-    """One process per item of `per_worker`, running `target(item, *args)`."""
+    """One process per item of `per_worker`, running `target(item, *args)`. They ignore Ctrl-C and SIGTERM from their
+    first instruction (a terminal or a job scheduler signals every process; stopping is their learner's to do)."""
+    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # inherited by them
     run = (target, per_worker, *args)
-    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+    workers = torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+    for s, handler in ignored.items():
+        signal.signal(s, handler)
+    return workers
 
 
-def check_workers(workers, what, must_live=False) -> None:
-    """WorkerError if a worker raised (with its traceback) or died (`must_live`: ended at all); torch's `join` has
-    then stopped the others."""
+def check_workers(workers, what) -> None:
+    """WorkerError if a worker raised (its traceback), died or ended; torch's `join` has then stopped the others."""
     try:
         workers.join(timeout=0, grace_period=2.0)
     except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
         raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
     except torch.multiprocessing.ProcessExitedException as e:
         raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-    if must_live and any(p.exitcode == 0 for p in workers.processes):
+    if any(p.exitcode == 0 for p in workers.processes):
         raise WorkerError(f"{what} ended before its learner")
-
-
-def stop_workers(workers) -> None:
-    for p in (p for p in workers.processes if p.is_alive()):
-        p.terminate()
-    for p in workers.processes:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
 
 
 def world_size() -> int:
@@ -768,10 +725,9 @@ def learner_process(args):
     """(rank, world, device) of this learner: the process group under torchrun, the seeds (seed + rank), cudnn's
     determinism and torch's threads (`--learner-threads`, or the cores shared among the learners)."""
     rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
     if world > 1:
-        torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -779,68 +735,37 @@ def learner_process(args):
     return rank, world, device
 
 
-class Interrupt:
-    """Ctrl-C and SIGTERM: stop at once, dropping the update in progress, except inside `with commit():` (the lines
-    that change the training state), which finishes first; a second Ctrl-C stops at once wherever it is. Once it
-    has raised, later signals change nothing (the shutdown under way must not be cut short)."""
+def agreed(flag: bool, device) -> bool:
+    """Whether `flag` holds in any learner process: under torchrun every learner stops after the same update."""
+    if world_size() == 1:
+        return flag
+    flag = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def loss_stats(result) -> dict:
+    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
+    scalars (the total and what is not a scalar left out)."""
+    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
+    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
+
+
+class Stop:
+    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the update in hand (a wait for a batch or a
+    worker looks every second), saves and says how to continue; a second Ctrl-C exits at once (status 130, the worker
+    processes dying with this one). A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
 
     def __init__(self):
-        self.signals, self.committing, self.raised = [], False, False
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        self.requested = False
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
 
-    def _on_signal(self, signum, frame):
-        self.signals.append(signum)
-        if not self.raised and (len(self.signals) > 1 or not self.committing):
-            self.raised = True
-            raise KeyboardInterrupt
-
-    @property
-    def once(self) -> bool:
-        return len(self.signals) <= 1
-
-    @contextlib.contextmanager
-    def commit(self):
-        self.committing = True
-        try:
-            yield
-        finally:
-            self.committing = False
-        if self.signals and not self.raised:
-            self.raised = True
-            raise KeyboardInterrupt
-
-
-def fail(error: Exception, run_path: str, pool) -> None:
-    """A failed actor or a non-finite value: the error line (and where the last good checkpoint is), the actors
-    stopped, exit 1 (torchrun stops the other learners)."""
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    path = os.path.join(run_path, "checkpoint.pt")
-    if "NonFiniteError" in f"{type(error).__name__} {error}":
-        advice = "no checkpoint was written before it; try a lower --learning-rate"
-        if os.path.isfile(path):
-            step = torch.load(path, weights_only=False)["global_step"]
-            advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start "
-            advice += "again with a lower --learning-rate"
-        print(advice, file=sys.stderr, flush=True)
-    if pool is not None:
-        pool.close()
-    os._exit(1)
-
-
-def stop_on_interrupt(pool, interrupt: Interrupt, save, log, world: int) -> None:
-    """Ctrl-C or SIGTERM: the actors stopped; after one signal `save()` (the last completed update; None where
-    there is none yet) and how to continue; exit 130."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-    print("interrupted: stopping actors", file=sys.stderr, flush=True)
-    if pool is not None:
-        pool.close()
-        if interrupt.once and save is not None:
-            step, script = save(), os.path.basename(__file__)
-            again = f"torchrun --standalone --nproc_per_node {world} {script}" if world > 1 else f"python {script}"
-            if log.writer is not None:
-                print(f"checkpoint at step {step}: continue with {again} --resume {log.path}", file=sys.stderr)
-    sys.exit(130)
+    def on_signal(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            os._exit(130)
+        self.requested = True
+        print("stopping after the update in hand (Ctrl-C again: at once)", file=sys.stderr, flush=True)
 
 
 class NonFiniteError(RuntimeError):
@@ -855,77 +780,63 @@ def check_finite(where: str, **named) -> None:
         raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
-def check_finite_parameters(where: str, **modules) -> None:
-    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
-    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
-    check_finite(where, **named)
+def fail(error: Exception, run_path: str) -> None:
+    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit 1 (worker
+    processes die with this one; torchrun stops the other learners)."""
+    print(f"error: {error}", file=sys.stderr)
+    if "NonFiniteError" in f"{type(error).__name__} {error}":
+        path = os.path.join(run_path, "checkpoint.pt")
+        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        print(
+            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
+            file=sys.stderr,
+            flush=True,
+        )  # (format this with ruff)
+    os._exit(1)
 
 
-def save_atomic(obj, path: str) -> None:
-    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def loss_stats(result) -> dict:
-    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
-    scalars (the total and what is not a scalar left out)."""
-    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
-    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
-
-
-# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
-PAPER, FAMILY_NAMES = (
-    "the paper's settings (the Args defaults)",
-    dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control"),
-)
-
-
-def family_key(args, table) -> str:
-    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
-    family = "atari" if getattr(args, "env_ids", ()) else task_family(args.env_id)
-    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
-    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
+# Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
+PAPER = "the paper's settings (the Args defaults)"
+FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take;
-    none under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
+    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take; none
+    under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
     import tyro
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
     family = first.preset != "paper" and not first.resume
-    overrides = table.get(family_key(first, table), (PAPER, {}))[1] if family else {}
-    if family and getattr(first, "env_ids", ()):
-        overrides = {**overrides, **multi_task_defaults(first, dataclasses.replace(cls(), **overrides), argv)}
+    overrides = table.get(run_family(first), (PAPER, {}))[1] if family else {}
+    if family and first.env_ids:  # one actor per game and envs rounded up to match, unless given
+        given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
+        actors = first.num_actors if "--num-actors" in given else len(expand_env_ids(first.env_ids))
+        envs = (
+            first.num_envs if "--num-envs" in given else -(-overrides.get("num_envs", cls.num_envs) // actors) * actors
+        )
+        overrides = {**overrides, "num_actors": actors, "num_envs": envs}
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
-def multi_task_defaults(first, family, argv) -> dict:
-    """With --env-ids: one actor per game, unless --num-actors is given, and the family's envs rounded up to a
-    multiple of the actors, unless --num-envs is given (every game the same share of both). `first`: the flags as
-    given; `family`: the family's defaults."""
-    given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
-    actors = first.num_actors if "--num-actors" in given else len(expand_env_ids(first.env_ids))
-    envs = first.num_envs if "--num-envs" in given else -(-family.num_envs // actors) * actors
-    return dict(num_actors=actors, num_envs=envs)
+def run_family(args) -> str:
+    return "atari" if args.env_ids else task_family(args.env_id)
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
-    key = family_key(args, table)
-    source, overrides = table.get(key, (PAPER, {}))
+    family = run_family(args)
+    source, overrides = table.get(family, (PAPER, {}))
     if args.preset == "paper":
-        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
-    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+        return family, PAPER + ", forced by --preset paper"
     show = [
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
-    many = ""
-    if getattr(args, "env_ids", ()):
-        many = f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
-    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "") + many
+    source += ": " + ", ".join(show) if show else ""
+    if args.env_ids:
+        source += f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
+    return family, source
 
 
 def resume_args(args):
@@ -933,131 +844,98 @@ def resume_args(args):
     return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
-def new_run_folder(path: str) -> str:
-    """Creates the run folder `path`, or `path_2`, `path_3`, ... where a run that started in the same second took
-    the name (`os.mkdir` is atomic: two runs never share a folder)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    name, k = path, 1
-    while True:
-        try:
-            os.mkdir(name)
-            return name
-        except FileExistsError:
-            k += 1
-            name = f"{path}_{k}"
-
-
 class RunLog:
-    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
-    None) gives the step, returns and wall time to go on from. Only rank 0 (`write`) writes."""
+    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
+    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
+    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
 
-    def __init__(self, args, task_name, resumed, describe, write=True):
-        self.args, self.writer, self.first, resumed = args, None, None, resumed or {}
-        self.path = args.resume or os.path.join(
-            args.run_dir, f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
-        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))  # groups: games
+    def __init__(self, args, resumed, describe, name=None, write=True):
+        resumed, self.args, self.writer = resumed or {}, args, None
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_log = self.last_line = time.time()  # last_line: also the lines while collecting
-        if write:
-            from torch.utils.tensorboard import SummaryWriter
+        self.start = self.last_line = self.last_save = time.time()
+        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
+        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
+        self.path += "" if args.resume else f"__{int(self.start)}"
+        if not write:
+            return
+        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+            try:
+                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                break
+            except FileExistsError:
+                pass
+        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
+        family, source = describe_defaults(args)
+        with open(os.path.join(self.path, "args.json"), "w") as f:
+            json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+        from torch.utils.tensorboard import SummaryWriter
 
-            self.path = self.path if args.resume else new_run_folder(self.path)
-            os.makedirs(self.path, exist_ok=True)
-            family, source = describe_defaults(args)
-            print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
-            with open(os.path.join(self.path, "args.json"), "w") as f:
-                json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
-            self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-            print(f"run folder: {self.path}  ({describe})", flush=True)
+        self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step, *groups) -> None:
+    def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-        for group in groups:
+        if group is not None:
             self.groups.setdefault(group, []).append(score)
-            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
-    def first_update(self, step: int) -> None:
-        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
-
-    def state(self, step: int, **script_state) -> dict:
-        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
-        groups, wall = {g: r[-10:] for g, r in self.groups.items()}, self.previous_wall + time.time() - self.start
-        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=wall)
-        return {**script_state, **log, "args": dataclasses.asdict(self.args), "script": os.path.basename(__file__)}
+    def update_done(self, step: int) -> None:
+        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
+        self.last = (time.time(), step)
+        self.first = self.first or self.last
 
     def due(self) -> bool:
-        return time.time() - self.last_log >= self.args.log_interval
+        """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
+        return time.time() - self.last_line >= self.args.log_interval
 
-    def console(self, step: int, extra: str = "", collecting=None) -> None:
-        """The progress line (and charts/SPS); with `collecting` (unrolls ready, needed, steps per unroll) the line
-        printed while a batch is collected, at most every --log-interval seconds (at least 1 s)."""
-        now = time.time()
-        if collecting is not None:
-            if now - self.last_line < max(self.args.log_interval, 1.0):
-                return
-            ready, needed, T = collecting
-            sps = (step - self.start_step + ready * T) / max(now - self.start, 1e-9)
-            line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | collecting a batch: "
-            print(f"{line}{ready}/{needed} unrolls of {T} steps", flush=True)
-            self.last_line = now
-            return
+    def console(self, step: int, extra: str = "") -> None:
+        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+        now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
-        self.writer.add_scalar("charts/SPS", sps, step)
-        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
         print(
             f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        self.last_log = self.last_line = now
+        if self.writer is not None:
+            self.scalars({"charts/SPS": sps}, step)
+        self.last_line = now
 
-    def end(self, model: dict, end_time: float, device, games=()) -> dict:
-        """model.pt (with `--save-model`), the evaluation (each game's, with a table, for a multi-task model; the
-        first game's first episode filmed with `--capture-video`), summary.json."""
-        if self.args.save_model:
-            torch.save(model, os.path.join(self.path, "model.pt"))
-        step, summary, eval_mean, n = model["global_step"], {}, None, self.args.eval_episodes
-        if n > 0:
-            film, seed = self.path if self.args.capture_video else None, self.args.seed + 10_000
-            policy = lambda k: make_eval_policy(model, k, str(device))  # noqa: E731
-            if games:
-                _, table = evaluate_games(policy, games, n, seed, os.path.join(self.path, "evaluation"), film)
-                eval_mean = float(np.mean([r["mean"] for r in table["games"]]))
-                self.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
-                self.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
-                summary = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
-                summary["eval_per_game"] = table["games"]
-            else:
-                eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, seed, film)))
-                self.scalars({"charts/eval_return": eval_mean}, step)
-                print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
-        if games:
-            last10 = {g: float(np.mean(self.groups[g][-10:])) if self.groups.get(g) else None for g in games}
-            summary.update(env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
-        steady = None
-        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
-            steady = (step - self.first[1]) / (end_time - self.first[0])
-        summary = {
-            "env_id": f"{len(games)}games" if games else self.args.env_id,
-            "total_timesteps": step,
-            "wall_time_s": self.previous_wall + end_time - self.start,
-            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
-            "sps_after_first_update": steady,
-            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
-            "eval_mean_return": eval_mean,
-            **summary,
-        }
+    def save(self, step: int, state: dict, model: dict = None) -> None:
+        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
+        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        wall = self.previous_wall + time.time() - self.start
+        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
+        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
+            if obj is not None:
+                torch.save(obj, os.path.join(self.path, name + ".tmp"))
+                os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.last_save = time.time()
+
+    def save_due(self) -> bool:
+        return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
+
+    def end(self, step: int, eval_mean=None, **extra) -> dict:
+        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
+        SPS run to the last update (`update_done`), not through the evaluation."""
+        end = self.last[0] if self.last else time.time()
+        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
+        summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
+        if self.first is not None and self.last[1] > self.first[1]:
+            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()
-        return summary
+        return {**summary, **extra}
 
 
 def cli():

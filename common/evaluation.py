@@ -113,16 +113,9 @@ def score_table(scores_by_env: dict) -> dict:
     have reference scores: the median and the mean human-normalised score."""
     rows = []
     for env_id, scores in scores_by_env.items():
-        mean = float(np.mean(scores))
-        rows.append(
-            {
-                "env_id": env_id,
-                "episodes": len(scores),
-                "mean": mean,
-                "std": float(np.std(scores)),
-                "human_normalized": human_normalized_score(env_id, mean),
-            }
-        )
+        mean, std = float(np.mean(scores)), float(np.std(scores))
+        row = dict(env_id=env_id, episodes=len(scores), mean=mean, std=std)
+        rows.append(dict(row, human_normalized=human_normalized_score(env_id, mean)))
     hns = [r["human_normalized"] for r in rows if not math.isnan(r["human_normalized"])]
     return {
         "games": rows,
@@ -136,10 +129,9 @@ def write_score_table(table: dict, prefix: str) -> str:
     with open(prefix + ".json", "w") as f:
         json.dump(table, f, indent=2)
     with open(prefix + ".csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["env_id", "episodes", "mean", "std", "human_normalized"])
-        for r in table["games"]:
-            w.writerow([r["env_id"], r["episodes"], r["mean"], r["std"], r["human_normalized"]])
+        w = csv.DictWriter(f, ["env_id", "episodes", "mean", "std", "human_normalized"])
+        w.writeheader()
+        w.writerows(table["games"])
     lines = ["| game | episodes | mean score | std | human-normalised % |", "|---|---|---|---|---|"]
     lines += [
         f"| {r['env_id']} | {r['episodes']} | {r['mean']:.1f} | {r['std']:.1f} | {r['human_normalized']:.1f} |"

@@ -96,11 +96,8 @@ class MLPTorso(nn.Module):
 def make_torso(obs_shape, network="shallow", channels=None, mlp_hidden=(64, 64)):
     """Pixel observations `[C, H, W]` get a conv torso (`shallow` or `deep`), vectors an MLP."""
     if len(obs_shape) == 3:
-        if network == "shallow":
-            return ShallowTorso(obs_shape, **({"channels": tuple(channels)} if channels else {}))
-        if network == "deep":
-            return ResNetTorso(obs_shape, **({"channels": tuple(channels)} if channels else {}))
-        raise ValueError(f"unknown network {network!r}: expected 'shallow' or 'deep'")
+        torso = {"shallow": ShallowTorso, "deep": ResNetTorso}[network]
+        return torso(obs_shape, **({"channels": tuple(channels)} if channels else {}))
     return MLPTorso(int(math.prod(obs_shape)), mlp_hidden)
 
 

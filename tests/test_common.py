@@ -29,6 +29,8 @@ from common.networks import (
     make_torso,
 )
 
+SCRIPTS = ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"]
+
 
 def test_torsos_shapes_and_layer_counts():
     x = torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8)
@@ -364,7 +366,6 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
 def test_check_finite_names_the_first_non_finite_quantity(where):
     module = importlib.import_module(where)
     NonFiniteError, check_finite = module.NonFiniteError, module.check_finite
-    check_finite_parameters = module.check_finite_parameters
 
     check_finite("here", loss=torch.tensor(1.0), gradient=3.0, stats=torch.zeros(4))  # all finite: no error
     for bad in (float("nan"), float("inf"), -float("inf")):
@@ -372,12 +373,6 @@ def test_check_finite_names_the_first_non_finite_quantity(where):
             check_finite("at update 7", loss=torch.tensor(1.0), gradient=torch.tensor([0.0, bad]), other=2.0)
     with pytest.raises(NonFiniteError, match="non-finite value"):
         check_finite("x", loss=1.0, value=float("nan"), policy=float("inf"))  # the first one in order
-    net = torch.nn.Linear(2, 2)
-    check_finite_parameters("x", net=net)
-    with torch.no_grad():
-        net.bias[1] = float("nan")
-    with pytest.raises(NonFiniteError, match=r"non-finite net\.bias x"):
-        check_finite_parameters("x", net=net)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -485,6 +480,7 @@ def test_family_defaults_fill_what_the_user_did_not_give(where, capsys):
         use_lstm: bool = True
         channels: tuple[int, ...] = (16, 32)
         resume: str = ""
+        env_ids: tuple[str, ...] = ()  # read by the scripts that have --env-ids
 
     table = {"classic": ("measured", dict(lr=1e-3, use_lstm=False, channels=(8,))), "atari": ("the paper's", {})}
     family = A(lr=1e-3, use_lstm=False, channels=(8,))
@@ -504,35 +500,29 @@ def test_family_defaults_fill_what_the_user_did_not_give(where, capsys):
     assert describe_defaults(A(preset="paper"), table)[1].endswith("forced by --preset paper")
 
 
-@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
-def test_family_defaults_split_by_device(where):
-    """A table with `<family>_cpu` gives those settings to a run with no usable GPU (`--no-cuda`, or no CUDA device),
-    says so on the start-up line, and still lets a given flag and `--preset paper` win. (A3C, ACER and P3S have no
-    such split: their settings are the same on either device.)"""
-    import dataclasses
+FAMILIES = {
+    "impala_vtrace": ["Breakout-v5", "CartPole-v1"],
+    "vmpo_atari": ["Breakout-v5", "CartPole-v1"],
+    "vmpo_mujoco": ["Hopper-v4", "Pendulum-v1"],
+    "a3c": ["Breakout-v5", "Hopper-v4", "CartPole-v1"],
+    "acer": ["Breakout-v5", "Hopper-v4", "CartPole-v1"],
+    "p3s_td3": ["Hopper-v4", "Pendulum-v1"],
+}
 
-    import torch
 
-    describe_defaults, parse_args = _family_functions(where)
-
-    @dataclasses.dataclass
-    class A:
-        env_id: str = "Breakout-v5"
-        preset: Literal["family", "paper"] = "family"
-        cuda: bool = True
-        network: str = "deep"
-        lr: float = 1e-4
-        resume: str = ""
-
-    table = {"atari": ("the paper's", {}), "atari_cpu": ("the CPU settings", dict(network="shallow", lr=5e-4))}
-    assert parse_args(["--no-cuda"], table, A) == A(cuda=False, network="shallow", lr=5e-4)
-    assert parse_args(["--no-cuda", "--network", "deep"], table, A) == A(cuda=False, lr=5e-4)
-    assert parse_args(["--no-cuda", "--preset", "paper"], table, A) == A(cuda=False, preset="paper")
-    family, source = describe_defaults(A(cuda=False), table)
-    assert family == "atari" and source.startswith("no GPU: the CPU settings") and "--preset paper" in source
-    # --cuda (the default): the paper's table where a GPU is there, the CPU one where none is
-    expected = A() if torch.cuda.is_available() else A(network="shallow", lr=5e-4)
-    assert parse_args([], table, A) == expected
+@pytest.mark.parametrize("where", SCRIPTS)
+def test_defaults_are_the_same_with_and_without_a_gpu(where, monkeypatch, capsys):
+    """`--env-id X` and `--env-id X --help` give the same values whether or not torch sees a GPU: a GPU makes a run
+    faster, never different."""
+    module = importlib.import_module(where)
+    for env_id in FAMILIES[where]:
+        seen = []
+        for gpu in (True, False):
+            monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+            with pytest.raises(SystemExit):
+                module.parse_args(["--env-id", env_id, "--help"])
+            seen.append((module.parse_args(["--env-id", env_id]), capsys.readouterr().out))
+        assert seen[0] == seen[1] and "(default: " in seen[0][1], env_id
 
 
 @pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
@@ -580,116 +570,93 @@ def test_unroll_writer_fills_overlapping_unrolls_in_async_order(where):
 # The run folder, Ctrl-C and the loss's curves: each script's own copy.
 
 
-def _run_args(tmp_path, **kw):
+def _run_args(module, tmp_path, **kw):
+    """The script's own arguments for a CartPole-v1 run in `tmp_path`, logging at every call."""
     import dataclasses
 
-    @dataclasses.dataclass
-    class A:
-        env_id: str = "CartPole-v1"
-        exp_name: str = "x"
-        seed: int = 3
-        run_dir: str = str(tmp_path)
-        resume: str = ""
-        preset: str = "family"
-        total_timesteps: int = 1000
-        log_interval: float = 0.0
-        eval_episodes: int = 0
-        capture_video: bool = False
-        save_model: bool = False
-        hidden: tuple = (8, 8)
-
-    return A(**kw)
+    run = dict(env_id="CartPole-v1", exp_name="x", seed=3, run_dir=str(tmp_path), log_interval=0.0, eval_episodes=0)
+    return dataclasses.replace(module.Args(), **{**run, **kw})
 
 
-@pytest.mark.parametrize("where", ["a3c", "acer", "p3s_td3"])
+@pytest.mark.parametrize("where", SCRIPTS)
 def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, capsys, where):
-    """A fresh run: args.json with the family, return(100) over the episodes logged, per-group returns, and
-    summary.json with the house keys. A resumed run: the same folder, its returns and groups continued, the
-    steps and wall time counted on from the checkpoint's."""
+    """A fresh run: args.json with the family, return(100) over the episodes logged, per-group returns, a checkpoint
+    holding the script's state with the log's, and summary.json with the house keys, its SPS up to the last update.
+    A resumed run: the same folder, its returns and groups continued, the steps and wall time counted on from the
+    checkpoint's."""
     import json
 
-    RunLog, resume_args = importlib.import_module(where).RunLog, importlib.import_module(where).resume_args
-
-    args = _run_args(tmp_path)
-    log = RunLog(args, None, "test run")
+    module = importlib.import_module(where)
+    args = _run_args(module, tmp_path)
+    log = module.RunLog(args, None, "test run")
     assert os.path.basename(log.path).startswith("CartPole-v1__x__3__")
     saved = json.load(open(os.path.join(log.path, "args.json")))
-    assert saved["task_family"] == "classic" and saved["hidden"] == [8, 8]
+    assert saved["task_family"] == "classic" and saved["seed"] == 3 and saved["exp_name"] == "x"
     for i in range(12):
         log.episode(float(i), 10, 100 * i, "learner_0" if i % 2 else "learner_1")
     assert log.groups["learner_0"] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    assert log.due()  # --log-interval 0
     log.console(1200)
     assert "return(100)      5.5 | episodes 12" in capsys.readouterr().out
-    state = log.state(1200, update=7)
+    log.save(1200, dict(update=7), model={"weights": 1})
+    state = torch.load(os.path.join(log.path, "checkpoint.pt"), weights_only=False)
     assert (state["update"], state["global_step"], len(state["returns"])) == (7, 1200, 12)
     assert state["groups"]["learner_1"] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0] and state["args"]["seed"] == 3
-    log.first_update(200)
-    summary = log.end({"global_step": 1200, "env_id": args.env_id}, log.start + 2.0, None, num_workers=2)
+    assert state["script"] == f"{where}.py" and torch.load(os.path.join(log.path, "model.pt")) == {"weights": 1}
+    assert not [f for f in os.listdir(log.path) if f.endswith(".tmp")]
+    log.update_done(200)
+    log.update_done(1200)
+    summary = log.end(1200, 3.5, num_workers=2)
     keys = {"env_id", "total_timesteps", "wall_time_s", "sps", "mean_episodic_return_last_100", "eval_mean_return"}
     assert keys <= set(summary) and summary["num_workers"] == 2 and summary["mean_episodic_return_last_100"] == 5.5
+    assert summary["sps_after_first_update"] > 0 and summary["eval_mean_return"] == 3.5
     assert json.load(open(os.path.join(log.path, "summary.json"))) == summary
 
-    torch.save({**state, "wall_time_s": 30.0, "t": 12}, os.path.join(log.path, "checkpoint.pt"))
-    torch.save({"learners": {}, "replay": {}}, os.path.join(log.path, "population.12.pt"))  # p3s checks it
-    resumed_args, resumed = resume_args(_run_args(tmp_path, seed=99, resume=log.path))
-    assert resumed_args.seed == 3 and resumed_args.hidden == (8, 8) and resumed_args.resume == log.path
-    again = RunLog(resumed_args, resumed, "resumed")
+    torch.save({**state, "wall_time_s": 30.0}, os.path.join(log.path, "checkpoint.pt"))
+    resumed_args, resumed = module.resume_args(_run_args(module, tmp_path, seed=99, resume=log.path))
+    assert resumed_args.seed == 3 and resumed_args.exp_name == "x" and resumed_args.resume == log.path
+    again = module.RunLog(resumed_args, resumed, "resumed")
     assert again.path == log.path and again.start_step == 1200 and again.returns == state["returns"]
-    assert again.groups["learner_1"] == state["groups"]["learner_1"] and again.wall() >= 30.0
+    assert again.groups["learner_1"] == state["groups"]["learner_1"]
+    again.save(1300, {})
+    assert torch.load(os.path.join(log.path, "checkpoint.pt"), weights_only=False)["wall_time_s"] >= 30.0
 
 
-@pytest.mark.parametrize("where", ["a3c", "acer", "p3s_td3", "impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
+@pytest.mark.parametrize("where", SCRIPTS)
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch, where):
     """Two runs of the same env, name and seed started within one second: the second gets `<name>_2`, so
     neither overwrites the other's logs, checkpoints or model."""
     module = importlib.import_module(where)
     monkeypatch.setattr(module.time, "time", lambda: 1_700_000_000.0)
-    args = _run_args(tmp_path)
-    logs = [
-        module.RunLog(args, args.env_id, None, "run", True)
-        if where.startswith(("impala", "vmpo"))
-        else module.RunLog(args, None, "run")
-        for _ in range(2)
-    ]
+    args = _run_args(module, tmp_path)
+    logs = [module.RunLog(args, None, "run") for _ in range(3)]
     assert logs[0].path == os.path.join(str(tmp_path), "CartPole-v1__x__3__1700000000")
-    assert logs[1].path == logs[0].path + "_2"
+    assert [log.path for log in logs[1:]] == [logs[0].path + "_2", logs[0].path + "_3"]
     assert all(os.path.isfile(os.path.join(log.path, "args.json")) for log in logs)
 
 
-@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco"])
-def test_interrupt_waits_for_the_commit_and_a_second_signal_stops_at_once(where):
-    """Ctrl-C outside a commit stops at once; inside, the commit finishes and the stop follows right after it;
-    a second Ctrl-C inside a commit stops at once; after the stop has been raised, more signals change nothing."""
+@pytest.mark.parametrize("where", SCRIPTS)
+def test_stop_waits_for_the_update_in_hand_and_a_second_ctrl_c_exits_at_once(where, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM only asks the run to stop (it finishes the update in hand); a second Ctrl-C exits at once
+    with status 130; a SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) does not."""
     import signal as _signal
 
-    Interrupt = importlib.import_module(where).Interrupt
-
+    module = importlib.import_module(where)
+    exits = []
+    monkeypatch.setattr(module.os, "_exit", exits.append)
     old = _signal.getsignal(_signal.SIGINT), _signal.getsignal(_signal.SIGTERM)
     try:
-        interrupt = Interrupt()
-        with pytest.raises(KeyboardInterrupt):
+        for first in (_signal.SIGINT, _signal.SIGTERM):
+            stop = module.Stop()
+            assert not stop.requested
+            os.kill(os.getpid(), first)
+            assert stop.requested and exits == []
+            os.kill(os.getpid(), _signal.SIGTERM)
+            assert exits == []
             os.kill(os.getpid(), _signal.SIGINT)
-        assert interrupt.signals and interrupt.once
-        interrupt, done = Interrupt(), []
-        with pytest.raises(KeyboardInterrupt):
-            with interrupt.commit():
-                os.kill(os.getpid(), _signal.SIGTERM)
-                done.append("the rest of the commit")
-        assert done == ["the rest of the commit"] and interrupt.once
-        interrupt, done = Interrupt(), []
-        with pytest.raises(KeyboardInterrupt):
-            with interrupt.commit():
-                os.kill(os.getpid(), _signal.SIGINT)
-                os.kill(os.getpid(), _signal.SIGINT)
-                done.append("not reached")
-        assert done == [] and not interrupt.once
-        interrupt = Interrupt()  # once it has raised, a second Ctrl-C (the impatient user) cannot cut the shutdown
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), _signal.SIGINT)
-        os.kill(os.getpid(), _signal.SIGINT)
-        with interrupt.commit():
-            done.append("the shutdown goes on")
-        assert done == ["the shutdown goes on"] and not interrupt.once
+            assert exits == [130]
+            exits.clear()
+        assert "Ctrl-C again" in capsys.readouterr().err
     finally:
         _signal.signal(_signal.SIGINT, old[0])
         _signal.signal(_signal.SIGTERM, old[1])
@@ -733,8 +700,6 @@ def test_actor_configs_share_envs_games_and_seeds(where):
 
 # --------------------------------------------------------------------------------------------------------
 # The shape of the project: a script and common/ are all a run needs.
-
-SCRIPTS = ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"]
 
 
 def test_common_never_imports_a_script():
@@ -831,14 +796,6 @@ def test_resume_of_a_damaged_or_foreign_run_folder_is_one_line(tmp_path, where):
             (folder / "checkpoint.pt").write_bytes(damage((folder / "checkpoint.pt").read_bytes()))
         (tmp_path / "runs" / name).mkdir(parents=True)
         assert_usage_error(f"{where}.py", ["--resume", str(folder)], tmp_path / "runs" / name, needle)
-    if where == "p3s_td3":  # its population's file, named by the checkpoint, damaged
-        folder = tmp_path / "population"
-        folder.mkdir()
-        torch.save(own, folder / "checkpoint.pt")
-        (folder / "population.1.pt").write_bytes(b"PK\x03\x04 not a zip")
-        (tmp_path / "runs" / "population").mkdir()
-        needle = "population.1.pt cannot be read as a population file"
-        assert_usage_error("p3s_td3.py", ["--resume", str(folder)], tmp_path / "runs" / "population", needle)
 
 
 def test_evaluation_cli_of_a_damaged_or_wrong_file_is_one_line(tmp_path):

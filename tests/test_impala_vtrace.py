@@ -289,7 +289,7 @@ def test_smoke_breakout(tmp_path, extra):
     check_run(run_path)
     # Atari anneals over the paper's 50M steps whatever the budget: the 6th update of 80 steps is at lr (1 − 5/625,000)
     lr = events_tags(run_path, values_of="charts/learning_rate")[-1]
-    lr0 = json.load(open(os.path.join(run_path, "args.json")))["learning_rate"]  # the family's, by device
+    lr0 = json.load(open(os.path.join(run_path, "args.json")))["learning_rate"]  # the Atari family's
     assert lr == pytest.approx(lr0 * (1 - 5 / 625_000), rel=1e-5)
     video = os.path.join(run_path, "videos", "eval_episode_0.png")
     assert os.path.isfile(video) == ("--capture-video" in extra)
@@ -597,7 +597,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     line, state = assert_non_finite_stops_the_run(
         "impala_vtrace.py", ["--env-id", "CartPole-v1", "--num-envs", "4", "--batch-size", "4"], tmp_path
     )
-    assert "at update" in line and state["update"] >= 1
+    assert "non-finite" in line and state["update"] >= 1
 
 
 @pytest.mark.e2e
@@ -621,10 +621,10 @@ def test_preset_paper_and_given_flags_win_over_the_family_defaults(tmp_path):
 
 
 @pytest.mark.e2e
-def test_ctrl_c_with_a_large_network_stops_within_seconds(tmp_path):
-    """The deep network with wide channels and an LSTM on a CPU, where one update takes about 25 s here: Ctrl-C
-    while an update is in progress ends the run within 10 s with exit 130, and the checkpoint holds the last
-    completed update; the update in progress is dropped rather than waited for."""
+def test_ctrl_c_during_an_update_of_a_large_network_completes_it_and_saves_it(tmp_path):
+    """The deep network with wide channels and an LSTM on a CPU, where one update takes many seconds: Ctrl-C while
+    the second update is collected or in progress lets that update finish (an update is never half-applied), starts
+    no other, checkpoints it and ends the run with exit 130."""
     argv = [
         "--env-id",
         "Breakout-v5",
@@ -659,4 +659,4 @@ def test_env_ids_alone_give_every_game_the_same_share_of_actors_and_envs(argv, e
     args = impala_vtrace.parse_args([*argv, "--no-cuda"])
     assert (args.num_actors, args.num_envs) == expected
     if args.env_ids and args.preset != "paper":
-        impala_vtrace.check_actor_args(args)  # accepted: no UsageError
+        impala_vtrace.check_args(args)  # accepted: no UsageError
