@@ -10,7 +10,7 @@ other learners stay about d_search = max(ρ·D_change, d_min) away from π_b. Wi
 
 | paper                                                              | here                                   |
 |--------------------------------------------------------------------|----------------------------------------|
-| Alg. 1 lines 5-11: N learners act in their own envs, one replay D  | `run_population`, `SharedReplay`       |
+| Alg. 1 lines 5-11: N learners act in their own envs, one replay D  | `main`, `SharedReplay`                 |
 | Eq. (80): y = r + γ min_j Q'_j(s', π'(s') + clip(ε))                | `smoothed_target_action`, `td3_target` |
 | Eq. (83): L(θ_j) = E[(y − Q_j(s, a))²]                              | `critic_loss`                          |
 | Eq. (84): L(φ_i) = E[−Q_1(s, π_i(s)) + 1{i≠b} β ½‖π_i(s) − π_b(s)‖²] | `p3s_actor_loss`, `policy_distance`  |
@@ -24,8 +24,8 @@ other learners stay about d_search = max(ρ·D_change, d_min) away from π_b. Wi
 
 The N learners' networks are stacked (`Linears`: weights `[N, out, in]`), so one forward, backward and Adam step
 update all N, each on its own minibatch, with exactly the gradients and steps of N separate TD3 learners. One
-process (`run_population`) steps every learner's envs, acts, stores and updates; `main` watches it (console,
-TensorBoard, checkpoints, its traceback if it dies). `--total-timesteps` counts the environment steps of all
+process runs Algorithm 1 (`main`): every learner's envs step together, then all store, update, are evaluated and
+selected in lockstep. `--total-timesteps` counts the environment steps of all
 learners together (the paper's x axis). The defaults follow the authors' code, which made the paper's curves, where
 it departs from the text: N updates of each learner per step of its own, updates from 1000 rows of D while the
 actions stay random for 1000 steps per learner, D averaged over action dimensions and over the period's updates,
@@ -39,15 +39,11 @@ the authors' file:line, and the measurements.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import glob
 import json
-import multiprocessing
 import math
 import os
-import queue
 import signal
 import sys
 import time
@@ -58,11 +54,10 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.nn.utils import vector_to_parameters
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, make_env
 from common.envs import require, task_family
-from common.evaluation import evaluate, load_run_file, resume_checkpoint
+from common.evaluation import evaluate, resume_checkpoint
 from common.networks import batched_mlp
 
 
@@ -109,7 +104,7 @@ class Args:
     eval_interval: int = 4000  # R_eval, steps of all learners between evaluations (Sec. 4.1); 0: only at the end
     run_dir: str = "runs"  # folder of the run folders
     log_interval: float = 5.0  # seconds between console progress lines
-    checkpoint_interval: float = 300.0  # seconds between checkpoints, taken at the next selection; also at the end
+    checkpoint_interval: float = 300.0  # seconds between checkpoints (after a time step); also at the end, on a stop
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
@@ -466,147 +461,9 @@ class Learners:
         self.updates, self.period_count = state["updates"], state["period_count"]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The population's process and the process that watches it.
-
-
-class Shared:
-    """What the population's process shares with the main process: every learner's policy (published at each
-    checkpoint and at the end of the run, for model.pt), the environment steps of all learners together, and the
-    main process's request for a checkpoint (taken at the next selection)."""
-
-    def __init__(self, num_learners, policy_size):
-        self.policies = torch.zeros(num_learners, policy_size).share_memory_()
-        self.steps = torch.zeros(1, dtype=torch.int64).share_memory_()
-        self.save_request = torch.zeros(1, dtype=torch.int64).share_memory_()
-
-    def publish(self, learners):
-        """Row i: learner i's policy parameters in the order of an `Actor`'s (`vector_to_parameters` reads it)."""
-        self.policies.copy_(torch.cat([p.detach().flatten(1) for p in learners.actor.parameters()], 1))
-
-
-def population_file(run_path, t):
-    """The population's part of the checkpoint taken at time step `t`."""
-    return os.path.join(run_path, f"population.{t}.pt")
-
-
-def run_population(args, shared, msg_q, run_path=None, resume_file=None):
-    """Algorithm 1 for all N learners in lockstep: each acts in its own envs (one envpool of N x n envs, learner
-    i's the i-th n of them), all store into D, each updates on its own minibatch (one batched update), and every
-    M steps the best learner is selected and β adapted."""
-    N, n = args.num_learners, args.num_envs
-    device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # taskset
-    # one process does all the learning: every core it may use for its matmuls, unless other work on the machine
-    # makes one thread faster (measured as it runs: ThreadChoice)
-    threads = ThreadChoice(cores if device == "cpu" else 1)
-    torch.set_num_threads(threads.current)
-    # Values below 1.2e-38 (Adam's second moments of the weights that rarely get a gradient decay into them) as zero:
-    # denormal arithmetic is many times slower on x86 CPUs (docs/p3s_td3.md, "Speed on a CPU").
-    torch.set_flush_denormal(True)
-    torch.manual_seed(args.seed)  # the same initial weights for every learner (Algorithm 1, line 1)
-    envs = make_env(args.env_id, N * n, args.seed, num_threads=min(N * n, cores))
-    obs_dim, action_dim = flat_obs_dim(envs.spec), int(envs.action_space.shape[0])
-    generator = torch.Generator(device=device).manual_seed(args.seed + 1)
-    cpu_generator = torch.Generator().manual_seed(args.seed + 1)
-    learners = Learners(N, obs_dim, action_dim, args, device, generator)
-    replay = SharedReplay(args.buffer_size, N, obs_dim, action_dim, device)
-    learner_ids, owner = torch.arange(N), torch.arange(N).repeat_interleave(n)  # owner: the learner of each env
-    low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
-    tracker, delayed = EpisodeTracker(N * n), DelayedReward(N * n, args.reward_delay)
-    recent = [deque(maxlen=args.recent_episodes) for _ in range(N)]
-    steps_per_learner = args.total_timesteps // (N * n)  # time steps t of Algorithm 1
-    best, beta, generation = 0, args.beta_init, 0
-    foreign, sampled, stored, rewarded = torch.zeros(N, dtype=torch.int64), 0, torch.zeros(N), torch.zeros(N)
-    start_t, last_report, stats = 0, 0.0, {}
-    if resume_file is not None:  # the population's state at the checkpoint; the envs start new episodes
-        saved = torch.load(resume_file, map_location="cpu", weights_only=False)
-        learners.load_state_dict(saved["learners"])
-        replay.load_state(saved["replay"])
-        start_t, best, beta, generation = saved["t"], saved["best"], saved["beta"], saved["generation"]
-        foreign, sampled, stored, rewarded = saved["counts"]
-        for r, s in zip(recent, saved["recent"]):
-            r.extend(s)
-        generator.set_state(saved["generator"])
-        cpu_generator.set_state(saved["cpu_generator"])
-        shared.steps[0] = start_t * N * n
-
-    def save(t):
-        """The population's part of a checkpoint, then a note to the main process, which writes checkpoint.pt."""
-        check_finite_parameters(f"at step {t * N * n}", actor=learners.actor, qf=learners.qf)
-        state = dict(learners=learners.state_dict(), replay=replay.state(), t=t, best=best, beta=beta)
-        state.update(
-            generation=generation, counts=(foreign, sampled, stored, rewarded), recent=[list(r) for r in recent]
-        )
-        state.update(generator=generator.get_state(), cpu_generator=cpu_generator.get_state())
-        shared.publish(learners)  # for model.pt
-        save_atomic(state, population_file(run_path, t))
-        msg_q.put(("saved", t, generation))
-
-    # 1{i≠b}: on the CPU for the logs, on the device for the loss. Before the first selection no learner is guided
-    # (the authors' code), or all but learner 0 toward the common initial policy (the text: Algorithm 1, line 1).
-    guided = (learner_ids != best) & (N > 1) & (generation > 0 or args.guide_first_period)
-    guided_on_device = guided.to(device)
-    updates_per_t = n * args.updates_per_step  # per learner, for its n interactions of this time step
-    R, E = args.eval_interval, args.eval_episodes  # R_eval, and the episodes of each learner's evaluation
-    obs = torch.from_numpy(flatten_obs(envs.reset()[0]))
-    ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
-    for t in range(start_t + 1, steps_per_learner + 1):
-        step, news = t * N * n, {}  # news: this step's episodes, statistics, evaluation, selection (one message)
-        if t <= args.t_initial:  # Algorithm 1, line 7: uniform random actions
-            actions = torch.rand(N * n, action_dim, generator=cpu_generator) * 2.0 - 1.0
-        else:  # line 9: π_i(s) + N(0, σ²)
-            actions = learners.act(obs.view(N, n, obs_dim), args.exploration_noise).reshape(N * n, action_dim).cpu()
-        next_obs, rewards, term, trunc, info = envs.step(
-            np.clip(low + (actions.numpy() + 1.0) * 0.5 * (high - low), low, high)
-        )
-        next_obs = torch.from_numpy(flatten_obs(next_obs))
-        # line 10: (s, a, r, s') into D, not envpool's reset steps; the rewards delayed by f_reward (Sec. 4.2)
-        real = ~ended
-        agent_rewards = delayed(rewards, term | trunc, real)
-        keep, rewards_t, term_t = (torch.from_numpy(x) for x in (real, agent_rewards, term.astype(np.float32)))
-        replay.add(*(x[keep] for x in (owner, obs, actions, rewards_t, next_obs, term_t)))
-        stored += torch.bincount(owner[keep], minlength=N)
-        rewarded += torch.bincount(owner[keep], torch.from_numpy(agent_rewards != 0)[keep].float(), minlength=N)
-        news["episodes"] = [(env // n, r, k) for env, r, k in tracker.step(info["env_id"], rewards, term, trunc, info)]
-        for i, score, _ in news["episodes"]:
-            recent[i].append(score)
-        ended, obs = term | trunc, next_obs
-        # lines 13-22: no updates during the random phase (the text); the authors' code starts them once D holds
-        # `learning_starts` rows, whatever the actions. Each update on a fresh minibatch (authors' base.py:118-123).
-        learning = int(replay.sizes().sum()) >= args.learning_starts if args.learning_starts > 0 else t > args.t_initial
-        started = time.perf_counter()
-        for _ in range(updates_per_t if learning else 0):
-            batch, writers = replay.sample((N, args.batch_size), cpu_generator)
-            foreign += (writers != learner_ids[:, None]).sum(1)
-            sampled += args.batch_size
-            stats = learners.update(batch, beta, guided_on_device)
-        if learning and threads.record(time.perf_counter() - started, updates_per_t, started):
-            torch.set_num_threads(threads.current)
-        if R and E and step // R > (step - N * n) // R:  # every R_eval steps (Sec. 4.1)
-            news["eval"] = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
-        if t % args.best_period == 0 and N > 1 and learning:  # lines 24-26: every M steps
-            generation += 1
-            news["sync"] = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
-            best, beta = news["sync"]["best"], news["sync"]["beta"]
-            guided = learner_ids != best
-            guided_on_device = guided.to(device)
-        if time.time() - last_report >= 2.0 and learning and "actor_loss" in stats:  # every learner's, a few a second
-            extra = dict(beta=torch.full((N,), beta), guided=guided.float(), foreign_sample_fraction=foreign / sampled)
-            news["stats"] = {k: v.tolist() for k, v in {**stats, **extra}.items()}
-            last_report = time.time()
-        shared.steps[0] = step
-        if news["episodes"] or len(news) > 1:
-            msg_q.put(("news", step, news))
-        if t % args.best_period == 0 and int(shared.save_request[0]) and run_path is not None:
-            shared.save_request[0] = 0
-            save(t)
-    shared.publish(learners)
-    last = population_file(run_path, steps_per_learner) if run_path is not None else None
-    if last is not None and not (steps_per_learner % args.best_period == 0 and os.path.exists(last)):
-        save(steps_per_learner)  # the end of the run (unless just saved at this very step)
-    done = dict(updates_per_learner=[learners.updates] * N, rewarded_fraction=(rewarded / stored.clamp(min=1)).tolist())
-    msg_q.put(("done", {**done, "foreign_sample_fraction": (foreign / max(sampled, 1)).tolist()}))
+def to_env_action(actions, low, high):
+    """Actions in [-1, 1]^d (the tanh policy, the noises, the distance) mapped to the env's box [low, high]."""
+    return np.clip(low + (actions + 1.0) * 0.5 * (high - low), low, high)
 
 
 def evaluate_learners(actor, env_id, episodes, seed, low, high):
@@ -618,7 +475,7 @@ def evaluate_learners(actor, env_id, episodes, seed, low, high):
         @torch.no_grad()
         def policy(obs, rewards, first):
             a = actor(torch.from_numpy(flatten_obs(obs)).to(device).view(N, episodes, -1)).reshape(num_envs, -1)
-            return np.clip(low + (a.cpu().numpy() + 1.0) * 0.5 * (high - low), low, high)
+            return to_env_action(a.cpu().numpy(), low, high)
 
         return policy
 
@@ -647,117 +504,137 @@ def synchronise(learners, replay, recent, best, beta, args, generator):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The run: setup, the paper's loop, the end.
+# The run: setup, Algorithm 1 for all N learners in lockstep (act, store, update, evaluate, select), the end.
 
 
 def main(args: Args):
     args, resumed = resume_args(args)
     spec, args = check_args(args)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    N = args.num_learners
+    N, n, M, R, E = args.num_learners, args.num_envs, args.best_period, args.eval_interval, args.eval_episodes
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
     describe = f"P3S-TD3 with {N} learners" if N > 1 else "TD3 (one learner)"
-    describe += f" x {args.num_envs} env(s) on {device}; {args.updates_per_step} update(s) per learner step, "
+    describe += f" x {n} env(s) on {device}; {args.updates_per_step} update(s) per learner step, "
     describe += f"T_initial {args.t_initial}, updates from {first_update_step(args)} steps, d_min {args.d_min}"
     describe += f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else ""
     log = RunLog(args, resumed, describe)
-    best, beta = (resumed["best"], resumed["beta"]) if resumed else (0, args.beta_init)
-    resume_file = population_file(log.path, resumed["t"]) if resumed else None
-    actor = Actor(flat_obs_dim(spec), int(spec.action_space.shape[0]), args.hidden)
-    shared = Shared(N, sum(p.numel() for p in actor.parameters()))
-    msg_q = torch.multiprocessing.get_context("spawn").Queue()
-    stop = []  # Ctrl-C or SIGTERM: a checkpoint at the next selection, then stop
+    stop = Stop()
+    # one process does all the learning: every core it may use for its matmuls, unless other work on the machine
+    # makes one thread faster (measured as it runs: ThreadChoice)
+    threads = ThreadChoice(len(os.sched_getaffinity(0)) if device == "cpu" else 1)
+    torch.set_num_threads(threads.current)
+    # Values below 1.2e-38 (Adam's second moments of the weights that rarely get a gradient decay into them) as zero:
+    # denormal arithmetic is many times slower on x86 CPUs (docs/p3s_td3.md, "Speed on a CPU").
+    torch.set_flush_denormal(True)
+    torch.manual_seed(args.seed)  # the same initial weights for every learner (Algorithm 1, line 1)
+    envs = make_env(args.env_id, N * n, args.seed, num_threads=min(N * n, len(os.sched_getaffinity(0))))
+    obs_dim, action_dim = flat_obs_dim(envs.spec), int(envs.action_space.shape[0])
+    low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
+    generator = torch.Generator(device=device).manual_seed(args.seed + 1)  # acting and target smoothing noise
+    cpu_generator = torch.Generator().manual_seed(args.seed + 1)  # random actions, minibatches
+    learners = Learners(N, obs_dim, action_dim, args, device, generator)  # Algorithm 1, lines 1-2
+    replay = SharedReplay(args.buffer_size, N, obs_dim, action_dim, device)
+    recent = [deque(maxlen=args.recent_episodes) for _ in range(N)]  # the last E_r training returns of each learner
+    start_t, best, beta, generation = 0, 0, args.beta_init, 0
+    counts = {k: torch.zeros(N, dtype=torch.float64) for k in ("sampled", "foreign", "stored", "rewarded")}
+    if resumed:  # the training state at the checkpoint; the envs start new episodes
+        learners.load_state_dict(resumed["learners"])
+        replay.load_state(resumed["replay"])
+        start_t, best, beta, generation, counts = (resumed[k] for k in ("t", "best", "beta", "generation", "counts"))
+        for r, saved in zip(recent, resumed["recent"]):
+            r.extend(saved)
+        generator.set_state(resumed["generator"])
+        cpu_generator.set_state(resumed["cpu_generator"])
 
-    def checkpoint(t, generation):
-        """checkpoint.pt names the time step whose population file completes the checkpoint; older ones go."""
-        step = t * N * args.num_envs
-        state = log.state(step, t=t, generation=generation, best=best, beta=beta)
-        save_atomic(state, os.path.join(log.path, "checkpoint.pt"))
-        if args.save_model:  # a run stopped early can be evaluated too
-            save_atomic(saved_model(args, spec, actor, shared, best, step), os.path.join(log.path, "model.pt"))
-        for old in glob.glob(os.path.join(log.path, "population.*.pt")):
-            if not old.endswith(f".{t}.pt"):
-                os.remove(old)
-        return step
+    def state():
+        """The training state for checkpoint.pt (the run log adds its own), its networks checked finite first."""
+        check_finite_parameters(f"at step {t * N * n}", actor=learners.actor, qf=learners.qf)
+        state = dict(learners=learners.state_dict(), replay=replay.state(), t=t, best=best, beta=beta)
+        state.update(generation=generation, counts=counts, recent=[list(r) for r in recent])
+        return {**state, "generator": generator.get_state(), "cpu_generator": cpu_generator.get_state()}
 
-    def on_signal(signum, frame):
-        stop.append(signum)
-        if len(stop) > 1:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        shared.save_request[0] = 1
-
-    done, last_checkpoint, stop_deadline, workers = None, time.time(), None, None
-    selections = open(os.path.join(log.path, "population.jsonl"), "a" if resumed else "w", buffering=1)
-    evaluations = open(os.path.join(log.path, "evaluations.jsonl"), "a" if resumed else "w", buffering=1)
-    last_eval = None
+    # 1{i≠b} for the policy loss. Before the first selection no learner is guided (the authors' code), or all but
+    # learner 0 toward the common initial policy (the text: Algorithm 1, line 1).
+    guided = (torch.arange(N, device=device) != best) & (N > 1) & (generation > 0 or args.guide_first_period)
+    owner = torch.arange(N).repeat_interleave(n)  # the learner of each env: learner i's are the i-th n
+    tracker, delayed = EpisodeTracker(N * n), DelayedReward(N * n, args.reward_delay)
+    obs = torch.from_numpy(flatten_obs(envs.reset()[0]))
+    ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
+    t, stats, last_eval = start_t, {}, ""
     try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # ignored from its first instruction on: the population's
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # process inherits it across the exec of its start (spawn)
-        run = (args, shared, msg_q, log.path, resume_file)
-        workers = torch.multiprocessing.start_processes(run_worker, run, 1, join=False, start_method="spawn")
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-        while done is None:
-            msg = None
-            with contextlib.suppress(queue.Empty):
-                msg = msg_q.get(timeout=0.2)
-            kind = msg[0] if msg is not None else None
-            if kind == "news":  # one step's
-                step, news = msg[1:]
-                for i, score, length in news["episodes"]:
-                    log.episode(score, length, step, f"learner_{i}")
-                for k, values in news.get("stats", {}).items():  # a value per learner
-                    group = "losses" if k.endswith("loss") else "stats"
-                    log.scalars({f"{group}/learner_{i}/{k}": v for i, v in enumerate(values)}, step)
-                if "sync" in news:
-                    best, beta = log_selection(log, selections, step, news["sync"])
-                if "eval" in news:
-                    last_eval = log_evaluation(log, evaluations, step, news["eval"])
-            elif kind == "saved":
-                step = checkpoint(msg[1], msg[2])
-                if stop:
-                    again = f"python {os.path.basename(__file__)} --resume {log.path}"
-                    print(f"checkpoint at step {step}: continue with {again}", file=sys.stderr, flush=True)
-                    raise KeyboardInterrupt
-            elif kind == "done":
-                done = msg[1]
-            check_workers(workers, "population")
-            step = int(shared.steps[0])
-            if stop and stop_deadline is None:
-                stop_deadline = time.time() + 120.0
-                print(STOPPING.format(args.best_period), file=sys.stderr, flush=True)
-            if stop_deadline is not None and time.time() > stop_deadline:
-                raise KeyboardInterrupt
-            if 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
-                shared.save_request[0] = 1
-                last_checkpoint = time.time()
-            if step > max(first_update_step(args), log.start_step):
-                log.first_update(step)
-            if log.due():
+        for t in range(start_t + 1, args.total_timesteps // (N * n) + 1):  # time steps t of Algorithm 1
+            step = t * N * n
+            if t <= args.t_initial:  # line 7: uniform random actions
+                actions = torch.rand(N * n, action_dim, generator=cpu_generator) * 2.0 - 1.0
+            else:  # line 9: π_i(s) + N(0, σ²)
+                actions = learners.act(obs.view(N, n, obs_dim), args.exploration_noise).reshape(N * n, -1).cpu()
+            next_obs, rewards, term, trunc, info = envs.step(to_env_action(actions.numpy(), low, high))
+            next_obs = torch.from_numpy(flatten_obs(next_obs))
+            # line 10: (s, a, r, s') into D, not envpool's reset steps; the rewards delayed by f_reward (Sec. 4.2)
+            real = ~ended
+            agent_rewards = delayed(rewards, term | trunc, real)
+            keep, rewards_t, term_t = (torch.from_numpy(x) for x in (real, agent_rewards, term.astype(np.float32)))
+            replay.add(*(x[keep] for x in (owner, obs, actions, rewards_t, next_obs, term_t)))
+            counts["stored"] += torch.bincount(owner[keep], minlength=N)
+            counts["rewarded"] += torch.bincount(owner[keep], torch.from_numpy(agent_rewards != 0)[keep].float(), N)
+            for env, score, length in tracker.step(info["env_id"], rewards, term, trunc, info):
+                recent[env // n].append(score)
+                log.episode(score, length, step, f"learner_{env // n}")
+            ended, obs = term | trunc, next_obs
+            # lines 13-22: no updates during the random phase (the text); the authors' code starts them once D
+            # holds `learning_starts` rows, whatever the actions. Each update on a fresh minibatch (base.py:118-123).
+            starts = args.learning_starts
+            learning = int(replay.sizes().sum()) >= starts if starts > 0 else t > args.t_initial
+            started = time.perf_counter()
+            for _ in range(n * args.updates_per_step if learning else 0):
+                batch, writers = replay.sample((N, args.batch_size), cpu_generator)
+                counts["foreign"] += (writers != torch.arange(N)[:, None]).sum(1)
+                counts["sampled"] += args.batch_size
+                stats.update(learners.update(batch, beta, guided))  # a policy step's statistics stay till the next
+            if learning:
+                log.update_done(step)
+            if learning and threads.record(time.perf_counter() - started, n * args.updates_per_step, started):
+                torch.set_num_threads(threads.current)
+            if R and E and step // R > (step - N * n) // R:  # every R_eval steps (Sec. 4.1)
+                means = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
+                last_eval = log_evaluation(log, step, means)
+            if t % M == 0 and N > 1 and learning:  # lines 24-26: every M steps
+                sync = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
+                best, beta, generation = sync["best"], sync["beta"], generation + 1
+                guided = torch.arange(N, device=device) != best
+                log_selection(log, step, sync)
+            if stop.requested or log.save_due():
+                log.save(step, state(), saved_model(args, learners, best, step, low, high) if args.save_model else None)
+            if stop.requested:
+                log.writer.close()
+                again = f"python {os.path.basename(__file__)} --resume {log.path}"
+                print(f"checkpoint at step {step}: continue with {again}", file=sys.stderr, flush=True)
+                sys.exit(130)
+            if log.due():  # the console line and every learner's statistics
                 selected = f"best {best} | beta {beta:.3g}" if N > 1 else ""
-                evaluated = f"eval {last_eval[1]:.1f} at {last_eval[0]}" if last_eval else ""
-                log.console(step, " | ".join(filter(None, (selected, evaluated))))
-    except WorkerError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if "NonFiniteError" in str(e):
-            print(non_finite_advice(log.path), file=sys.stderr, flush=True)
-        stop_workers(workers)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-        print("interrupted: stopping the learners", file=sys.stderr, flush=True)
-        if workers is not None:
-            stop_workers(workers)
-        sys.exit(130)
-    workers.join()  # the population's process, after its last message
-    selections.close()
-    evaluations.close()
-    end_time = time.time()
-    global_step = int(shared.steps[0])
-    log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    model = saved_model(args, spec, actor, shared, best, global_step)
-    eval_means = evaluate_population(log, model)
-    log.end(model, end_time, max(eval_means, default=None), **population_summary(log, done, best, beta, eval_means))
+                log.console(step, " | ".join(filter(None, (selected, last_eval))))
+                foreign = counts["foreign"] / counts["sampled"].clamp(min=1)
+                extra = dict(beta=torch.full((N,), beta), guided=guided.float(), foreign_sample_fraction=foreign)
+                for k, values in {**stats, **extra}.items():  # a value per learner
+                    group = "losses" if k.endswith("loss") else "stats"
+                    log.scalars({f"{group}/learner_{i}/{k}": v for i, v in enumerate(values.tolist())}, step)
+        # the end: each learner's evaluation (Sec. 4.1), the best one first in model.pt; the last checkpoint
+        step = t * N * n
+        means = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high) if E else []
+        model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
+        log.save(step, state(), model if args.save_model else None)
+    except NonFiniteError as e:
+        fail(e, log.path)
+    if means:
+        log.scalars({f"charts/learner_{i}/eval_return": m for i, m in enumerate(means)}, step)
+        log.scalars({"charts/eval_return": max(means)}, step)
+        print(
+            f"evaluation over {E} episodes per learner: {', '.join(f'{m:.1f}' for m in means)}; best {max(means):.1f}"
+        )
+    if args.capture_video:
+        evaluate(lambda k: make_eval_policy(model, k), args.env_id, 1, 1, args.seed + 10_000, log.path)
+    log.console(step)
+    log.end(step, max(means, default=None), **population_summary(log, learners, counts, best, beta, means))
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
@@ -770,8 +647,8 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
 
     @torch.no_grad()
     def policy(obs, rewards, first):
-        a = actor(torch.from_numpy(flatten_obs(obs)).to(device)[None])[0].cpu().numpy()
-        return np.clip(low + (a + 1.0) * 0.5 * (high - low), low, high)
+        a = actor(torch.from_numpy(flatten_obs(obs)).to(device)[None])[0]
+        return to_env_action(a.cpu().numpy(), low, high)
 
     return policy
 
@@ -826,43 +703,36 @@ def first_update_step(args):
     return args.learning_starts if args.learning_starts > 0 else args.num_learners * args.num_envs * args.t_initial
 
 
-STOPPING = "interrupted: a checkpoint at the next selection (every {} steps), then stop (Ctrl-C again: stop now)"
+def saved_model(args, learners, best, step, low, high):
+    """What model.pt holds (evaluate.py and `make_eval_policy` play `actor`): every learner's policy, `best`'s first."""
+    actors = [learners.actor.learner_state(i) for i in range(args.num_learners)]
+    model = dict(script="p3s_td3", env_id=args.env_id, args=dataclasses.asdict(args))
+    model.update(actor_config=learners.actor.config, actor=actors[best], actors=actors, best_learner=best)
+    return {**model, "global_step": step, "action_low": low.tolist(), "action_high": high.tolist()}
 
 
-def saved_model(args, spec, actor, shared, best, global_step):
-    """What model.pt holds (evaluate.py and `make_eval_policy` play `actor`): every learner's published policy."""
-    actors = []
-    for i in range(args.num_learners):
-        vector_to_parameters(shared.policies[i], actor.parameters())
-        actors.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
-    model = dict(script="p3s_td3", env_id=args.env_id, args=dataclasses.asdict(args), actor_config=actor.config)
-    model.update(actor=actors[best], actors=actors, best_learner=best, global_step=global_step)
-    low, high = (x.astype(np.float32).tolist() for x in (spec.action_space.low, spec.action_space.high))
-    return {**model, "action_low": low, "action_high": high}
-
-
-def log_selection(log, selections, step, sync):
-    """A selection of the best learner (Algorithm 1): a line of population.jsonl and its curves. Returns the best
-    learner and β."""
-    selections.write(json.dumps({"step": step, **sync}) + "\n")
+def log_selection(log, step, sync) -> None:
+    """A selection of the best learner (Algorithm 1): a line of population.jsonl and its curves."""
+    with open(os.path.join(log.path, "population.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, **sync}) + "\n")
     log.scalars({f"stats/{k}": sync[k] for k in ("beta", "d_spread", "d_change", "d_search")}, step)
     log.scalars({"stats/best_learner": sync["best"]}, step)
     scores = [s for s in sync["scores"] if not math.isnan(s)]
     if scores:
         log.scalars({"charts/best_recent_return": max(scores)}, step)
-    return sync["best"], sync["beta"]
 
 
-def log_evaluation(log, evaluations, step, means):
+def log_evaluation(log, step, means) -> str:
     """An evaluation every R_eval steps: a line of evaluations.jsonl, each learner's curve and the score (the best
-    learner's mean, Sec. 4.1) as `charts/eval_return`. Returns (step, score)."""
-    evaluations.write(json.dumps({"step": step, "eval_return": max(means), "per_learner": means}) + "\n")
+    learner's mean, Sec. 4.1) as `charts/eval_return`. Returns it for the console line."""
+    with open(os.path.join(log.path, "evaluations.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "eval_return": max(means), "per_learner": means}) + "\n")
     log.scalars({f"charts/learner_{i}/eval_return": m for i, m in enumerate(means)}, step)
     log.scalars({"charts/eval_return": max(means)}, step)
-    return step, max(means)
+    return f"eval {max(means):.1f} at {step}"
 
 
-def population_summary(log, done, best, beta, eval_means):
+def population_summary(log, learners, counts, best, beta, eval_means):
     """summary.json's entries of the population: per learner its evaluation, last-10 mean, share of foreign
     samples, rewarded fraction and updates; the best learner and β at the end."""
     N = log.args.num_learners
@@ -873,68 +743,31 @@ def population_summary(log, done, best, beta, eval_means):
         "mean_episodic_return_last_10_per_learner": [float(np.mean(r)) if r else None for r in recent],
         "best_learner": best,
         "beta": beta,
-        **done,  # foreign_sample_fraction, rewarded_fraction, updates_per_learner
+        "foreign_sample_fraction": (counts["foreign"] / counts["sampled"].clamp(min=1)).tolist(),
+        "rewarded_fraction": (counts["rewarded"] / counts["stored"].clamp(min=1)).tolist(),
+        "updates_per_learner": [learners.updates] * N,
     }
 
 
-def evaluate_population(log, model):
-    """The paper's evaluation (Sec. 4.1): each learner's deterministic policy for E episodes; the score is the best
-    learner's mean, and `model` keeps that learner's policy as `actor`. With `--capture-video`, one episode of the
-    best policy (the evaluated best, else the last selected). Returns the learners' means ([] without evaluation)."""
-    args, step, eval_means = log.args, model["global_step"], []
-    if args.eval_episodes > 0:
-        for i, actor in enumerate(model["actors"]):
-            policy = lambda n, actor=actor: make_eval_policy({**model, "actor": actor}, n)  # noqa: E731
-            scores = evaluate(policy, model["env_id"], args.eval_episodes, seed=args.seed + 10_000)
-            eval_means.append(float(np.mean(scores)))
-            log.scalars({f"charts/learner_{i}/eval_return": eval_means[-1]}, step)
-        top = int(np.argmax(eval_means))
-        model.update(actor=model["actors"][top], best_learner=top)
-        log.scalars({"charts/eval_return": eval_means[top]}, step)
-        means = ", ".join(f"learner {i} {m:.1f}" for i, m in enumerate(eval_means))
-        print(f"evaluation over {args.eval_episodes} episodes per learner: {means}; best {eval_means[top]:.1f}")
-    if args.capture_video:
-        evaluate(lambda n: make_eval_policy(model, n), model["env_id"], 1, 1, args.seed + 10_000, log.path)
-    return eval_means
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing: the population's process, the run folder, checkpoints, Ctrl-C and
-# failures, the task family's defaults. No equation below.
+# Plumbing: Ctrl-C, failures, the task family's defaults, the run folder. No equation below.
 
 
-class WorkerError(RuntimeError):
-    """A worker process raised (its traceback) or died (its exit code)."""
+class Stop:
+    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the time step in hand (its updates
+    complete), saves and says how to continue; a second Ctrl-C exits at once (status 130). A SIGTERM after the first
+    signal waits."""
 
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
 
-def run_worker(i, *args):
-    """The population's process (`run_population(*args)`), started by torch's `start_processes` (whose `join` brings
-    an exception's traceback back): Ctrl-C and SIGTERM are the main process's to handle (it asks for a checkpoint
-    first: a SIGTERM sent to the whole process group, by `timeout` or a job scheduler, must not kill the population
-    before), it dies with the main process, one torch thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
-    if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
-        torch.set_num_threads(1)
-        run_population(*args)
-
-
-def check_workers(workers, what) -> None:
-    """WorkerError if a worker raised (with its traceback) or died; torch's `join` has then stopped the others."""
-    try:
-        workers.join(timeout=0, grace_period=2.0)
-    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
-        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
-    except torch.multiprocessing.ProcessExitedException as e:
-        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-
-
-def stop_workers(workers) -> None:
-    """SIGKILL (the population ignores SIGTERM and holds nothing unsaved: the main process writes every file)."""
-    for p in workers.processes:
-        p.kill()
-        p.join(timeout=5)
+    def on_signal(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            os._exit(130)
+        self.requested = True
+        print("stopping after the update in hand (Ctrl-C again: at once)", file=sys.stderr, flush=True)
 
 
 class ThreadChoice:
@@ -986,24 +819,22 @@ def check_finite_parameters(where: str, **modules) -> None:
     check_finite(where, **named)
 
 
-def non_finite_advice(run_path: str) -> str:
-    path = os.path.join(run_path, "checkpoint.pt")
-    if not os.path.isfile(path):
-        return "no checkpoint was written before it; try a lower --learning-rate"
-    step = torch.load(path, weights_only=False)["global_step"]
-    return (
-        f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again with a "
-        "lower --learning-rate"
-    )
+def fail(error: Exception, run_path: str) -> None:
+    """A non-finite value: the error line, where the last good checkpoint is, exit 1."""
+    print(f"error: {error}", file=sys.stderr)
+    if "NonFiniteError" in f"{type(error).__name__} {error}":
+        path = os.path.join(run_path, "checkpoint.pt")
+        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        print(
+            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
+            file=sys.stderr,
+            flush=True,
+        )
+    os._exit(1)
 
 
-def save_atomic(obj, path: str) -> None:
-    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
+# Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
 PAPER = "the paper's settings as its authors' code runs them (the Args defaults)"
 PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code departs from it, forced by --preset paper"
 FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
@@ -1017,8 +848,8 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    family = {} if first.resume or first.preset == "paper" else table.get(task_family(first.env_id), (PAPER, {}))[1]
-    overrides = PAPER_TEXT if first.preset == "paper" and not first.resume else family
+    family = table.get(task_family(first.env_id), (PAPER, {}))[1]
+    overrides = {} if first.resume else PAPER_TEXT if first.preset == "paper" else family
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
@@ -1035,106 +866,102 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
 
 
 def resume_args(args):
-    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist), the
-    population file it names checked here (memory-mapped) rather than in the population's process."""
-    if not args.resume:
-        return args, None
-    args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args)
-    load_run_file(population_file(args.resume, resumed["t"]), "population file", ("learners", "replay"), mmap=True)
-    return args, resumed
-
-
-def new_run_folder(path: str) -> str:
-    """Creates the run folder `path`, or `path_2`, `path_3`, ... where a run that started in the same second took
-    the name (`os.mkdir` is atomic: two runs never share a folder)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    name, k = path, 1
-    while True:
-        try:
-            os.mkdir(name)
-            return name
-        except FileExistsError:
-            k += 1
-            name = f"{path}_{k}"
+    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
+    return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
 class RunLog:
-    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
-    None) gives the step, returns and wall time to go on from."""
+    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
+    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
+    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
 
-    def __init__(self, args, resumed, describe):
-        self.args, self.first, resumed = args, None, resumed or {}
-        self.path = args.resume or os.path.join(
-            args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
-        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))  # per learner
+    def __init__(self, args, resumed, describe, name=None, write=True):
+        resumed, self.args, self.writer = resumed or {}, args, None
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_log = time.time()
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.path = self.path if args.resume else new_run_folder(self.path)
+        self.start = self.last_line = self.last_save = time.time()
+        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
+        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
+        self.path += "" if args.resume else f"__{int(self.start)}"
+        if not write:
+            return
+        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+            try:
+                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                break
+            except FileExistsError:
+                pass
+        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
         family, source = describe_defaults(args)
-        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-        print(f"run folder: {self.path}  ({describe})", flush=True)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step, *groups) -> None:
+    def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-        for group in groups:
+        if group is not None:
             self.groups.setdefault(group, []).append(score)
-            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
-    def first_update(self, step: int) -> None:
-        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
-
-    def wall(self, now=None) -> float:
-        return self.previous_wall + (now or time.time()) - self.start
-
-    def state(self, step: int, **script_state) -> dict:
-        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
-        groups = {g: r[-10:] for g, r in self.groups.items()}
-        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=self.wall())
-        return {**script_state, **log, "args": dataclasses.asdict(self.args), "script": os.path.basename(__file__)}
+    def update_done(self, step: int) -> None:
+        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
+        self.last = (time.time(), step)
+        self.first = self.first or self.last
 
     def due(self) -> bool:
-        return time.time() - self.last_log >= self.args.log_interval
+        """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
+        return time.time() - self.last_line >= self.args.log_interval
 
     def console(self, step: int, extra: str = "") -> None:
-        now = time.time()
+        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+        now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
-        self.writer.add_scalar("charts/SPS", sps, step)
-        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
         print(
             f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        self.last_log = now
+        if self.writer is not None:
+            self.scalars({"charts/SPS": sps}, step)
+        self.last_line = now
 
-    def end(self, model: dict, end_time: float, eval_mean=None, **extra) -> dict:
-        """model.pt (with `--save-model`) and summary.json, with the population's evaluation (`eval_mean`)."""
-        step = model["global_step"]
-        if self.args.save_model:
-            torch.save(model, os.path.join(self.path, "model.pt"))
-        steady = None
-        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
-            steady = (step - self.first[1]) / (end_time - self.first[0])
-        summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.wall(end_time))
-        summary.update(sps=(step - self.start_step) / max(end_time - self.start, 1e-9), sps_after_first_update=steady)
-        recent = float(np.mean(self.returns[-100:])) if self.returns else None
-        summary.update(mean_episodic_return_last_100=recent, eval_mean_return=eval_mean, **extra)
+    def save(self, step: int, state: dict, model: dict = None) -> None:
+        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
+        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        wall = self.previous_wall + time.time() - self.start
+        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
+        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
+            if obj is not None:
+                torch.save(obj, os.path.join(self.path, name + ".tmp"))
+                os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.last_save = time.time()
+
+    def save_due(self) -> bool:
+        return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
+
+    def end(self, step: int, eval_mean=None, **extra) -> dict:
+        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
+        SPS run to the last update (`update_done`), not through the evaluation."""
+        end = self.last[0] if self.last else time.time()
+        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
+        summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
+        if self.first is not None and self.last[1] > self.first[1]:
+            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()
-        return summary
+        return {**summary, **extra}
 
 
 def cli():
