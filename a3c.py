@@ -104,10 +104,8 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family (a flag the user gives wins; measurements in docs/a3c.md): Atari takes RMSProp's ε at 1e-5
-# (with 0.1 RMSProp is plain SGD on Breakout's small gradients); MuJoCo 4 envs per worker, a tanh-bounded mean with a
-# learned σ per dimension (the paper's linear μ drifts outside the action box and its σ collapses), rewards over the
-# return's std and RMSProp ε 1e-5 (docs/a3c.md, "Locomotion"); classic control a budget.
+# Defaults by task family (measurements in docs/a3c.md): with ε 0.1 RMSProp is plain SGD on Breakout's small gradients;
+# the paper's linear μ drifts outside MuJoCo's action box and its σ collapses ("Locomotion").
 FAMILY_DEFAULTS = {
     "atari": (
         "the paper's Atari settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5",
@@ -119,13 +117,6 @@ FAMILY_DEFAULTS = {
         dict(num_envs=4, gaussian="tanh", scale_rewards=True, rmsprop_eps=1e-5),
     ),
     "classic": ("the paper's settings, with a budget measured on CartPole-v1", dict(total_timesteps=300_000)),
-}
-
-METHODS = {
-    "a3c": "A3C (Algorithm S3)",
-    "one-step-q": "one-step Q-learning (Algorithm 1)",
-    "one-step-sarsa": "one-step Sarsa (Sec. 4)",
-    "n-step-q": "n-step Q-learning (Algorithm S2)",
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -400,11 +391,9 @@ class Agent(nn.Module):
             init_output_(self.policy, 0.01)
             init_output_(self.value, 1.0)
 
-    def bodies(self):
-        return [self.body] + ([self.value_body] if self.value_body is not None else [])
-
     def initial_state(self, batch_size):
-        return tuple(b.core.initial_state(batch_size) for b in self.bodies() if b.core is not None)
+        bodies = (self.body, self.value_body)
+        return tuple(b.core.initial_state(batch_size) for b in bodies if b is not None and b.core is not None)
 
     def forward(self, obs, first, state=()):
         if self.obs_norm is not None:
@@ -481,7 +470,6 @@ def main(args: Args):
     spec, derived = check_args(args)
     args = dataclasses.replace(args, **derived)
     torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     pixels, discrete = is_atari(args.env_id), hasattr(spec.action_space, "n")
     obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
@@ -492,31 +480,25 @@ def main(args: Args):
         target = None
     else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
         agent = QAgent(obs_shape, num_actions, args.hidden)
-        target = copy.deepcopy(agent).requires_grad_(False).share_memory()
-    agent.share_memory()  # θ (and the observation statistics) in shared memory, written by every worker
-    optimizer = None  # --no-shared-statistics: each worker makes its own
+        target = copy.deepcopy(agent).requires_grad_(False)
+    optimizer = None  # --no-shared-statistics: each worker makes its own statistics g
     if args.shared_statistics:
         optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
-        optimizer.share_memory()
-    if resumed is not None:  # in place: the tensors stay in shared memory
-        agent.load_state_dict(resumed["agent"])
-        if target is not None:
-            target.load_state_dict(resumed["target"])
-        if optimizer is not None and resumed["square_avg"] is not None:
-            for p, g in zip(agent.parameters(), resumed["square_avg"]):
-                optimizer.state[p]["square_avg"].copy_(g)
+    parts = dict(agent=agent, target=target, optimizer=optimizer)  # θ (and the observation statistics), θ⁻, g
+    for name, part in parts.items():
+        if part is not None and resumed is not None:
+            part.load_state_dict(resumed[name])
+        if part is not None:
+            part.share_memory()  # read and written by every worker
     # The training state: views of the shared tensors, so a save writes them as the workers left them (Hogwild:
     # read without locks, as the workers read them). model.pt: what evaluate.py and `make_eval_policy` play.
-    square_avg = None if optimizer is None else [optimizer.state[p]["square_avg"] for p in agent.parameters()]
-    state = dict(
-        agent=agent.state_dict(), target=None if target is None else target.state_dict(), square_avg=square_avg
-    )
+    state = {name: None if part is None else part.state_dict() for name, part in parts.items()}
     model = dict(script="a3c", env_id=args.env_id, args=dataclasses.asdict(args), agent_config=agent.config)
     model["agent"] = state["agent"]
     if not discrete:
         box = spec.action_space
         model.update(action_low=box.low.astype(np.float32).tolist(), action_high=box.high.astype(np.float32).tolist())
-    describe = f"{METHODS[args.method]}, {args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
+    describe = f"{args.method}, {args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
     describe += f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
     describe += "RMSProp statistics" + (f", θ⁻ every {args.target_update_period} steps" if target is not None else "")
     log = RunLog(args, resumed, describe)
@@ -553,10 +535,8 @@ def main(args: Args):
     except NonFiniteError as e:
         fail(e, log.path)
     if stop.requested:
-        print(
-            f"checkpoint at step {step}: continue with python {os.path.basename(__file__)} --resume {log.path}",
-            file=sys.stderr,
-        )
+        hint = f"continue with python {os.path.basename(__file__)} --resume {log.path}"
+        print(f"checkpoint at step {step}: {hint}", file=sys.stderr)
         sys.exit(130)
     log.console(step)
     eval_mean = None
@@ -625,8 +605,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     final = final_epsilon() if value_based else None  # this worker's final ε (Supp. 8)
     sarsa_action = None  # one-step Sarsa: a', chosen at the last rollout's s_T, is the next rollout's first action
     tracker = EpisodeTracker(n)
-    obs, _ = envs.reset()
-    obs = obs_tensor(obs, pixels)
+    obs = obs_tensor(envs.reset()[0], pixels)
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     first = torch.ones(n, dtype=torch.bool)  # obs starts an episode (the LSTM state is zeroed there)
     state = local.initial_state(n)
@@ -698,15 +677,16 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                 shared.return_norm.update(torch.stack(returns_seen)[..., None])
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
             copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
-        now = time.time()
-        if worker_id == 0 and (now - last_report >= 1.0 or counter.value >= args.total_timesteps):  # or the last
+        if worker_id == 0 and (
+            time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps
+        ):  # or the last
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
             stats["stats/active_units"] = active_fraction(local, all_obs[:-1].flatten(0, 1))
             if continuous:
                 stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
             msg_q.put(("stats", step + T * n, {k: float(v) for k, v in stats.items()}))
-            last_report = now
+            last_report = time.time()
     msg_q.put(("done", counter.value))
 
 

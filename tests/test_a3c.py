@@ -1,6 +1,7 @@
 """a3c.py: n-step returns and the loss against Algorithm S3, shared RMSProp across processes, the Hogwild
 update, the agent, and the script end to end."""
 
+import glob
 import json
 import math
 import os
@@ -669,6 +670,32 @@ def test_killed_process_ends_the_run(tmp_path, victim):
     )
 
 
+@pytest.mark.e2e
+def test_sigterm_completes_the_update_in_hand_saves_and_says_how_to_continue(tmp_path):
+    """SIGTERM (as Ctrl-C) once the workers have made progress (a first checkpoint): each worker completes its update
+    in hand and returns; the main process saves the shared state at the step they reached, says how to continue and
+    exits with 130, leaving no worker behind."""
+    argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--total-timesteps", "100000000"]
+    argv += ["--checkpoint-interval", "0.5", "--run-dir", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "a3c.py", *argv], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = wait_for_actors(proc)
+        deadline = time.time() + 120
+        while not glob.glob(os.path.join(tmp_path, "*", "checkpoint.pt")) and time.time() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+        err = proc.stderr.read()
+        assert wait_gone(workers, timeout=15), "a worker outlived the stopped run"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (path,) = glob.glob(os.path.join(tmp_path, "*", "checkpoint.pt"))
+    saved, run = torch.load(path, weights_only=False), os.path.dirname(path)
+    assert f"checkpoint at step {saved['global_step']}: continue with python a3c.py --resume {run}" in err, err
+    assert saved["global_step"] > 0 and "Traceback" not in err
+
+
 def best_20_episode_mean(run):
     returns = events_tags(run, "charts/episodic_return")
     return np.convolve(returns, np.ones(20) / 20, mode="valid").max()
@@ -796,7 +823,8 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path, method):
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
     saved = torch.load(ckpt, weights_only=False)
     assert 0 < saved["global_step"] < 150000
-    assert any(g.abs().sum() > 0 for g in saved["square_avg"])  # the shared statistics, not fresh zeros
+    square_avg = [s["square_avg"] for s in saved["optimizer"]["state"].values()]
+    assert any(g.abs().sum() > 0 for g in square_avg)  # the shared statistics, not fresh zeros
     assert run_script("a3c.py", ["--resume", run], tmp_path, timeout=600) == run
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["total_timesteps"] >= 150000
