@@ -26,10 +26,7 @@ correction that uses Q for the actions the data does not cover; an efficient tru
 The policy's statistics φ are its probabilities: the trust region acts on them per state (Eq. 12). envpool's reset
 step (after an episode ends) gets no loss and a truncated weight of 0 in Retrace, so a time-limit truncation
 bootstraps. What the paper leaves open (the optimiser's settings, the initialisation, replay storage, the
-continuous truncation c) and the measurements behind the defaults: docs/acer.md. Continuous control keeps the
-policy's θ and the critic's θ_v in separate networks (Algorithm 3; pfrl's train_acer_mujoco.py), starts the mean
-layer at weights ×0.01 (pfrl's) and normalises vector observations by running statistics (as a3c.py; not in the
-paper): `ContinuousAgent`.
+continuous truncation c, the continuous network's details) and the measurements behind the defaults: docs/acer.md.
 
     python acer.py --env-id Breakout-v5
     python acer.py --env-id CartPole-v1 --num-workers 2 --num-envs 4
@@ -37,11 +34,13 @@ paper): `ContinuousAgent`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import dataclasses
 import json
-import multiprocessing
 import math
+import multiprocessing
 import os
 import queue
 import signal
@@ -356,65 +355,29 @@ def update_average(avg_agent, agent, decay, obs_lock=None):
     copied whole, not averaged, under `obs_lock` where given: the average network normalises as θ does."""
     for pa, p in zip(avg_agent.parameters(), agent.parameters()):
         pa.mul_(decay).add_(p, alpha=1 - decay)
-    copy_statistics(avg_agent, agent, obs_lock)
+    with obs_lock or contextlib.nullcontext():
+        copy_statistics(avg_agent, agent)
 
 
 @torch.no_grad()
-def copy_statistics(dst, src, obs_lock=None):
-    """dst's observation statistics (its buffers) ← src's, whole, under `obs_lock` where given (a worker's update
-    of the shared statistics is not read half done)."""
-    pairs = list(zip(dst.buffers(), src.buffers()))
-    if pairs:
-        with obs_lock if obs_lock is not None else contextlib.nullcontext():
-            for d, s in pairs:
-                d.copy_(s)
-
-
-@torch.no_grad()
-def copy_network(dst, src, obs_lock=None):
-    """θ' ← θ: the parameters without a lock (Hogwild), the observation statistics whole, under theirs."""
-    for d, s in zip(dst.parameters(), src.parameters()):
+def copy_statistics(dst, src):
+    """dst's observation statistics (its buffers) ← src's, whole (the caller holds the lock where there is one)."""
+    for d, s in zip(dst.buffers(), src.buffers()):
         d.copy_(s)
-    copy_statistics(dst, src, obs_lock)
 
 
-class SharedRMSprop(torch.optim.Optimizer):
-    """A3C's shared RMSProp (Mnih et al. 2016, Eqs. S2-S3): g ← αg + (1 − α)Δθ², θ ← θ − ηΔθ/√(g + ε), elementwise
-    and without locks; `share_memory()` puts g in shared memory before the workers start."""
-
-    def __init__(self, params, lr=1e-3, alpha=0.99, eps=0.1):
-        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p]["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def share_memory(self):
-        for state in self.state.values():
-            state["square_avg"].share_memory_()
-        return self
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = self.state[p]["square_avg"]
-                g.mul_(alpha).addcmul_(p.grad, p.grad, value=1 - alpha)
-                p.addcdiv_(p.grad, (g + eps).sqrt_(), value=-lr)
-
-
-def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
-    """The gradient of this segment's loss at θ', clipped, assigned afresh to the shared parameters and applied."""
+def hogwild_update(local, shared, square_avg, loss, args):
+    """The gradient Δθ of this segment's loss at θ', clipped, applied to the shared θ by A3C's shared RMSProp (Mnih
+    et al. 2016, Eqs. S2-S3): g ← αg + (1 − α)Δθ², θ ← θ − ηΔθ/√(g + ε), elementwise and without locks (Hogwild)."""
     local.zero_grad(set_to_none=True)
     loss.backward()
-    norm = nn.utils.clip_grad_norm_(local.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+    norm = nn.utils.clip_grad_norm_(local.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
     check_finite("in a worker's update (nothing applied)", loss=loss, gradient=norm)
-    for shared_p, local_p in zip(shared.parameters(), local.parameters()):
-        shared_p.grad = local_p.grad
-    optimizer.step()
-    shared.zero_grad(set_to_none=True)
+    alpha, eps = args.rmsprop_alpha, args.rmsprop_eps
+    with torch.no_grad():
+        for p, local_p, g in zip(shared.parameters(), local.parameters(), square_avg):
+            g.mul_(alpha).addcmul_(local_p.grad, local_p.grad, value=1 - alpha)
+            p.addcdiv_(local_p.grad, (g + eps).sqrt_(), value=-args.learning_rate)
     return norm
 
 
@@ -475,22 +438,17 @@ class ContinuousAgent(nn.Module):
     and a small separate network A(x, a). `forward(obs)` takes `[T, B, D]` and returns the mean `[T, B, d]` and V
     `[T, B]`; `q_tilde` gives Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i).
 
-    `separate_value`: the mean has its own torso (the policy's θ) and V another (the critic's θ_v, with A), as
-    Algorithm 3 keeps θ and θ_v apart and pfrl's train_acer_mujoco.py builds them; off: V on the mean's torso.
-    `obs_norm`: observations normalised by running statistics (`RunningNorm`, buffers that the workers update
-    with their on-policy observations, as a3c.py) before the torsos and A; not in the paper. The mean layer
-    starts at weights ×0.01 (pfrl's train_acer_mujoco.py), so μ ≈ 0 whatever the observation. A config saved
-    before these options (neither key) means both off: `make_eval_policy` and `--resume` read it so.
-    `scale_rewards`: buffers `return_norm` of the discounted return's statistics, which the workers update and
-    divide the rewards by (the function `scale_rewards`); off in the paper and in configs without the key."""
+    `separate_value`: the mean has its own torso (the policy's θ) and V another (the critic's θ_v, with A), as in
+    Algorithm 3 (off: V on the mean's torso). `obs_norm`: observations normalised by running statistics that the
+    workers update (as a3c.py; not in the paper). `scale_rewards`: the discounted return's statistics
+    (`return_norm`) that the workers update and divide the rewards by. The mean layer starts at weights ×0.01."""
 
     def __init__(
         self, obs_shape, action_dim, hidden=200, policy_std=0.3, separate_value=True, obs_norm=True, scale_rewards=False
     ):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), action_dim=action_dim, hidden=hidden, policy_std=policy_std)
-        self.config.update(separate_value=separate_value, obs_norm=obs_norm)  # for model.pt and checkpoints
-        self.config.update(scale_rewards=scale_rewards)
+        self.config.update(separate_value=separate_value, obs_norm=obs_norm, scale_rewards=scale_rewards)
         self.action_dim, self.std = action_dim, policy_std
         obs_dim = int(math.prod(obs_shape))
         self.obs_norm = RunningNorm(obs_dim) if obs_norm else None
@@ -548,84 +506,100 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
     return acer_loss(logits.float(), q.float(), avg_out, *data, ent_coef=args.ent_coef, **hyper)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The run: setup, the paper's loop, the end.
-
-
 def main(args: Args):
     args, resumed = resume_args(args)
-    spec, derived = check_args(args)
-    args = dataclasses.replace(args, **{key: v for key, v in derived.items() if key != "obs_shape"})
+    args, spec = check_args(args)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    if hasattr(spec.action_space, "n"):
-        config = dict(obs_shape=derived["obs_shape"], num_actions=int(spec.action_space.n), hidden=args.hidden)
-        agent, avg_agent = Agent(**config), Agent(**config)
+    obs_shape = tuple(spec.observation_space.shape) if is_atari(args.env_id) else (flat_obs_dim(spec),)
+    discrete = hasattr(spec.action_space, "n")
+    if resumed is not None:
+        config = resumed["agent_config"]  # the run's own network (`agent_from_config` reads older configs too)
+    elif discrete:
+        config = dict(obs_shape=obs_shape, num_actions=int(spec.action_space.n), hidden=args.hidden)
     else:
-        config = dict(
-            obs_shape=derived["obs_shape"],
-            action_dim=int(spec.action_space.shape[0]),
-            hidden=args.hidden,
-            policy_std=args.policy_std,
-            scale_rewards=args.scale_rewards,
-        )
-        if resumed is not None:  # the run's own network (a checkpoint from before the options: both off)
-            saved = resumed.get("agent_config", {})
-            config.update(separate_value=saved.get("separate_value", False), obs_norm=saved.get("obs_norm", False))
-        agent, avg_agent = ContinuousAgent(**config), ContinuousAgent(**config)
+        config = dict(obs_shape=obs_shape, action_dim=int(spec.action_space.shape[0]), hidden=args.hidden)
+        config.update(policy_std=args.policy_std, separate_value=True, obs_norm=True, scale_rewards=args.scale_rewards)
+    agent, avg_agent = agent_from_config(config), agent_from_config(config)
     avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ (and its observation statistics at θ's)
-    if args.bf16:  # convolutions in channels-last layout, as oneDNN's bfloat16 kernels prefer
-        agent.to(memory_format=torch.channels_last)
-        avg_agent.to(memory_format=torch.channels_last)
-    agent.share_memory()
-    avg_agent.share_memory()
-    optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
-    optimizer.share_memory()
+    for net in (agent, avg_agent):  # --bf16: convolutions in channels-last layout, as oneDNN's bfloat16 kernels prefer
+        net.to(memory_format=torch.channels_last if args.bf16 else torch.contiguous_format).share_memory()
+    square_avg = [torch.zeros_like(p).share_memory_() for p in agent.parameters()]  # RMSProp's g, shared
     if resumed is not None:  # in place: the tensors stay in shared memory
         agent.load_state_dict(resumed["agent"])
         avg_agent.load_state_dict(resumed["avg_agent"])
-        for p, g in zip(agent.parameters(), resumed["square_avg"]):
-            optimizer.state[p]["square_avg"].copy_(g)
-    log = RunLog(
-        args,
-        resumed,
-        f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}, "
-        f"{'trust region' if args.trust_region else 'no trust region'}",
-    )
-
+        for g, saved in zip(square_avg, resumed["square_avg"]):
+            g.copy_(saved)
+    # the training state and model.pt: views of the shared tensors, saved as the workers leave them (Hogwild)
+    nets = dict(agent_config=agent.config, agent=agent.state_dict(), avg_agent=avg_agent.state_dict())
+    state = dict(nets, square_avg=square_avg)
+    model = dict(nets, script="acer", env_id=args.env_id, args=dataclasses.asdict(args))
+    if not discrete:  # evaluation maps the policy's [-1, 1] actions to the env's box
+        low, high = spec.action_space.low, spec.action_space.high
+        model.update(action_low=low.astype(np.float32).tolist(), action_high=high.astype(np.float32).tolist())
+    trust = "trust region" if args.trust_region else "no trust region"
+    describe = f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}"
+    log = RunLog(args, resumed, f"{describe}, {trust}")
+    stop = Stop()
     ctx = torch.multiprocessing.get_context("spawn")
-    counter, obs_lock, msg_q = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue()
+    counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    work = (
-        train_worker,
-        range(args.num_workers),
-        args,
-        agent,
-        avg_agent,
-        optimizer,
-        counter,
-        obs_lock,
-        msg_q,
-    )  # what each worker process runs
 
-    def checkpoint():
-        """The shared state as the workers left it (Hogwild: read without locks, like the workers read it)."""
+    def save() -> int:
+        """The shared state as the workers leave it (read without locks, as they read it), checked first."""
         step = steps.value
-        check_finite_parameters(f"at step {step}", agent=agent, avg_agent=avg_agent)
-        if args.save_model:  # a run stopped early can be evaluated too
-            save_atomic(saved_model(args, spec, agent, avg_agent, step), os.path.join(log.path, "model.pt"))
-        square_avg = [optimizer.state[p]["square_avg"] for p in agent.parameters()]
-        nets = dict(agent=agent.state_dict(), avg_agent=avg_agent.state_dict(), agent_config=agent.config)
-        state = log.state(step, **nets, square_avg=square_avg)
-        save_atomic(state, os.path.join(log.path, "checkpoint.pt"))
+        weights = {f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
+        check_finite(f"at step {step}", **weights)
+        log.save(step, state, dict(model, global_step=step) if args.save_model else None)
         return step
 
-    serve_workers(work, msg_q, log, steps, checkpoint)
-    end_time = time.time()
-    global_step = checkpoint()
-    log.scalars({"charts/SPS": (global_step - log.start_step) / (end_time - log.start)}, global_step)
-    log.end(saved_model(args, spec, agent, avg_agent, global_step), end_time, num_workers=args.num_workers)
+    shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt)
+    try:
+        workers = start_workers(train_worker, range(args.num_workers), *shared)
+        done = 0
+        while done < args.num_workers:  # the workers learn; this process logs, checkpoints and watches them
+            with contextlib.suppress(queue.Empty):
+                kind, step, payload = msg_q.get(timeout=0.2)
+                if kind == "episode":
+                    log.episode(*payload, step)
+                elif kind == "stats":  # after an update
+                    log.update_done(step)
+                    log.scalars(payload, step)
+                else:
+                    done += 1
+            check_workers(workers, log.path)
+            if stop.requested:
+                halt.set()  # each worker stops after its update in hand and says it is done
+            if stop.requested and steps.value == log.start_step:  # none has begun: nothing to wait for or save
+                for p in workers.processes:
+                    p.kill()
+                print("stopped before the first update: nothing to save", file=sys.stderr, flush=True)
+                os._exit(130)
+            if log.save_due() and steps.value > log.start_step:
+                save()
+            if log.due():
+                log.console(steps.value)
+        for p in workers.processes:
+            p.join()
+        step = save()
+    except NonFiniteError as e:
+        fail(e, log.path)
+    log.console(step)
+    if stop.requested:
+        print(
+            f"checkpoint at step {step}: continue with python {os.path.basename(__file__)} --resume {log.path}",
+            file=sys.stderr,
+        )
+        sys.exit(130)
+    eval_mean = None
+    if args.eval_episodes > 0:  # sampling from the policy; the first episode filmed with --capture-video
+        film = log.path if args.capture_video else None
+        policy = lambda n: make_eval_policy(model, n)  # noqa: E731
+        eval_mean = float(np.mean(evaluate(policy, args.env_id, args.eval_episodes, None, args.seed + 10_000, film)))
+        log.scalars({"charts/eval_return": eval_mean}, step)
+        print(f"evaluation over {args.eval_episodes} episodes: mean {eval_mean:.1f}", flush=True)
+    log.end(step, eval_mean, num_workers=args.num_workers)
 
 
 def to_env_action(action, low, high):
@@ -666,16 +640,13 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
     @torch.no_grad()
     def policy(obs, rewards, first):
+        out, _ = agent(obs_tensor(obs, pixels).to(device)[None])  # the mean, or the logits
         if isinstance(agent, ContinuousAgent):
-            mean, _ = agent(obs_tensor(obs, pixels).to(device)[None])
-            action = mean[0] if greedy else mean[0] + agent.std * torch.randn_like(mean[0])
-            return to_env_action(
-                action.cpu().numpy(), np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
-            )
-        logits, _ = agent(obs_tensor(obs, pixels).to(device)[None])
-        if greedy:
-            return logits[0].argmax(-1).cpu().numpy()
-        return torch.distributions.Categorical(logits=logits[0]).sample().cpu().numpy()
+            action = out[0] if greedy else out[0] + agent.std * torch.randn_like(out[0])
+            low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
+            return to_env_action(action.cpu().numpy(), low, high)
+        action = out[0].argmax(-1) if greedy else torch.distributions.Categorical(logits=out[0]).sample()
+        return action.cpu().numpy()
 
     return policy
 
@@ -685,18 +656,14 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 class Replay:
-    """A worker's memory of whole segments `[k+1, num_envs, ...]` (obs, action, reward, terminated, ended, μ), a
-    ring of `capacity` segments, sampled uniformly."""
+    """A worker's memory of whole segments `[k+1, num_envs, ...]` (obs, action, reward, terminated, ended, μ), the
+    last `capacity` segments, sampled uniformly."""
 
     def __init__(self, capacity):
-        self.capacity, self.segments, self.next = capacity, [], 0
+        self.segments = collections.deque(maxlen=capacity)
 
     def add(self, segment):
-        if len(self.segments) < self.capacity:
-            self.segments.append(segment)
-        else:
-            self.segments[self.next] = segment
-        self.next = (self.next + 1) % self.capacity
+        self.segments.append(segment)
 
     def sample(self, generator):
         return self.segments[int(torch.randint(len(self.segments), (1,), generator=generator))]
@@ -705,20 +672,18 @@ class Replay:
         return len(self.segments)
 
 
-def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_lock, msg_q):
+def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt):
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions:
     acted and stored only, Sec. 6), then Poisson(r) segments replayed from this worker's memory; each update is
-    Algorithm 2 (or 3) followed by θ_a's soft update. With observation statistics (`obs_norm`, as a3c.py) the
-    segment's observations update the shared ones under `obs_lock`; replay stores raw observations, which are
-    normalised with the statistics of the update that replays them."""
+    Algorithm 2 (or 3) followed by θ_a's soft update. The segment's observations (and returns) update the shared
+    statistics under `obs_lock`; replay keeps them raw, normalised by the statistics of the update that replays
+    them. Once the main process sets `halt`, the worker returns after the updates of its segment in hand."""
     n, k = args.num_envs, args.k
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
     generator = torch.Generator().manual_seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
-    local = agent_from_config(shared.config)
-    if args.bf16:
-        local.to(memory_format=torch.channels_last)
+    local = copy.deepcopy(shared)  # θ', in this process's memory (channels-last with --bf16, as θ)
     continuous = isinstance(local, ContinuousAgent)
     if continuous:
         low = envs.action_space.low.astype(np.float32)
@@ -734,18 +699,20 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
     discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
 
     def learn(segment):
-        copy_network(local, shared, obs_lock)  # θ' ← θ
+        with obs_lock:  # θ' ← θ, the observation statistics whole
+            local.load_state_dict(shared.state_dict())
         if return_norm is not None:
             segment = {**segment, "reward": scale_rewards(segment["reward"], local.return_norm.var)}  # θ's statistics
         out = segment_loss(local, avg_agent, segment, args, generator)
         loss, stats = out.loss, {k: v for k, v in loss_stats(out).items() if not v.isnan()}
-        grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
+        grad_norm = hogwild_update(local, shared, square_avg, loss, args)
         update_average(avg_agent, shared, args.avg_decay, obs_lock)
         stats["stats/grad_norm"] = grad_norm
         return stats
 
-    while counter.value < args.total_timesteps:
-        copy_network(local, shared, obs_lock)
+    while counter.value < args.total_timesteps and not halt.is_set():
+        with obs_lock:
+            local.load_state_dict(shared.state_dict())
         rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu")}
         returns_seen = []
         with torch.no_grad():
@@ -761,7 +728,7 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
                     env_action = action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
-                    msg_q.put(("episode", worker_id, counter.value, score, length))
+                    msg_q.put(("episode", counter.value, (score, length)))
                 for key, v in zip(rows, (obs, action, reward, term, ended, mu)):
                     rows[key].append(torch.as_tensor(v))
                 if return_norm is not None:
@@ -792,188 +759,80 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
         replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
         for _ in range(replays):
             replay_stats = learn(replay.sample(generator))
-        now, last = time.time(), counter.value >= args.total_timesteps  # the worker that ends the run reports too
+        now, last = time.time(), counter.value >= args.total_timesteps or halt.is_set()  # the last update reported
         if (stats or replays) and ((worker_id == 0 and now - last_report >= 1.0) or last):
             report = {key.replace("stats/", "on_policy/", 1): v for key, v in stats.items()}  # the on-policy update's
             report.update({**(replay_stats if replays else {}), "charts/learning_rate": args.learning_rate})
             report.update({"stats/replay_updates": replays, "stats/replay_segments": len(replay)})
-            msg_q.put(("stats", worker_id, step + k * n, {key: float(v) for key, v in report.items()}))
+            msg_q.put(("stats", step + k * n, {key: float(v) for key, v in report.items()}))
             last_report = now
-    msg_q.put(("done", worker_id))
+    msg_q.put(("done", counter.value, worker_id))
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
+    """Bad input: one clear line before any work (UsageError). Returns the arguments with the paper's values for
+    those left at 0 (discrete: Sec. 4, continuous: Sec. 6) and the env spec."""
     spec = env_spec(args.env_id)
-    discrete = hasattr(spec.action_space, "n")
-    if args.cuda:
-        raise UsageError(
-            "--cuda is not available in acer.py: its workers share parameters in CPU memory (the "
-            "paper's ACER runs on CPU threads); leave the flag out"
-        )
+    discrete, pixels = hasattr(spec.action_space, "n"), is_atari(args.env_id)
+    require(not args.cuda, "--cuda: acer.py's workers share their parameters in CPU memory (as the paper's threads)")
     if args.capture_video:
         check_render(args.env_id)
-    derived = dict(
+    args = dataclasses.replace(
+        args,
         k=args.k or (20 if discrete else 50),
         replay_size=args.replay_size or (50_000 if discrete else 5_000),
         c=args.c or (10.0 if discrete else 5.0),
         avg_decay=args.avg_decay or (0.99 if discrete else 0.995),
         learning_rate=args.learning_rate or (1e-3 if discrete else 2.2e-4),
         num_workers=args.num_workers or os.cpu_count() or 1,
+        max_grad_norm=args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0),
     )
-    if args.num_workers < 0:
-        raise UsageError(f"--num-workers must be at least 1, or 0 for one per CPU core; got {args.num_workers}")
-    for name in ("num_envs", "sdn_samples"):
-        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("k", "replay_size"):
-        if getattr(args, name) < 0:
-            raise UsageError(
-                f"--{name.replace('_', '-')} must be positive, or 0 for the paper's value; got {getattr(args, name)}"
-            )
-    segment = derived["k"] * args.num_envs
-    if args.total_timesteps < segment:
-        raise UsageError(
-            f"--total-timesteps {args.total_timesteps} is less than one segment (k x num-envs = {segment} steps)"
-        )
-    if args.replay_ratio < 0 or (not args.poisson_replay and args.replay_ratio != int(args.replay_ratio)):
-        raise UsageError(
-            f"--replay-ratio must be at least 0 (and a whole number with --no-poisson-replay); got {args.replay_ratio}"
-        )
-    if not discrete and args.replay_ratio == 0:
-        raise UsageError(
-            "--replay-ratio must be positive for continuous actions: continuous ACER learns from replay only (Sec. 6)"
-        )
-    if derived["replay_size"] < segment and args.replay_ratio > 0:
-        raise UsageError(
-            f"--replay-size {derived['replay_size']} cannot hold one segment of k x num-envs = {segment} steps"
-        )
-    for name in ("c", "delta", "learning_rate", "rmsprop_eps", "policy_std"):
-        value = derived.get(name, getattr(args, name))
-        require(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
+    positive = ("num_workers", "num_envs", "k", "replay_size", "sdn_samples", "hidden", "c", "delta", "learning_rate")
+    for name in (*positive, "rmsprop_eps", "policy_std"):  # 0 (where --help names a default) has become it
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("avg_decay", "rmsprop_alpha"):
-        value = derived.get(name, getattr(args, name))
-        require(0 <= value < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    if args.value_coef < 0 or args.ent_coef < 0:
-        raise UsageError("--value-coef and --ent-coef must not be negative")
-    require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
-    require(not (discrete and args.scale_rewards), "--scale-rewards is for continuous actions (Atari clips rewards)")
-    pixels = is_atari(args.env_id)
-    require(pixels or not args.bf16, "--bf16 is for the Atari network's convolutions; vector tasks run in float32")
-    derived["obs_shape"] = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
-    derived["max_grad_norm"] = args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0)
-    return spec, derived
-
-
-def saved_model(args, spec, agent, avg_agent, global_step):
-    """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
-    model = {
-        "script": "acer",
-        "env_id": args.env_id,
-        "args": dataclasses.asdict(args),
-        "agent_config": agent.config,
-        "agent": {key: v.detach().clone() for key, v in agent.state_dict().items()},
-        "avg_agent": {key: v.detach().clone() for key, v in avg_agent.state_dict().items()},
-        "global_step": global_step,
-    }
-    if not hasattr(spec.action_space, "n"):
-        model.update(
-            action_low=spec.action_space.low.astype(np.float32).tolist(),
-            action_high=spec.action_space.high.astype(np.float32).tolist(),
+        require(
+            0 <= getattr(args, name) < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}"
         )
-    return model
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    require(args.value_coef >= 0 and args.ent_coef >= 0, "--value-coef and --ent-coef must not be negative")
+    segment = args.k * args.num_envs
+    require(
+        args.total_timesteps >= segment, f"--total-timesteps must be at least one segment, k x num-envs = {segment}"
+    )
+    require(
+        args.replay_size >= segment or args.replay_ratio == 0, f"--replay-size must hold a segment ({segment} steps)"
+    )
+    whole = args.poisson_replay or float(args.replay_ratio).is_integer()
+    require(args.replay_ratio >= 0 and whole, "--replay-ratio must be at least 0 (whole with --no-poisson-replay)")
+    require(
+        discrete or args.replay_ratio > 0, "--replay-ratio must be positive: continuous ACER learns from replay only"
+    )
+    require(not (discrete and args.scale_rewards), "--scale-rewards is for continuous actions (Atari clips rewards)")
+    require(pixels or not args.bf16, "--bf16 is for the Atari network's convolutions; vector tasks run in float32")
+    return args, spec
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing: the worker processes and the process that serves them, the run folder, checkpoints, Ctrl-C and
-# failures, the task family's defaults. No equation below.
+# Plumbing: the worker processes, the run folder, checkpoints, Ctrl-C and failures, the task family's defaults.
+# No equation below.
 
 
-def serve_workers(work, msg_q, log, steps, checkpoint) -> None:
-    """The main process: starts the workers (`start_workers(*work)`) and serves them until each has sent
-    `("done", w)`: their episodes `("episode", w, step, return, length)` and stats `("stats", w, step, {tag:
-    value})` to the log, the console line, a checkpoint every --checkpoint-interval seconds (`checkpoint()` saves
-    the shared state, returns its step). A failed worker or a non-finite value: the error line, the workers
-    stopped, exit 1. Ctrl-C or SIGTERM: the workers stopped, a checkpoint and how to continue, exit 130."""
-    for s in (signal.SIGINT, signal.SIGTERM):  # set explicitly: also where the shell started us ignoring Ctrl-C
-        signal.signal(s, signal.default_int_handler)
-    done, last_checkpoint, workers = set(), time.time(), None
-    try:
-        workers = start_workers(*work)
-        while len(done) < len(workers.processes):
-            with contextlib.suppress(queue.Empty):
-                msg = msg_q.get(timeout=0.2)
-                if msg[0] == "episode":
-                    log.episode(msg[3], msg[4], msg[2])
-                elif msg[0] == "stats":
-                    log.scalars(msg[3], msg[2])
-                elif msg[0] == "done":
-                    done.add(msg[1])
-            check_workers(workers, "worker")
-            if steps.value > 0:
-                log.first_update(steps.value)
-            if 0 < log.args.checkpoint_interval <= time.time() - last_checkpoint and steps.value > log.start_step:
-                checkpoint()
-                last_checkpoint = time.time()
-            if log.due():
-                log.console(steps.value)
-    except (WorkerError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if "NonFiniteError" in f"{type(e).__name__} {e}":
-            print(non_finite_advice(log.path), file=sys.stderr, flush=True)
-        stop_workers(workers)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-        print("interrupted: stopping workers", file=sys.stderr, flush=True)
-        if workers is not None:
-            stop_workers(workers)
-        if steps.value > log.start_step:
-            step, script = checkpoint(), os.path.basename(__file__)
-            print(f"checkpoint at step {step}: continue with python {script} --resume {log.path}", file=sys.stderr)
-        sys.exit(130)
-    for p in workers.processes:
-        p.join()
+class Stop:
+    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the update in hand (a wait for a batch or a
+    worker looks every second), saves and says how to continue; a second Ctrl-C exits at once (status 130, the worker
+    processes dying with this one). A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
 
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
 
-class WorkerError(RuntimeError):
-    """A worker process raised (its traceback) or died (its exit code)."""
-
-
-def run_worker(i, target, per_worker, *args):
-    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
-    Ctrl-C is its learner's to handle, it dies with its learner, one torch thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
-    if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
-        torch.set_num_threads(1)
-        target(per_worker[i], *args)
-
-
-def start_workers(target, per_worker, *args):
-    """One process per item of `per_worker`, running `target(item, *args)`."""
-    run = (target, per_worker, *args)
-    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
-
-
-def check_workers(workers, what) -> None:
-    """WorkerError if a worker raised (with its traceback) or died; torch's `join` has then stopped the others."""
-    try:
-        workers.join(timeout=0, grace_period=2.0)
-    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
-        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
-    except torch.multiprocessing.ProcessExitedException as e:
-        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-
-
-def stop_workers(workers) -> None:
-    for p in (p for p in workers.processes if p.is_alive()):
-        p.terminate()
-    for p in workers.processes:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
+    def on_signal(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            os._exit(130)
+        self.requested = True
+        print("stopping after the update in hand (Ctrl-C again: at once)", file=sys.stderr, flush=True)
 
 
 class NonFiniteError(RuntimeError):
@@ -988,21 +847,47 @@ def check_finite(where: str, **named) -> None:
         raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
-def check_finite_parameters(where: str, **modules) -> None:
-    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
-    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
-    check_finite(where, **named)
+def fail(error: Exception, run_path: str) -> None:
+    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit 1 (worker
+    processes die with this one; torchrun stops the other learners)."""
+    print(f"error: {error}", file=sys.stderr)
+    if "NonFiniteError" in f"{type(error).__name__} {error}":
+        path = os.path.join(run_path, "checkpoint.pt")
+        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        print(
+            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
+            file=sys.stderr,
+            flush=True,
+        )  # (format this with ruff)
+    os._exit(1)
 
 
-def non_finite_advice(run_path: str) -> str:
-    path = os.path.join(run_path, "checkpoint.pt")
-    if not os.path.isfile(path):
-        return "no checkpoint was written before it; try a lower --learning-rate"
-    step = torch.load(path, weights_only=False)["global_step"]
-    return (
-        f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again with a "
-        "lower --learning-rate"
-    )
+def run_worker(i, target, per_worker, *args):
+    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
+    Ctrl-C and SIGTERM are the main process's to handle, it dies with the main process, one torch thread."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
+    if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
+        torch.set_num_threads(1)
+        target(per_worker[i], *args)
+
+
+def start_workers(target, per_worker, *args):
+    """One process per item of `per_worker`, running `target(item, *args)`."""
+    run = (target, per_worker, *args)
+    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+
+
+def check_workers(workers, run_path) -> None:
+    """A worker that raised (its traceback) or died ends the run; torch's `join` has then stopped the others."""
+    try:
+        workers.join(timeout=0, grace_period=2.0)
+    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
+        fail(RuntimeError(f"worker {e.error_index} failed:" + str(e).partition("following error:")[2]), run_path)
+    except torch.multiprocessing.ProcessExitedException as e:
+        fail(RuntimeError(f"worker {e.error_index} died with exit code {e.exit_code}"), run_path)
 
 
 def loss_stats(result) -> dict:
@@ -1012,20 +897,14 @@ def loss_stats(result) -> dict:
     return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
 
 
-def save_atomic(obj, path: str) -> None:
-    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
+# Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
 PAPER = "the paper's settings (the Args defaults)"
 FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take;
-    none under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
+    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take; none
+    under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
     import tyro
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
@@ -1051,114 +930,98 @@ def resume_args(args):
     return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
-def new_run_folder(path: str) -> str:
-    """Creates the run folder `path`, or `path_2`, `path_3`, ... where a run that started in the same second took
-    the name (`os.mkdir` is atomic: two runs never share a folder)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    name, k = path, 1
-    while True:
-        try:
-            os.mkdir(name)
-            return name
-        except FileExistsError:
-            k += 1
-            name = f"{path}_{k}"
-
-
 class RunLog:
-    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
-    None) gives the step, returns and wall time to go on from."""
+    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
+    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
+    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
 
-    def __init__(self, args, resumed, describe):
-        self.args, self.first, resumed = args, None, resumed or {}
-        self.path = args.resume or os.path.join(
-            args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
-        self.returns, self.groups = (
-            list(resumed.get("returns", [])),
-            dict(resumed.get("groups", {})),
-        )  # groups: learners
+    def __init__(self, args, resumed, describe, name=None, write=True):
+        resumed, self.args, self.writer = resumed or {}, args, None
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_log = time.time()
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.path = self.path if args.resume else new_run_folder(self.path)
-        os.makedirs(self.path, exist_ok=True)
+        self.start = self.last_line = self.last_save = time.time()
+        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
+        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
+        self.path += "" if args.resume else f"__{int(self.start)}"
+        if not write:
+            return
+        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+            try:
+                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                break
+            except FileExistsError:
+                pass
+        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
         family, source = describe_defaults(args)
-        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-        print(f"run folder: {self.path}  ({describe})", flush=True)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step, *groups) -> None:
+    def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-        for group in groups:
+        if group is not None:
             self.groups.setdefault(group, []).append(score)
-            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
-    def first_update(self, step: int) -> None:
-        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
-
-    def wall(self) -> float:
-        return self.previous_wall + time.time() - self.start
-
-    def state(self, step: int, **script_state) -> dict:
-        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
-        groups = {g: r[-10:] for g, r in self.groups.items()}
-        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=self.wall())
-        return {**script_state, **log, "args": dataclasses.asdict(self.args), "script": os.path.basename(__file__)}
+    def update_done(self, step: int) -> None:
+        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
+        self.last = (time.time(), step)
+        self.first = self.first or self.last
 
     def due(self) -> bool:
-        return time.time() - self.last_log >= self.args.log_interval
+        """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
+        return time.time() - self.last_line >= self.args.log_interval
 
     def console(self, step: int, extra: str = "") -> None:
-        now = time.time()
+        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+        now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
-        self.writer.add_scalar("charts/SPS", sps, step)
-        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
         print(
             f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        self.last_log = now
+        if self.writer is not None:
+            self.scalars({"charts/SPS": sps}, step)
+        self.last_line = now
 
-    def end(self, model: dict, end_time: float, eval_mean=None, **extra) -> dict:
-        """model.pt (with `--save-model`), the evaluation (the first episode filmed with `--capture-video`; or the
-        script's own `eval_mean`), summary.json."""
-        step, n = model["global_step"], self.args.eval_episodes
-        if self.args.save_model:
-            torch.save(model, os.path.join(self.path, "model.pt"))
-        if n > 0 and eval_mean is None:
-            film = self.path if self.args.capture_video else None
-            policy = lambda k: make_eval_policy(model, k)  # noqa: E731
-            eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, self.args.seed + 10_000, film)))
-            self.scalars({"charts/eval_return": eval_mean}, step)
-            print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
-        steady = None
-        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
-            steady = (step - self.first[1]) / (end_time - self.first[0])
-        summary = {
-            "env_id": self.args.env_id,
-            "total_timesteps": step,
-            "wall_time_s": self.previous_wall + end_time - self.start,
-            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
-            "sps_after_first_update": steady,
-            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
-            "eval_mean_return": eval_mean,
-            **extra,
-        }
+    def save(self, step: int, state: dict, model: dict = None) -> None:
+        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
+        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        wall = self.previous_wall + time.time() - self.start
+        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
+        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
+            if obj is not None:
+                torch.save(obj, os.path.join(self.path, name + ".tmp"))
+                os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.last_save = time.time()
+
+    def save_due(self) -> bool:
+        return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
+
+    def end(self, step: int, eval_mean=None, **extra) -> dict:
+        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
+        SPS run to the last update (`update_done`), not through the evaluation."""
+        end = self.last[0] if self.last else time.time()
+        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
+        summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
+        if self.first is not None and self.last[1] > self.first[1]:
+            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()
-        return summary
+        return {**summary, **extra}
 
 
 def cli():
