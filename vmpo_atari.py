@@ -20,11 +20,9 @@ region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopAr
 | Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
 | Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target              | `Args` defaults                          |
 
-Losses are means; values and advantages are taken in PopArt's normalised space; the actors act with the target
-network, so the KL of Eq. (14) is taken against the logits they stored. The batch is split into
-`--num-minibatches` minibatches (the paper's 8 replicas). envpool's reset step (the step after an episode ends) is
-masked out of every loss. What departs from the paper (the softplus multipliers with their own learning rate, the
-initialisation, the CPU settings of the Atari family, the LSTM in place of the Transformer-XL) and why:
+Losses are means, in PopArt's normalised units; the KL of Eq. (14) is taken against the logits the actors stored;
+envpool's reset step is masked out of every loss. What departs from the paper (the softplus multipliers, the
+initialisation, the Atari settings measured on 2 CPU cores, the LSTM for the Transformer-XL) and why:
 docs/vmpo_atari.md. Multi-task: `--env-ids` (Table 4's one agent), one PopArt output per game.
 
     python vmpo_atari.py --env-id Breakout-v5
@@ -33,7 +31,7 @@ docs/vmpo_atari.md. Multi-task: `--env-ids` (Table 4's one agent), one PopArt ou
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import copy
 import dataclasses
 import json
@@ -113,16 +111,12 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family (a flag the user gives wins; docs/vmpo_atari.md): Atari takes Acme's multipliers; with no
-# GPU, settings measured on Breakout-v5 (the paper's ResNet + LSTM runs about 11 steps/s on 2 cores); classic
-# control, settings measured on CartPole-v1.
+# Defaults by task family, the same on every device (a flag the user gives wins; `--preset paper`: the paper's agent
+# and batch): Atari, settings measured on Breakout-v5 on 2 CPU cores with Acme's multipliers (the paper's ResNet +
+# LSTM and 128 x 63-step batches run about 11 steps/s there); classic control, settings measured on CartPole-v1.
 FAMILY_DEFAULTS = {
     "atari": (
-        "the paper's Atari settings (Appendix F, Tables 1 and 6) with Acme's multipliers (docs)",
-        dict(multipliers="softplus", dual_learning_rate=1e-2),
-    ),
-    "atari_cpu": (
-        "the CPU Atari settings measured on Breakout-v5 (docs)",
+        "settings measured on Breakout-v5 on 2 CPU cores (docs; --preset paper: the paper's agent and batch)",
         dict(network="shallow", use_lstm=False, num_envs=32, batch_size=32, num_minibatches=1, unroll_length=20)
         | dict(target_update_period=10, learning_rate=1e-3, multipliers="softplus", dual_learning_rate=1e-2)
         | dict(episodic_life=True, gamma=0.99, update_epochs=4),
@@ -371,159 +365,151 @@ def act(cfg, link: ActorLink) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Learning: setup, the learner's loop (Algorithm 1), the end.
+# Learning: the learner's step, then setup, the learner's loop (Algorithm 1), the end.
 
 
-def learner_step(learner, batch, args, interrupt, update, target_version, diagnose=False):
-    """Algorithm 1's update number `update` on a batch of unrolls (`learner`: the agent, the multipliers and their
-    optimiser), `--update-epochs` passes against the same π_target (the batch's logits): on each minibatch of
-    columns the n-step targets, PopArt's statistics moved toward them (first pass only), the E-step's weights on the
-    top half of advantages and the M-step's loss with the temperature and KL multipliers (`minibatch_gradients`);
-    the gradient averaged over the learners, clipped, an Adam step, the multipliers kept positive, these last two
-    in `interrupt.commit()`. Ctrl-C drops the update whole (the learner's state restored). Returns the last pass's
-    stats (with `diagnose`, the per-layer gradient norms too; `target_version`, π_target's, tells the rows acted by
-    an older one), logits and observations."""
+def learner_step(learner, batch, args, update, diagnose=False):
+    """Algorithm 1's update number `update` (`learner`: the agent, the multipliers, Adam): `--update-epochs` passes
+    over the batch against the same π_target (its logits), each the gradient of the minibatches' losses
+    (`minibatch_gradients`; PopArt's statistics moved on the first pass), averaged over the learners, clipped, an Adam
+    step and the multipliers kept positive. Returns the last pass's stats (`diagnose`: with its diagnostics)."""
     (agent, multipliers, optimizer), world = learner.values(), world_size()
-    before = copy.deepcopy({k: part.state_dict() for k, part in learner.items()})
-    try:
-        for epoch in range(args.update_epochs):
-            optimizer.zero_grad(set_to_none=False)
-            stats, logits, obs = minibatch_gradients(
-                agent, multipliers, batch, args, args.num_minibatches // world, epoch == 0
-            )
-            if world > 1:
-                average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
-            layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # unclipped
-            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-            check_finite(f"at update {update}", gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
-            stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
-            with interrupt.commit():
-                optimizer.step()
-                multipliers.project()
-    except KeyboardInterrupt:  # weights, PopArt and Adam as they were before this update
-        for k, state in before.items():
-            learner[k].load_state_dict(state)
-        raise
-    stats["stats/stale_fraction"] = (batch["version"][:-1] != target_version).float().mean()
-    return stats, logits, obs
+    chunks, max_norm = args.num_minibatches // world, args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    for epoch in range(args.update_epochs):
+        optimizer.zero_grad(set_to_none=False)
+        stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks, epoch == 0)
+        if world > 1:
+            average_gradients([*agent.parameters(), *multipliers.parameters()], world)
+        layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # unclipped
+        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
+        check_finite(f"at update {update}", gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+        stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
+        optimizer.step()
+        multipliers.project()
+    if diagnose:  # on the last minibatch: does the policy depend on the state yet, are the torso's units alive
+        with torch.no_grad():
+            stats["stats/dead_units"] = dead_units(agent.torso(obs[:-1].flatten(0, 1)))
+        stats["stats/logits_std_across_states"] = logits_std_across_states(logits[:-1])
+    return stats
 
 
 def main(args: Args):
     args, resumed = resume_args(args)
     spec, games = check_args(args)
-    multitask = len(games) > 0
     args = dataclasses.replace(args, env_ids=tuple(games))
     rank, world, device = learner_process(args)
-    num_actions = 18 if multitask else int(spec.action_space.n)  # the full Atari action set for many games
-    atari = is_atari(games[0] if multitask else args.env_id)
+    num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
     channels = args.channels if len(spec.observation_space.shape) == 3 else ()
     net = (args.network, channels, args.use_lstm, args.lstm_size, args.head_hidden, args.mlp_hidden, max(1, len(games)))
     popart = (args.popart_beta, args.popart_scale_lower, args.popart_scale_upper)
     agent = Agent(spec.observation_space.shape, num_actions, *net, *popart, args.init).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
     if world > 1:  # the same initial weights in every learner (rank 0's)
-        for p in list(agent.parameters()) + list(multipliers.parameters()):
+        for p in [*agent.parameters(), *multipliers.parameters()]:
             torch.distributed.broadcast(p.data, 0)
-    optimizer = make_optimizer(args, agent, multipliers)
-    start_update, target_state = 0, None
-    learner = dict(agent=agent, multipliers=multipliers, optimizer=optimizer)  # what a checkpoint saves and restores
-    if resumed is not None:
+    learner = dict(agent=agent, multipliers=multipliers, optimizer=make_optimizer(args, agent, multipliers))
+    if resumed:
         for k, part in learner.items():
             part.load_state_dict(resumed[k])
-        start_update, target_state = resumed["update"], resumed["target_agent"]
-    task_name = f"{len(games)}games" if multitask else args.env_id
-    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
-    describe += f"{args.num_envs * world} envs{', ' + str(len(games)) + ' games' if multitask else ''}"
-    log = RunLog(args, task_name, resumed, describe, write=rank == 0)
+    update = resumed["update"] if resumed else 0
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
-    global_step, last_checkpoint = log.start_step, time.time()
-
-    def checkpoint(update, timed=False):  # timed: only every --checkpoint-interval seconds
-        nonlocal last_checkpoint
-        if timed and not 0 < args.checkpoint_interval <= time.time() - last_checkpoint:
-            return None
-        last_checkpoint = time.time()
-        if rank == 0:
-            check_finite_parameters(f"at update {update}", agent=agent, multipliers=multipliers)
-            if args.save_model:  # a run stopped early can be evaluated too
-                model = saved_model(args, agent, multipliers, games, atari, global_step)
-                save_atomic(model, os.path.join(log.path, "model.pt"))
-            state = {k: part.state_dict() for k, part in learner.items()}
-            state.update(target_agent=pool.agent.state_dict(), update=update)
-            save_atomic(log.state(global_step, **state), os.path.join(log.path, "checkpoint.pt"))
-        return global_step
-
-    # Ctrl-C or SIGTERM: stop at once, dropping the update in progress (on a CPU one update of the default ResNet
-    # + LSTM takes minutes), and save the last completed update's state. Only the few lines that change the
-    # training state (the optimiser step to the target refresh) finish first.
-    interrupt, pool = Interrupt(), None
-    done_update = start_update
+    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
+    describe += f"{args.num_envs * world} envs" + (f", {len(games)} games" if games else "")
+    log = RunLog(args, resumed, describe, f"{len(games)}games" if games else None, write=rank == 0)
+    specs = buffer_specs(spec.observation_space, num_actions, args)
+    cfgs = actor_configs(args, rank, device, games, episodic_life=args.episodic_life, reward_clip=args.reward_clip)
+    pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
+    if resumed:
+        pool.publish(resumed["target_agent"])  # the target network the run was acting with
     try:
-        specs = buffer_specs(spec.observation_space, num_actions, args)
-        env_options = dict(episodic_life=args.episodic_life, reward_clip=args.reward_clip)
-        cfgs = actor_configs(args, rank, device, args.env_ids, **env_options)
-        pool = ActorPool(cfgs, agent, specs, args.batch_size // world, device)
-        if target_state is not None:  # the target network the run was acting with
-            pool.publish(target_state)
-        collecting = (pool.batch_size, args.unroll_length)  # a progress line also while a batch is collected
-        for update in range(start_update + 1, num_updates + 1):
-            batch = pool.next_batch(lambda k: rank == 0 and log.console(global_step, collecting=(k, *collecting)))
-            diagnose = rank == 0 and (log.due() or update == num_updates)
-            stats, logits, obs = learner_step(learner, batch, args, interrupt, update, pool.version.item(), diagnose)
-            with interrupt.commit():
-                if update % args.target_update_period == 0:
-                    pool.publish(agent.state_dict())  # θ_target ← θ_online
-                global_step, done_update = update * steps_per_update, update
-            checkpoint(update, timed=True)
-            log_update(log, pool, games, global_step, stats if diagnose else None, agent, logits, obs)
+        while update < num_updates:
+            diagnose = rank == 0 and (log.due() or update + 1 == num_updates)  # before the wait's progress lines
+            batch = pool.next_batch(stop, log if rank == 0 else None, update * steps_per_update)
+            if agreed(batch is None, device):  # a stop: every learner after the same update
+                break
+            update += 1
+            stats = learner_step(learner, batch, args, update, diagnose)
+            if update % args.target_update_period == 0:
+                pool.publish(agent.state_dict())  # θ_target ← θ_online
+            if rank == 0 and (log.save_due() or update == num_updates):
+                save(log, update, learner, pool.agent)
+            log_update(log, pool, agent, update, stats if diagnose else None, batch)
     except (WorkerError, NonFiniteError) as e:
-        fail(e, log.path, pool)
-    except KeyboardInterrupt:
-        save = (lambda: checkpoint(done_update)) if done_update > start_update else None
-        stop_on_interrupt(pool, interrupt, save, log, world)
+        fail(e, log.path)
     pool.close()
-    end_time = time.time()
-    checkpoint(num_updates)
-    if rank == 0:
-        log.end(saved_model(args, agent, multipliers, games, atari, global_step), end_time, device, games)
+    if rank == 0 and update < num_updates:  # stopped: the last completed update saved, and how to continue
+        save(log, update, learner, pool.agent)
+        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
+        step, continue_with = update * steps_per_update, f"{again} {os.path.basename(__file__)} --resume {log.path}"
+        print(f"checkpoint at step {step}: continue with {continue_with}", file=sys.stderr)
+    elif rank == 0:
+        model = saved_model(args, agent, multipliers, update * steps_per_update)
+        eval_mean, extra = evaluate_model(log, model, device)
+        log.end(update * steps_per_update, eval_mean, **extra)
     if world > 1:
         torch.distributed.destroy_process_group()
+    sys.exit(130 if update < num_updates else 0)
 
 
-def log_update(log, pool, games, step, stats, agent, logits, obs) -> None:
+def save(log, update, learner, target) -> None:
+    """checkpoint.pt: the training state (the agent with PopArt's statistics, η and α, Adam, the target network the
+    actors act with, the update counter), once it is found finite; model.pt with --save-model."""
+    args, state = log.args, {k: part.state_dict() for k, part in learner.items()}
+    weights = {f"{k}.{n}": v for k in ("agent", "multipliers") for n, v in state[k].items() if v.is_floating_point()}
+    check_finite(f"at update {update}", **weights)
+    step, (agent, multipliers, _) = update * args.batch_size * args.unroll_length, learner.values()
+    model = saved_model(args, agent, multipliers, step) if args.save_model else None
+    log.save(step, {**state, "target_agent": target.state_dict(), "update": update}, model)
+
+
+def log_update(log, pool, agent, update, stats, batch) -> None:
     """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
-    learner's diagnostics, π_target's version and the console line."""
-    episodes = pool.take_episodes()
+    learner's diagnostics, π_target's version and the unrolls acted by an earlier one, PopArt's statistics per game,
+    several games' median human-normalised score, and the console line."""
+    episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
     if log.writer is None:
         return
-    log.first_update(step)
+    log.update_done(step)
+    games = log.args.env_ids
     for score, length, task in episodes:
-        log.episode(score, length, step, *([games[task]] if games else []))
-    if stats is not None:
-        stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
-        log_diagnostics(log, agent, games or [log.args.env_id], stats, logits, {"obs": obs}, step)
-        eta, alpha, kl = (stats[f"stats/{k}"].item() for k in ("eta", "alpha", "kl"))
-        log.console(step, f"entropy {stats['stats/entropy'].item():.2f} | η {eta:.3f} α {alpha:.3f} KL {kl:.4f}")
-
-
-def log_diagnostics(log, agent, tasks, stats, logits, batch, step) -> None:
-    """The learner's stats, gradient norms per layer, whether the policy depends on the state yet (logits' spread
-    across states), the torso's dead units, PopArt's statistics per game, several games' median human-normalised
-    score (of their last 10 episodes)."""
+        log.episode(score, length, step, games[task] if games else None)
+    if stats is None:
+        return
+    target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
+    stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
+    stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
+    for k, game in enumerate(games or [log.args.env_id]):
+        stats[f"stats/popart_sigma/{game}"] = agent.popart.sigma[k]
+        stats[f"stats/popart_mu/{game}"] = agent.popart.mu[k]
+    hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in games if log.groups.get(g)]
+    if len(games) > 1 and len(hns) == len(games):
+        stats["charts/median_human_normalized"] = float(np.median(hns))
     log.scalars(stats, step)
-    with torch.no_grad():
-        features = agent.torso(batch["obs"][:-1].flatten(0, 1))
-        log.scalars({"stats/logits_std_across_states": logits_std_across_states(logits[:-1])}, step)
-        log.scalars({"stats/dead_units": dead_units(features)}, step)
-    for k, task in enumerate(tasks if agent.popart is not None else []):
-        log.scalars(
-            {f"stats/popart_sigma/{task}": agent.popart.sigma[k], f"stats/popart_mu/{task}": agent.popart.mu[k]}, step
-        )
-    hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in tasks if log.groups.get(g)]
-    if len(tasks) > 1 and len(hns) == len(tasks):
-        log.scalars({"charts/median_human_normalized": float(np.median(hns))}, step)
+    eta, alpha, kl = (float(stats[f"stats/{k}"]) for k in ("eta", "alpha", "kl"))
+    log.console(step, f"entropy {float(stats['stats/entropy']):.2f} | η {eta:.3f} α {alpha:.3f} KL {kl:.4f}")
+
+
+def evaluate_model(log, model, device) -> tuple:
+    """The end of training: `--eval-episodes` episodes of the final policy (each game's, with a table, for several
+    games; the first episode filmed with `--capture-video`). Returns (mean return, summary.json's extra entries)."""
+    n, games, step = log.args.eval_episodes, log.args.env_ids, model["global_step"]
+    film, seed = log.path if log.args.capture_video else None, log.args.seed + 10_000
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    if n == 0:
+        return None, {}
+    if not games:
+        mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, seed, film)))
+        print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+        log.scalars({"charts/eval_return": mean}, step)
+        return mean, {}
+    _, table = evaluate_games(policy, games, n, seed, os.path.join(log.path, "evaluation"), film)
+    log.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
+    log.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
+    extra = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
+    last10 = {g: float(np.mean(log.groups[g][-10:])) if log.groups.get(g) else None for g in games}
+    extra.update(eval_per_game=table["games"], env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
+    return float(np.mean([r["mean"] for r in table["games"]])), extra
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -538,9 +524,7 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
     """The unroll buffers `act` fills: name → (shape of one slot, dtype); with an LSTM its state before each slot."""
     T, obs_dtype = args.unroll_length, torch.uint8 if observation_space.dtype == np.uint8 else torch.float32
     specs = dict(obs=((T + 1, *observation_space.shape), obs_dtype), logits=((T + 1, num_actions), torch.float32))
-    specs.update(
-        {k: ((T + 1,), torch.bool) for k in ("ended", "terminated", "first")}, reward=((T + 1,), torch.float32)
-    )
+    specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated", "first")}, reward=((T + 1,), torch.float))
     specs.update({k: ((T + 1,), torch.long) for k in ("action", "prev_action", "version", "task")})
     if args.use_lstm:
         specs.update(core_h=((args.lstm_size,), torch.float32), core_c=((args.lstm_size,), torch.float32))
@@ -550,16 +534,34 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
     of a multi-task run (presets expanded; empty for one game)."""
-    games = check_actor_args(args)
+    games, world, steps = expand_env_ids(args.env_ids), world_size(), args.batch_size * args.unroll_length
+    for game in games:
+        require(is_atari(game), f"--env-ids takes Atari games (Pong-v5 Breakout-v5, or atari57, atari5), not {game}")
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
-    if args.target_update_period < 1:
-        raise UsageError(f"--target-update-period must be at least 1, got {args.target_update_period}")
+    per_actor, minibatches = args.num_envs // max(args.num_actors, 1), args.num_minibatches
+    actors = f"--num-actors {args.num_actors}" + " (with --env-ids: one per game unless given)" * bool(games)
+    require(
+        not games or args.num_actors % len(games) == 0, f"{actors}: a multiple of the number of games ({len(games)})"
+    )
+    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
+    require(0 < args.batch_size and args.batch_size % world == 0, f"--batch-size: a multiple of the learners ({world})")
+    fits = 0 < args.num_actors <= args.num_envs and per_actor * args.num_actors == args.num_envs
+    require(fits, f"--num-envs {args.num_envs} must be a positive multiple of {actors}")
+    require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
+    require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
+    split = 0 < minibatches and minibatches % world == 0 and args.batch_size % minibatches == 0
+    require(split, f"--num-minibatches {minibatches}: must divide --batch-size, a multiple of the learners ({world})")
+    require(
+        args.target_update_period >= 1, f"--target-update-period must be at least 1, not {args.target_update_period}"
+    )
+    require(args.update_epochs >= 1, f"--update-epochs must be at least 1, got {args.update_epochs}")
     require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
     for name in ("eps_eta", "eps_alpha", "init_eta", "init_alpha", "learning_rate"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    if len(spec.observation_space.shape) == 3:
-        check_channels(args.network, args.channels)
+    check_channels(args.network, args.channels)
+    for game in games[1:]:
+        env_spec(game, discrete=True)
     return spec, games
 
 
@@ -608,25 +610,22 @@ def minibatch_gradients(agent, multipliers, batch, args, chunks, move_popart=Tru
 
 
 def make_optimizer(args, agent, multipliers):
-    """Adam for the networks and the multipliers (Sec. 4.3); with `--dual-learning-rate` the multipliers in a
-    parameter group of their own with that learning rate (per-parameter Adam: the same as an Adam of their own)."""
-    if args.dual_learning_rate <= 0:
-        params = [*agent.parameters(), *multipliers.parameters()]
-        return torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
-    groups = [
-        dict(params=list(agent.parameters())),
-        dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate),
-    ]
+    """Adam for the networks and the multipliers (Sec. 4.3), the multipliers in a parameter group of their own at
+    `--dual-learning-rate` (0: the networks' learning rate; per-parameter Adam: the same as an Adam of their own)."""
+    dual_lr = args.dual_learning_rate if args.dual_learning_rate > 0 else args.learning_rate
+    groups = [dict(params=list(agent.parameters())), dict(params=list(multipliers.parameters()), lr=dual_lr)]
     return torch.optim.Adam(groups, lr=args.learning_rate, eps=args.adam_eps)
 
 
-def saved_model(args, agent, multipliers, games, atari, global_step):
+def saved_model(args, agent, multipliers, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
+    games = args.env_ids
     model = dict(script="vmpo_atari", env_id=games[0] if games else args.env_id, env_ids=list(games))
     model.update(full_action_space=bool(games), args=dataclasses.asdict(args), agent_config=agent.config)
     weights = dict(agent=agent.state_dict(), multipliers=multipliers.state_dict())
     model.update({k: {n: v.cpu() for n, v in w.items()} for k, w in weights.items()})
-    return {**model, "reward_clip": atari and args.reward_clip, "global_step": global_step}
+    clip = args.reward_clip and (bool(games) or is_atari(args.env_id))
+    return {**model, "reward_clip": clip, "global_step": global_step}
 
 
 def average_gradients(params, world: int) -> None:
@@ -715,7 +714,7 @@ class UnrollWriter:
 
 class ActorPool:
     """The learner's side: one process per config running `act`, batches of full unrolls (`next_batch`), the
-    learner's weights published to the actors (`publish`), their finished episodes (`episodes`), `close`."""
+    learner's weights published to the actors (`publish`), their finished episodes (`take_episodes`), `close`."""
 
     def __init__(self, cfgs, agent, specs, batch_size, device):
         ctx = torch.multiprocessing.get_context("spawn")
@@ -729,26 +728,28 @@ class ActorPool:
             self.link.free_q.put(i)
         self.workers = start_workers(act, cfgs, self.link)
 
-    def next_batch(self, on_wait=None):
-        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`); `on_wait(ready)`
-        while they are collected. Raises WorkerError (with its traceback) if an actor died."""
-        idx = []
-        while len(idx) < self.batch_size:
+    def next_batch(self, stop, log=None, step=0):
+        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`), or None once a stop
+        is requested; while they are collected (for more than --log-interval seconds), a progress line (`log`). Raises
+        WorkerError (with its traceback) if an actor died."""
+        idx, batch_size, began = [], self.batch_size, time.time()
+        while len(idx) < batch_size and not stop.requested:
             try:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
-                check_workers(self.workers, "actor", must_live=True)
-            if on_wait is not None:
-                on_wait(len(idx))
+                check_workers(self.workers, "actor")
+            if log is not None and log.due() and time.time() - began >= log.args.log_interval:
+                log.console(step, f"collecting a batch: {len(idx)}/{batch_size} unrolls")
         while not self.link.msg_q.empty():
             self.episodes.append(self.link.msg_q.get()[1:])
-        check_workers(self.workers, "actor", must_live=True)
-        idx_t = torch.tensor(idx)
-        batch = {k: v[idx_t] for k, v in self.link.buffers.items()}
+        check_workers(self.workers, "actor")
+        if stop.requested:
+            return None
+        batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
         for i in idx:
             self.link.free_q.put(i)
-        pin = self.device.type == "cuda"
         batch = {k: v if k.startswith("core_") else v.transpose(0, 1) for k, v in batch.items()}
+        pin = self.device.type == "cuda"
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def publish(self, state):
@@ -763,52 +764,9 @@ class ActorPool:
         return episodes
 
     def close(self):
-        stop_workers(self.workers)
-
-
-def check_actor_args(args) -> list[str]:
-    """The actors' options, checked before any work (UsageError): a multi-task run's games (Atari, the same share of
-    the actors each), the unroll, the batch over the learners and its minibatches, the envs per actor and their
-    async batch, a run of at least one batch. Returns the games of a multi-task run (none for one task)."""
-    games, world = expand_env_ids(getattr(args, "env_ids", ())), world_size()
-    steps = args.batch_size * args.unroll_length
-    per_actor, mb = args.num_envs // max(args.num_actors, 1), getattr(args, "num_minibatches", world)
-    for game in games:
-        env_spec(game, discrete=True)
-        require(
-            is_atari(game),
-            f"--env-ids takes Atari games (e.g. Pong-v5 Breakout-v5, or a preset: atari57, atari5); {game} is not one",
-        )
-    require(
-        not games or args.num_actors % len(games) == 0,
-        f"--num-actors {args.num_actors} must be a multiple "
-        f"of the number of games ({len(games)}) so that every game gets the same share of the actors",
-    )
-    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
-    require(
-        args.batch_size >= 1 and args.batch_size % world == 0,
-        f"--batch-size {args.batch_size} must be a positive multiple of the number of learner processes ({world})",
-    )
-    require(
-        1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0,
-        f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}"
-        + (" (with --env-ids: one actor per game unless given)" if games else ""),
-    )
-    require(
-        0 <= args.env_batch_size <= per_actor,
-        f"--env-batch-size {args.env_batch_size} must be between 1 "
-        f"and the envs per actor ({per_actor}), or 0 for half of them",
-    )
-    require(
-        args.total_timesteps >= steps,
-        f"--total-timesteps {args.total_timesteps} is less than one batch (batch-size x unroll-length = {steps} steps)",
-    )
-    require(
-        mb >= 1 and mb % world == 0 and args.batch_size % mb == 0,
-        f"--num-minibatches {mb} must divide "
-        f"--batch-size {args.batch_size} and be a multiple of the number of learner processes ({world})",
-    )
-    return games
+        for p in self.workers.processes:
+            p.kill()
+            p.join()
 
 
 class WorkerError(RuntimeError):
@@ -816,42 +774,35 @@ class WorkerError(RuntimeError):
 
 
 def run_worker(i, target, per_worker, *args):
-    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
-    Ctrl-C is its learner's to handle, it dies with its learner, one torch thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
+    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back): it
+    dies with its learner, one torch thread."""
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
     if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
         target(per_worker[i], *args)
 
 
 def start_workers(target, per_worker, *args):
-    """One process per item of `per_worker`, running `target(item, *args)`."""
+    """One process per item of `per_worker`, running `target(item, *args)`. They ignore Ctrl-C and SIGTERM from their
+    first instruction (a terminal or a job scheduler signals every process; stopping is their learner's to do)."""
+    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # inherited by them
     run = (target, per_worker, *args)
-    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+    workers = torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+    for s, handler in ignored.items():
+        signal.signal(s, handler)
+    return workers
 
 
-def check_workers(workers, what, must_live=False) -> None:
-    """WorkerError if a worker raised (with its traceback) or died (`must_live`: ended at all); torch's `join` has
-    then stopped the others."""
+def check_workers(workers, what) -> None:
+    """WorkerError if a worker raised (its traceback), died or ended; torch's `join` has then stopped the others."""
     try:
         workers.join(timeout=0, grace_period=2.0)
     except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
         raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
     except torch.multiprocessing.ProcessExitedException as e:
         raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-    if must_live and any(p.exitcode == 0 for p in workers.processes):
+    if any(p.exitcode == 0 for p in workers.processes):
         raise WorkerError(f"{what} ended before its learner")
-
-
-def stop_workers(workers) -> None:
-    for p in (p for p in workers.processes if p.is_alive()):
-        p.terminate()
-    for p in workers.processes:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
 
 
 def world_size() -> int:
@@ -862,10 +813,9 @@ def learner_process(args):
     """(rank, world, device) of this learner: the process group under torchrun, the seeds (seed + rank), cudnn's
     determinism and torch's threads (`--learner-threads`, or the cores shared among the learners)."""
     rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
     if world > 1:
-        torch.distributed.init_process_group("nccl" if use_cuda else "gloo")
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -873,68 +823,37 @@ def learner_process(args):
     return rank, world, device
 
 
-class Interrupt:
-    """Ctrl-C and SIGTERM: stop at once, dropping the update in progress, except inside `with commit():` (the lines
-    that change the training state), which finishes first; a second Ctrl-C stops at once wherever it is. Once it
-    has raised, later signals change nothing (the shutdown under way must not be cut short)."""
+def agreed(flag: bool, device) -> bool:
+    """Whether `flag` holds in any learner process: under torchrun every learner stops after the same update."""
+    if world_size() == 1:
+        return flag
+    flag = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def loss_stats(result) -> dict:
+    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
+    scalars (the total and what is not a scalar left out)."""
+    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
+    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
+
+
+class Stop:
+    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the update in hand (a wait for a batch or a
+    worker looks every second), saves and says how to continue; a second Ctrl-C exits at once (status 130, the worker
+    processes dying with this one). A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
 
     def __init__(self):
-        self.signals, self.committing, self.raised = [], False, False
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        self.requested = False
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
 
-    def _on_signal(self, signum, frame):
-        self.signals.append(signum)
-        if not self.raised and (len(self.signals) > 1 or not self.committing):
-            self.raised = True
-            raise KeyboardInterrupt
-
-    @property
-    def once(self) -> bool:
-        return len(self.signals) <= 1
-
-    @contextlib.contextmanager
-    def commit(self):
-        self.committing = True
-        try:
-            yield
-        finally:
-            self.committing = False
-        if self.signals and not self.raised:
-            self.raised = True
-            raise KeyboardInterrupt
-
-
-def fail(error: Exception, run_path: str, pool) -> None:
-    """A failed actor or a non-finite value: the error line (and where the last good checkpoint is), the actors
-    stopped, exit 1 (torchrun stops the other learners)."""
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    path = os.path.join(run_path, "checkpoint.pt")
-    if "NonFiniteError" in f"{type(error).__name__} {error}":
-        advice = "no checkpoint was written before it; try a lower --learning-rate"
-        if os.path.isfile(path):
-            step = torch.load(path, weights_only=False)["global_step"]
-            advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start "
-            advice += "again with a lower --learning-rate"
-        print(advice, file=sys.stderr, flush=True)
-    if pool is not None:
-        pool.close()
-    os._exit(1)
-
-
-def stop_on_interrupt(pool, interrupt: Interrupt, save, log, world: int) -> None:
-    """Ctrl-C or SIGTERM: the actors stopped; after one signal `save()` (the last completed update; None where
-    there is none yet) and how to continue; exit 130."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
-    print("interrupted: stopping actors", file=sys.stderr, flush=True)
-    if pool is not None:
-        pool.close()
-        if interrupt.once and save is not None:
-            step, script = save(), os.path.basename(__file__)
-            again = f"torchrun --standalone --nproc_per_node {world} {script}" if world > 1 else f"python {script}"
-            if log.writer is not None:
-                print(f"checkpoint at step {step}: continue with {again} --resume {log.path}", file=sys.stderr)
-    sys.exit(130)
+    def on_signal(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            os._exit(130)
+        self.requested = True
+        print("stopping after the update in hand (Ctrl-C again: at once)", file=sys.stderr, flush=True)
 
 
 class NonFiniteError(RuntimeError):
@@ -949,77 +868,60 @@ def check_finite(where: str, **named) -> None:
         raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
-def check_finite_parameters(where: str, **modules) -> None:
-    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
-    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
-    check_finite(where, **named)
+def fail(error: Exception, run_path: str) -> None:
+    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit 1 (worker
+    processes die with this one; torchrun stops the other learners)."""
+    print(f"error: {error}", file=sys.stderr)
+    if "NonFiniteError" in f"{type(error).__name__} {error}":
+        path = os.path.join(run_path, "checkpoint.pt")
+        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        advice = advice if step is not None else "no checkpoint was written before it"
+        print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
-def save_atomic(obj, path: str) -> None:
-    """torch.save through a temporary file and a rename: a run killed while saving keeps its last good file."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def loss_stats(result) -> dict:
-    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
-    scalars (the total and what is not a scalar left out)."""
-    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
-    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
-
-
-# Defaults by task family: `--env-id` alone picks its family's settings; a flag the user gives wins.
-PAPER, FAMILY_NAMES = (
-    "the paper's settings (the Args defaults)",
-    dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control"),
-)
-
-
-def family_key(args, table) -> str:
-    """The run's entry of `table`: its family, or `<family>_cpu` where there is one and no GPU is used."""
-    family = "atari" if getattr(args, "env_ids", ()) else task_family(args.env_id)
-    gpu = getattr(args, "cuda", False) and torch.cuda.is_available()
-    return f"{family}_cpu" if f"{family}_cpu" in table and not gpu else family
+# Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
+PAPER = "the paper's settings (the Args defaults)"
+FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take;
-    none under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
+    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take; none
+    under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
     import tyro
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
     family = first.preset != "paper" and not first.resume
-    overrides = table.get(family_key(first, table), (PAPER, {}))[1] if family else {}
-    if family and getattr(first, "env_ids", ()):
-        overrides = {**overrides, **multi_task_defaults(first, dataclasses.replace(cls(), **overrides), argv)}
+    overrides = table.get(run_family(first), (PAPER, {}))[1] if family else {}
+    if family and first.env_ids:  # one actor per game and envs rounded up to match, unless given
+        given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
+        actors = first.num_actors if "--num-actors" in given else len(expand_env_ids(first.env_ids))
+        envs = (
+            first.num_envs if "--num-envs" in given else -(-overrides.get("num_envs", cls.num_envs) // actors) * actors
+        )
+        overrides = {**overrides, "num_actors": actors, "num_envs": envs}
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
-def multi_task_defaults(first, family, argv) -> dict:
-    """With --env-ids: one actor per game, unless --num-actors is given, and the family's envs rounded up to a
-    multiple of the actors, unless --num-envs is given (every game the same share of both). `first`: the flags as
-    given; `family`: the family's defaults."""
-    given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
-    actors = first.num_actors if "--num-actors" in given else len(expand_env_ids(first.env_ids))
-    envs = first.num_envs if "--num-envs" in given else -(-family.num_envs // actors) * actors
-    return dict(num_actors=actors, num_envs=envs)
+def run_family(args) -> str:
+    return "atari" if args.env_ids else task_family(args.env_id)
 
 
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
-    key = family_key(args, table)
-    source, overrides = table.get(key, (PAPER, {}))
+    family = run_family(args)
+    source, overrides = table.get(family, (PAPER, {}))
     if args.preset == "paper":
-        return key.removesuffix("_cpu"), PAPER + ", forced by --preset paper"
-    source = f"no GPU: {source}; --preset paper for the paper's" if key.endswith("_cpu") else source
+        return family, PAPER + ", forced by --preset paper"
     show = [
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
-    many = ""
-    if getattr(args, "env_ids", ()):
-        many = f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
-    return key.removesuffix("_cpu"), source + (": " + ", ".join(show) if show else "") + many
+    source += ": " + ", ".join(show) if show else ""
+    if args.env_ids:
+        source += f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
+    return family, source
 
 
 def resume_args(args):
@@ -1027,131 +929,95 @@ def resume_args(args):
     return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
-def new_run_folder(path: str) -> str:
-    """Creates the run folder `path`, or `path_2`, `path_3`, ... where a run that started in the same second took
-    the name (`os.mkdir` is atomic: two runs never share a folder)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    name, k = path, 1
-    while True:
-        try:
-            os.mkdir(name)
-            return name
-        except FileExistsError:
-            k += 1
-            name = f"{path}_{k}"
-
-
 class RunLog:
-    """The run folder: args.json, TensorBoard curves, the console line, summary.json. `resumed` (a checkpoint or
-    None) gives the step, returns and wall time to go on from. Only rank 0 (`write`) writes."""
+    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
+    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
+    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
 
-    def __init__(self, args, task_name, resumed, describe, write=True):
-        self.args, self.writer, self.first, resumed = args, None, None, resumed or {}
-        self.path = args.resume or os.path.join(
-            args.run_dir, f"{task_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
-        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))  # groups: games
+    def __init__(self, args, resumed, describe, name=None, write=True):
+        resumed, self.args, self.writer = resumed or {}, args, None
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_log = self.last_line = time.time()  # last_line: also the lines while collecting
-        if write:
-            from torch.utils.tensorboard import SummaryWriter
+        self.start = self.last_line = self.last_save = time.time()
+        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
+        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
+        self.path += "" if args.resume else f"__{int(self.start)}"
+        if not write:
+            return
+        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+            try:
+                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                break
+            except FileExistsError:
+                pass
+        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
+        family, source = describe_defaults(args)
+        with open(os.path.join(self.path, "args.json"), "w") as f:
+            json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
+        from torch.utils.tensorboard import SummaryWriter
 
-            self.path = self.path if args.resume else new_run_folder(self.path)
-            os.makedirs(self.path, exist_ok=True)
-            family, source = describe_defaults(args)
-            print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}", flush=True)
-            with open(os.path.join(self.path, "args.json"), "w") as f:
-                json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
-            self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-            print(f"run folder: {self.path}  ({describe})", flush=True)
+        self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
+        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step, *groups) -> None:
+    def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-        for group in groups:
+        if group is not None:
             self.groups.setdefault(group, []).append(score)
-            self.writer.add_scalar(f"charts/{group}/episodic_return", score, step)
+            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
-    def first_update(self, step: int) -> None:
-        self.first = self.first or (time.time(), step)  # the steady SPS leaves out the start-up
-
-    def state(self, step: int, **script_state) -> dict:
-        """A checkpoint: the script's state, what this log goes on from, the run's arguments."""
-        groups, wall = {g: r[-10:] for g, r in self.groups.items()}, self.previous_wall + time.time() - self.start
-        log = dict(global_step=step, returns=self.returns[-100:], groups=groups, wall_time_s=wall)
-        return {**script_state, **log, "args": dataclasses.asdict(self.args), "script": os.path.basename(__file__)}
+    def update_done(self, step: int) -> None:
+        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
+        self.last = (time.time(), step)
+        self.first = self.first or self.last
 
     def due(self) -> bool:
-        return time.time() - self.last_log >= self.args.log_interval
+        """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
+        return time.time() - self.last_line >= self.args.log_interval
 
-    def console(self, step: int, extra: str = "", collecting=None) -> None:
-        """The progress line (and charts/SPS); with `collecting` (unrolls ready, needed, steps per unroll) the line
-        printed while a batch is collected, at most every --log-interval seconds (at least 1 s)."""
-        now = time.time()
-        if collecting is not None:
-            if now - self.last_line < max(self.args.log_interval, 1.0):
-                return
-            ready, needed, T = collecting
-            sps = (step - self.start_step + ready * T) / max(now - self.start, 1e-9)
-            line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | collecting a batch: "
-            print(f"{line}{ready}/{needed} unrolls of {T} steps", flush=True)
-            self.last_line = now
-            return
+    def console(self, step: int, extra: str = "") -> None:
+        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+        now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
-        self.writer.add_scalar("charts/SPS", sps, step)
-        recent = f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-        print(
-            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
-            flush=True,
-        )
-        self.last_log = self.last_line = now
+        line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+        print(line + f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}", flush=True)
+        if self.writer is not None:
+            self.scalars({"charts/SPS": sps}, step)
+        self.last_line = now
 
-    def end(self, model: dict, end_time: float, device, games=()) -> dict:
-        """model.pt (with `--save-model`), the evaluation (each game's, with a table, for a multi-task model; the
-        first game's first episode filmed with `--capture-video`), summary.json."""
-        if self.args.save_model:
-            torch.save(model, os.path.join(self.path, "model.pt"))
-        step, summary, eval_mean, n = model["global_step"], {}, None, self.args.eval_episodes
-        if n > 0:
-            film, seed = self.path if self.args.capture_video else None, self.args.seed + 10_000
-            policy = lambda k: make_eval_policy(model, k, str(device))  # noqa: E731
-            if games:
-                _, table = evaluate_games(policy, games, n, seed, os.path.join(self.path, "evaluation"), film)
-                eval_mean = float(np.mean([r["mean"] for r in table["games"]]))
-                self.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
-                self.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
-                summary = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
-                summary["eval_per_game"] = table["games"]
-            else:
-                eval_mean = float(np.mean(evaluate(policy, model["env_id"], n, None, seed, film)))
-                self.scalars({"charts/eval_return": eval_mean}, step)
-                print(f"evaluation over {n} episodes: mean {eval_mean:.1f}", flush=True)
-        if games:
-            last10 = {g: float(np.mean(self.groups[g][-10:])) if self.groups.get(g) else None for g in games}
-            summary.update(env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
-        steady = None
-        if self.first is not None and end_time > self.first[0] and step > self.first[1]:
-            steady = (step - self.first[1]) / (end_time - self.first[0])
-        summary = {
-            "env_id": f"{len(games)}games" if games else self.args.env_id,
-            "total_timesteps": step,
-            "wall_time_s": self.previous_wall + end_time - self.start,
-            "sps": (step - self.start_step) / max(end_time - self.start, 1e-9),
-            "sps_after_first_update": steady,
-            "mean_episodic_return_last_100": float(np.mean(self.returns[-100:])) if self.returns else None,
-            "eval_mean_return": eval_mean,
-            **summary,
-        }
+    def save(self, step: int, state: dict, model: dict = None) -> None:
+        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
+        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        wall = self.previous_wall + time.time() - self.start
+        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
+        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
+            if obj is not None:
+                torch.save(obj, os.path.join(self.path, name + ".tmp"))
+                os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.last_save = time.time()
+
+    def save_due(self) -> bool:
+        return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
+
+    def end(self, step: int, eval_mean=None, **extra) -> dict:
+        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
+        SPS run to the last update (`update_done`), not through the evaluation."""
+        end = self.last[0] if self.last else time.time()
+        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
+        summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
+        if self.first is not None and self.last[1] > self.first[1]:
+            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()
-        return summary
+        return {**summary, **extra}
 
 
 def cli():
