@@ -24,9 +24,9 @@ other learners stay about d_search = max(ρ·D_change, d_min) away from π_b. Wi
 
 The N learners' networks are stacked (`Linears`: weights `[N, out, in]`), so one forward, backward and Adam step
 update all N, each on its own minibatch, with exactly the gradients and steps of N separate TD3 learners. One
-process runs Algorithm 1 (`main`): every learner's envs step together, then all store, update, are evaluated and
-selected in lockstep. `--total-timesteps` counts the environment steps of all
-learners together (the paper's x axis). The defaults follow the authors' code, which made the paper's curves, where
+process runs Algorithm 1 (`main`): every time step all learners act, store, update and, every R_eval and M steps,
+are evaluated and selected, in lockstep. `--total-timesteps` counts the environment steps of all learners together
+(the paper's x axis). The defaults follow the authors' code, which made the paper's curves, where
 it departs from the text: N updates of each learner per step of its own, updates from 1000 rows of D while the
 actions stay random for 1000 steps per learner, D averaged over action dimensions and over the period's updates,
 no guidance before the first selection, Xavier weights; `--preset paper` reads the text. The learners start alike,
@@ -69,6 +69,7 @@ class Args:
     seed: int = 1  # seed of the common initial weights, the noise and the sampling
     torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
     cuda: bool = True  # the learners' networks and the replay on the GPU when there is one
+    threads: int = 1  # torch's threads for the updates on a CPU: 1 beside other busy processes, the cores when alone
     total_timesteps: int = 1_000_000  # environment steps of all learners together (the paper's Figs. 3-4: 1M)
     num_learners: int = 4  # N, learners (Sec. 4.1), updated together as one batch; 1 is plain TD3
     num_envs: int = 1  # environment copies per learner (1 in the paper)
@@ -150,15 +151,7 @@ FAMILY_DEFAULTS = {
 # learner of the population): the reductions run over the minibatch only, one value per learner.
 
 
-def adapt_beta(
-    beta: float,
-    d_spread: float,
-    d_change: float,
-    rho: float,
-    d_min: float,
-    beta_min: float = 1e-3,
-    beta_max: float = 1e3,
-) -> float:
+def adapt_beta(beta, d_spread, d_change, rho, d_min, beta_min=1e-3, beta_max=1e3) -> float:
     """Eq. (76) (= Eq. 6): with d_search = max{ρ D_change, d_min},
 
         β ← 2β   if D_spread > 1.5 d_search     (the others drift too far from π_b: pull harder)
@@ -509,7 +502,7 @@ def synchronise(learners, replay, recent, best, beta, args, generator):
 
 def main(args: Args):
     args, resumed = resume_args(args)
-    spec, args = check_args(args)
+    _, args = check_args(args)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     N, n, M, R, E = args.num_learners, args.num_envs, args.best_period, args.eval_interval, args.eval_episodes
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
@@ -519,10 +512,7 @@ def main(args: Args):
     describe += f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else ""
     log = RunLog(args, resumed, describe)
     stop = Stop()
-    # one process does all the learning: every core it may use for its matmuls, unless other work on the machine
-    # makes one thread faster (measured as it runs: ThreadChoice)
-    threads = ThreadChoice(len(os.sched_getaffinity(0)) if device == "cpu" else 1)
-    torch.set_num_threads(threads.current)
+    torch.set_num_threads(args.threads)
     # Values below 1.2e-38 (Adam's second moments of the weights that rarely get a gradient decay into them) as zero:
     # denormal arithmetic is many times slower on x86 CPUs (docs/p3s_td3.md, "Speed on a CPU").
     torch.set_flush_denormal(True)
@@ -546,13 +536,6 @@ def main(args: Args):
         generator.set_state(resumed["generator"])
         cpu_generator.set_state(resumed["cpu_generator"])
 
-    def state():
-        """The training state for checkpoint.pt (the run log adds its own), its networks checked finite first."""
-        check_finite_parameters(f"at step {t * N * n}", actor=learners.actor, qf=learners.qf)
-        state = dict(learners=learners.state_dict(), replay=replay.state(), t=t, best=best, beta=beta)
-        state.update(generation=generation, counts=counts, recent=[list(r) for r in recent])
-        return {**state, "generator": generator.get_state(), "cpu_generator": cpu_generator.get_state()}
-
     # 1{i≠b} for the policy loss. Before the first selection no learner is guided (the authors' code), or all but
     # learner 0 toward the common initial policy (the text: Algorithm 1, line 1).
     guided = (torch.arange(N, device=device) != best) & (N > 1) & (generation > 0 or args.guide_first_period)
@@ -560,9 +543,9 @@ def main(args: Args):
     tracker, delayed = EpisodeTracker(N * n), DelayedReward(N * n, args.reward_delay)
     obs = torch.from_numpy(flatten_obs(envs.reset()[0]))
     ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
-    t, stats, last_eval = start_t, {}, ""
+    T, step, stats, means, last_eval = args.total_timesteps // (N * n), start_t * N * n, {}, [], ""
     try:
-        for t in range(start_t + 1, args.total_timesteps // (N * n) + 1):  # time steps t of Algorithm 1
+        for t in range(start_t + 1, T + 1):  # time steps t of Algorithm 1
             step = t * N * n
             if t <= args.t_initial:  # line 7: uniform random actions
                 actions = torch.rand(N * n, action_dim, generator=cpu_generator) * 2.0 - 1.0
@@ -585,7 +568,6 @@ def main(args: Args):
             # holds `learning_starts` rows, whatever the actions. Each update on a fresh minibatch (base.py:118-123).
             starts = args.learning_starts
             learning = int(replay.sizes().sum()) >= starts if starts > 0 else t > args.t_initial
-            started = time.perf_counter()
             for _ in range(n * args.updates_per_step if learning else 0):
                 batch, writers = replay.sample((N, args.batch_size), cpu_generator)
                 counts["foreign"] += (writers != torch.arange(N)[:, None]).sum(1)
@@ -593,9 +575,7 @@ def main(args: Args):
                 stats.update(learners.update(batch, beta, guided))  # a policy step's statistics stay till the next
             if learning:
                 log.update_done(step)
-            if learning and threads.record(time.perf_counter() - started, n * args.updates_per_step, started):
-                torch.set_num_threads(threads.current)
-            if R and E and step // R > (step - N * n) // R:  # every R_eval steps (Sec. 4.1)
+            if E and (R and step // R > (step - N * n) // R or t == T):  # every R_eval steps, the end (Sec. 4.1)
                 means = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
                 last_eval = log_evaluation(log, step, means)
             if t % M == 0 and N > 1 and learning:  # lines 24-26: every M steps
@@ -603,8 +583,13 @@ def main(args: Args):
                 best, beta, generation = sync["best"], sync["beta"], generation + 1
                 guided = torch.arange(N, device=device) != best
                 log_selection(log, step, sync)
-            if stop.requested or log.save_due():
-                log.save(step, state(), saved_model(args, learners, best, step, low, high) if args.save_model else None)
+            if stop.requested or log.save_due() or t == T:  # the training state, its networks checked finite
+                check_finite_parameters(f"at step {step}", actor=learners.actor, qf=learners.qf)
+                state = dict(learners=learners.state_dict(), replay=replay.state(), t=t, best=best, beta=beta)
+                state.update(generation=generation, counts=counts, recent=[list(r) for r in recent])
+                state.update(generator=generator.get_state(), cpu_generator=cpu_generator.get_state())
+                model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
+                log.save(step, state, model if args.save_model else None)  # model.pt: the last evaluation's best first
             if stop.requested:
                 log.writer.close()
                 again = f"python {os.path.basename(__file__)} --resume {log.path}"
@@ -618,23 +603,20 @@ def main(args: Args):
                 for k, values in {**stats, **extra}.items():  # a value per learner
                     group = "losses" if k.endswith("loss") else "stats"
                     log.scalars({f"{group}/learner_{i}/{k}": v for i, v in enumerate(values.tolist())}, step)
-        # the end: each learner's evaluation (Sec. 4.1), the best one first in model.pt; the last checkpoint
-        step = t * N * n
-        means = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high) if E else []
-        model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
-        log.save(step, state(), model if args.save_model else None)
     except NonFiniteError as e:
         fail(e, log.path)
-    if means:
-        log.scalars({f"charts/learner_{i}/eval_return": m for i, m in enumerate(means)}, step)
-        log.scalars({"charts/eval_return": max(means)}, step)
-        print(
-            f"evaluation over {E} episodes per learner: {', '.join(f'{m:.1f}' for m in means)}; best {max(means):.1f}"
-        )
-    if args.capture_video:
+    if args.capture_video:  # one episode of the best policy
+        model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
         evaluate(lambda k: make_eval_policy(model, k), args.env_id, 1, 1, args.seed + 10_000, log.path)
     log.console(step)
-    log.end(step, max(means, default=None), **population_summary(log, learners, counts, best, beta, means))
+    last_10 = [
+        float(np.mean(log.groups[f"learner_{i}"][-10:])) if f"learner_{i}" in log.groups else None for i in range(N)
+    ]
+    summary = dict(num_learners=N, eval_mean_return_per_learner=means, mean_episodic_return_last_10_per_learner=last_10)
+    summary.update(best_learner=best, beta=beta, updates_per_learner=[learners.updates] * N)
+    summary.update(foreign_sample_fraction=(counts["foreign"] / counts["sampled"].clamp(min=1)).tolist())
+    summary.update(rewarded_fraction=(counts["rewarded"] / counts["stored"].clamp(min=1)).tolist())
+    log.end(step, max(means, default=None), **summary)
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
@@ -656,7 +638,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
     spec = env_spec(args.env_id, discrete=False)
-    for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
+    for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay", "threads"):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
     require(
@@ -732,23 +714,6 @@ def log_evaluation(log, step, means) -> str:
     return f"eval {max(means):.1f} at {step}"
 
 
-def population_summary(log, learners, counts, best, beta, eval_means):
-    """summary.json's entries of the population: per learner its evaluation, last-10 mean, share of foreign
-    samples, rewarded fraction and updates; the best learner and β at the end."""
-    N = log.args.num_learners
-    recent = [log.groups.get(f"learner_{i}", [])[-10:] for i in range(N)]
-    return {
-        "num_learners": N,
-        "eval_mean_return_per_learner": eval_means,
-        "mean_episodic_return_last_10_per_learner": [float(np.mean(r)) if r else None for r in recent],
-        "best_learner": best,
-        "beta": beta,
-        "foreign_sample_fraction": (counts["foreign"] / counts["sampled"].clamp(min=1)).tolist(),
-        "rewarded_fraction": (counts["rewarded"] / counts["stored"].clamp(min=1)).tolist(),
-        "updates_per_learner": [learners.updates] * N,
-    }
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Plumbing: Ctrl-C, failures, the task family's defaults, the run folder. No equation below.
 
@@ -768,37 +733,6 @@ class Stop:
             os._exit(130)
         self.requested = True
         print("stopping after the update in hand (Ctrl-C again: at once)", file=sys.stderr, flush=True)
-
-
-class ThreadChoice:
-    """torch's thread count for the updates, chosen by measurement as the run goes: all the cores the process may
-    use, or one. Alone on the machine, more threads make the matmuls faster; beside other busy processes (seeds run
-    side by side) each of them waits for the slowest thread at every kernel, and one thread is faster
-    (docs/p3s_td3.md). Each choice is timed over `window` seconds of updates; the other one is timed again every
-    `every` seconds; the faster per update is kept."""
-
-    def __init__(self, cores, window=3.0, every=60.0):
-        self.options = [cores, 1] if cores > 1 else [1]
-        self.current, self.window, self.every = self.options[0], window, every
-        self.per_update = {}  # option -> seconds per update in its last window
-        self.spent, self.updates, self.last_trial = 0.0, 0, None
-
-    def record(self, seconds, updates, now):
-        """`updates` updates took `seconds`, ending about `now` (seconds, any clock). True if `current` changed."""
-        if len(self.options) == 1:
-            return False
-        self.spent, self.updates = self.spent + seconds, self.updates + updates
-        if self.spent < self.window:
-            return False
-        self.per_update[self.current] = self.spent / self.updates
-        self.spent, self.updates = 0.0, 0
-        other = self.options[1] if self.current == self.options[0] else self.options[0]
-        if other not in self.per_update or (self.last_trial is not None and now - self.last_trial >= self.every):
-            choice, self.last_trial = other, now  # time the other choice (again)
-        else:
-            choice = min(self.options, key=lambda k: self.per_update[k])
-        changed, self.current = choice != self.current, choice
-        return changed
 
 
 class NonFiniteError(RuntimeError):

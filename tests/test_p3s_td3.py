@@ -649,8 +649,9 @@ def test_smoke_halfcheetah(tmp_path, delay):
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["total_timesteps"] == 2400 and summary["num_learners"] == 2
     evaluations = [json.loads(line) for line in open(os.path.join(run, "evaluations.jsonl"))]
-    assert [e["step"] for e in evaluations] == [1000, 2000]  # every R_eval steps of both learners together
+    assert [e["step"] for e in evaluations] == [1000, 2000, 2400]  # every R_eval steps of both learners, the end
     assert all(len(e["per_learner"]) == 2 and e["eval_return"] == max(e["per_learner"]) for e in evaluations)
+    assert summary["eval_mean_return"] == evaluations[-1]["eval_return"]  # the last one is the run's score
     # N = 2 updates of each learner per step of its own (the default) from t = 300 (600 rows of D) to 1200
     assert summary["updates_per_learner"] == [1802, 1802]
     for fraction in summary["foreign_sample_fraction"]:  # each learner learns from the other's experience
@@ -908,27 +909,3 @@ def test_saved_model_holds_every_learners_own_policy():
         actor.load_state_dict(model["actors"][i])
         torch.testing.assert_close(actor(obs)[0], learners.actor(obs.expand(3, -1, -1))[i])
     assert model["actor"] is model["actors"][2] and model["best_learner"] == 2 and model["action_high"] == [1.0, 2.0]
-
-
-def test_thread_choice_keeps_the_faster_count_and_times_the_other_again():
-    """Beside other busy processes one thread updates faster than all the cores: the choice moves to it after
-    timing both, times all the cores again every `every` seconds, and goes back when the machine is free."""
-
-    def run(choice, cost, seconds, now):
-        used = []
-        end = now + seconds
-        while now < end:
-            used.append(choice.current)
-            now += 4 * cost[choice.current]
-            choice.record(4 * cost[choice.current], 4, now)
-        return used, now
-
-    choice = p3s_td3.ThreadChoice(2, window=1.0, every=30.0)
-    assert choice.current == 2
-    shared, free = {2: 0.010, 1: 0.006}, {2: 0.004, 1: 0.006}
-    used, now = run(choice, shared, 120.0, 0.0)
-    assert choice.current == 1 and used.count(2) < 0.15 * len(used)  # the first window and a trial each 30 s
-    used, now = run(choice, free, 120.0, now)
-    assert choice.current == 2 and used[-len(used) // 2 :].count(1) < 0.1 * len(used) / 2
-    single = p3s_td3.ThreadChoice(1)
-    assert single.current == 1 and not single.record(5.0, 4, 5.0) and single.current == 1
