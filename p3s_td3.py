@@ -591,6 +591,7 @@ def main(args: Args):
                 model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
                 log.save(step, state, model if args.save_model else None)  # model.pt: the last evaluation's best first
             if stop.requested:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # saved: a second Ctrl-C while exiting changes nothing
                 log.writer.close()
                 again = f"python {os.path.basename(__file__)} --resume {log.path}"
                 print(f"checkpoint at step {step}: continue with {again}", file=sys.stderr, flush=True)
