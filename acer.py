@@ -100,10 +100,8 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family (a flag the user gives wins; `--preset paper` runs Sec. 4 and 6 everywhere; measurements in
-# docs/acer.md): Atari takes RMSProp's ε at 1e-5 as a3c.py; MuJoCo the top of Sec. 6's learning-rate range, the
-# critic's loss weighted 0.01, rewards over the return's std and RMSProp ε 1e-5 (as a3c.py's MuJoCo family), and
-# δ 0.3 (within Sec. 6's range); classic control 4 envs per worker.
+# Defaults by task family, the same on every device (a flag given wins; `--preset paper` runs Sec. 4 and 6 everywhere;
+# the measurements: docs/acer.md).
 FAMILY_DEFAULTS = {
     "atari": ("the paper's Atari settings (Sec. 4) with RMSProp ε 1e-5, as a3c.py", dict(rmsprop_eps=1e-5)),
     "mujoco": (
@@ -474,9 +472,8 @@ class ContinuousAgent(nn.Module):
     def q_tilde(self, obs, actions, mean, values, n, generator=None):
         """Eq. (13) for `[..., D]` observations (raw: normalised here as in `forward`) and `[..., d]` actions, with
         n samples u_i ~ π(·|x) (no gradient through the samples)."""
-        u = mean.detach().unsqueeze(-2) + self.std * torch.randn(
-            *mean.shape[:-1], n, self.action_dim, generator=generator
-        )
+        noise = torch.randn(*mean.shape[:-1], n, self.action_dim, generator=generator)
+        u = mean.detach().unsqueeze(-2) + self.std * noise
         a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
         obs = self.normalise(obs)
         obs_all = obs.unsqueeze(-2).expand(*obs.shape[:-1], n + 1, obs.shape[-1])
@@ -538,16 +535,14 @@ def main(args: Args):
     if not discrete:  # evaluation maps the policy's [-1, 1] actions to the env's box
         low, high = spec.action_space.low, spec.action_space.high
         model.update(action_low=low.astype(np.float32).tolist(), action_high=high.astype(np.float32).tolist())
-    trust = "trust region" if args.trust_region else "no trust region"
     describe = f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}"
-    log = RunLog(args, resumed, f"{describe}, {trust}")
+    log = RunLog(args, resumed, describe + (", trust region" if args.trust_region else ", no trust region"))
     stop = Stop()
     ctx = torch.multiprocessing.get_context("spawn")
     counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
 
-    def save() -> int:
-        """The shared state as the workers leave it (read without locks, as they read it), checked first."""
+    def save() -> int:  # the shared state as the workers leave it (read without locks, as they read it)
         step = steps.value
         weights = {f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
         check_finite(f"at step {step}", **weights)
@@ -587,10 +582,7 @@ def main(args: Args):
         fail(e, log.path)
     log.console(step)
     if stop.requested:
-        print(
-            f"checkpoint at step {step}: continue with python {os.path.basename(__file__)} --resume {log.path}",
-            file=sys.stderr,
-        )
+        print(f"checkpoint at step {step}: continue with python {sys.argv[0]} --resume {log.path}", file=sys.stderr)
         sys.exit(130)
     eval_mean = None
     if args.eval_episodes > 0:  # sampling from the policy; the first episode filmed with --capture-video
@@ -620,15 +612,11 @@ def obs_tensor(obs, pixels):
 
 
 def agent_from_config(config):
-    """The network of a saved `agent_config`. A continuous one saved before `separate_value` and `obs_norm` existed
-    has neither key: the shared torso and raw observations it was trained with."""
-    config = dict(config)
+    """The network of a saved `agent_config`. A continuous one saved before `separate_value`, `obs_norm` and
+    `scale_rewards` existed lacks their keys: off, the shared torso and raw observations it was trained with."""
     if "action_dim" not in config:
         return Agent(**config)
-    config.setdefault("separate_value", False)
-    config.setdefault("obs_norm", False)
-    config.setdefault("scale_rewards", False)
-    return ContinuousAgent(**config)
+    return ContinuousAgent(**{"separate_value": False, "obs_norm": False, "scale_rewards": False, **config})
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -652,7 +640,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Replay, workers, and the process that watches them.
+# Replay and the workers: Algorithm 1.
 
 
 class Replay:
@@ -691,8 +679,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     pixels = len(local.config["obs_shape"]) == 3
     replay = Replay(max(1, args.replay_size // (k * n)))
     tracker = EpisodeTracker(n)
-    obs, _ = envs.reset()
-    obs = obs_tensor(obs, pixels)
+    obs = obs_tensor(envs.reset()[0], pixels)
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     last_report = 0.0
     obs_norm, return_norm = getattr(shared, "obs_norm", None), getattr(shared, "return_norm", None)
@@ -704,11 +691,9 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
         if return_norm is not None:
             segment = {**segment, "reward": scale_rewards(segment["reward"], local.return_norm.var)}  # θ's statistics
         out = segment_loss(local, avg_agent, segment, args, generator)
-        loss, stats = out.loss, {k: v for k, v in loss_stats(out).items() if not v.isnan()}
-        grad_norm = hogwild_update(local, shared, square_avg, loss, args)
+        grad_norm = hogwild_update(local, shared, square_avg, out.loss, args)
         update_average(avg_agent, shared, args.avg_decay, obs_lock)
-        stats["stats/grad_norm"] = grad_norm
-        return stats
+        return {**{k: v for k, v in loss_stats(out).items() if not v.isnan()}, "stats/grad_norm": grad_norm}
 
     while counter.value < args.total_timesteps and not halt.is_set():
         with obs_lock:
@@ -791,23 +776,16 @@ def check_args(args):
     for name in (*positive, "rmsprop_eps", "policy_std"):  # 0 (where --help names a default) has become it
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("avg_decay", "rmsprop_alpha"):
-        require(
-            0 <= getattr(args, name) < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}"
-        )
+        value = getattr(args, name)
+        require(0 <= value < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     require(args.value_coef >= 0 and args.ent_coef >= 0, "--value-coef and --ent-coef must not be negative")
     segment = args.k * args.num_envs
-    require(
-        args.total_timesteps >= segment, f"--total-timesteps must be at least one segment, k x num-envs = {segment}"
-    )
-    require(
-        args.replay_size >= segment or args.replay_ratio == 0, f"--replay-size must hold a segment ({segment} steps)"
-    )
+    require(args.total_timesteps >= segment, f"--total-timesteps must be at least one segment ({segment} steps)")
+    require(args.replay_size >= segment or not args.replay_ratio, f"--replay-size is below one segment ({segment})")
     whole = args.poisson_replay or float(args.replay_ratio).is_integer()
     require(args.replay_ratio >= 0 and whole, "--replay-ratio must be at least 0 (whole with --no-poisson-replay)")
-    require(
-        discrete or args.replay_ratio > 0, "--replay-ratio must be positive: continuous ACER learns from replay only"
-    )
+    require(discrete or args.replay_ratio > 0, "--replay-ratio 0: continuous ACER learns from replay only (Sec. 6)")
     require(not (discrete and args.scale_rewards), "--scale-rewards is for continuous actions (Atari clips rewards)")
     require(pixels or not args.bf16, "--bf16 is for the Atari network's convolutions; vector tasks run in float32")
     return args, spec

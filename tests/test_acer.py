@@ -605,6 +605,35 @@ def test_killed_process_ends_the_run(tmp_path, victim):
     )
 
 
+@pytest.mark.e2e
+def test_ctrl_c_completes_the_updates_in_hand_saves_and_says_how_to_continue(tmp_path):
+    """Ctrl-C once the workers learn: each completes its segment's updates and returns, the main process saves the
+    shared state (the last checkpoint, at the step it names) and exits with 130, saying how to continue."""
+    import glob
+    import signal
+    import time
+
+    argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--total-timesteps", "100000000"]
+    cmd = [sys.executable, "acer.py", *argv, "--checkpoint-interval", "0.5", "--run-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, found = time.time() + 180, []
+        while time.time() < deadline and not found:
+            time.sleep(0.2)
+            found = glob.glob(os.path.join(str(tmp_path), "*", "checkpoint.pt"))
+        assert found, "no checkpoint written"
+        first = torch.load(found[0], weights_only=False)["global_step"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err, run = proc.stderr.read(), os.path.dirname(found[0])
+    final = torch.load(found[0], weights_only=False)["global_step"]
+    assert final >= first > 0 and "Traceback" not in err, err[-3000:]
+    assert f"checkpoint at step {final}: continue with python acer.py --resume {run}" in err, err[-3000:]
+
+
 def summary_steps(run):
     return json.load(open(os.path.join(run, "summary.json")))["total_timesteps"]
 
