@@ -14,30 +14,23 @@ covariance shrinks slowly and keeps exploring. PopArt keeps the value loss on on
 | Algorithm 1: target network, refreshed every T_target steps          | `act`, `pool.publish` in `main`         |
 | Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_returns`, `n_step_targets`      |
 | Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt                   | `vmpo_loss`, `batch_loss`               |
-| Eq. (12) ψ over the top half of the advantages, L_π                  | `vmpo_weights` -> psi, `vmpo_loss`      |
-| Eq. (13) temperature loss L_η                                        | `vmpo_weights` -> eta_loss              |
+| Eqs. (12)-(13) ψ on the top half of the advantages, L_π; L_η         | `vmpo_weights`, `vmpo_loss`             |
 | Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                     |
 | Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                      | `kl_constraint_loss`                    |
 | Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers` (`--multipliers`) |
 | App. F: 512-256 MLP core, 256-unit policy and value MLP heads        | `Agent`                                 |
 | Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `TABLE7_COLUMNS`       |
 
-The policy is a diagonal Gaussian over actions scaled to [-1, 1]^d; observations are normalised by running
-statistics that travel with the weights. envpool's reset step (after an episode ends) is masked out of every
-loss; a time-limit truncation bootstraps from the value of the last observation. The choices the paper leaves
-open and the one-machine defaults, with their measurements: docs/vmpo_mujoco.md.
+The choices the paper leaves open and the one-machine defaults, with their measurements: docs/vmpo_mujoco.md.
 
     python vmpo_mujoco.py --env-id Hopper-v4                                      # settings measured on 2 cores
     python vmpo_mujoco.py --env-id HumanoidRun-v1 --preset paper --num-envs 128   # Table 7, humanoid column
 """
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 import functools
 import json
-import multiprocessing
 import math
 import os
 import queue
@@ -63,9 +56,9 @@ from common.popart import PopArt
 @dataclass
 class Args:
     env_id: str = "HalfCheetah-v4"  # envpool continuous-action task (Gym MuJoCo *-v4, dm_control HumanoidRun-v1, ...)
-    preset: Literal["family", "paper"] = "family"  # family: the family defaults; paper: the task's Table 7 column
+    preset: str = "family"  # family: the family defaults; paper: the task's Table 7 column
     exp_name: str = "vmpo_mujoco"  # name of this experiment, part of the run folder's name
-    seed: int = 1  # seed of torch, numpy and the envs (actor a of learner r: seed + 1000 r + a)
+    seed: int = 1  # seed of torch and the envs (learner r: seed + r; its actor a: seed + 1000 r + a)
     torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
     cuda: bool = True  # learner and actors' inference on the GPU when there is one
     total_timesteps: int = 10_000_000  # environment steps in all (the paper's Gym curves run to billions)
@@ -107,15 +100,14 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Table 7's columns: the Args defaults are the OpenAI Gym column; the dm_control humanoid takes humanoid-from-state.
+# Table 7's columns: the Args defaults are the OpenAI Gym column; dm_control's Humanoid* tasks take humanoid-from-state.
 TABLE7_COLUMNS = {
     "gym": {},
     "humanoid-state": dict(unroll_length=63, eps_eta=0.01, eps_alpha_mu=0.16, eps_alpha_sigma=2.2e-5),
 }
 
-# Defaults by task family, on top of the task's Table 7 column, the same on every device (a flag the user gives wins;
-# `--preset paper` keeps the column alone). Table 7 is for thousands of envs and billions of steps; these were
-# measured on 2 CPU cores (docs/vmpo_mujoco.md): short unrolls, frequent refreshes, a fast PopArt.
+# Defaults by task family on top of the Table 7 column, the same on every device (`--preset paper`: the column alone),
+# measured on 2 CPU cores (docs/vmpo_mujoco.md; Table 7 is for thousands of envs): short unrolls, a fast PopArt.
 ONE_MACHINE = dict(num_minibatches=1, unroll_length=10, target_update_period=10, learning_rate=1e-3, popart_beta=0.1)
 FAMILY_DEFAULTS = {
     "mujoco": (
@@ -124,12 +116,6 @@ FAMILY_DEFAULTS = {
     ),
     "classic": ("settings measured on Pendulum-v1 (docs)", dict(num_envs=16, batch_size=16, **ONE_MACHINE)),
 }
-
-
-def table7_column(env_id: str) -> str:
-    """'humanoid-state' for the dm_control humanoid tasks (HumanoidRun-v1, ...), 'gym' for every other task."""
-    dmc = type(env_spec(env_id)).__name__.startswith("Dmc")
-    return "humanoid-state" if env_id.startswith("Humanoid") and dmc else "gym"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -154,8 +140,7 @@ def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
     ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) on the k highest advantages D̃ (exactly k = ⌊fraction · |D|⌋ ≥ 1
     samples, by `topk`, so ties cannot let more in), 0 elsewhere; `psi` has the advantages' shape, sums to one
     and carries no gradient. L_η = η ε_η + η log( (1/|D̃|) Σ_{D̃} exp(A/η) ), differentiable in η only, on the
-    same k samples. `mask` (bool, the advantages' shape) leaves samples out of D.
-    """
+    same k samples. `mask` (bool, the advantages' shape) leaves samples out of D."""
     adv = advantages.detach().reshape(-1)
     valid = torch.ones_like(adv, dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
     n = int(valid.sum())
@@ -272,23 +257,15 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
 
 
 class LagrangeMultipliers(nn.Module):
-    """η (temperature, Eq. 13), α_μ and α_Σ (decoupled KL multipliers, Eq. 26) as three scalar parameters.
-
-    form "paper": the parameters are the multipliers themselves, projected to at least η_min after every step
-    (Sec. 4.2.2). form "softplus": the parameters are unconstrained and each multiplier is softplus(parameter) +
-    η_min (Acme's MPO); near zero a step of the parameter then changes the multiplier by a factor rather than by
-    an amount. `values()` gives (η, α_μ, α_Σ), differentiable in the parameters."""
+    """η (Eq. 13), α_μ and α_Σ (Eq. 26) as `values()` of three parameters: form "paper", the multipliers themselves,
+    projected to at least η_min after every step (Sec. 4.2.2); "softplus" (Acme's MPO), softplus(parameter) + η_min."""
 
     def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0, form="paper", minimum=1e-8):
         super().__init__()
         self.form, self.minimum = form, minimum
-
-        def raw(v):  # the parameter whose image is v
-            return float(v) if form == "paper" else math.log(math.expm1(max(float(v) - minimum, 1e-12)))
-
-        self.eta = nn.Parameter(torch.tensor(raw(eta)))
-        self.alpha_mu = nn.Parameter(torch.tensor(raw(alpha_mu)))
-        self.alpha_sigma = nn.Parameter(torch.tensor(raw(alpha_sigma)))
+        for name, v in (("eta", eta), ("alpha_mu", alpha_mu), ("alpha_sigma", alpha_sigma)):
+            raw = float(v) if form == "paper" else math.log(math.expm1(max(float(v) - minimum, 1e-12)))  # image: v
+            setattr(self, name, nn.Parameter(torch.tensor(raw)))
 
     def values(self):
         raw = (self.eta, self.alpha_mu, self.alpha_sigma)
@@ -303,16 +280,9 @@ class LagrangeMultipliers(nn.Module):
 
 
 def make_optimizer(args, agent, multipliers):
-    """Adam for the networks and the multipliers (Sec. 4.3); with `--dual-learning-rate` the multipliers in a
-    parameter group of their own with that learning rate (per-parameter Adam: the same as an Adam of their own)."""
-    if args.dual_learning_rate <= 0:
-        params = [*agent.parameters(), *multipliers.parameters()]
-        return torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
-    groups = [
-        dict(params=list(agent.parameters())),
-        dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate),
-    ]
-    return torch.optim.Adam(groups, lr=args.learning_rate, eps=args.adam_eps)
+    """Adam for the networks and the multipliers (Sec. 4.3); the multipliers at `--dual-learning-rate` if given."""
+    dual = dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate or args.learning_rate)
+    return torch.optim.Adam([dict(params=list(agent.parameters())), dual], lr=args.learning_rate, eps=args.adam_eps)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -320,9 +290,7 @@ def make_optimizer(args, agent, multipliers):
 
 
 class Agent(nn.Module):
-    """Observation normalisation, an MLP core (512, 256; ELU) and two 256-unit MLP heads: the Gaussian's mean and
-    standard deviation (readout initialised to zero weights: the same policy N(0, init_std²) in every state at
-    the start) and a PopArt value readout."""
+    """Observation normalisation, an MLP core (512, 256; ELU), 256-unit MLP heads: the Gaussian, PopArt's value."""
 
     MIN_STD = 1e-4
 
@@ -330,23 +298,20 @@ class Agent(nn.Module):
                  popart_beta=1e-4, popart_scale_lower=1e-2, popart_scale_upper=1e6):  # fmt: skip
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
-        self.config["hidden"] = tuple(hidden)
         self.action_dim = action_dim
         self.obs_norm = RunningNorm(obs_dim)
         self.core = MLPTorso(obs_dim, hidden, activation=nn.ELU)
         n = self.core.out_features
         self.policy_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ELU())
         self.policy = nn.Linear(head_hidden, 2 * action_dim)
-        nn.init.zeros_(self.policy.weight)
-        nn.init.zeros_(self.policy.bias)
-        with torch.no_grad():  # softplus(b) + MIN_STD = init_std
-            self.policy.bias[action_dim:] = math.log(math.expm1(init_std - self.MIN_STD))
+        nn.init.zeros_(self.policy.weight)  # N(0, init_std²) in every state at the start
+        nn.init.constant_(self.policy.bias, math.log(math.expm1(init_std - self.MIN_STD)))  # softplus(b) + MIN_STD = σ
+        nn.init.zeros_(self.policy.bias[:action_dim])  # the mean
         self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ELU())
         self.popart = PopArt(head_hidden, num_tasks, popart_beta, popart_scale_lower, popart_scale_upper)
 
     def forward(self, obs):
-        """`obs [..., obs_dim]` (raw) -> mean `[..., d]`, std `[..., d]`, the value head's features `[..., H]`
-        (normalised values are `self.popart(features)`)."""
+        """Raw `obs [..., obs_dim]` -> mean, std `[..., d]` and the value head's features (values: `self.popart`)."""
         x = self.core(self.obs_norm(obs).reshape(-1, self.obs_norm.mean.shape[0])).view(*obs.shape[:-1], -1)
         out = self.policy(self.policy_mlp(x))
         mean, raw_std = out.split(self.action_dim, dim=-1)
@@ -354,32 +319,23 @@ class Agent(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Acting (with the target network). Row t of an unroll holds obs_t, the reward and end flags that came with
-# obs_t, the action taken at obs_t and the target policy's mean and std there. An unroll has T+1 rows; its last
-# row is the next unroll's first.
+# Acting (with the target network). Row t of an unroll: obs_t, the reward and end flags that came with it, the action
+# taken there with π_target's mean, std and version. An unroll has T+1 rows; its row T is the next unroll's row 0.
 
 
 def buffer_specs(obs_dim, action_dim, T):
     """The unroll buffers `act` fills: name → (shape of one slot, dtype)."""
-    return {
-        "obs": ((T + 1, obs_dim), torch.float32),
-        "reward": ((T + 1,), torch.float32),
-        "ended": ((T + 1,), torch.bool),
-        "terminated": ((T + 1,), torch.bool),
-        "action": ((T + 1, action_dim), torch.float32),
-        "mean": ((T + 1, action_dim), torch.float32),
-        "std": ((T + 1, action_dim), torch.float32),
-        "version": ((T + 1,), torch.long),
-    }
+    specs = {k: ((T + 1, action_dim), torch.float32) for k in ("action", "mean", "std")}
+    specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated")}, version=((T + 1,), torch.long))
+    return {**specs, "obs": ((T + 1, obs_dim), torch.float32), "reward": ((T + 1,), torch.float32)}
 
 
-def act(cfg, link: ActorLink) -> None:
+def act(cfg, link: "ActorLink") -> None:
     """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls."""
     n, device = cfg.num_envs, torch.device(cfg.device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
-    low = envs.action_space.low.astype(np.float32)
-    high = envs.action_space.high.astype(np.float32)
+    envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads)
+    low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
     agent = link.local_agent(device)
     unrolls = UnrollWriter(link, n, cfg.unroll_length)
     tracker = EpisodeTracker(n)
@@ -391,209 +347,48 @@ def act(cfg, link: ActorLink) -> None:
         obs_t = torch.from_numpy(flatten_obs(obs))
         with torch.no_grad():
             mean, std, _ = agent(obs_t.to(device))
-            action = mean + std * torch.randn(mean.shape, device=device, generator=generator)
-        action_cpu = action.cpu()
-        envs.send(to_env_action(action_cpu.numpy(), low, high), ids)  # the envs step during the bookkeeping
-
-        row = {
-            "obs": obs_t,
-            "reward": torch.from_numpy(reward).float(),
-            "ended": torch.from_numpy(term | trunc),
-            "terminated": torch.from_numpy(term),
-            "action": action_cpu,
-            "mean": mean.cpu(),
-            "std": std.cpu(),
-            "version": torch.full((len(ids),), seen, dtype=torch.long),
-        }
-        unrolls.write(ids, row)
+            action = (mean + std * torch.randn(mean.shape, device=device, generator=generator)).cpu()
+        envs.send(to_env_action(action.numpy(), low, high), ids)  # the envs step during the bookkeeping
+        row = dict(obs=obs_t, reward=torch.from_numpy(reward).float(), action=action, mean=mean.cpu(), std=std.cpu())
+        row.update(ended=torch.from_numpy(term | trunc), terminated=torch.from_numpy(term))
+        unrolls.write(ids, {**row, "version": torch.full((len(ids),), seen, dtype=torch.long)})
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            link.msg_q.put(("episode", score, length))
+            link.msg_q.put((score, length))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Learning: the learner's step, then setup, the learner's loop (Algorithm 1), the end.
 
 
-def learner_step(state, batch, args, update, target_version):
-    """Algorithm 1's update number `update` on a batch of unrolls (`state`: the training state): the observation
-    statistics moved by its rows, then `--update-epochs` passes against the same π_target (the batch's means and
-    deviations): the n-step targets, PopArt's statistics moved toward them (first pass only), the E-step's weights
-    on the top half of advantages (this learner's share of the minibatches), the M-step's loss with the decoupled
-    mean and covariance KL multipliers (`batch_loss`); the gradient averaged over the learners, clipped, an Adam
-    step and the multipliers kept positive. Returns the last pass's stats; `target_version`, π_target's, tells the
-    rows acted by an older one."""
+def learner_step(state, batch, args, update):
+    """Algorithm 1's update number `update`: the observation statistics moved, then `--update-epochs` passes against
+    the batch's π_target, each gradient averaged over the learners, clipped, Adam, the multipliers projected."""
     agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
+    params = [*agent.parameters(), *multipliers.parameters()]
+    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
     for epoch in range(args.update_epochs):
         mean, std, value_features = agent(batch["obs"])
-        groups = args.num_minibatches // world
+        groups = args.num_minibatches // world  # this learner's share of the E-step's minibatches
         out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
         optimizer.zero_grad(set_to_none=False)
         out.loss.backward()
-        if world > 1:
-            average_gradients(list(agent.parameters()) + list(multipliers.parameters()), world)
-        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+        if world > 1:  # one all-reduce of all the gradients (not DDP: PopArt rescales its layer inside the loss)
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            torch.distributed.all_reduce(flat)
+            for p, g in zip(params, flat.div_(world).split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
         grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
         named = {k.split("/")[-1]: v for k, v in stats.items()}
         check_finite(f"at update {update}", loss=out.loss, gradient=grad_norm, **named)
         optimizer.step()
         multipliers.project()
-    stale = (batch["version"][:-1] != target_version).float().mean()
-    return {**stats, "stats/grad_norm": grad_norm, "stats/stale_fraction": stale}
-
-
-def main(args: Args):
-    args, resumed = resume_args(args)
-    spec = check_args(args)
-    rank, world, device = learner_process(args)
-    obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    popart = (args.popart_beta, args.popart_scale_lower, args.popart_scale_upper)
-    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, 1, *popart).to(device)
-    init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
-    multipliers = LagrangeMultipliers(*init, args.multipliers, args.min_multiplier).to(device)
-    for p in [*agent.parameters(), *multipliers.parameters()] if world > 1 else ():  # every learner from rank 0's
-        torch.distributed.broadcast(p.data, 0)
-    optimizer = make_optimizer(args, agent, multipliers)
-    steps_per_update = args.batch_size * args.unroll_length
-    num_updates = args.total_timesteps // steps_per_update
-    describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
-    log = RunLog(args, resumed, describe + f"{args.num_envs * world} envs", write=rank == 0)
-    specs, cfgs = buffer_specs(obs_dim, action_dim, args.unroll_length), actor_configs(args, rank, device)
-    pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
-    # The training state: the online network (with PopArt and the observation statistics), the target network the
-    # actors act with (θ_target), η, α_μ, α_Σ and Adam; with the update counter.
-    state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer)
-    update = resumed["update"] if resumed else 0
-    if resumed:
-        for k, part in state.items():
-            part.load_state_dict(resumed[k])
-        pool.version += 1  # the actors load the target network the run was acting with
-    try:
-        while update < num_updates:
-            batch = pool.next_batch(stop, log if rank == 0 else None, update * steps_per_update)
-            if agreed(batch is None, device):  # a stop: every learner after the same update
-                break
-            update += 1
-            stats = learner_step(state, batch, args, update, pool.version.item())
-            if update % args.target_update_period == 0:
-                pool.publish(agent)  # θ_target ← θ_online
-            if rank == 0 and (log.save_due() or update == num_updates):
-                save(log, state, update, spec)
-            log_update(log, pool, update * steps_per_update, stats if log.due() or update == num_updates else None)
-    except (WorkerError, NonFiniteError) as e:
-        fail(e, log.path)
-    pool.close()
-    step = update * steps_per_update
-    if rank == 0 and update < num_updates:  # stopped: the last completed update saved, and how to continue
-        save(log, state, update, spec)
-        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
-        continue_with = f"{again} {os.path.basename(__file__)} --resume {log.path}"
-        print(f"checkpoint at step {step}: continue with {continue_with}", file=sys.stderr)
-    elif rank == 0:
-        log.end(step, evaluate_model(log, saved_model(args, spec, agent, multipliers, step), device))
-    if world > 1:
-        torch.distributed.destroy_process_group()
-    sys.exit(130 if update < num_updates else 0)
-
-
-def save(log, state, update, spec) -> None:
-    """checkpoint.pt: the training state and the update counter, once the online network and the multipliers are
-    found finite; model.pt with --save-model."""
-    step, weights = update * log.args.batch_size * log.args.unroll_length, {k: v.state_dict() for k, v in state.items()}
-    named = {f"{k}.{n}": v for k in ("agent", "multipliers") for n, v in weights[k].items() if v.is_floating_point()}
-    check_finite(f"at update {update}", **named)
-    model = saved_model(log.args, spec, state["agent"], state["multipliers"], step) if log.args.save_model else None
-    log.save(step, {**weights, "update": update}, model)
-
-
-def log_update(log, pool, step, stats) -> None:
-    """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
-    learner's stats, π_target's version and the console line."""
-    episodes = pool.take_episodes()
-    if log.writer is None:
-        return
-    log.update_done(step)
-    for score, length in episodes:
-        log.episode(score, length, step)
-    if stats is None:
-        return
-    stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
-    log.scalars(stats, step)
-    eta, alpha_mu, alpha_sigma, std = (stats[f"stats/{k}"] for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std"))
-    log.console(step, f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f}")
-
-
-def evaluate_model(log, model, device):
-    """The end of training: `--eval-episodes` episodes of the final policy (the first filmed with
-    `--capture-video`); their mean return, or None."""
-    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
-    if n == 0:
-        return None
-    policy = functools.partial(make_eval_policy, model, device=str(device))
-    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
-    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
-    log.scalars({"charts/eval_return": mean}, model["global_step"])
-    return mean
-
-
-def to_env_action(action, low, high):
-    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
-    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
-
-
-def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): the saved observation
-    statistics normalise; the action is sampled (or the mean, `greedy`), mapped to the env's box and clipped."""
-    agent = Agent(**checkpoint["agent_config"]).to(device)
-    agent.load_state_dict(checkpoint["agent"])
-    agent.eval()
-    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
-
-    @torch.no_grad()
-    def policy(obs, rewards, first):
-        mean, std, _ = agent(torch.as_tensor(flatten_obs(obs), device=device))
-        action = mean if greedy else mean + std * torch.randn_like(mean)
-        return to_env_action(action.cpu().numpy(), low, high)
-
-    return policy
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Checks, the loss on a batch, the saved model, the command line.
-
-
-def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the task's spec."""
-    spec, world, steps = env_spec(args.env_id, discrete=False), world_size(), args.batch_size * args.unroll_length
-    per_actor, mb = args.num_envs // max(args.num_actors, 1), args.num_minibatches
-    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
-    require(
-        args.batch_size >= 1 and args.batch_size % world == 0, f"--batch-size: not a multiple of the learners ({world})"
-    )
-    fits = 1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0
-    require(fits, f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
-    require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
-    require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
-    fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
-    require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
-    require(args.target_update_period >= 1, "--target-update-period must be at least 1")
-    require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
-    for name in ("eps_eta", "eps_alpha_mu", "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma"):
-        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    require(args.learning_rate > 0, f"--learning-rate must be positive, got {args.learning_rate}")
-    require(args.dual_learning_rate >= 0, "--dual-learning-rate must be 0 (the networks' Adam) or positive")
-    require(args.init_std > Agent.MIN_STD, f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")
-    if args.capture_video:
-        check_render(args.env_id)
-    return spec
+    return {**stats, "stats/grad_norm": grad_norm}
 
 
 def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1, move_popart=True):
-    """vmpo_loss on a batch of unrolls: the n-step targets from the online network's unnormalised values, PopArt's
-    statistics moved toward them first (the layer is rescaled so that V(s) is unchanged; not on the later passes
-    of `--update-epochs`), then the loss in the new normalised units. Returns (VmpoLoss, stats)."""
+    """vmpo_loss on a batch of unrolls: the n-step targets from the online V, PopArt's statistics moved toward them
+    (`move_popart`: the first pass; V(s) unchanged), the loss in the new normalised units. Returns (VmpoLoss, stats)."""
     popart = agent.popart
     task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
     with torch.no_grad():
@@ -613,6 +408,126 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
 
 
+def main(args: Args):
+    args, resumed = resume_args(args)
+    spec = check_args(args)
+    rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
+    if world > 1:  # torchrun's learners
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))  # the rest: envs
+    obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
+    popart = (args.popart_beta, args.popart_scale_lower, args.popart_scale_upper)
+    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, 1, *popart).to(device)
+    init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
+    multipliers = LagrangeMultipliers(*init, args.multipliers, args.min_multiplier).to(device)
+    for p in [*agent.parameters(), *multipliers.parameters()] if world > 1 else ():  # every learner from rank 0's
+        torch.distributed.broadcast(p.data, 0)
+    steps_per_update = args.batch_size * args.unroll_length
+    num_updates = args.total_timesteps // steps_per_update
+    describe = f"device {device}, {world} learner(s), each with {args.num_actors} actor(s) and {args.num_envs} envs"
+    log = RunLog(args, resumed, describe, write=rank == 0)
+    specs, cfgs = buffer_specs(obs_dim, action_dim, args.unroll_length), actor_configs(args, rank, device)
+    pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
+    # The training state: the online network (PopArt, observation statistics), θ_target, η, α_μ, α_Σ, Adam, `update`.
+    optimizer = make_optimizer(args, agent, multipliers)
+    state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer)
+    update = resumed["update"] if resumed else 0
+    if resumed:
+        for k, part in state.items():
+            part.load_state_dict(resumed[k])
+        pool.version += 1  # the actors load the target network the run was acting with
+    try:
+        while update < num_updates:
+            batch = pool.next_batch(stop, log if rank == 0 else None, update * steps_per_update)
+            if agreed(batch is None, device):  # a stop: every learner after the same update
+                break
+            update += 1
+            stats = learner_step(state, batch, args, update)
+            if update % args.target_update_period == 0:
+                pool.publish(agent)  # θ_target ← θ_online
+            if rank == 0 and (log.save_due() or update == num_updates):
+                save(log, state, update, spec)
+            log_update(log, pool, update, batch, stats if log.due() or update == num_updates else None)
+    except (WorkerError, NonFiniteError) as e:
+        fail(e, log.path)
+    pool.close()
+    step = update * steps_per_update
+    if rank == 0 and update < num_updates:  # stopped: the last completed update saved, and how to continue
+        save(log, state, update, spec)
+        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
+        continue_with = f"{again} {os.path.basename(__file__)} --resume {log.path}"
+        print(f"checkpoint at step {step}: continue with {continue_with}", file=sys.stderr, flush=True)
+        log.writer.close()
+    elif rank == 0:
+        log.end(step, evaluate_model(log, saved_model(args, spec, agent, multipliers, step), device))
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if update < num_updates:  # stopped; os._exit leaves no interpreter shutdown for a second Ctrl-C to cut into
+        os._exit(130)
+
+
+def save(log, state, update, spec) -> None:
+    """checkpoint.pt (the training state and the update counter, once found finite); model.pt with --save-model."""
+    step, weights = update * log.args.batch_size * log.args.unroll_length, {k: v.state_dict() for k, v in state.items()}
+    named = {f"{k}.{n}": v for k in ("agent", "multipliers") for n, v in weights[k].items() if v.is_floating_point()}
+    check_finite(f"at update {update}", **named)
+    model = saved_model(log.args, spec, state["agent"], state["multipliers"], step) if log.args.save_model else None
+    log.save(step, {**weights, "update": update}, model)
+
+
+def log_update(log, pool, update, batch, stats) -> None:
+    """After each update, the actors' episodes (every learner takes them, rank 0 logs them); with `stats`, the rest."""
+    episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
+    if log.writer is None:
+        return
+    log.update_done(step)
+    for score, length in episodes:
+        log.episode(score, length, step)
+    if stats is None:
+        return
+    target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
+    stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
+    stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
+    log.scalars(stats, step)
+    eta, alpha_mu, alpha_sigma, std = (stats[f"stats/{k}"] for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std"))
+    log.console(step, f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f}")
+
+
+def evaluate_model(log, model, device):
+    """`--eval-episodes` episodes of the final policy (the first filmed with `--capture-video`): their mean, or None."""
+    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
+    if n == 0:
+        return None
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
+    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+    log.scalars({"charts/eval_return": mean}, model["global_step"])
+    return mean
+
+
+def to_env_action(action, low, high):
+    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
+    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
+    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it), sampled or the mean."""
+    agent = Agent(**checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])
+    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        mean, std, _ = agent(torch.as_tensor(flatten_obs(obs), device=device))
+        action = mean if greedy else mean + std * torch.randn_like(mean)
+        return to_env_action(action.cpu().numpy(), low, high)
+
+    return policy
+
+
 def saved_model(args, spec, agent, multipliers, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
     model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args), agent_config=agent.config)
@@ -622,35 +537,48 @@ def saved_model(args, spec, agent, multipliers, global_step):
     return {**model, "action_low": low, "action_high": high, "global_step": global_step}
 
 
-def average_gradients(params, world: int) -> None:
-    """Averages gradients over the learner processes (one all-reduce of a flat buffer), in place of DDP, so that
-    PopArt can rescale its layer between the forward pass and the loss."""
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat)
-    for g, part in zip(grads, flat.div_(world).split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing: actor processes and their shared-memory unrolls, learner processes, the run folder, checkpoints,
-# Ctrl-C and failures, the task family's defaults. No equation below.
+# Plumbing: checks, actor processes and their unrolls, the run folder, Ctrl-C and failures, defaults. No equation below.
+
+
+def check_args(args):
+    """Bad input: one clear line before any work (UsageError). Returns the task's spec."""
+    spec, world, steps = env_spec(args.env_id, discrete=False), world_size(), args.batch_size * args.unroll_length
+    per_actor, mb = args.num_envs // max(args.num_actors, 1), args.num_minibatches
+    require(args.preset in ("family", "paper"), f"--preset {args.preset!r} is not one of family, paper")
+    fits = args.batch_size >= 1 and args.batch_size % world == 0
+    require(fits, f"--batch-size {args.batch_size} must be a positive multiple of the learners ({world})")
+    fits = 1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0
+    require(fits, f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
+    require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
+    require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
+    fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
+    require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
+    require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
+    positive = ("unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu", "eps_alpha_sigma")
+    for name in (*positive, "init_eta", "init_alpha_mu", "init_alpha_sigma"):
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    require(args.dual_learning_rate >= 0, "--dual-learning-rate must be 0 (the networks' Adam) or positive")
+    require(args.init_std > Agent.MIN_STD, f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")
+    if args.capture_video:
+        check_render(args.env_id)
+    return spec
 
 
 def actor_configs(args, rank, device) -> list[SimpleNamespace]:
-    """The actors of learner `rank`: their envs stepped `--env-batch-size` at a time (0: half of them) by the cores
-    the learner leaves free, seeds apart by learner and actor."""
+    """The actors of learner `rank`: seeds apart by learner and actor, their envs stepped by the cores left free."""
     n = args.num_envs // args.num_actors
     threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
     shared = dict(num_envs=n, unroll_length=args.unroll_length, env_batch_size=args.env_batch_size or max(1, n // 2))
-    shared.update(env_id=args.env_id, task=0, device=str(device), env_threads=threads, env_options={})
+    shared.update(env_id=args.env_id, device=str(device), env_threads=threads)
     return [SimpleNamespace(seed=args.seed + 1000 * rank + a, **shared) for a in range(args.num_actors)]
 
 
 @dataclass
 class ActorLink:
-    """What an actor process shares with its learner: the published network and its version, the unroll buffers,
-    the free and full slot queues, the message queue."""
+    """What an actor shares with its learner: the published network, its version, unroll buffers, slot queues."""
 
     agent: nn.Module
     version: torch.Tensor
@@ -661,9 +589,8 @@ class ActorLink:
     seen: int = -1  # the version the actor's copy holds
 
     def local_agent(self, device):
-        agent, self.seen = copy.deepcopy(self.agent).to(device), -1
-        self.refresh(agent)
-        return agent
+        self.seen = -1  # the first refresh loads the published network
+        return copy.deepcopy(self.agent).to(device)
 
     def refresh(self, agent) -> int:
         """Loads the published network into `agent` if the learner has published since; returns its version."""
@@ -675,40 +602,32 @@ class ActorLink:
 
 
 class UnrollWriter:
-    """The actor's side of the slots: `write(ids, row, core_state)` stores a row for each env in `ids` (any subset:
-    envpool's async mode); a slot that reaches T+1 rows goes to the learner and its env goes on in a free slot whose
-    row 0 is the full one's row T. `core_state` (the LSTM state before the row) is kept where a row opens a slot."""
+    """The actor's side: `write(ids, row)` for any envs (async envpool); a slot of T+1 rows goes to the learner."""
 
     def __init__(self, link: ActorLink, num_envs: int, unroll_length: int):
         self.link, self.T = link, unroll_length
-        self.slot, self.pos = np.array([self.link.free_q.get() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
+        self.slot, self.pos = np.array([link.free_q.get() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
 
-    def write(self, ids, row, core_state=None):
-        buffers, T, core_state = self.link.buffers, self.T, core_state or {}
-        sl, p = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
+    def write(self, ids, row):
+        buffers, T = self.link.buffers, self.T
+        slots, pos = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
         for k, v in row.items():
-            buffers[k][sl, p] = v
-        start = p == 0  # rows that open a slot: the LSTM state before them is kept
-        for k, v in core_state.items():
-            buffers[k][sl[start]] = v[start]
+            buffers[k][slots, pos] = v
         self.pos[ids] += 1
-        for i in np.flatnonzero(self.pos[ids] == T + 1):
-            e, new = ids[i], self.link.free_q.get()
-            for k in row:
+        for e in ids[self.pos[ids] == T + 1]:
+            new = self.link.free_q.get()
+            for k in row:  # the env goes on in a free slot whose row 0 is the full one's row T
                 buffers[k][new, 0] = buffers[k][self.slot[e], T]
-            for k, v in core_state.items():  # row T's state opens the next slot
-                buffers[k][new] = v[i]
             self.link.full_q.put(int(self.slot[e]))
             self.slot[e], self.pos[e] = new, 1
 
 
 class ActorPool:
-    """The learner's side: one process per config running `act`, batches of full unrolls (`next_batch`), the
-    learner's weights published to the actors (`publish`), their finished episodes (`take_episodes`), `close`."""
+    """The learner's side: one process per config running `act`, batches of full unrolls, the network published."""
 
     def __init__(self, cfgs, agent, specs, batch_size, device):
         ctx = torch.multiprocessing.get_context("spawn")
-        self.batch_size, self.device, self.episodes = batch_size, device, []
+        self.batch_size, self.device = batch_size, device
         num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
         buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
         shared, version = copy.deepcopy(agent).cpu().share_memory(), torch.zeros(1, dtype=torch.long).share_memory_()
@@ -716,41 +635,41 @@ class ActorPool:
         self.agent, self.version = shared, version  # the network the actors act with, and how often it was published
         for i in range(num_slots):
             self.link.free_q.put(i)
-        self.workers = start_workers(act, cfgs, self.link)
+        # The actors inherit SIG_IGN for Ctrl-C and SIGTERM (a terminal signals every process; the learner stops them).
+        ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        start = torch.multiprocessing.start_processes
+        self.workers = start(run_worker, (act, cfgs, self.link), len(cfgs), join=False, start_method="spawn")
+        for s, handler in ignored.items():
+            signal.signal(s, handler)
 
     def next_batch(self, stop, log=None, step=0):
-        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`), or None once a stop
-        is requested; while they are collected, a progress line every --log-interval seconds (`log`). Raises
-        WorkerError (with its traceback) if an actor died."""
-        idx, batch_size = [], self.batch_size
-        while len(idx) < batch_size and not stop.requested:
+        """`batch_size` unrolls `[T+1, B, ...]` on the device (None on a stop), with progress lines while it waits."""
+        idx = []
+        while len(idx) < self.batch_size and not stop.requested:
             try:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
                 check_workers(self.workers, "actor")
             if log is not None and log.due():
-                log.console(step, f"collecting a batch: {len(idx)}/{batch_size} unrolls")
-        while not self.link.msg_q.empty():
-            self.episodes.append(self.link.msg_q.get()[1:])
+                log.console(step, f"collecting a batch: {len(idx)}/{self.batch_size} unrolls")
         check_workers(self.workers, "actor")
         if stop.requested:
             return None
-        batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
+        batch = {k: v[torch.tensor(idx)].transpose(0, 1) for k, v in self.link.buffers.items()}
         for i in idx:
             self.link.free_q.put(i)
-        batch = {k: v if k.startswith("core_") else v.transpose(0, 1) for k, v in batch.items()}
         pin = self.device.type == "cuda"
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def publish(self, agent):
         """Copies `agent`'s weights into the network the actors act with; they load it at their next step."""
-        with torch.no_grad():
-            for dst, src in zip(self.agent.state_dict().values(), agent.state_dict().values()):
-                dst.copy_(src)
+        self.agent.load_state_dict(agent.state_dict())
         self.version += 1
 
-    def take_episodes(self) -> list:
-        episodes, self.episodes = self.episodes, []
+    def take_episodes(self) -> list:  # (return, length) of each episode finished since the last call
+        episodes = []
+        while not self.link.msg_q.empty():
+            episodes.append(self.link.msg_q.get())
         return episodes
 
     def close(self):
@@ -767,20 +686,9 @@ def run_worker(i, target, per_worker, *args):
     """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back): it
     dies with its learner, one torch thread."""
     torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
-    if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
+    if torch.multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
         target(per_worker[i], *args)
-
-
-def start_workers(target, per_worker, *args):
-    """One process per item of `per_worker`, running `target(item, *args)`. They ignore Ctrl-C and SIGTERM from their
-    first instruction (a terminal or a job scheduler signals every process; stopping is their learner's to do)."""
-    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # inherited by them
-    run = (target, per_worker, *args)
-    workers = torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
-    for s, handler in ignored.items():
-        signal.signal(s, handler)
-    return workers
 
 
 def check_workers(workers, what) -> None:
@@ -799,20 +707,6 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def learner_process(args):
-    """(rank, world, device) of this learner: the process group under torchrun, the seeds (seed + rank), cudnn's
-    determinism and torch's threads (`--learner-threads`, or the cores shared among the learners)."""
-    rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
-    if world > 1:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    torch.manual_seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
-    return rank, world, device
-
-
 def agreed(flag: bool, device) -> bool:
     """Whether `flag` holds in any learner process: under torchrun every learner stops after the same update."""
     if world_size() == 1:
@@ -823,8 +717,7 @@ def agreed(flag: bool, device) -> bool:
 
 
 def loss_stats(result) -> dict:
-    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
-    scalars (the total and what is not a scalar left out)."""
+    """TensorBoard tags of a loss's named tuple: `losses/<part>`, `stats/<other scalar>` (the total left out)."""
     items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
     return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
 
@@ -866,11 +759,8 @@ def fail(error: Exception, run_path: str) -> None:
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
         advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
-        print(
-            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
-            file=sys.stderr,
-            flush=True,
-        )  # (format this with ruff)
+        advice = advice if step is not None else "no checkpoint was written before it"
+        print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
     os._exit(1)
 
 
@@ -885,13 +775,9 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
     import tyro
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
-    presets = [b for a, b in zip(argv, argv[1:]) if a == "--preset"] + [
-        a[9:] for a in argv if a.startswith("--preset=")
-    ]
-    for value in presets:  # one clear line rather than tyro's box
-        require(value in ("family", "paper"), f"--preset {value!r} is not one of family, paper")
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    overrides = {} if first.resume else dict(TABLE7_COLUMNS[table7_column(first.env_id)])
+    humanoid = first.env_id.startswith("Humanoid") and type(env_spec(first.env_id)).__name__.startswith("Dmc")
+    overrides = {} if first.resume else dict(TABLE7_COLUMNS["humanoid-state" if humanoid else "gym"])
     if not first.resume and first.preset != "paper":
         overrides.update(table.get(task_family(first.env_id), (PAPER, {}))[1])
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
@@ -903,9 +789,7 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     source, overrides = table.get(family, (PAPER, {}))
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper"
-    show = [
-        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
-    ]
+    show = [f"{k.replace('_', '-')} {v}" for k, v in overrides.items()]
     return family, source + (": " + ", ".join(show) if show else "")
 
 
@@ -916,12 +800,12 @@ def resume_args(args):
 
 class RunLog:
     """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
-    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
-    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
+    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns and the wall time to go on
+    from. Only a writer (`write`: rank 0) touches the folder."""
 
     def __init__(self, args, resumed, describe, name=None, write=True):
         resumed, self.args, self.writer = resumed or {}, args, None
-        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
+        self.returns = list(resumed.get("returns", []))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_line = self.last_save = time.time()
         self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
@@ -948,12 +832,9 @@ class RunLog:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step, group=None) -> None:
+    def episode(self, score, length, step) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-        if group is not None:
-            self.groups.setdefault(group, []).append(score)
-            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
     def update_done(self, step: int) -> None:
         """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
@@ -969,11 +850,8 @@ class RunLog:
         now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-        print(
-            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
-            flush=True,
-        )
+        line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+        print(line + f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}", flush=True)
         if self.writer is not None:
             self.scalars({"charts/SPS": sps}, step)
         self.last_line = now
@@ -982,12 +860,13 @@ class RunLog:
         """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
         model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
         wall = self.previous_wall + time.time() - self.start
-        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
-        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        log = dict(global_step=step, returns=self.returns[-100:], wall_time_s=wall)
+        log.update(args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
         for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
                 os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.writer.flush()  # the curves on disk reach the checkpoint: a resumed run continues them
         self.last_save = time.time()
 
     def save_due(self) -> bool:

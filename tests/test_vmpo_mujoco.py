@@ -313,7 +313,32 @@ def test_softplus_multipliers_start_at_their_values_need_no_projection_and_learn
     assert [b - p.item() for b, p in zip(before, m.parameters())] == pytest.approx([1e-2] * 3, rel=1e-4)
     assert all(p.grad is None for p in agent.parameters())
     shared = vmpo_mujoco.make_optimizer(SimpleNamespace(**(vars(args) | {"dual_learning_rate": 0.0})), agent, m)
-    assert len(shared.param_groups) == 1 and shared.param_groups[0]["lr"] == 1e-4  # the paper: one Adam (Sec. 4.3)
+    assert [g["lr"] for g in shared.param_groups] == [1e-4, 1e-4]  # the paper: one Adam, one rate (Sec. 4.3)
+
+
+def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
+    """Rows arrive for any subset of envs in any order (envpool's async mode): env e's unroll k holds its rows
+    kT..kT+T (the last row of an unroll is the first of the next) and goes to the learner once it has row T."""
+    import queue
+
+    T, n, num_slots = 3, 3, 64
+    buffers = {"x": torch.zeros(num_slots, T + 1)}
+    free_q, full_q = queue.Queue(), queue.Queue()
+    for i in range(num_slots):
+        free_q.put(i)
+    writer = vmpo_mujoco.UnrollWriter(vmpo_mujoco.ActorLink(None, torch.zeros(1), buffers, free_q, full_q, None), n, T)
+    rng, t, expected = np.random.default_rng(0), np.zeros(n, np.int64), []
+    for _ in range(25):
+        ids = rng.permutation(n)[: rng.integers(1, n + 1)]
+        writer.write(ids, {"x": torch.tensor([100.0 * e + t[e] for e in ids], dtype=torch.float32)})
+        for e in ids:
+            t[e] += 1
+            if t[e] > 1 and (t[e] - 1) % T == 0:
+                expected.append((int(e), int((t[e] - 1) // T - 1)))
+    full = [full_q.get() for _ in range(full_q.qsize())]
+    assert len(full) == len(expected) > 0
+    for slot, (e, k) in zip(full, expected):  # in the order the unrolls were completed
+        torch.testing.assert_close(buffers["x"][slot], 100.0 * e + torch.arange(k * T, k * T + T + 1).float())
 
 
 def test_presets_follow_table_7_and_flags_override_them():
