@@ -582,6 +582,7 @@ def main(args: Args):
         fail(e, log.path)
     log.console(step)
     if stop.requested:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # saved: a second Ctrl-C must not cut the exit short (status -2)
         print(f"checkpoint at step {step}: continue with python {sys.argv[0]} --resume {log.path}", file=sys.stderr)
         sys.exit(130)
     eval_mean = None
