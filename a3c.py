@@ -522,8 +522,11 @@ def main(args: Args):
             check_workers(workers, log.path)
             if steps.value > (log.last[1] if log.last else log.start_step):  # the step counter moved: an update
                 log.update_done(steps.value)
-            if stop.requested:  # each worker completes its update in hand, sends its last messages and returns
+            if stop.requested and not halt.is_set():  # each worker completes its update in hand, says so, returns
                 halt.set()
+                give_up = time.time() + 10  # a worker still starting (no update in hand) is not waited for
+            if halt.is_set() and time.time() > give_up:
+                break
             if log.save_due() and steps.value > log.start_step:
                 check_finite(f"at step {steps.value}", **state["agent"])
                 log.save(steps.value, state, model if args.save_model else None)
