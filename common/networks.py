@@ -24,13 +24,8 @@ class ShallowTorso(nn.Module):
     def __init__(self, obs_shape, channels=(16, 32), hidden=256):
         super().__init__()
         c, h, w = obs_shape
-        self.convs = nn.Sequential(
-            nn.Conv2d(c, channels[0], 8, stride=4),
-            nn.ReLU(),
-            nn.Conv2d(channels[0], channels[1], 4, stride=2),
-            nn.ReLU(),
-            nn.Flatten(),
-        )
+        convs = [nn.Conv2d(c, channels[0], 8, stride=4), nn.ReLU(), nn.Conv2d(channels[0], channels[1], 4, stride=2)]
+        self.convs = nn.Sequential(*convs, nn.ReLU(), nn.Flatten())
         with torch.no_grad():
             n = self.convs(torch.zeros(1, c, h, w)).shape[1]
         self.fc = nn.Linear(n, hidden)
@@ -60,12 +55,8 @@ class ResNetTorso(nn.Module):
         c, h, w = obs_shape
         layers = []
         for out in channels:
-            layers += [
-                nn.Conv2d(c, out, 3, padding=1),
-                nn.MaxPool2d(3, stride=2, padding=1),
-                _ResidualBlock(out),
-                _ResidualBlock(out),
-            ]
+            layers += [nn.Conv2d(c, out, 3, padding=1), nn.MaxPool2d(3, stride=2, padding=1)]
+            layers += [_ResidualBlock(out), _ResidualBlock(out)]
             c = out
         self.sections = nn.Sequential(*layers, nn.ReLU(), nn.Flatten())
         with torch.no_grad():
@@ -189,6 +180,7 @@ class PolicyValueHeads(nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 # Initialisation. None of the papers states one; it decides whether a pixel network starts state-blind.
 
+
 INIT_SCHEMES = ("sonnet", "orthogonal", "torch")
 
 
@@ -202,10 +194,10 @@ def init_weights_(module: nn.Module, scheme: str = "orthogonal") -> nn.Module:
       leaves the shallow network nearly state-blind, every layer shrinking the signal by about √6.
     A script re-initialises its output layers afterwards where it wants them small or zero.
     """
-    if scheme == "torch":
-        return module
     if scheme not in INIT_SCHEMES:
         raise ValueError(f"unknown initialisation {scheme!r}: expected one of {INIT_SCHEMES}")
+    if scheme == "torch":
+        return module
     for m in module.modules():
         weights, biases = [], []
         if isinstance(m, (nn.Linear, nn.Conv2d)):
