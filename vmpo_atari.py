@@ -20,10 +20,9 @@ region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopAr
 | Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
 | Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target              | `Args` defaults                          |
 
-Losses are means, in PopArt's normalised units; the KL of Eq. (14) is taken against the logits the actors stored;
-envpool's reset step is masked out of every loss. What departs from the paper (the softplus multipliers, the
-initialisation, the Atari settings measured on 2 CPU cores, the LSTM for the Transformer-XL) and why:
-docs/vmpo_atari.md. Multi-task: `--env-ids` (Table 4's one agent), one PopArt output per game.
+Losses are means in PopArt's normalised units; envpool's reset step takes no part. Multi-task: `--env-ids` (Table 4),
+one PopArt output per game. What departs from the paper (softplus multipliers, initialisation, the Atari settings
+measured on 2 CPU cores, an LSTM for the Transformer-XL) and why: docs/vmpo_atari.md.
 
     python vmpo_atari.py --env-id Breakout-v5
     torchrun --nproc_per_node 2 vmpo_atari.py --env-id Pong-v5 --num-envs 128
@@ -31,9 +30,10 @@ docs/vmpo_atari.md. Multi-task: `--env-ids` (Table 4's one agent), one PopArt ou
 
 from __future__ import annotations
 
-import functools
 import copy
 import dataclasses
+import functools
+import itertools
 import json
 import multiprocessing
 import math
@@ -77,7 +77,6 @@ class Args:
     num_minibatches: int = 8  # minibatches, each with its own top half and ψ: the paper's 8 replicas (App. F)
     target_update_period: int = 1000  # T_target, learning steps between target refreshes (Table 6; 100 multi-task)
     learning_rate: float = 1e-4  # Adam learning rate (Sec. 4.3)
-    adam_eps: float = 1e-8  # Adam ε (the paper's TensorFlow default)
     max_grad_norm: float = 0.0  # global gradient-norm clipping threshold; 0: none (the paper mentions none)
     gamma: float = 0.997  # γ, agent discount (Table 6, single-task; 0.99 multi-task)
     eps_eta: float = 0.1  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 6)
@@ -90,8 +89,6 @@ class Args:
     update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
     top_fraction: float = 0.5  # fraction of the batch's highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
-    popart_scale_lower: float = 1e-2  # PopArt lower bound of σ (Sec. 4.1)
-    popart_scale_upper: float = 1e6  # PopArt upper bound of σ (Sec. 4.1)
     reward_clip: bool = False  # Atari: clip training rewards to [-1, 1] (Table 6: multi-task only)
     episodic_life: bool = False  # Atari: a lost life ends the training episode (Table 6: multi-task only)
     network: Literal["deep", "shallow"] = "deep"  # pixel torso: deep ResNet (App. F) or shallow; vectors: an MLP
@@ -111,9 +108,8 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family, the same on every device (a flag the user gives wins; `--preset paper`: the paper's agent
-# and batch): Atari, settings measured on Breakout-v5 on 2 CPU cores with Acme's multipliers (the paper's ResNet +
-# LSTM and 128 x 63-step batches run about 11 steps/s there); classic control, settings measured on CartPole-v1.
+# Defaults by task family, the same on every device (a flag given wins; `--preset paper`: the paper's agent and batch,
+# which runs about 11 steps/s on 2 CPU cores).
 FAMILY_DEFAULTS = {
     "atari": (
         "settings measured on Breakout-v5 on 2 CPU cores (docs; --preset paper: the paper's agent and batch)",
@@ -146,13 +142,9 @@ def n_step_returns(rewards, discounts, bootstrap_value):
 
 
 def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
-    """The E-step, Eqs. (12)-(13), on the top `top_fraction` of the advantages of the batch.
-
-    ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) on the k highest advantages D̃ (exactly k = ⌊fraction · |D|⌋ ≥ 1
-    samples, by `topk`, so ties cannot let more in), 0 elsewhere; `psi` has the advantages' shape, sums to one
-    and carries no gradient. L_η = η ε_η + η log( (1/|D̃|) Σ_{D̃} exp(A/η) ), differentiable in η only, on the
-    same k samples. `mask` (bool, the advantages' shape) leaves samples out of D.
-    """
+    """The E-step, Eqs. (12)-(13): ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) on the k = ⌊top_fraction · |D|⌋ ≥ 1
+    highest advantages D̃ (`topk`: ties cannot let more in), 0 elsewhere, with no gradient; L_η = η ε_η +
+    η log((1/|D̃|) Σ_{D̃} exp(A/η)), differentiable in η only. `mask` (bool) leaves samples out of D."""
     adv = advantages.detach().reshape(-1)
     valid = torch.ones_like(adv, dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
     n = int(valid.sum())
@@ -167,18 +159,15 @@ def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
 
 
 def categorical_kl(target_logits, online_logits):
-    """KL(π_target ‖ π_online) per state for categorical policies `[..., A] -> [...]`; π_target carries no
-    gradient."""
+    """KL(π_target ‖ π_online) per state, `[..., A] -> [...]`; π_target carries no gradient."""
     target_logp = F.log_softmax(target_logits.detach(), dim=-1)
     online_logp = F.log_softmax(online_logits, dim=-1)
     return (target_logp.exp() * (target_logp - online_logp)).sum(-1)
 
 
 def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
-    """Eq. (14): L_α = (1/|D|) Σ_D [ α (ε_α − sg[KL]) + sg[α] KL ], over the full batch D.
-
-    The first term moves α (up when the KL exceeds ε_α, down when below); the second is the trust region on the
-    policy, with α held fixed. Returns (loss, mean KL)."""
+    """Eq. (14): L_α = (1/|D|) Σ_D [ α (ε_α − sg[KL]) + sg[α] KL ] over the full batch D: the first term moves α, the
+    second is the trust region on the policy with α held fixed. Returns (loss, mean KL)."""
     m = torch.ones_like(kl) if mask is None else mask.float()
     kl_mean = (m * kl).sum() / m.sum().clamp(min=1)
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
@@ -211,12 +200,9 @@ class VmpoLoss(NamedTuple):
 
 def vmpo_loss(logits, target_logits, actions, value_norm, returns_norm, ended, eta, alpha, eps_eta=0.1, eps_alpha=0.007,
               top_fraction=0.5) -> VmpoLoss:  # fmt: skip
-    """Eq. (10): L_V + L_π + L_η + L_α on a batch of unrolls, in PopArt's normalised units.
-
-    `logits [T+1, B, A]` from the online network on rows 0..T (row T only bootstraps), `target_logits` π_target's
-    (the actors'), `actions` and `ended` `[T+1, B]`; `value_norm` the online network's normalised values and
-    `returns_norm` the normalised targets (G − μ)/σ of rows 0..T-1 `[T, B]`; η and α the Lagrange multipliers.
-    A reset step (`ended`) takes no part. The advantages are returns_norm − sg[value_norm] = (G − V)/σ."""
+    """Eq. (10): L_V + L_π + L_η + L_α in PopArt's normalised units. `logits`, `target_logits` (π_target's, the
+    actors'), `actions` and `ended` on rows 0..T `[T+1, ...]` (row T only bootstraps, a reset step takes no part);
+    `value_norm`, `returns_norm` = (G − μ)/σ on rows 0..T-1; advantages returns_norm − sg[value_norm] = (G − V)/σ."""
     mask = ~ended[:-1]
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
@@ -229,39 +215,22 @@ def vmpo_loss(logits, target_logits, actions, value_norm, returns_norm, ended, e
     alpha_loss, kl_mean = kl_constraint_loss(kl, alpha, eps_alpha, mask)
     with torch.no_grad():
         selected = psi > 0
-        k = selected.sum().clamp(min=1)
-        kl_psi = (psi[selected] * (psi[selected] * k).log()).sum()
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return VmpoLoss(
-        loss=value_loss + policy_loss + eta_loss + alpha_loss,
-        value_loss=value_loss,
-        policy_loss=policy_loss,
-        eta_loss=eta_loss,
-        alpha_loss=alpha_loss,
-        kl=kl_mean,
-        kl_psi=kl_psi,
-        entropy=(mask * entropy).sum() / n,
-        advantage_mean=(mask * advantages).sum() / n,
-    )
+        kl_psi = (psi[selected] * (psi[selected] * selected.sum().clamp(min=1)).log()).sum()
+        entropy = (mask * -(logp_all.exp() * logp_all).sum(-1)).sum() / n
+    parts = (value_loss, policy_loss, eta_loss, alpha_loss)
+    return VmpoLoss(sum(parts), *parts, kl_mean, kl_psi, entropy, (mask * advantages).sum() / n)
 
 
 class LagrangeMultipliers(nn.Module):
-    """η (temperature, Eq. 13) and α (KL multiplier, Eq. 14) as two scalar parameters `eta`, `alpha`.
-
-    form "paper": the parameters are η and α themselves, projected to at least η_min after every step (Sec. 4.2.2).
-    form "softplus": the parameters are unconstrained, η = softplus(eta) + η_min, α = softplus(alpha) + η_min (Acme's
-    MPO); near zero a step of the parameter then changes α by a factor rather than by an amount.
-    `values()` gives (η, α), differentiable in the parameters."""
+    """η (Eq. 13) and α (Eq. 14) as `values()`, from the parameters `eta`, `alpha`: form "paper", η and α themselves,
+    projected to at least η_min after every step (Sec. 4.2.2); "softplus" (Acme's MPO), softplus(eta) + η_min."""
 
     def __init__(self, eta=1.0, alpha=5.0, form="paper", minimum=1e-8):
         super().__init__()
         self.form, self.minimum = form, minimum
-
-        def raw(v):  # the parameter whose image is v
-            return float(v) if form == "paper" else math.log(math.expm1(max(float(v) - minimum, 1e-12)))
-
-        self.eta = nn.Parameter(torch.tensor(raw(eta)))
-        self.alpha = nn.Parameter(torch.tensor(raw(alpha)))
+        if form == "softplus":  # the parameters whose images are η and α
+            eta, alpha = (math.log(math.expm1(max(float(v) - minimum, 1e-12))) for v in (eta, alpha))
+        self.eta, self.alpha = nn.Parameter(torch.tensor(float(eta))), nn.Parameter(torch.tensor(float(alpha)))
 
     def values(self):
         if self.form == "paper":
@@ -269,37 +238,29 @@ class LagrangeMultipliers(nn.Module):
         return F.softplus(self.eta) + self.minimum, F.softplus(self.alpha) + self.minimum
 
     @torch.no_grad()
-    def project(self, minimum=None):
+    def project(self):
         """Sec. 4.2.2 (form "paper"): η ← max(η, η_min), α ← max(α, α_min); the softplus form needs none."""
         if self.form == "paper":
-            self.eta.clamp_(min=self.minimum if minimum is None else minimum)
-            self.alpha.clamp_(min=self.minimum if minimum is None else minimum)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The agent (Fig. 1b, Appendix F).
+            self.eta.clamp_(min=self.minimum)
+            self.alpha.clamp_(min=self.minimum)
 
 
 class Agent(nn.Module):
-    """Torso (ResNet for pixels, MLP for vectors), optional LSTM core fed the previous action and reward, and
-    two 256-unit MLP heads: policy logits (readout initialised to zero: a uniform policy at the start) and a
-    PopArt value readout."""
+    """Torso (ResNet for pixels, MLP for vectors), optional LSTM core fed the previous action and reward, and two MLP
+    heads: policy logits and a PopArt value readout."""
 
     def __init__(self, obs_shape, num_actions, network="deep", channels=(), use_lstm=True, lstm_size=256,
-                 head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4, popart_scale_lower=1e-2,
-                 popart_scale_upper=1e6, init="orthogonal"):  # fmt: skip
+                 head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4, init="orthogonal"):  # fmt: skip
         super().__init__()
+        channels = tuple(channels) or ((64, 128, 128) if network == "deep" else ())  # deep: 4x IMPALA's (App. F)
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
-        if network == "deep" and not channels and len(obs_shape) == 3:
-            channels = (64, 128, 128)  # four times IMPALA's channels (App. F)
-        self.config["channels"] = tuple(channels)
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
         n = self.core.out_features if use_lstm else self.torso.out_features
         self.policy_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
         self.policy = nn.Linear(head_hidden, num_actions)
         self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
-        self.popart = PopArt(head_hidden, num_tasks, popart_beta, popart_scale_lower, popart_scale_upper)
+        self.popart = PopArt(head_hidden, num_tasks, popart_beta)  # σ in [1e-2, 1e6] (Sec. 4.1)
         init_weights_(self, init)
         if init == "orthogonal":
             init_output_(self.popart.linear, 1.0)
@@ -309,8 +270,7 @@ class Agent(nn.Module):
         return self.core.initial_state(batch_size, device) if self.core is not None else ()
 
     def forward(self, obs, prev_action, prev_reward, first, state=()):
-        """Time-major inputs `[T, B, ...]`; returns logits `[T, B, A]`, the value head's features `[T, B, H]`
-        (normalised values are `self.popart(features)`) and the core state."""
+        """Time-major `[T, B, ...]`: logits, the value head's features (`self.popart` reads them) and the core state."""
         T, B = first.shape
         x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
         if self.core is not None:
@@ -361,25 +321,21 @@ def act(cfg, link: ActorLink) -> None:
         unrolls.write(ids, row, core)
         prev_action[ids_t], ended[ids] = action, done
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            link.msg_q.put(("episode", score, length, cfg.task))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Learning: the learner's step, then setup, the learner's loop (Algorithm 1), the end.
+            link.episode_q.put((score, length, cfg.task))
 
 
 def learner_step(learner, batch, args, update, diagnose=False):
-    """Algorithm 1's update number `update` (`learner`: the agent, the multipliers, Adam): `--update-epochs` passes
-    over the batch against the same π_target (its logits), each the gradient of the minibatches' losses
-    (`minibatch_gradients`; PopArt's statistics moved on the first pass), averaged over the learners, clipped, an Adam
-    step and the multipliers kept positive. Returns the last pass's stats (`diagnose`: with its diagnostics)."""
+    """Algorithm 1's update: `--update-epochs` Adam steps on the batch against the same π_target (PopArt's statistics
+    moved on the first), the multipliers kept positive. Returns the last step's stats (`diagnose`: and diagnostics)."""
     (agent, multipliers, optimizer), world = learner.values(), world_size()
     chunks, max_norm = args.num_minibatches // world, args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     for epoch in range(args.update_epochs):
         optimizer.zero_grad(set_to_none=False)
         stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks, epoch == 0)
-        if world > 1:
-            average_gradients([*agent.parameters(), *multipliers.parameters()], world)
+        if world > 1:  # averaged over the learners, in place of DDP (PopArt rescales its layer inside the loss)
+            for p in [*agent.parameters(), *multipliers.parameters()]:
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(world)
         layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # unclipped
         grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
         check_finite(f"at update {update}", gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
@@ -399,18 +355,16 @@ def main(args: Args):
     args = dataclasses.replace(args, env_ids=tuple(games))
     rank, world, device = learner_process(args)
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
-    channels = args.channels if len(spec.observation_space.shape) == 3 else ()
-    net = (args.network, channels, args.use_lstm, args.lstm_size, args.head_hidden, args.mlp_hidden, max(1, len(games)))
-    popart = (args.popart_beta, args.popart_scale_lower, args.popart_scale_upper)
-    agent = Agent(spec.observation_space.shape, num_actions, *net, *popart, args.init).to(device)
+    net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.head_hidden, args.mlp_hidden)
+    agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta, args.init)
+    agent = agent.to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
     if world > 1:  # the same initial weights in every learner (rank 0's)
         for p in [*agent.parameters(), *multipliers.parameters()]:
             torch.distributed.broadcast(p.data, 0)
     learner = dict(agent=agent, multipliers=multipliers, optimizer=make_optimizer(args, agent, multipliers))
-    if resumed:
-        for k, part in learner.items():
-            part.load_state_dict(resumed[k])
+    for k, part in learner.items() if resumed else ():
+        part.load_state_dict(resumed[k])
     update = resumed["update"] if resumed else 0
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
@@ -424,11 +378,10 @@ def main(args: Args):
         pool.publish(resumed["target_agent"])  # the target network the run was acting with
     try:
         while update < num_updates:
-            diagnose = rank == 0 and (log.due() or update + 1 == num_updates)  # before the wait's progress lines
             batch = pool.next_batch(stop, log if rank == 0 else None, update * steps_per_update)
             if agreed(batch is None, device):  # a stop: every learner after the same update
                 break
-            update += 1
+            update, diagnose = update + 1, rank == 0 and (log.due() or update + 1 == num_updates)
             stats = learner_step(learner, batch, args, update, diagnose)
             if update % args.target_update_period == 0:
                 pool.publish(agent.state_dict())  # θ_target ← θ_online
@@ -443,30 +396,29 @@ def main(args: Args):
         again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
         step, continue_with = update * steps_per_update, f"{again} {os.path.basename(__file__)} --resume {log.path}"
         print(f"checkpoint at step {step}: continue with {continue_with}", file=sys.stderr)
+        log.writer.close()
     elif rank == 0:
-        model = saved_model(args, agent, multipliers, update * steps_per_update)
-        eval_mean, extra = evaluate_model(log, model, device)
+        eval_mean, extra = evaluate_model(log, saved_model(args, learner, update * steps_per_update), device)
         log.end(update * steps_per_update, eval_mean, **extra)
     if world > 1:
         torch.distributed.destroy_process_group()
-    sys.exit(130 if update < num_updates else 0)
+    if update < num_updates:  # stopped; os._exit leaves no interpreter shutdown for a second Ctrl-C to cut into
+        os._exit(130)
 
 
 def save(log, update, learner, target) -> None:
-    """checkpoint.pt: the training state (the agent with PopArt's statistics, η and α, Adam, the target network the
-    actors act with, the update counter), once it is found finite; model.pt with --save-model."""
+    """checkpoint.pt (the learner, the target network, the update counter) once found finite; model.pt."""
     args, state = log.args, {k: part.state_dict() for k, part in learner.items()}
     weights = {f"{k}.{n}": v for k in ("agent", "multipliers") for n, v in state[k].items() if v.is_floating_point()}
     check_finite(f"at update {update}", **weights)
-    step, (agent, multipliers, _) = update * args.batch_size * args.unroll_length, learner.values()
-    model = saved_model(args, agent, multipliers, step) if args.save_model else None
+    step = update * args.batch_size * args.unroll_length
+    model = saved_model(args, learner, step) if args.save_model else None
     log.save(step, {**state, "target_agent": target.state_dict(), "update": update}, model)
 
 
 def log_update(log, pool, agent, update, stats, batch) -> None:
-    """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
-    learner's diagnostics, π_target's version and the unrolls acted by an earlier one, PopArt's statistics per game,
-    several games' median human-normalised score, and the console line."""
+    """After each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the learner's
+    diagnostics, π_target's version and its unrolls' share, PopArt's per game, the console line."""
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
     if log.writer is None:
         return
@@ -479,7 +431,7 @@ def log_update(log, pool, agent, update, stats, batch) -> None:
     target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
     stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
     stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
-    for k, game in enumerate(games or [log.args.env_id]):
+    for k, game in enumerate(games):  # PopArt's statistics per game (one game: stats/popart_mu, stats/popart_sigma)
         stats[f"stats/popart_sigma/{game}"] = agent.popart.sigma[k]
         stats[f"stats/popart_mu/{game}"] = agent.popart.mu[k]
     hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in games if log.groups.get(g)]
@@ -513,8 +465,8 @@ def evaluate_model(log, model, device) -> tuple:
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """A callable `policy(obs, rewards, first) -> actions` of a saved model (it keeps the LSTM state and
-    the previous action itself); rewards are clipped as in training."""
+    """`policy(obs, rewards, first) -> actions` of a saved model (it keeps the LSTM state and the previous action
+    itself); rewards are clipped as in training."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
     return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
@@ -532,58 +484,43 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
-    of a multi-task run (presets expanded; empty for one game)."""
+    """Bad input: one clear line before any work (UsageError). Returns the (first) game's spec and the games."""
     games, world, steps = expand_env_ids(args.env_ids), world_size(), args.batch_size * args.unroll_length
-    for game in games:
+    for game in games:  # known to envpool (a line naming an unknown one), and Atari
+        env_spec(game, discrete=True)
         require(is_atari(game), f"--env-ids takes Atari games (Pong-v5 Breakout-v5, or atari57, atari5), not {game}")
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
     per_actor, minibatches = args.num_envs // max(args.num_actors, 1), args.num_minibatches
     actors = f"--num-actors {args.num_actors}" + " (with --env-ids: one per game unless given)" * bool(games)
-    require(
-        not games or args.num_actors % len(games) == 0, f"{actors}: a multiple of the number of games ({len(games)})"
-    )
-    require(args.unroll_length >= 1, f"--unroll-length must be at least 1, got {args.unroll_length}")
-    require(0 < args.batch_size and args.batch_size % world == 0, f"--batch-size: a multiple of the learners ({world})")
+    whole = not games or args.num_actors % len(games) == 0
+    require(whole, f"{actors}: a multiple of the number of games ({len(games)})")
     fits = 0 < args.num_actors <= args.num_envs and per_actor * args.num_actors == args.num_envs
     require(fits, f"--num-envs {args.num_envs} must be a positive multiple of {actors}")
     require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
     require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
     split = 0 < minibatches and minibatches % world == 0 and args.batch_size % minibatches == 0
     require(split, f"--num-minibatches {minibatches}: must divide --batch-size, a multiple of the learners ({world})")
-    require(
-        args.target_update_period >= 1, f"--target-update-period must be at least 1, not {args.target_update_period}"
-    )
-    require(args.update_epochs >= 1, f"--update-epochs must be at least 1, got {args.update_epochs}")
     require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
-    for name in ("eps_eta", "eps_alpha", "init_eta", "init_alpha", "learning_rate"):
-        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    positive = ("batch_size", "unroll_length", "target_update_period", "update_epochs", "eps_eta", "eps_alpha")
+    for name in (*positive, "init_eta", "init_alpha", "learning_rate"):
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     check_channels(args.network, args.channels)
-    for game in games[1:]:
-        env_spec(game, discrete=True)
     return spec, games
 
 
 def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_beta=None):
-    """vmpo_loss on a batch of unrolls: the n-step targets from the online network's unnormalised values, PopArt's
-    statistics moved toward them first (step `popart_beta`, default PopArt's own β; the layer is rescaled so
-    that V(s) is unchanged), then the loss in the new normalised units. Returns (VmpoLoss, stats)."""
-    popart = agent.popart
-    eta, alpha = multipliers.values()
-    task = batch.get("task")  # each row's game (multi-task); one task otherwise
-    if task is None:
-        task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
-
-    def own(outputs):  # each row's output for its own task
-        return outputs.gather(-1, task[: outputs.shape[0]].unsqueeze(-1)).squeeze(-1)
-
+    """vmpo_loss on unrolls: n-step targets from the online V, PopArt's statistics moved toward them first (step
+    `popart_beta`; outputs preserved), then the loss in the new normalised units. Returns (VmpoLoss, stats)."""
+    popart, task, (eta, alpha) = agent.popart, batch["task"], multipliers.values()  # task: each row's game
+    own = task.unsqueeze(-1)  # each row reads its own game's output
     with torch.no_grad():
-        values = popart.unnormalize(own(popart(value_features)), task)  # online V, unnormalised
+        values = popart.unnormalize(popart(value_features).gather(-1, own).squeeze(-1), task)  # online V
     returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
     real = ~batch["ended"][:-1]
     popart.update(returns[real], task[:-1][real], popart_beta)
-    value_norm, returns_norm = own(popart(value_features[:-1])), popart.normalize(returns, task[:-1])
+    value_norm = popart(value_features[:-1]).gather(-1, own[:-1]).squeeze(-1)
+    returns_norm = popart.normalize(returns, task[:-1])
     pi_target, bounds = batch["logits"], (args.eps_eta, args.eps_alpha, args.top_fraction)  # π_target's logits
     out = vmpo_loss(logits, pi_target, batch["action"], value_norm, returns_norm, batch["ended"], eta, alpha, *bounds)
     n = real.sum().clamp(min=1)
@@ -593,9 +530,8 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
 
 
 def minibatch_gradients(agent, multipliers, batch, args, chunks, move_popart=True):
-    """Accumulates the gradient of vmpo_loss over the batch's `chunks` minibatches of columns, one after the
-    other (PopArt's statistics moved by each, or by none: a later pass of `--update-epochs`). Returns the stats
-    averaged over them, and the last minibatch's logits and observations."""
+    """Accumulates vmpo_loss's gradient over `chunks` minibatches of columns (`move_popart`: PopArt's statistics moved
+    by each). Returns the stats averaged over them, and the last minibatch's logits and observations."""
     stats = {}
     for cols in torch.arange(batch["obs"].shape[1], device=batch["obs"].device).chunk(chunks):
         mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
@@ -610,32 +546,20 @@ def minibatch_gradients(agent, multipliers, batch, args, chunks, move_popart=Tru
 
 
 def make_optimizer(args, agent, multipliers):
-    """Adam for the networks and the multipliers (Sec. 4.3), the multipliers in a parameter group of their own at
-    `--dual-learning-rate` (0: the networks' learning rate; per-parameter Adam: the same as an Adam of their own)."""
+    """Adam (Sec. 4.3), the multipliers in a parameter group of their own at `--dual-learning-rate` (0: the same)."""
     dual_lr = args.dual_learning_rate if args.dual_learning_rate > 0 else args.learning_rate
     groups = [dict(params=list(agent.parameters())), dict(params=list(multipliers.parameters()), lr=dual_lr)]
-    return torch.optim.Adam(groups, lr=args.learning_rate, eps=args.adam_eps)
+    return torch.optim.Adam(groups, lr=args.learning_rate)  # torch's ε, 1e-8, is the paper's (TensorFlow's)
 
 
-def saved_model(args, agent, multipliers, global_step):
+def saved_model(args, learner, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
     games = args.env_ids
     model = dict(script="vmpo_atari", env_id=games[0] if games else args.env_id, env_ids=list(games))
-    model.update(full_action_space=bool(games), args=dataclasses.asdict(args), agent_config=agent.config)
-    weights = dict(agent=agent.state_dict(), multipliers=multipliers.state_dict())
-    model.update({k: {n: v.cpu() for n, v in w.items()} for k, w in weights.items()})
+    model.update(full_action_space=bool(games), args=dataclasses.asdict(args), agent_config=learner["agent"].config)
+    model.update({k: {n: v.cpu() for n, v in learner[k].state_dict().items()} for k in ("agent", "multipliers")})
     clip = args.reward_clip and (bool(games) or is_atari(args.env_id))
     return {**model, "reward_clip": clip, "global_step": global_step}
-
-
-def average_gradients(params, world: int) -> None:
-    """Averages gradients over the learner processes (one all-reduce of a flat buffer), in place of DDP, so that
-    PopArt can rescale its layer between the forward pass and the loss."""
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    torch.distributed.all_reduce(flat)
-    for g, part in zip(grads, flat.div_(world).split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -660,14 +584,14 @@ def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNam
 @dataclass
 class ActorLink:
     """What an actor process shares with its learner: the published network and its version, the unroll buffers,
-    the free and full slot queues, the message queue."""
+    the free and full slot queues, the finished episodes' queue."""
 
     agent: nn.Module
     version: torch.Tensor
     buffers: dict
     free_q: object
     full_q: object
-    msg_q: object
+    episode_q: object
     seen: int = -1  # the version the actor's copy holds
 
     def local_agent(self, device):
@@ -718,7 +642,7 @@ class ActorPool:
 
     def __init__(self, cfgs, agent, specs, batch_size, device):
         ctx = torch.multiprocessing.get_context("spawn")
-        self.batch_size, self.device, self.episodes = batch_size, device, []
+        self.batch_size, self.device = batch_size, device
         num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
         buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
         shared, version = copy.deepcopy(agent).cpu().share_memory(), torch.zeros(1, dtype=torch.long).share_memory_()
@@ -730,18 +654,16 @@ class ActorPool:
 
     def next_batch(self, stop, log=None, step=0):
         """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`), or None once a stop
-        is requested; while they are collected (for more than --log-interval seconds), a progress line (`log`). Raises
+        is requested; while they are collected, a progress line every --log-interval seconds (`log`). Raises
         WorkerError (with its traceback) if an actor died."""
-        idx, batch_size, began = [], self.batch_size, time.time()
+        idx, batch_size = [], self.batch_size
         while len(idx) < batch_size and not stop.requested:
             try:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
                 check_workers(self.workers, "actor")
-            if log is not None and log.due() and time.time() - began >= log.args.log_interval:
-                log.console(step, f"collecting a batch: {len(idx)}/{batch_size} unrolls")
-        while not self.link.msg_q.empty():
-            self.episodes.append(self.link.msg_q.get()[1:])
+            if log is not None:
+                log.console(step, f"collecting a batch: {len(idx)}/{batch_size} unrolls", waiting=True)
         check_workers(self.workers, "actor")
         if stop.requested:
             return None
@@ -760,8 +682,8 @@ class ActorPool:
         self.version += 1
 
     def take_episodes(self) -> list:
-        episodes, self.episodes = self.episodes, []
-        return episodes
+        """(score, length, task) of each episode the actors finished since the last call."""
+        return [self.link.episode_q.get() for _ in range(self.link.episode_q.qsize())]
 
     def close(self):
         for p in self.workers.processes:
@@ -875,9 +797,9 @@ def fail(error: Exception, run_path: str) -> None:
     if "NonFiniteError" in f"{type(error).__name__} {error}":
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
-        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
-        advice = advice if step is not None else "no checkpoint was written before it"
-        print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
+        kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        advice = kept if step is not None else "no checkpoint was written before it"
+        print(f"{advice}: try a lower --learning-rate", file=sys.stderr)
     os._exit(1)
 
 
@@ -938,19 +860,18 @@ class RunLog:
         resumed, self.args, self.writer = resumed or {}, args, None
         self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_line = self.last_save = time.time()
+        self.start = self.last_line = self.last_wait = self.last_save = time.time()
         self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
-        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
-        self.path += "" if args.resume else f"__{int(self.start)}"
+        name = os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}__{int(self.start)}")
+        self.path = args.resume or name
         if not write:
             return
-        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+        for k in itertools.count(2):  # a run started in the same second takes `<name>_2`, ...
             try:
-                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                os.makedirs(self.path, exist_ok=bool(args.resume))  # atomic: two runs never share a folder
                 break
             except FileExistsError:
-                pass
-        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
+                self.path = f"{name}_{k}"
         family, source = describe_defaults(args)
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
@@ -979,16 +900,24 @@ class RunLog:
         """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
         return time.time() - self.last_line >= self.args.log_interval
 
-    def console(self, step: int, extra: str = "") -> None:
-        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+    def console(self, step: int, extra: str = "", waiting=False) -> None:
+        """The progress line (step, SPS, recent return, ETA) and charts/SPS; `waiting` (for a batch, say): a line at
+        most every --log-interval seconds (and 5 s) since any other, which leaves the diagnostics' turn (`due`)."""
         now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        if waiting and now - max(self.last_line, self.last_wait) < max(self.args.log_interval, 5.0):
+            return
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-        line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-        print(line + f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}", flush=True)
-        if self.writer is not None:
+        print(
+            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
+            flush=True,
+        )
+        if waiting:
+            self.last_wait = now
+        elif self.writer is not None:
             self.scalars({"charts/SPS": sps}, step)
-        self.last_line = now
+            self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
         """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
@@ -1000,6 +929,7 @@ class RunLog:
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
                 os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.writer.flush()  # the curves on disk reach the checkpoint: a resumed run continues them
         self.last_save = time.time()
 
     def save_due(self) -> bool:

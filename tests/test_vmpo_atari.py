@@ -182,7 +182,7 @@ def test_multipliers_are_projected():
     with torch.no_grad():
         m.eta.fill_(-0.3)
         m.alpha.fill_(0.5)
-    m.project(1e-8)
+    m.project()
     assert float(m.eta.detach()) == pytest.approx(1e-8) and float(m.alpha.detach()) == 0.5
 
 
@@ -299,6 +299,7 @@ def test_vmpo_loss_reset_steps_and_truncation():
         "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
         "action": torch.randint(0, A, (T + 1, B)),
         "logits": torch.zeros(T + 1, B, A),
+        "task": torch.zeros(T + 1, B, dtype=torch.long),
     }
     batch["ended"][2, 0] = True  # env 0: truncated at row 2 (no termination): step 2 is a reset step
     batch["ended"][1, 1] = batch["terminated"][1, 1] = True  # env 1: terminated at row 1: step 1 is a reset step
