@@ -34,7 +34,6 @@ continuous truncation c, the continuous network's details) and the measurements 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import dataclasses
@@ -645,14 +644,18 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 class Replay:
-    """A worker's memory of whole segments `[k+1, num_envs, ...]` (obs, action, reward, terminated, ended, μ), the
-    last `capacity` segments, sampled uniformly."""
+    """A worker's memory of whole segments `[k+1, num_envs, ...]` (obs, action, reward, terminated, ended, μ): a ring
+    of the last `capacity` segments (a new one takes the oldest one's place), sampled uniformly."""
 
     def __init__(self, capacity):
-        self.segments = collections.deque(maxlen=capacity)
+        self.capacity, self.segments, self.added = capacity, [], 0
 
     def add(self, segment):
-        self.segments.append(segment)
+        if len(self.segments) < self.capacity:
+            self.segments.append(segment)
+        else:
+            self.segments[self.added % self.capacity] = segment
+        self.added += 1
 
     def sample(self, generator):
         return self.segments[int(torch.randint(len(self.segments), (1,), generator=generator))]
