@@ -220,15 +220,8 @@ def acer_loss(
         discounts = gamma * (~terminated[:-1]).float()
         q_taken = q.detach()[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         q_ret = retrace(rewards[:-1], discounts, q_taken, values[:-1], truncated, values[-1])
-        g, rho_bar, _ = acer_policy_gradient(
-            p[:-1].reshape(-1, A),
-            actions.reshape(-1),
-            behaviour_probs[:-1].reshape(-1, A),
-            q.detach()[:-1].reshape(-1, A),
-            q_ret.reshape(-1),
-            c,
-            ent_coef,
-        )
+        per_state = [x.flatten(0, 1) for x in (p[:-1], actions, behaviour_probs[:-1], q.detach()[:-1], q_ret)]
+        g, rho_bar, _ = acer_policy_gradient(*per_state, c, ent_coef)
         avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A).clamp(min=PROB_FLOOR)
         k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
         z = trust_region_step(g, k, delta) if trust_region else g
@@ -300,9 +293,8 @@ def acer_loss_continuous(
     stochastic dueling network (Eq. 13, differentiable), `q_sampled = Q̃(x_i, a'_i)` for fresh samples a'_i ~ π
     (constants), `avg_mean` the average network's mean; `actions` and the behaviour means `[k+1, B, d]`,
     `rewards`, `terminated`, `ended` `[k+1, B]`; σ the policy's fixed std. Q^ret uses the traces c_i = min(1,
-    ρ_i^(1/d)) (Sec. 5.1), Q^opc traces of 1 (App. B); the policy back-propagates −z (Eq. 12 for ĝ of Eq. 16,
-    k = (φ − φ_a)/σ²) through the mean; the critic gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V (Algorithm 3),
-    scaled by 2 value_coef. Summed over time, averaged over the B environments; `entropy` is NaN (σ is fixed)."""
+    ρ_i^(1/d)) (Sec. 5.1), Q^opc traces of 1 (App. B); the critic gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V
+    (Algorithm 3), scaled by 2 value_coef; `entropy` is NaN (σ is fixed)."""
     T, B, d = mean[:-1].shape
     actions, ended = actions[:-1], ended[:-1]
     mask = (~ended).float()
@@ -313,17 +305,8 @@ def acer_loss_continuous(
         discounts = gamma * (~terminated[:-1]).float()
         q_ret = retrace(rewards[:-1], discounts, qt, v[:-1], traces, v[-1])
         q_opc = retrace(rewards[:-1], discounts, qt, v[:-1], mask, v[-1])
-        g, rho_bar, _ = gaussian_policy_gradient(
-            m[:-1].reshape(-1, d),
-            actions.reshape(-1, d),
-            behaviour_mean[:-1].reshape(-1, d),
-            q_opc.reshape(-1),
-            v[:-1].reshape(-1),
-            sampled_actions.reshape(-1, d),
-            q_sampled.reshape(-1),
-            std,
-            c,
-        )
+        per_state = (m[:-1], actions, behaviour_mean[:-1], q_opc, v[:-1], sampled_actions, q_sampled)
+        g, rho_bar, _ = gaussian_policy_gradient(*[x.flatten(0, 1) for x in per_state], std, c)
         k = (m[:-1] - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
         z = trust_region_step(g, k, delta) if trust_region else g
         z = z.view(T, B, d) * mask[..., None]
@@ -363,21 +346,6 @@ def copy_statistics(dst, src):
         d.copy_(s)
 
 
-def hogwild_update(local, shared, square_avg, loss, args):
-    """The gradient Δθ of this segment's loss at θ', clipped, applied to the shared θ by A3C's shared RMSProp (Mnih
-    et al. 2016, Eqs. S2-S3): g ← αg + (1 − α)Δθ², θ ← θ − ηΔθ/√(g + ε), elementwise and without locks (Hogwild)."""
-    local.zero_grad(set_to_none=True)
-    loss.backward()
-    norm = nn.utils.clip_grad_norm_(local.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-    check_finite("in a worker's update (nothing applied)", loss=loss, gradient=norm)
-    alpha, eps = args.rmsprop_alpha, args.rmsprop_eps
-    with torch.no_grad():
-        for p, local_p, g in zip(shared.parameters(), local.parameters(), square_avg):
-            g.mul_(alpha).addcmul_(local_p.grad, local_p.grad, value=1 - alpha)
-            p.addcdiv_(local_p.grad, (g + eps).sqrt_(), value=-args.learning_rate)
-    return norm
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The agent.
 
@@ -388,15 +356,8 @@ class NatureTorso(nn.Module):
     def __init__(self, obs_shape):
         super().__init__()
         c, h, w = obs_shape
-        self.convs = nn.Sequential(
-            nn.Conv2d(c, 32, 8, stride=4),
-            nn.ReLU(),
-            nn.Conv2d(32, 64, 4, stride=2),
-            nn.ReLU(),
-            nn.Conv2d(64, 64, 3, stride=1),
-            nn.ReLU(),
-            nn.Flatten(),
-        )
+        convs = [nn.Conv2d(c, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU()]
+        self.convs = nn.Sequential(*convs, nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten())
         with torch.no_grad():
             n = self.convs(torch.zeros(1, c, h, w)).shape[1]
         self.fc = nn.Linear(n, 512)
@@ -435,10 +396,9 @@ class ContinuousAgent(nn.Module):
     and a small separate network A(x, a). `forward(obs)` takes `[T, B, D]` and returns the mean `[T, B, d]` and V
     `[T, B]`; `q_tilde` gives Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i).
 
-    `separate_value`: the mean has its own torso (the policy's θ) and V another (the critic's θ_v, with A), as in
-    Algorithm 3 (off: V on the mean's torso). `obs_norm`: observations normalised by running statistics that the
-    workers update (as a3c.py; not in the paper). `scale_rewards`: the discounted return's statistics
-    (`return_norm`) that the workers update and divide the rewards by. The mean layer starts at weights ×0.01."""
+    `separate_value`: the policy's θ and the critic's θ_v (V and A) apart, as in Algorithm 3; `obs_norm` and
+    `scale_rewards`: running statistics of the observations and of the discounted return, which the workers update
+    (not the paper's). The mean layer starts at weights ×0.01 (pfrl's)."""
 
     def __init__(
         self, obs_shape, action_dim, hidden=200, policy_std=0.3, separate_value=True, obs_norm=True, scale_rewards=False
@@ -455,7 +415,7 @@ class ContinuousAgent(nn.Module):
         self.value = nn.Linear(hidden, 1)
         self.advantage = nn.Sequential(nn.Linear(obs_dim + action_dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.value_torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU) if separate_value else None
-        init_output_(self.mean, 0.01)  # pfrl's train_acer_mujoco.py: the mean's weights ×0.01
+        init_output_(self.mean, 0.01)  # pfrl's train_acer_mujoco.py
 
     def normalise(self, obs):
         """The observations as the networks see them: through the running statistics, or as they are."""
@@ -601,8 +561,7 @@ def to_env_action(action, low, high):
 
 def scale_rewards(rewards, return_var, clip=10.0):
     """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's
-    episode so far (as a3c.py; SB3's VecNormalize). Replay keeps the raw rewards and each update scales them with
-    the statistics of that moment, as SB3's off-policy buffers do, so replayed and fresh segments share one scale."""
+    episode so far (as a3c.py; SB3's VecNormalize), with the statistics of the update (replayed segments too)."""
     return (rewards / math.sqrt(float(return_var[0]) + 1e-8)).clamp(-clip, clip)
 
 
@@ -612,8 +571,7 @@ def obs_tensor(obs, pixels):
 
 
 def agent_from_config(config):
-    """The network of a saved `agent_config`. A continuous one saved before `separate_value`, `obs_norm` and
-    `scale_rewards` existed lacks their keys: off, the shared torso and raw observations it was trained with."""
+    """The network of a saved `agent_config` (a continuous one saved before its options existed: all three off)."""
     if "action_dim" not in config:
         return Agent(**config)
     return ContinuousAgent(**{"separate_value": False, "obs_norm": False, "scale_rewards": False, **config})
@@ -651,10 +609,8 @@ class Replay:
         self.capacity, self.segments, self.added = capacity, [], 0
 
     def add(self, segment):
-        if len(self.segments) < self.capacity:
-            self.segments.append(segment)
-        else:
-            self.segments[self.added % self.capacity] = segment
+        slot = self.added % self.capacity  # the next free place, or once full the oldest segment's
+        self.segments[slot : slot + 1] = [segment]
         self.added += 1
 
     def sample(self, generator):
@@ -667,9 +623,8 @@ class Replay:
 def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt):
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions:
     acted and stored only, Sec. 6), then Poisson(r) segments replayed from this worker's memory; each update is
-    Algorithm 2 (or 3) followed by θ_a's soft update. The segment's observations (and returns) update the shared
-    statistics under `obs_lock`; replay keeps them raw, normalised by the statistics of the update that replays
-    them. Once the main process sets `halt`, the worker returns after the updates of its segment in hand."""
+    Algorithm 2 (or 3) followed by θ_a's soft update. Replay keeps raw observations and rewards, normalised by the
+    statistics of the update that replays them. Once `halt` is set, it returns after its segment's updates."""
     n, k = args.num_envs, args.k
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
@@ -690,12 +645,23 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
 
     def learn(segment):
+        """One update: θ' ← θ, the gradient Δθ of the segment's loss at θ', clipped, applied to the shared θ by A3C's
+        shared RMSProp (Mnih et al. 2016, Eqs. S2-S3: g ← αg + (1 − α)Δθ², θ ← θ − ηΔθ/√(g + ε), elementwise and
+        without locks: Hogwild), then θ_a's soft update."""
         with obs_lock:  # θ' ← θ, the observation statistics whole
             local.load_state_dict(shared.state_dict())
         if return_norm is not None:
             segment = {**segment, "reward": scale_rewards(segment["reward"], local.return_norm.var)}  # θ's statistics
         out = segment_loss(local, avg_agent, segment, args, generator)
-        grad_norm = hogwild_update(local, shared, square_avg, out.loss, args)
+        local.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(local.parameters(), args.max_grad_norm or float("inf"))  # 0: none
+        check_finite("in a worker's update (nothing applied)", loss=out.loss, gradient=grad_norm)
+        alpha, eps = args.rmsprop_alpha, args.rmsprop_eps
+        with torch.no_grad():
+            for p, local_p, g in zip(shared.parameters(), local.parameters(), square_avg):
+                g.mul_(alpha).addcmul_(local_p.grad, local_p.grad, value=1 - alpha)
+                p.addcdiv_(local_p.grad, (g + eps).sqrt_(), value=-args.learning_rate)
         update_average(avg_agent, shared, args.avg_decay, obs_lock)
         return {**{k: v for k, v in loss_stats(out).items() if not v.isnan()}, "stats/grad_norm": grad_norm}
 
@@ -737,13 +703,12 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             counter.value += k * n
         stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
         # the shared statistics take the segment's on-policy observations (the bootstrap one is the next segment's)
-        if obs_norm is not None or return_norm is not None:
-            with obs_lock:
-                if obs_norm is not None:
-                    obs_norm.update(segment["obs"][:-1])
-                if return_norm is not None:
-                    return_norm.update(torch.stack(returns_seen))
-                copy_statistics(avg_agent, shared)  # θ_a normalises as θ from the next update on (lock held)
+        with obs_lock:
+            if obs_norm is not None:
+                obs_norm.update(segment["obs"][:-1])
+            if return_norm is not None:
+                return_norm.update(torch.stack(returns_seen))
+            copy_statistics(avg_agent, shared)  # θ_a normalises as θ from the next update on (lock held)
         replay.add(segment)
         replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
         for _ in range(replays):
@@ -986,6 +951,7 @@ class RunLog:
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
                 os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.writer.flush()  # the curves on disk reach the checkpoint: a resumed run continues them
         self.last_save = time.time()
 
     def save_due(self) -> bool:
