@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
 import json
 import multiprocessing
 import os
@@ -413,13 +414,15 @@ def main(args: Args):
         again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
         step, continue_with = update * steps_per_update, f"{again} {os.path.basename(__file__)} --resume {log.path}"
         print(f"checkpoint at step {step}: continue with {continue_with}", file=sys.stderr)
+        log.writer.close()
     elif rank == 0:
         model = saved_model(args, agent, update * steps_per_update)
         eval_mean, extra = evaluate_model(log, model, device)
         log.end(update * steps_per_update, eval_mean, **extra)
     if world > 1:
         torch.distributed.destroy_process_group()
-    sys.exit(130 if update < num_updates else 0)
+    if update < num_updates:  # stopped; os._exit leaves no interpreter shutdown for a second Ctrl-C to cut into
+        os._exit(130)
 
 
 def save(log, update, steps_per_update, agent, optimizer, schedule) -> None:
@@ -435,11 +438,12 @@ def log_update(log, pool, agent, step, stats, logits, batch) -> None:
     """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
     learner's diagnostics (the policy's lag, whether the policy depends on the state yet, the torso's dead units,
     PopArt's statistics per game, several games' median human-normalised score) and the console line."""
+    episodes = pool.take_episodes()
     if log.writer is None:
         return
     log.update_done(step)
     games = log.args.env_ids
-    for score, length, task in pool.take_episodes():
+    for score, length, task in episodes:
         log.episode(score, length, step, games[task] if games else None)
     if stats is None:
         return
@@ -490,18 +494,10 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 def saved_model(args, agent, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
-    games = args.env_ids
-    return {
-        "script": "impala_vtrace",
-        "env_id": games[0] if games else args.env_id,
-        "env_ids": list(games),
-        "full_action_space": bool(games),
-        "args": dataclasses.asdict(args),
-        "agent_config": agent.config,
-        "agent": {k: v.cpu() for k, v in agent.state_dict().items()},
-        "reward_clip": bool(games) or is_atari(args.env_id),
-        "global_step": global_step,
-    }
+    games, weights = args.env_ids, {k: v.cpu() for k, v in agent.state_dict().items()}
+    model = dict(script="impala_vtrace", env_id=games[0] if games else args.env_id, env_ids=list(games))
+    model.update(full_action_space=bool(games), args=dataclasses.asdict(args), agent_config=agent.config)
+    return dict(model, agent=weights, reward_clip=bool(games) or is_atari(args.env_id), global_step=global_step)
 
 
 def make_optimizer(args, params):
@@ -519,9 +515,7 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
     """The unroll buffers `act` fills: name → (shape of one slot, dtype); with an LSTM its state before each slot."""
     T, obs_dtype = args.unroll_length, torch.uint8 if observation_space.dtype == np.uint8 else torch.float32
     specs = dict(obs=((T + 1, *observation_space.shape), obs_dtype), logits=((T + 1, num_actions), torch.float32))
-    specs.update(
-        {k: ((T + 1,), torch.bool) for k in ("ended", "terminated", "first")}, reward=((T + 1,), torch.float32)
-    )
+    specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated", "first")}, reward=((T + 1,), torch.float))
     specs.update({k: ((T + 1,), torch.long) for k in ("action", "prev_action", "version", "task")})
     if args.use_lstm:
         specs.update(core_h=((args.lstm_size,), torch.float32), core_c=((args.lstm_size,), torch.float32))
@@ -532,7 +526,8 @@ def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
     of a multi-task run (presets expanded; empty for one game)."""
     games, world, steps = expand_env_ids(args.env_ids), world_size(), args.batch_size * args.unroll_length
-    for game in games:
+    for game in games:  # known to envpool (a line naming an unknown one), and Atari
+        env_spec(game, discrete=True)
         require(is_atari(game), f"--env-ids takes Atari games (Pong-v5 Breakout-v5, or atari57, atari5), not {game}")
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
     per_actor = args.num_envs // max(args.num_actors, 1)
@@ -547,8 +542,6 @@ def check_args(args):
     require(args.lr_anneal_steps >= 0, f"--lr-anneal-steps must be 0 (automatic) or steps, not {args.lr_anneal_steps}")
     require(0 < args.popart_beta <= 1, f"--popart-beta must be in (0, 1], got {args.popart_beta}")
     check_channels(args.network, args.channels)
-    for game in games[1:]:
-        env_spec(game, discrete=True)
     return spec, games
 
 
@@ -652,8 +645,8 @@ class ActorPool:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
                 check_workers(self.workers, "actor")
-            if log is not None and log.due():
-                log.console(step, f"collecting a batch: {len(idx)}/{batch_size} unrolls")
+            if log is not None:
+                log.console(step, f"collecting a batch: {len(idx)}/{batch_size} unrolls", waiting=True)
         check_workers(self.workers, "actor")
         if stop.requested:
             return None
@@ -787,12 +780,9 @@ def fail(error: Exception, run_path: str) -> None:
     if "NonFiniteError" in f"{type(error).__name__} {error}":
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
-        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
-        print(
-            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
-            file=sys.stderr,
-            flush=True,
-        )  # (format this with ruff)
+        kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        advice = kept if step is not None else "no checkpoint was written before it"
+        print(f"{advice}: try a lower --learning-rate", file=sys.stderr)
     os._exit(1)
 
 
@@ -853,19 +843,18 @@ class RunLog:
         resumed, self.args, self.writer = resumed or {}, args, None
         self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_line = self.last_save = time.time()
+        self.start = self.last_line = self.last_wait = self.last_save = time.time()
         self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
-        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
-        self.path += "" if args.resume else f"__{int(self.start)}"
+        name = os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}__{int(self.start)}")
+        self.path = args.resume or name
         if not write:
             return
-        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+        for k in itertools.count(2):  # a run started in the same second takes `<name>_2`, ...
             try:
-                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                os.makedirs(self.path, exist_ok=bool(args.resume))  # atomic: two runs never share a folder
                 break
             except FileExistsError:
-                pass
-        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
+                self.path = f"{name}_{k}"
         family, source = describe_defaults(args)
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
@@ -894,9 +883,12 @@ class RunLog:
         """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
         return time.time() - self.last_line >= self.args.log_interval
 
-    def console(self, step: int, extra: str = "") -> None:
-        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+    def console(self, step: int, extra: str = "", waiting=False) -> None:
+        """The progress line (step, SPS, recent return, ETA) and charts/SPS; `waiting` (for a batch, say): a line at
+        most every --log-interval seconds (and 5 s) since any other, which leaves the diagnostics' turn (`due`)."""
         now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        if waiting and now - max(self.last_line, self.last_wait) < max(self.args.log_interval, 5.0):
+            return
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
         print(
@@ -904,9 +896,11 @@ class RunLog:
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        if self.writer is not None:
+        if waiting:
+            self.last_wait = now
+        elif self.writer is not None:
             self.scalars({"charts/SPS": sps}, step)
-        self.last_line = now
+            self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
         """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
@@ -918,6 +912,7 @@ class RunLog:
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
                 os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.writer.flush()  # the curves on disk reach the checkpoint: a resumed run continues them
         self.last_save = time.time()
 
     def save_due(self) -> bool:
