@@ -566,8 +566,7 @@ def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNam
 
 @dataclass
 class ActorLink:
-    """What an actor process shares with its learner: the published network and its version, the unroll buffers,
-    the free and full slot queues, the finished episodes' queue."""
+    """What an actor shares with its learner: the published network, its version, the unroll slots and queues."""
 
     agent: nn.Module
     version: torch.Tensor
@@ -620,8 +619,7 @@ class UnrollWriter:
 
 
 class ActorPool:
-    """The learner's side: one process per config running `act`, batches of full unrolls (`next_batch`), the
-    learner's weights published to the actors (`publish`), their finished episodes (`take_episodes`), `close`."""
+    """The learner's side: one process per config running `act`, batches of full unrolls, publication, episodes."""
 
     def __init__(self, cfgs, agent, specs, batch_size, device):
         ctx = torch.multiprocessing.get_context("spawn")
@@ -636,9 +634,8 @@ class ActorPool:
         self.workers = start_workers(act, cfgs, self.link)
 
     def next_batch(self, stop, log=None, step=0):
-        """`batch_size` unrolls on the learner's device, `[T+1, B, ...]` (`core_*`: `[B, ...]`), or None once a stop
-        is requested; while they are collected, a progress line every --log-interval seconds (`log`). Raises
-        WorkerError (with its traceback) if an actor died."""
+        """`batch_size` unrolls `[T+1, B, ...]` on the learner's device (`core_*`: `[B, ...]`), or None once a stop is
+        requested; progress lines while they are collected (`log`); WorkerError if an actor died."""
         idx, batch_size = [], self.batch_size
         while len(idx) < batch_size and not stop.requested:
             try:
@@ -679,8 +676,7 @@ class WorkerError(RuntimeError):
 
 
 def run_worker(i, target, per_worker, *args):
-    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back): it
-    dies with its learner, one torch thread."""
+    """Worker process i of torch's `start_processes` (its `join` brings a traceback back): it dies with its learner."""
     torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
     if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
@@ -688,8 +684,7 @@ def run_worker(i, target, per_worker, *args):
 
 
 def start_workers(target, per_worker, *args):
-    """One process per item of `per_worker`, running `target(item, *args)`. They ignore Ctrl-C and SIGTERM from their
-    first instruction (a terminal or a job scheduler signals every process; stopping is their learner's to do)."""
+    """A process per item of `per_worker` running `target(item, *args)`, deaf to Ctrl-C and SIGTERM from the start."""
     ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # inherited by them
     run = (target, per_worker, *args)
     workers = torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
@@ -715,8 +710,7 @@ def world_size() -> int:
 
 
 def learner_process(args):
-    """(rank, world, device) of this learner: the process group under torchrun, the seeds (seed + rank), cudnn's
-    determinism and torch's threads (`--learner-threads`, or the cores shared among the learners)."""
+    """(rank, world, device) of this learner: the process group under torchrun, seeds, determinism, threads."""
     rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
     if world > 1:
@@ -738,16 +732,14 @@ def agreed(flag: bool, device) -> bool:
 
 
 def loss_stats(result) -> dict:
-    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
-    scalars (the total and what is not a scalar left out)."""
+    """A loss's named tuple as TensorBoard tags: `losses/<name>` for its parts, `stats/<name>` for other scalars."""
     items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
     return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
 
 
 class Stop:
-    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the update in hand (a wait for a batch or a
-    worker looks every second), saves and says how to continue; a second Ctrl-C exits at once (status 130, the worker
-    processes dying with this one). A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
+    """Ctrl-C or SIGTERM: `requested`, and the run stops after the update in hand; a second Ctrl-C exits at once (130).
+    A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
 
     def __init__(self):
         self.requested = False
@@ -774,8 +766,7 @@ def check_finite(where: str, **named) -> None:
 
 
 def fail(error: Exception, run_path: str) -> None:
-    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit 1 (worker
-    processes die with this one; torchrun stops the other learners)."""
+    """A failed worker or a non-finite value: the error line, the last good checkpoint, exit 1 (workers die too)."""
     print(f"error: {error}", file=sys.stderr)
     if "NonFiniteError" in f"{type(error).__name__} {error}":
         path = os.path.join(run_path, "checkpoint.pt")
@@ -792,8 +783,7 @@ FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classi
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take; none
-    under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
+    """tyro's flags over the family's defaults (none under `--preset paper` or `--resume`); `--help` shows them."""
     import tyro
 
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
@@ -835,9 +825,8 @@ def resume_args(args):
 
 
 class RunLog:
-    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
-    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
-    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
+    """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json; written by rank 0 (`write`) alone."""
 
     def __init__(self, args, resumed, describe, name=None, write=True):
         resumed, self.args, self.writer = resumed or {}, args, None
@@ -903,8 +892,7 @@ class RunLog:
             self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
-        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
-        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        """checkpoint.pt (the training `state`, the log's own, the arguments) and model.pt, each written atomically."""
         wall = self.previous_wall + time.time() - self.start
         log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
         log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
@@ -919,8 +907,7 @@ class RunLog:
         return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
 
     def end(self, step: int, eval_mean=None, **extra) -> dict:
-        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
-        SPS run to the last update (`update_done`), not through the evaluation."""
+        """summary.json (its SPS up to the last update, not through the evaluation); closes the TensorBoard writer."""
         end = self.last[0] if self.last else time.time()
         summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
