@@ -789,7 +789,9 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     source, overrides = table.get(family, (PAPER, {}))
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper"
-    show = [f"{k.replace('_', '-')} {v}" for k, v in overrides.items()]
+    show = [
+        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
+    ]
     return family, source + (": " + ", ".join(show) if show else "")
 
 
