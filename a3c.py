@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import multiprocessing
 import math
@@ -84,9 +85,7 @@ class Args:
     shared_statistics: bool = True  # shared RMSProp: one g for all workers (Sec. 4); off: each worker its own
     gamma: float = 0.99  # γ, discount (Supp. 8)
     ent_coef: float = -1.0  # β, entropy regularisation; negative: 0.01 discrete (Supp. 8), 1e-4 continuous (Supp. 9)
-    anneal_ent: bool = False  # anneal β linearly to 0 over the run, as η is (not in the paper)
     value_coef: float = 0.5  # weight of the value loss Σ (R − V)²
-    gae_lambda: float = 1.0  # λ of λ-returns (GAE) within each rollout; 1: the paper's n-step returns (Algorithm S3)
     max_grad_norm: float = -1.0  # gradient-norm clipping (not in the paper); 0: none; negative: 40 pixels, else none
     lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
     lstm_size: int = 0  # LSTM cells; 0: 256 pixels (Sec. 5.1), 128 vectors (Supp. 9)
@@ -136,36 +135,18 @@ def n_step_returns(rewards, discounts, bootstrap_value):
     return torch.stack(out[::-1])
 
 
-@torch.no_grad()
-def lambda_returns(rewards, discounts, values, bootstrap_value, lam):
-    """--gae-lambda (not in the paper): G_t = r_t + γ_t ((1 − λ) V(s_{t+1}) + λ G_{t+1}), G from V(s_T) at the
-    rollout's end, so G_t − V(s_t) is GAE's advantage (Schulman et al. 2016); λ = 1 gives `n_step_returns`."""
-    acc, next_value = bootstrap_value, bootstrap_value
-    out = []
-    for t in reversed(range(rewards.shape[0])):
-        acc = rewards[t] + discounts[t] * ((1 - lam) * next_value + lam * acc)
-        next_value = values[t]
-        out.append(acc)
-    return torch.stack(out[::-1])
-
-
-def a3c_loss(
-    log_probs, entropies, values, rewards, terminated, ended, bootstrap_value, gamma, ent_coef, value_coef, lam=1.0
-):
+def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap_value, gamma, ent_coef, value_coef):
     """Algorithm S3's accumulated gradients as one loss on a rollout `[T, B]`:
 
         L = Σ_t [ −log π(a_t|s_t) (R_t − V(s_t)) − β H(π(·|s_t)) + value_coef (R_t − V(s_t))² ]
 
     summed over time and averaged over the B environments; the advantage carries no gradient. `ended[t]`: obs_t
     ended an episode, so step t is envpool's reset step: no loss there, and R_t = V(s_t), so a truncated
-    episode bootstraps from its last observation. `lam` < 1: λ-returns in place of R_t. Returns (loss, stats)."""
+    episode bootstraps from its last observation. Returns (loss, stats)."""
     values_sg = values.detach()
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
     rewards = torch.where(ended, values_sg, rewards)
-    if lam == 1.0:
-        returns = n_step_returns(rewards, discounts, bootstrap_value)
-    else:
-        returns = lambda_returns(rewards, discounts, values_sg, bootstrap_value, lam)
+    returns = n_step_returns(rewards, discounts, bootstrap_value)
     mask = (~ended).float()
     advantages = returns - values_sg
     B = values.shape[1]
@@ -658,14 +639,8 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             stats["stats/epsilon"] = epsilon
         else:
             log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
-            ent_coef = args.ent_coef if args.ent_coef >= 0 else (1e-4 if continuous else 0.01)
-            if args.anneal_ent:
-                ent_coef *= max(0.0, 1.0 - synced_at / args.total_timesteps)
-            hyper = (args.gamma, ent_coef, args.value_coef, args.gae_lambda)
-            loss, stats = a3c_loss(
-                log_probs, entropies, values[:-1], rewards, terminated, ends, values[-1].detach(), *hyper
-            )
-            stats["charts/ent_coef"] = ent_coef
+            hyper = (values[-1].detach(), args.gamma, args.ent_coef, args.value_coef)
+            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards, terminated, ends, *hyper)
         with counter.get_lock():
             step = counter.value
             counter.value += T * n
@@ -707,7 +682,6 @@ def check_args(args):
     require(args.rmsprop_eps > 0, f"--rmsprop-eps must be positive, got {args.rmsprop_eps}")
     require(0 <= args.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
     require(args.value_coef >= 0, f"--value-coef must not be negative, got {args.value_coef}")
     require(args.lstm_size >= 0, f"--lstm-size must not be negative, got {args.lstm_size}")
     require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
@@ -717,8 +691,6 @@ def check_args(args):
     discrete = hasattr(spec.action_space, "n")
     require(discrete or not value_based, f"{what} takes discrete actions, {args.env_id} has continuous ones")
     require(not (value_based and args.lstm), f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
-    a3c_only = args.gae_lambda != 1 or args.anneal_ent
-    require(not (value_based and a3c_only), f"{what} has no advantage or entropy: --gae-lambda, --anneal-ent are A3C's")
     if args.capture_video:
         check_render(args.env_id)
     return spec, dict(
@@ -728,6 +700,7 @@ def check_args(args):
         max_grad_norm=args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0),
         target_update_period=args.target_update_period or (10_000 if pixels else 500),
         epsilon_steps=args.epsilon_steps or (1_000_000 if pixels else max(1, args.total_timesteps // 3)),
+        ent_coef=args.ent_coef if args.ent_coef >= 0 else (0.01 if discrete else 1e-4),
     )
 
 
@@ -798,12 +771,9 @@ def fail(error: Exception, run_path: str) -> None:
     if "NonFiniteError" in f"{type(error).__name__} {error}":
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
-        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
-        print(
-            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
-            file=sys.stderr,
-            flush=True,
-        )
+        kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        advice = kept if step is not None else "no checkpoint was written before it"
+        print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
     os._exit(1)
 
 
@@ -841,27 +811,23 @@ def resume_args(args):
 
 
 class RunLog:
-    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
-    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
-    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
+    """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json."""
 
-    def __init__(self, args, resumed, describe, name=None, write=True):
-        resumed, self.args, self.writer = resumed or {}, args, None
-        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
+    def __init__(self, args, resumed, describe):
+        resumed, self.args = resumed or {}, args
+        self.returns = list(resumed.get("returns", []))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_line = self.last_save = time.time()
-        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
-        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
-        self.path += "" if args.resume else f"__{int(self.start)}"
-        if not write:
-            return
-        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+        self.first = self.last = None  # (time, step) of the first and the last update
+        name = os.path.join(args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(self.start)}")
+        self.path = args.resume or name
+        for k in itertools.count(2):  # a run started in the same second takes `<name>_2`, ...
             try:
-                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                os.makedirs(self.path, exist_ok=bool(args.resume))  # atomic: two runs never share a folder
                 break
             except FileExistsError:
-                pass
-        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
+                self.path = f"{name}_{k}"
         family, source = describe_defaults(args)
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
@@ -874,12 +840,9 @@ class RunLog:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step, group=None) -> None:
+    def episode(self, score, length, step) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-        if group is not None:
-            self.groups.setdefault(group, []).append(score)
-            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
     def update_done(self, step: int) -> None:
         """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
@@ -900,20 +863,20 @@ class RunLog:
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        if self.writer is not None:
-            self.scalars({"charts/SPS": sps}, step)
+        self.scalars({"charts/SPS": sps}, step)
         self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
         """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
         model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
         wall = self.previous_wall + time.time() - self.start
-        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
-        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        log = dict(global_step=step, returns=self.returns[-100:], wall_time_s=wall, args=dataclasses.asdict(self.args))
+        log["script"] = os.path.basename(__file__)
         for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
                 os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.writer.flush()  # the curves on disk reach the checkpoint: a resumed run continues them
         self.last_save = time.time()
 
     def save_due(self) -> bool:
@@ -923,7 +886,7 @@ class RunLog:
         """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
         SPS run to the last update (`update_done`), not through the evaluation."""
         end = self.last[0] if self.last else time.time()
-        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
         summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
         if self.first is not None and self.last[1] > self.first[1]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import multiprocessing
@@ -801,12 +802,9 @@ def fail(error: Exception, run_path: str) -> None:
     if "NonFiniteError" in f"{type(error).__name__} {error}":
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
-        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
-        print(
-            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
-            file=sys.stderr,
-            flush=True,
-        )  # (format this with ruff)
+        kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        advice = kept if step is not None else "no checkpoint was written before it"
+        print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
     os._exit(1)
 
 
@@ -878,27 +876,23 @@ def resume_args(args):
 
 
 class RunLog:
-    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
-    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
-    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
+    """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json."""
 
-    def __init__(self, args, resumed, describe, name=None, write=True):
-        resumed, self.args, self.writer = resumed or {}, args, None
-        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
+    def __init__(self, args, resumed, describe):
+        resumed, self.args = resumed or {}, args
+        self.returns = list(resumed.get("returns", []))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_line = self.last_save = time.time()
-        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
-        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
-        self.path += "" if args.resume else f"__{int(self.start)}"
-        if not write:
-            return
-        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+        self.first = self.last = None  # (time, step) of the first and the last update
+        name = os.path.join(args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(self.start)}")
+        self.path = args.resume or name
+        for k in itertools.count(2):  # a run started in the same second takes `<name>_2`, ...
             try:
-                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                os.makedirs(self.path, exist_ok=bool(args.resume))  # atomic: two runs never share a folder
                 break
             except FileExistsError:
-                pass
-        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
+                self.path = f"{name}_{k}"
         family, source = describe_defaults(args)
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
@@ -911,12 +905,9 @@ class RunLog:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step, group=None) -> None:
+    def episode(self, score, length, step) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-        if group is not None:
-            self.groups.setdefault(group, []).append(score)
-            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
     def update_done(self, step: int) -> None:
         """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
@@ -937,16 +928,15 @@ class RunLog:
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        if self.writer is not None:
-            self.scalars({"charts/SPS": sps}, step)
+        self.scalars({"charts/SPS": sps}, step)
         self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
         """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
         model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
         wall = self.previous_wall + time.time() - self.start
-        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
-        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        log = dict(global_step=step, returns=self.returns[-100:], wall_time_s=wall, args=dataclasses.asdict(self.args))
+        log["script"] = os.path.basename(__file__)
         for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
@@ -961,7 +951,7 @@ class RunLog:
         """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
         SPS run to the last update (`update_done`), not through the evaluation."""
         end = self.last[0] if self.last else time.time()
-        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
         summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
         if self.first is not None and self.last[1] > self.first[1]:

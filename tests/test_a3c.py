@@ -17,7 +17,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import a3c  # noqa: E402
-from a3c import SharedRMSprop, a3c_loss, hogwild_update, lambda_returns, n_step_returns  # noqa: E402
+from a3c import SharedRMSprop, a3c_loss, hogwild_update, n_step_returns  # noqa: E402
 from tests.helpers import (
     ROOT,
     assert_killed_process_ends_the_run,
@@ -68,53 +68,6 @@ def test_n_step_returns_match_plain_sum():
             expected[t, b] = total + coef * float(bootstrap[b])
     torch.testing.assert_close(n_step_returns(rewards, discounts, bootstrap), expected)
     assert terminated.any() and expected[2, 0] == rewards[2, 0]  # nothing crosses an episode end
-
-
-@pytest.mark.parametrize("lam", [0.0, 0.95, 1.0])
-def test_lambda_returns_are_gae_advantages_plus_values(lam):
-    """GAE written out (Schulman et al. 2016): A_t = Σ_k (γλ)^k δ_{t+k}, δ_t = r_t + γ_t V(s_{t+1}) − V(s_t), the sum
-    cut where γ_t = 0 (a terminal step); G_t = A_t + V(s_t). λ = 1: the n-step returns; λ = 0: one-step targets."""
-    rewards, terminated, _, values, bootstrap = random_rollout()
-    discounts = 0.9 * (~terminated).double()
-    T, B = rewards.shape
-    next_values = torch.cat([values[1:], bootstrap[None]])
-    deltas = rewards + discounts * next_values - values
-    expected = torch.zeros(T, B, dtype=torch.float64)
-    for b in range(B):
-        for t in range(T):
-            adv, coef = 0.0, 1.0
-            for k in range(t, T):
-                adv += coef * float(deltas[k, b])
-                coef *= lam * float(discounts[k, b])
-            expected[t, b] = adv + float(values[t, b])
-    torch.testing.assert_close(lambda_returns(rewards, discounts, values, bootstrap, lam), expected)
-    if lam == 1.0:
-        torch.testing.assert_close(expected, n_step_returns(rewards, discounts, bootstrap))
-    if lam == 0.0:
-        torch.testing.assert_close(expected, rewards + discounts * next_values)
-
-
-def test_a3c_loss_with_lambda_bootstraps_at_episode_ends():
-    """--gae-lambda through `a3c_loss`: a reset step adds nothing and the step before it bootstraps from V of the
-    episode's last observation (truncation) or from nothing (termination), as with the n-step returns."""
-    rewards, terminated, reset, values, bootstrap = random_rollout(seed=3)
-    T, B = rewards.shape
-    log_probs = torch.zeros(T, B, dtype=torch.float64, requires_grad=True)
-    entropies = torch.zeros(T, B, dtype=torch.float64)
-    a3c_loss(log_probs, entropies, values, rewards, terminated, reset, bootstrap, 0.9, 0.0, 0.5, 0.7)[0].backward()
-    advantages = -log_probs.grad * B
-    for b in range(B):  # the same advantages, rollout by rollout, with a reset step splitting it
-        adv_next, v_next = 0.0, float(bootstrap[b])
-        for t in reversed(range(T)):
-            if reset[t, b]:
-                adv_next, v_next = 0.0, float(values[t, b])
-                assert advantages[t, b] == 0
-                continue
-            gamma = 0.0 if terminated[t, b] else 0.9
-            adv = float(rewards[t, b]) + gamma * v_next - float(values[t, b]) + gamma * 0.7 * adv_next
-            assert advantages[t, b].item() == pytest.approx(adv, abs=1e-6)  # γ in float32
-            adv_next, v_next = adv, float(values[t, b])
-    assert terminated.any() and (reset[1:] & ~terminated[:-1]).any()  # a termination and a truncation
 
 
 def loss_gradients_reference(rewards, terminated, reset, values, bootstrap, gamma, beta, value_coef):
@@ -566,8 +519,7 @@ def test_smoke_breakout(tmp_path, extra):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("extra", [[], ["--ent-coef", "0.001", "--anneal-ent"]])
-def test_smoke_halfcheetah(tmp_path, extra):
+def test_smoke_halfcheetah(tmp_path):
     run = run_script(
         "a3c.py",
         [
@@ -582,7 +534,6 @@ def test_smoke_halfcheetah(tmp_path, extra):
             "--eval-episodes",
             "1",
             "--save-model",
-            *extra,
         ],
         tmp_path,
     )
@@ -593,15 +544,6 @@ def test_smoke_halfcheetah(tmp_path, extra):
     assert stats["obs_norm.var"].min() > 0 and not torch.allclose(stats["obs_norm.mean"], torch.zeros(17).double())
     assert evaluate_cli(run)["episodes"] == 2
     assert "stats/policy_std" in events_tags(run)
-    if extra:  # β from the rollout's first step: 1e-3 (1 − step / 3000), logged after the update (step + t_max x envs)
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        acc = EventAccumulator(run, size_guidance={"scalars": 0})
-        acc.Reload()
-        logged = acc.Scalars("charts/ent_coef")
-        assert len(logged) >= 2 and logged[0].value > logged[-1].value
-        for e in logged:
-            assert 1e-3 * (1 - (e.step - 10) / 3000) * (1 - 1e-6) <= e.value <= 1e-3 * (1 + 1e-6)  # float32 logs
 
 
 @pytest.mark.e2e
@@ -646,9 +588,6 @@ def test_smoke_breakout_n_step_q(tmp_path):
         (["--env-id", "CartPole-v1", "--total-timesteps", "3"], "less than one rollout"),
         (["--env-id", "CartPole-v1", "--rmsprop-alpha", "1"], "--rmsprop-alpha"),
         (["--env-id", "CartPole-v1", "--hidden", "0"], "--hidden"),
-        (["--env-id", "CartPole-v1", "--gae-lambda", "1.5"], "--gae-lambda"),
-        (["--env-id", "CartPole-v1", "--method", "n-step-q", "--gae-lambda", "0.9"], "are A3C's"),
-        (["--env-id", "CartPole-v1", "--method", "one-step-q", "--anneal-ent"], "are A3C's"),
         (["--resume", "runs/no-such-run"], "--resume"),
         (["--env-id", "HalfCheetah-v4", "--method", "n-step-q"], "takes discrete actions"),
         (["--env-id", "CartPole-v1", "--method", "one-step-q", "--lstm"], "--lstm is A3C's"),
