@@ -760,12 +760,9 @@ def fail(error: Exception, run_path: str) -> None:
     if "NonFiniteError" in f"{type(error).__name__} {error}":
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
-        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
-        print(
-            f"{advice if step is not None else 'no checkpoint was written before it'}: try a lower --learning-rate",
-            file=sys.stderr,
-            flush=True,
-        )
+        kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        advice = kept if step is not None else "no checkpoint was written before it"
+        print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
     os._exit(1)
 
 

@@ -70,7 +70,6 @@ class Args:
     num_minibatches: int = 8  # E-step minibatches, each with its own top half and ψ: the paper's 8 replicas (App. F)
     target_update_period: int = 100  # T_target, learning steps between target-network refreshes (Table 7)
     learning_rate: float = 1e-4  # Adam learning rate (Sec. 4.3)
-    adam_eps: float = 1e-8  # Adam ε (the paper's TensorFlow default)
     max_grad_norm: float = 0.0  # global gradient-norm clipping threshold; 0: none (the paper mentions none)
     gamma: float = 0.99  # γ, agent discount (Table 7)
     eps_eta: float = 0.01  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 7)
@@ -85,8 +84,6 @@ class Args:
     update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
     top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
-    popart_scale_lower: float = 1e-2  # PopArt lower bound of σ (Sec. 4.1)
-    popart_scale_upper: float = 1e6  # PopArt upper bound of σ (Sec. 4.1)
     hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state)
     head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
     init_std: float = 0.5  # initial policy standard deviation in [-1, 1] action units (not in the paper)
@@ -282,7 +279,9 @@ class LagrangeMultipliers(nn.Module):
 def make_optimizer(args, agent, multipliers):
     """Adam for the networks and the multipliers (Sec. 4.3); the multipliers at `--dual-learning-rate` if given."""
     dual = dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate or args.learning_rate)
-    return torch.optim.Adam([dict(params=list(agent.parameters())), dual], lr=args.learning_rate, eps=args.adam_eps)
+    return torch.optim.Adam(
+        [dict(params=list(agent.parameters())), dual], lr=args.learning_rate
+    )  # torch's ε, 1e-8: the paper's
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -294,8 +293,7 @@ class Agent(nn.Module):
 
     MIN_STD = 1e-4
 
-    def __init__(self, obs_dim, action_dim, hidden=(512, 256), head_hidden=256, init_std=0.5, num_tasks=1,
-                 popart_beta=1e-4, popart_scale_lower=1e-2, popart_scale_upper=1e6):  # fmt: skip
+    def __init__(self, obs_dim, action_dim, hidden=(512, 256), head_hidden=256, init_std=0.5, popart_beta=1e-4):
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         self.action_dim = action_dim
@@ -308,7 +306,7 @@ class Agent(nn.Module):
         nn.init.constant_(self.policy.bias, math.log(math.expm1(init_std - self.MIN_STD)))  # softplus(b) + MIN_STD = σ
         nn.init.zeros_(self.policy.bias[:action_dim])  # the mean
         self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ELU())
-        self.popart = PopArt(head_hidden, num_tasks, popart_beta, popart_scale_lower, popart_scale_upper)
+        self.popart = PopArt(head_hidden, 1, popart_beta)  # σ within [1e-2, 1e6] (Sec. 4.1)
 
     def forward(self, obs):
         """Raw `obs [..., obs_dim]` -> mean, std `[..., d]` and the value head's features (values: `self.popart`)."""
@@ -419,8 +417,7 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))  # the rest: envs
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    popart = (args.popart_beta, args.popart_scale_lower, args.popart_scale_upper)
-    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, 1, *popart).to(device)
+    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, args.popart_beta).to(device)
     init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
     multipliers = LagrangeMultipliers(*init, args.multipliers, args.min_multiplier).to(device)
     for p in [*agent.parameters(), *multipliers.parameters()] if world > 1 else ():  # every learner from rank 0's
@@ -758,8 +755,8 @@ def fail(error: Exception, run_path: str) -> None:
     if "NonFiniteError" in f"{type(error).__name__} {error}":
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
-        advice = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
-        advice = advice if step is not None else "no checkpoint was written before it"
+        kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        advice = kept if step is not None else "no checkpoint was written before it"
         print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
     os._exit(1)
 

@@ -303,7 +303,7 @@ def test_softplus_multipliers_start_at_their_values_need_no_projection_and_learn
         m.eta.fill_(-50.0)
     m.project()
     assert m.eta.item() == -50.0 and m.values()[0].item() == pytest.approx(1e-8, rel=1e-4)  # η_min, not below
-    args = SimpleNamespace(learning_rate=1e-4, adam_eps=1e-8, dual_learning_rate=1e-2)
+    args = SimpleNamespace(learning_rate=1e-4, dual_learning_rate=1e-2)
     agent = vmpo_mujoco.Agent(5, 2, hidden=(8,), head_hidden=8)
     m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0, "softplus")
     optimizer = vmpo_mujoco.make_optimizer(args, agent, m)
