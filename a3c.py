@@ -447,7 +447,7 @@ class QAgent(nn.Module):
 
 
 def main(args: Args):
-    args, resumed = resume_args(args)
+    args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     spec, derived = check_args(args)
     args = dataclasses.replace(args, **derived)
     torch.manual_seed(args.seed)
@@ -803,11 +803,6 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
     return family, source + (": " + ", ".join(show) if show else "")
-
-
-def resume_args(args):
-    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
-    return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
 class RunLog:

@@ -78,10 +78,7 @@ class Args:
     learning_rate: float = 6e-4  # learning rate (Table G.1)
     anneal_lr: bool = True  # anneal the learning rate linearly to 0 (Table G.1)
     lr_anneal_steps: int = 0  # steps to anneal over; 0: Atari 50M (the paper's 200M frames), else the run's length
-    optimizer: Literal["rmsprop_torch", "rmsprop_tf", "rmsprop_optax", "adam"] = (
-        "rmsprop_torch"  # docs/impala_vtrace.md
-    )
-    adam_eps: float = 1e-8  # Adam ε (with --optimizer adam)
+    optimizer: Literal["rmsprop_torch", "rmsprop_tf"] = "rmsprop_torch"  # PyTorch's or TensorFlow's RMSProp (docs)
     rmsprop_decay: float = 0.99  # RMSProp decay (the paper's code default)
     rmsprop_eps: float = 0.01  # RMSProp ε (Table G.1)
     rmsprop_momentum: float = 0.0  # RMSProp momentum (Table G.1)
@@ -367,7 +364,7 @@ def learner_step(model, optimizer, batch, args, diagnose=False):
 
 
 def main(args: Args):
-    args, resumed = resume_args(args)
+    args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     spec, games = check_args(args)
     use_popart = args.popart == "on" or (args.popart == "auto" and len(games) > 0)
     args = dataclasses.replace(args, env_ids=tuple(games), popart="on" if use_popart else "off")
@@ -501,14 +498,10 @@ def saved_model(args, agent, global_step):
 
 
 def make_optimizer(args, params):
-    """PyTorch's RMSProp (`rmsprop_torch`), TensorFlow's (ε inside the square root, the mean square starting at 1:
-    `rmsprop_tf`), optax's (starting at 0: `rmsprop_optax`), or Adam."""
-    if args.optimizer == "adam":
-        return torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
+    """PyTorch's RMSProp (`rmsprop_torch`) or TensorFlow's (ε inside the square root, the mean square starting at 1:
+    `rmsprop_tf`, as the paper's code ran it)."""
     kwargs = dict(lr=args.learning_rate, alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
-    if args.optimizer in ("rmsprop_tf", "rmsprop_optax"):
-        return RMSpropTF(params, initial_scale=1.0 if args.optimizer == "rmsprop_tf" else 0.0, **kwargs)
-    return torch.optim.RMSprop(params, **kwargs)
+    return (RMSpropTF if args.optimizer == "rmsprop_tf" else torch.optim.RMSprop)(params, **kwargs)
 
 
 def buffer_specs(observation_space, num_actions, args) -> dict:
@@ -817,11 +810,6 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     if args.env_ids:
         source += f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
     return family, source
-
-
-def resume_args(args):
-    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
-    return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
 class RunLog:

@@ -501,7 +501,7 @@ def synchronise(learners, replay, recent, best, beta, args, generator):
 
 
 def main(args: Args):
-    args, resumed = resume_args(args)
+    args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     _, args = check_args(args)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     N, n, M, R, E = args.num_learners, args.num_envs, args.best_period, args.eval_interval, args.eval_episodes
@@ -795,11 +795,6 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
     return family, source + (": " + ", ".join(show) if show else "")
-
-
-def resume_args(args):
-    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
-    return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
 class RunLog:

@@ -350,7 +350,7 @@ def learner_step(learner, batch, args, update, diagnose=False):
 
 
 def main(args: Args):
-    args, resumed = resume_args(args)
+    args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     spec, games = check_args(args)
     args = dataclasses.replace(args, env_ids=tuple(games))
     rank, world, device = learner_process(args)
@@ -834,11 +834,6 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     if args.env_ids:
         source += f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
     return family, source
-
-
-def resume_args(args):
-    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
-    return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
 class RunLog:

@@ -407,7 +407,7 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
 
 
 def main(args: Args):
-    args, resumed = resume_args(args)
+    args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     spec = check_args(args)
     rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
@@ -790,11 +790,6 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
         f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
     ]
     return family, source + (": " + ", ".join(show) if show else "")
-
-
-def resume_args(args):
-    """With `--resume`: the run's own arguments and its checkpoint (loaded into the objects once they exist)."""
-    return resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
 
 
 class RunLog:

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env  # noqa: E402
-from common.evaluation import write_apng  # noqa: E402
+from common.evaluation import resume_checkpoint, write_apng  # noqa: E402
 from common.networks import (
     LSTMCore,
     PolicyValueHeads,
@@ -616,7 +616,7 @@ def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, cap
     assert json.load(open(os.path.join(log.path, "summary.json"))) == summary
 
     torch.save({**state, "wall_time_s": 30.0}, os.path.join(log.path, "checkpoint.pt"))
-    resumed_args, resumed = module.resume_args(_run_args(module, tmp_path, seed=99, resume=log.path))
+    resumed_args, resumed = resume_checkpoint(log.path, os.path.basename(module.__file__), module.Args)
     assert resumed_args.seed == 3 and resumed_args.exp_name == "x" and resumed_args.resume == log.path
     again = module.RunLog(resumed_args, resumed, "resumed")
     assert again.path == log.path and again.start_step == 1200 and again.returns == state["returns"]
