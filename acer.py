@@ -519,7 +519,6 @@ def main(args: Args):
                 if kind == "episode":
                     log.episode(*payload, step)
                 elif kind == "stats":  # after an update
-                    log.update_done(step)
                     log.scalars(payload, step)
                 else:
                     done += 1
@@ -879,7 +878,6 @@ class RunLog:
         self.returns = list(resumed.get("returns", []))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_line = self.last_save = time.time()
-        self.first = self.last = None  # (time, step) of the first and the last update
         name = os.path.join(args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(self.start)}")
         self.path = args.resume or name
         for k in itertools.count(2):  # a run started in the same second takes `<name>_2`, ...
@@ -903,11 +901,6 @@ class RunLog:
     def episode(self, score, length, step) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-
-    def update_done(self, step: int) -> None:
-        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
-        self.last = (time.time(), step)
-        self.first = self.first or self.last
 
     def due(self) -> bool:
         """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
@@ -943,14 +936,12 @@ class RunLog:
         return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
 
     def end(self, step: int, eval_mean=None, **extra) -> dict:
-        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
-        SPS run to the last update (`update_done`), not through the evaluation."""
-        end = self.last[0] if self.last else time.time()
+        """summary.json (the house keys and the script's `extra`; the wall time and SPS up to the final checkpoint, not
+        through the evaluation); closes the TensorBoard writer."""
+        end = self.last_save  # the final checkpoint, saved after the last update
         summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
         summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
-        if self.first is not None and self.last[1] > self.first[1]:
-            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
             json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()

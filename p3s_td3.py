@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -573,8 +574,6 @@ def main(args: Args):
                 counts["foreign"] += (writers != torch.arange(N)[:, None]).sum(1)
                 counts["sampled"] += args.batch_size
                 stats.update(learners.update(batch, beta, guided))  # a policy step's statistics stay till the next
-            if learning:
-                log.update_done(step)
             if E and (R and step // R > (step - N * n) // R or t == T):  # every R_eval steps, the end (Sec. 4.1)
                 means = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
                 last_eval = log_evaluation(log, step, means)
@@ -798,27 +797,22 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
 
 
 class RunLog:
-    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
-    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns (per group: a game, a learner)
-    and the wall time to go on from. Only a writer (`write`: rank 0) touches the folder."""
+    """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns (per learner) and wall
+    time to go on from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json."""
 
-    def __init__(self, args, resumed, describe, name=None, write=True):
-        resumed, self.args, self.writer = resumed or {}, args, None
+    def __init__(self, args, resumed, describe):
+        resumed, self.args = resumed or {}, args
         self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_line = self.last_save = time.time()
-        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
-        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
-        self.path += "" if args.resume else f"__{int(self.start)}"
-        if not write:
-            return
-        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+        name = os.path.join(args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(self.start)}")
+        self.path = args.resume or name
+        for k in itertools.count(2):  # a run started in the same second takes `<name>_2`, ...
             try:
-                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                os.makedirs(self.path, exist_ok=bool(args.resume))  # atomic: two runs never share a folder
                 break
             except FileExistsError:
-                pass
-        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
+                self.path = f"{name}_{k}"
         family, source = describe_defaults(args)
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
@@ -838,11 +832,6 @@ class RunLog:
             self.groups.setdefault(group, []).append(score)
             self.scalars({f"charts/{group}/episodic_return": score}, step)
 
-    def update_done(self, step: int) -> None:
-        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
-        self.last = (time.time(), step)
-        self.first = self.first or self.last
-
     def due(self) -> bool:
         """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
         return time.time() - self.last_line >= self.args.log_interval
@@ -857,8 +846,7 @@ class RunLog:
             f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
             flush=True,
         )
-        if self.writer is not None:
-            self.scalars({"charts/SPS": sps}, step)
+        self.scalars({"charts/SPS": sps}, step)
         self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
@@ -877,14 +865,12 @@ class RunLog:
         return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
 
     def end(self, step: int, eval_mean=None, **extra) -> dict:
-        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
-        SPS run to the last update (`update_done`), not through the evaluation."""
-        end = self.last[0] if self.last else time.time()
-        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        """summary.json (the house keys and the script's `extra`; the wall time and SPS up to the final checkpoint, not
+        through the evaluation); closes the TensorBoard writer."""
+        end = self.last_save  # the final checkpoint, saved after the last update
+        summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
         summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
-        if self.first is not None and self.last[1] > self.first[1]:
-            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
             json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()

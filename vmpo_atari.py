@@ -422,7 +422,6 @@ def log_update(log, pool, agent, update, stats, batch) -> None:
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
     if log.writer is None:
         return
-    log.update_done(step)
     games = log.args.env_ids
     for score, length, task in episodes:
         log.episode(score, length, step, games[task] if games else None)
@@ -845,7 +844,7 @@ class RunLog:
         self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_line = self.last_wait = self.last_save = time.time()
-        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
+        self.name = name or args.env_id  # several games: "<G>games"
         name = os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}__{int(self.start)}")
         self.path = args.resume or name
         if not write:
@@ -874,11 +873,6 @@ class RunLog:
         if group is not None:
             self.groups.setdefault(group, []).append(score)
             self.scalars({f"charts/{group}/episodic_return": score}, step)
-
-    def update_done(self, step: int) -> None:
-        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
-        self.last = (time.time(), step)
-        self.first = self.first or self.last
 
     def due(self) -> bool:
         """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
@@ -919,13 +913,11 @@ class RunLog:
         return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
 
     def end(self, step: int, eval_mean=None, **extra) -> dict:
-        """summary.json (its SPS up to the last update, not through the evaluation); closes the TensorBoard writer."""
-        end = self.last[0] if self.last else time.time()
+        """summary.json (the SPS up to the final checkpoint, not through the evaluation); closes the writer."""
+        end = self.last_save  # the final checkpoint, saved after the last update
         summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
         summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
-        if self.first is not None and self.last[1] > self.first[1]:
-            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
             json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()

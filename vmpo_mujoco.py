@@ -29,6 +29,7 @@ The choices the paper leaves open and the one-machine defaults, with their measu
 
 import copy
 import dataclasses
+import itertools
 import functools
 import json
 import math
@@ -480,7 +481,6 @@ def log_update(log, pool, update, batch, stats) -> None:
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
     if log.writer is None:
         return
-    log.update_done(step)
     for score, length in episodes:
         log.episode(score, length, step)
     if stats is None:
@@ -793,27 +793,24 @@ def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
 
 
 class RunLog:
-    """The run folder (a new one, or `--resume`'s): args.json, TensorBoard scalars, the console line, checkpoint.pt,
-    summary.json. `resumed` (a checkpoint or None) gives the step, the recent returns and the wall time to go on
-    from. Only a writer (`write`: rank 0) touches the folder."""
+    """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json; written by rank 0 (`write`) alone."""
 
-    def __init__(self, args, resumed, describe, name=None, write=True):
+    def __init__(self, args, resumed, describe, write=True):
         resumed, self.args, self.writer = resumed or {}, args, None
         self.returns = list(resumed.get("returns", []))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_line = self.last_save = time.time()
-        self.name, self.first, self.last = name or args.env_id, None, None  # first, last: (time, step) of an update
-        self.path = args.resume or os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}")
-        self.path += "" if args.resume else f"__{int(self.start)}"
+        name = os.path.join(args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(self.start)}")
+        self.path = args.resume or name
         if not write:
             return
-        for k in range(1, 1000):  # a run started in the same second gets `<path>_2` (mkdir is atomic)
+        for k in itertools.count(2):  # a run started in the same second takes `<name>_2`, ...
             try:
-                os.makedirs(self.path if args.resume or k == 1 else f"{self.path}_{k}", exist_ok=bool(args.resume))
+                os.makedirs(self.path, exist_ok=bool(args.resume))  # atomic: two runs never share a folder
                 break
             except FileExistsError:
-                pass
-        self.path = self.path if args.resume or k == 1 else f"{self.path}_{k}"
+                self.path = f"{name}_{k}"
         family, source = describe_defaults(args)
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
@@ -829,11 +826,6 @@ class RunLog:
     def episode(self, score, length, step) -> None:
         self.returns.append(score)
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
-
-    def update_done(self, step: int) -> None:
-        """After each update: its step and time, for summary.json's SPS (the start-up and the evaluation left out)."""
-        self.last = (time.time(), step)
-        self.first = self.first or self.last
 
     def due(self) -> bool:
         """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
@@ -867,14 +859,12 @@ class RunLog:
         return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
 
     def end(self, step: int, eval_mean=None, **extra) -> dict:
-        """summary.json (the house keys and the script's `extra`); closes the TensorBoard writer. The wall time and
-        SPS run to the last update (`update_done`), not through the evaluation."""
-        end = self.last[0] if self.last else time.time()
-        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        """summary.json (the house keys and the script's `extra`; the wall time and SPS up to the final checkpoint, not
+        through the evaluation); closes the TensorBoard writer."""
+        end = self.last_save  # the final checkpoint, saved after the last update
+        summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
         summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
-        if self.first is not None and self.last[1] > self.first[1]:
-            summary.update(sps_after_first_update=(self.last[1] - self.first[1]) / (self.last[0] - self.first[0]))
         with open(os.path.join(self.path, "summary.json"), "w") as f:
             json.dump({**summary, **extra}, f, indent=2)
         self.writer.close()

@@ -13,8 +13,8 @@ Four figures, in environment steps per second (SPS; frames are 4x that on Atari)
    for an unroll, then one learner update (one pass over the batch), then the next unroll: no overlap of
    acting and learning;
 3. the same loop with a PPO-style learner (4 epochs of 4 minibatches per batch, CleanRL's Atari settings);
-4. the script itself (`--script`), from the `summary.json` of a run of `--timesteps` steps: steady state
-   (after the first update) and with start-up (process spawn, first batch) included.
+4. the script itself (`--script`), from a run of `--timesteps` steps: steady state (`steady_sps`: from its
+   `charts/SPS` curve, after the start-up) and with start-up (process spawn, first batch) included (summary.json).
 The script's network arguments after `--` (`--network`, `--no-use-lstm`, `--channels`) are given to the
 synchronous loops too. Prints a Markdown table and writes it as JSON next to this file (or to --out).
 
@@ -217,11 +217,23 @@ def script_extra(a, count=None):
 
 
 def script_sps(script, env_id, num_envs, timesteps, network, extra):
+    """(SPS with the start-up, steady SPS) of a run of the script: summary.json's, and `steady_sps`."""
     with tempfile.TemporaryDirectory() as d:
         cmd = script_command(script, env_id, num_envs, timesteps, network, extra, d)
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-        summary = json.load(open(glob.glob(os.path.join(d, "*", "summary.json"))[0]))
-        return summary["sps"], summary["sps_after_first_update"]
+        subprocess.run([*cmd, "--log-interval", "1"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        run = os.path.dirname(glob.glob(os.path.join(d, "*", "summary.json"))[0])
+        return json.load(open(os.path.join(run, "summary.json")))["sps"], steady_sps(run)
+
+
+def steady_sps(run):
+    """Steps per second between the first and the last point of a run's `charts/SPS` curve (its console lines): after
+    the start-up (process spawn, the first batch), up to the end of training."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    curves = EventAccumulator(run, size_guidance={"scalars": 0})
+    curves.Reload()
+    first, last = curves.Scalars("charts/SPS")[0], curves.Scalars("charts/SPS")[-1]
+    return (last.step - first.step) / (last.wall_time - first.wall_time)
 
 
 def process_scaling(a):
