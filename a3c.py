@@ -338,17 +338,8 @@ class Agent(nn.Module):
     MIN_VAR = 1e-5
     LOG_STD_INIT = -0.5  # σ ≈ 0.6 at the start with gaussian="tanh" (Tianshou's MuJoCo A2C and PPO)
 
-    def __init__(
-        self,
-        obs_shape,
-        num_actions=0,
-        action_dim=0,
-        hidden=200,
-        lstm_size=0,
-        separate_value=None,
-        gaussian="paper",
-        scale_rewards=False,
-    ):
+    def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, separate_value=None,
+                 gaussian="paper", scale_rewards=False):  # fmt: skip
         super().__init__()
         if separate_value is None:
             separate_value = bool(action_dim) or len(obs_shape) != 3
@@ -734,9 +725,8 @@ def check_workers(workers, run_path) -> None:
 
 
 class Stop:
-    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the update in hand (a wait for a batch or a
-    worker looks every second), saves and says how to continue; a second Ctrl-C exits at once (status 130, the worker
-    processes dying with this one). A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
+    """Ctrl-C or SIGTERM: `requested`, and the run stops after the update in hand; a second Ctrl-C exits at once (130).
+    A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
 
     def __init__(self):
         self.requested = False
@@ -777,7 +767,6 @@ def fail(error: Exception, run_path: str) -> None:
 
 # Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
 PAPER = "the paper's settings (the Args defaults)"
-FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
@@ -794,12 +783,10 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
     family = task_family(args.env_id)
-    source, overrides = table.get(family, (PAPER, {}))
+    source, values = table.get(family, (PAPER, {}))
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper"
-    show = [
-        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
-    ]
+    show = [f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
     return family, source + (": " + ", ".join(show) if show else "")
 
 
@@ -826,7 +813,7 @@ class RunLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
+        print(f"task family: {family}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():

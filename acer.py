@@ -186,22 +186,8 @@ class AcerLoss(NamedTuple):
     entropy: torch.Tensor
 
 
-def acer_loss(
-    logits,
-    q,
-    avg_logits,
-    actions,
-    rewards,
-    terminated,
-    ended,
-    behaviour_probs,
-    gamma=0.99,
-    c=10.0,
-    delta=1.0,
-    ent_coef=1e-3,
-    value_coef=0.5,
-    trust_region=True,
-) -> AcerLoss:
+def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behaviour_probs, gamma=0.99, c=10.0,
+              delta=1.0, ent_coef=1e-3, value_coef=0.5, trust_region=True) -> AcerLoss:  # fmt: skip
     """Algorithm 2 on a segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the ACER update.
 
     `logits`, `q` `[k+1, B, A]` from the local network θ', `avg_logits` from the average network θ_a; `actions`,
@@ -269,25 +255,9 @@ def gaussian_policy_gradient(mean, actions, behaviour_mean, q_opc, values, sampl
     return g, rho_bar, rho
 
 
-def acer_loss_continuous(
-    mean,
-    values,
-    q_taken,
-    q_sampled,
-    sampled_actions,
-    avg_mean,
-    actions,
-    rewards,
-    terminated,
-    ended,
-    behaviour_mean,
-    std=0.3,
-    gamma=0.99,
-    c=5.0,
-    delta=1.0,
-    value_coef=0.5,
-    trust_region=True,
-) -> AcerLoss:
+def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_mean, actions, rewards, terminated,
+                         ended, behaviour_mean, std=0.3, gamma=0.99, c=5.0, delta=1.0, value_coef=0.5,
+                         trust_region=True) -> AcerLoss:  # fmt: skip
     """Algorithm 3 on a replayed segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the update.
 
     `mean [k+1, B, d]` and `values [k+1, B]` from the local network; `q_taken = Q̃(x_i, a_i)` `[k, B]` from the
@@ -616,9 +586,6 @@ class Replay:
     def sample(self, generator):
         return self.segments[int(torch.randint(len(self.segments), (1,), generator=generator))]
 
-    def __len__(self):
-        return len(self.segments)
-
 
 def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt):
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions:
@@ -717,7 +684,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
         if (stats or replays) and ((worker_id == 0 and now - last_report >= 1.0) or last):
             report = {key.replace("stats/", "on_policy/", 1): v for key, v in stats.items()}  # the on-policy update's
             report.update({**(replay_stats if replays else {}), "charts/learning_rate": args.learning_rate})
-            report.update({"stats/replay_updates": replays, "stats/replay_segments": len(replay)})
+            report.update({"stats/replay_updates": replays, "stats/replay_segments": len(replay.segments)})
             msg_q.put(("stats", step + k * n, {key: float(v) for key, v in report.items()}))
             last_report = now
     msg_q.put(("done", counter.value, worker_id))
@@ -766,9 +733,8 @@ def check_args(args):
 
 
 class Stop:
-    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the update in hand (a wait for a batch or a
-    worker looks every second), saves and says how to continue; a second Ctrl-C exits at once (status 130, the worker
-    processes dying with this one). A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
+    """Ctrl-C or SIGTERM: `requested`, and the run stops after the update in hand; a second Ctrl-C exits at once (130).
+    A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
 
     def __init__(self):
         self.requested = False
@@ -835,15 +801,13 @@ def check_workers(workers, run_path) -> None:
 
 
 def loss_stats(result) -> dict:
-    """The TensorBoard tags of a loss's named tuple: `losses/<name>` for its parts, `stats/<name>` for the other
-    scalars (the total and what is not a scalar left out)."""
+    """A loss's named tuple as TensorBoard tags: `losses/<name>` for its parts, `stats/<name>` for other scalars."""
     items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
     return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
 
 
 # Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
 PAPER = "the paper's settings (the Args defaults)"
-FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
@@ -860,12 +824,10 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
     family = task_family(args.env_id)
-    source, overrides = table.get(family, (PAPER, {}))
+    source, values = table.get(family, (PAPER, {}))
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper"
-    show = [
-        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
-    ]
+    show = [f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
     return family, source + (": " + ", ".join(show) if show else "")
 
 
@@ -892,7 +854,7 @@ class RunLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
+        print(f"task family: {family}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():

@@ -123,17 +123,8 @@ FAMILY_DEFAULTS = {
 
 
 @torch.no_grad()
-def vtrace(
-    log_rhos,
-    discounts,
-    rewards,
-    values,
-    bootstrap_value,
-    clip_rho_threshold=1.0,
-    clip_pg_rho_threshold=1.0,
-    clip_c_threshold=1.0,
-    lambda_=1.0,
-):
+def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_threshold=1.0, clip_pg_rho_threshold=1.0,
+           clip_c_threshold=1.0, lambda_=1.0):  # fmt: skip
     """V-trace targets v_s (Eq. 1 via Remark 1, with λ of Remark 2) and policy-gradient advantages
     ρ_s (r_s + γ_s v_{s+1} − V(x_s)) (Sec. 4.2).
 
@@ -771,7 +762,6 @@ def fail(error: Exception, run_path: str) -> None:
 
 # Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
 PAPER = "the paper's settings (the Args defaults)"
-FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
@@ -799,12 +789,10 @@ def run_family(args) -> str:
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
     family = run_family(args)
-    source, overrides = table.get(family, (PAPER, {}))
+    source, values = table.get(family, (PAPER, {}))
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper"
-    show = [
-        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
-    ]
+    show = [f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
     source += ": " + ", ".join(show) if show else ""
     if args.env_ids:
         source += f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
@@ -837,7 +825,7 @@ class RunLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
+        print(f"task family: {family}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():

@@ -583,8 +583,9 @@ def main(args: Args):
                 guided = torch.arange(N, device=device) != best
                 log_selection(log, step, sync)
             if stop.requested or log.save_due() or t == T:  # the training state, its networks checked finite
-                check_finite_parameters(f"at step {step}", actor=learners.actor, qf=learners.qf)
                 state = dict(learners=learners.state_dict(), replay=replay.state(), t=t, best=best, beta=beta)
+                weights = {f"{n}.{k}": v for n in ("actor", "qf") for k, v in state["learners"][n].items()}
+                check_finite(f"at step {step}", **weights)
                 state.update(generation=generation, counts=counts, recent=[list(r) for r in recent])
                 state.update(generator=generator.get_state(), cpu_generator=cpu_generator.get_state())
                 model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
@@ -719,9 +720,8 @@ def log_evaluation(log, step, means) -> str:
 
 
 class Stop:
-    """Ctrl-C or SIGTERM: `requested` becomes true and the run stops after the time step in hand (its updates
-    complete), saves and says how to continue; a second Ctrl-C exits at once (status 130). A SIGTERM after the first
-    signal waits."""
+    """Ctrl-C or SIGTERM: `requested`, and the run stops after the time step in hand (its updates complete); a second
+    Ctrl-C exits at once (130). A SIGTERM after the first signal waits."""
 
     def __init__(self):
         self.requested = False
@@ -747,12 +747,6 @@ def check_finite(where: str, **named) -> None:
         raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
-def check_finite_parameters(where: str, **modules) -> None:
-    """check_finite over every parameter and buffer of the given modules, named `<module>.<parameter>`."""
-    named = {f"{n}.{k}": v for n, m in modules.items() for k, v in m.state_dict().items() if v.is_floating_point()}
-    check_finite(where, **named)
-
-
 def fail(error: Exception, run_path: str) -> None:
     """A non-finite value: the error line, where the last good checkpoint is, exit 1."""
     print(f"error: {error}", file=sys.stderr)
@@ -768,7 +762,6 @@ def fail(error: Exception, run_path: str) -> None:
 # Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
 PAPER = "the paper's settings as its authors' code runs them (the Args defaults)"
 PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code departs from it, forced by --preset paper"
-FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
@@ -787,12 +780,10 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
     family = task_family(args.env_id)
-    source, overrides = table.get(family, (PAPER, {}))
+    source, values = table.get(family, (PAPER, {}))
     if args.preset == "paper":
         return family, PAPER_FORCED
-    show = [
-        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
-    ]
+    show = [f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
     return family, source + (": " + ", ".join(show) if show else "")
 
 
@@ -819,7 +810,7 @@ class RunLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
+        print(f"task family: {family}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():

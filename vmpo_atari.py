@@ -491,8 +491,7 @@ def check_args(args):
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
     per_actor, minibatches = args.num_envs // max(args.num_actors, 1), args.num_minibatches
     actors = f"--num-actors {args.num_actors}" + " (with --env-ids: one per game unless given)" * bool(games)
-    whole = not games or args.num_actors % len(games) == 0
-    require(whole, f"{actors}: a multiple of the number of games ({len(games)})")
+    require(not games or args.num_actors % len(games) == 0, f"{actors} must be a multiple of the number of games")
     fits = 0 < args.num_actors <= args.num_envs and per_actor * args.num_actors == args.num_envs
     require(fits, f"--num-envs {args.num_envs} must be a positive multiple of {actors}")
     require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
@@ -795,7 +794,6 @@ def fail(error: Exception, run_path: str) -> None:
 
 # Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
 PAPER = "the paper's settings (the Args defaults)"
-FAMILY_NAMES = dict(atari="Atari", mujoco="MuJoCo / dm_control", classic="classic control")
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
@@ -823,12 +821,10 @@ def run_family(args) -> str:
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
     family = run_family(args)
-    source, overrides = table.get(family, (PAPER, {}))
+    source, values = table.get(family, (PAPER, {}))
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper"
-    show = [
-        f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in overrides.items()
-    ]
+    show = [f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
     source += ": " + ", ".join(show) if show else ""
     if args.env_ids:
         source += f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
@@ -861,7 +857,7 @@ class RunLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(self.path, purge_step=self.start_step + 1 if resumed else None)
-        print(f"task family: {FAMILY_NAMES[family]}; defaults: {source}\nrun folder: {self.path}  ({describe})")
+        print(f"task family: {family}; defaults: {source}\nrun folder: {self.path}  ({describe})")
 
     def scalars(self, values: dict, step: int) -> None:
         for tag, value in values.items():

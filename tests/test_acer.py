@@ -462,7 +462,7 @@ def test_replay_ring_and_sampling():
     replay = acer.Replay(3)
     for i in range(5):
         replay.add({"i": i})
-    assert len(replay) == 3 and sorted(s["i"] for s in replay.segments) == [2, 3, 4]
+    assert len(replay.segments) == 3 and sorted(s["i"] for s in replay.segments) == [2, 3, 4]
     gen = torch.Generator().manual_seed(0)
     assert {replay.sample(gen)["i"] for _ in range(100)} == {2, 3, 4}
 
