@@ -23,6 +23,37 @@ def run_script(script, argv, run_dir, timeout=300):
     return runs[0]
 
 
+def learns(script, argv, run_dir, target, timeout=900):
+    """Runs `script` with `argv` (the defaults a user gets, with a budget) and watches its console line: once the mean
+    return of its last 100 episodes, over 100 episodes or more, reaches `target`, a Ctrl-C stops the run (it saves
+    the update in hand and exits 130); otherwise it runs its budget out. Returns the best such mean seen and the run
+    folder. A learning test asserts that the budget is enough; the run's whole curve is a benchmark's business."""
+    import signal
+    import threading
+
+    cmd = [sys.executable, script, *argv, "--eval-episodes", "0", "--log-interval", "1", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    best, lines, line_pattern = -float("inf"), [], re.compile(r"return\(100\)\s+(-?[\d.]+) \| episodes (\d+)")
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            m = line_pattern.search(line)
+            if m and int(m.group(2)) >= 100 and best < target <= float(m.group(1)):
+                os.kill(proc.pid, signal.SIGINT)  # once: the first line at the target
+            best = max(best, float(m.group(1))) if m and int(m.group(2)) >= 100 else best
+        proc.wait(timeout=120)
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, 130), f"exit {proc.returncode}\n" + "".join(lines[-40:])
+    runs = [d for d in glob.glob(os.path.join(str(run_dir), "*")) if os.path.isdir(d)]
+    assert len(runs) == 1, runs
+    return best, runs[0]
+
+
 def events_tags(run_path, values_of=None):
     """The scalar tags of a run's TensorBoard events, or the values of one tag in step order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
