@@ -70,7 +70,7 @@ class Args:
     seed: int = 1  # seed of the common initial weights, the noise and the sampling
     torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
     cuda: bool = True  # the learners' networks and the replay on the GPU when there is one
-    threads: int = 1  # torch's threads for the updates on a CPU: 1 beside other busy processes, the cores when alone
+    threads: int = 0  # torch threads of the updates on a CPU; 0: the cores or 1, the faster as the run goes (docs)
     total_timesteps: int = 1_000_000  # environment steps of all learners together (the paper's Figs. 3-4: 1M)
     num_learners: int = 4  # N, learners (Sec. 4.1), updated together as one batch; 1 is plain TD3
     num_envs: int = 1  # environment copies per learner (1 in the paper)
@@ -513,7 +513,8 @@ def main(args: Args):
     describe += f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else ""
     log = RunLog(args, resumed, describe)
     stop = Stop()
-    torch.set_num_threads(args.threads)
+    cores = len(os.sched_getaffinity(0)) if device == "cpu" else 1  # a GPU's kernels need one thread to launch them
+    threads = ThreadChoice([args.threads] if args.threads else [cores, 1])
     # Values below 1.2e-38 (Adam's second moments of the weights that rarely get a gradient decay into them) as zero:
     # denormal arithmetic is many times slower on x86 CPUs (docs/p3s_td3.md, "Speed on a CPU").
     torch.set_flush_denormal(True)
@@ -569,11 +570,14 @@ def main(args: Args):
             # holds `learning_starts` rows, whatever the actions. Each update on a fresh minibatch (base.py:118-123).
             starts = args.learning_starts
             learning = int(replay.sizes().sum()) >= starts if starts > 0 else t > args.t_initial
+            started = time.perf_counter()
             for _ in range(n * args.updates_per_step if learning else 0):
                 batch, writers = replay.sample((N, args.batch_size), cpu_generator)
                 counts["foreign"] += (writers != torch.arange(N)[:, None]).sum(1)
                 counts["sampled"] += args.batch_size
                 stats.update(learners.update(batch, beta, guided))  # a policy step's statistics stay till the next
+            if learning:
+                threads.record(time.perf_counter() - started, started)
             if E and (R and step // R > (step - N * n) // R or t == T):  # every R_eval steps, the end (Sec. 4.1)
                 means = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
                 last_eval = log_evaluation(log, step, means)
@@ -639,8 +643,9 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
     spec = env_spec(args.env_id, discrete=False)
-    for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay", "threads"):
+    for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    require(args.threads >= 0, f"--threads must be 0 (chosen as the run goes) or a count, got {args.threads}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
     require(
         args.buffer_size // args.num_learners >= args.batch_size,
@@ -717,6 +722,31 @@ def log_evaluation(log, step, means) -> str:
 
 # ---------------------------------------------------------------------------------------------------------
 # Plumbing: Ctrl-C, failures, the task family's defaults, the run folder. No equation below.
+
+
+class ThreadChoice:
+    """torch's thread count for the updates on a CPU, the faster per time step of `options` (the cores, 1) as the run
+    goes: each timed for `window` seconds, the other again every `every` seconds. Alone on the machine the cores are
+    faster; beside other busy processes each kernel waits for its slowest thread, and one is (docs/p3s_td3.md)."""
+
+    def __init__(self, options, window=3.0, every=60.0):
+        self.options, self.window, self.every = list(dict.fromkeys(options)), window, every
+        self.per_step, self.spent, self.steps, self.tried = {}, 0.0, 0, 0.0
+        torch.set_num_threads(self.options[0])
+
+    def record(self, seconds, now) -> None:
+        """A time step's updates took `seconds`, ending about `now` (time.perf_counter)."""
+        self.spent, self.steps = self.spent + seconds, self.steps + 1
+        if len(self.options) == 1 or self.spent < self.window:
+            return
+        current = torch.get_num_threads()
+        self.per_step[current], self.spent, self.steps = self.spent / self.steps, 0.0, 0
+        other = self.options[1 - self.options.index(current)]
+        if other not in self.per_step or now - self.tried >= self.every:
+            choice, self.tried = other, now  # time the other choice (again)
+        else:
+            choice = min(self.options, key=self.per_step.get)
+        torch.set_num_threads(choice)
 
 
 class Stop:

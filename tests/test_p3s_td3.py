@@ -894,6 +894,33 @@ def test_non_finite_loss_stops_the_run(tmp_path):
         assert all(bool(torch.isfinite(v).all()) for v in learners[net].values())
 
 
+def test_thread_choice_keeps_the_faster_thread_count_and_tries_the_other_again():
+    """`--threads 0`: beside other work (one thread faster) the updates settle on one thread, alone (the cores
+    faster) on the cores, each other choice timed again for a window every `every` seconds; a given count stays."""
+    before = torch.get_num_threads()
+
+    def run(choice, cost, seconds, now):  # cost: seconds per time step with k threads
+        used, end = [], now + seconds
+        while now < end:
+            used.append(torch.get_num_threads())
+            choice.record(cost[used[-1]], now)
+            now += cost[used[-1]]
+        return used, now
+
+    try:
+        choice = p3s_td3.ThreadChoice([2, 1], window=1.0, every=30.0)
+        assert torch.get_num_threads() == 2
+        used, now = run(choice, {2: 0.040, 1: 0.024}, 120.0, 0.0)
+        assert torch.get_num_threads() == 1 and used.count(2) < 0.15 * len(used)
+        used, now = run(choice, {2: 0.016, 1: 0.024}, 120.0, now)
+        assert torch.get_num_threads() == 2 and used[len(used) // 2 :].count(1) < 0.1 * len(used) / 2
+        fixed = p3s_td3.ThreadChoice([1])
+        fixed.record(5.0, 5.0)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_saved_model_holds_every_learners_own_policy():
     """model.pt (`saved_model`): `actors[i]`, read into a one-learner `Actor`, is learner i; `actor` is the best's."""
     torch.manual_seed(10)
