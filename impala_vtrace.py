@@ -512,6 +512,7 @@ def check_args(args):
     for game in games:  # known to envpool (a line naming an unknown one), and Atari
         env_spec(game, discrete=True)
         require(is_atari(game), f"--env-ids takes Atari games (Pong-v5 Breakout-v5, or atari57, atari5), not {game}")
+    require(not games or is_atari(args.env_id), "--env-ids: an --env-id, if given, must be an Atari game too")
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
     per_actor = args.num_envs // max(args.num_actors, 1)
     actors = f"--num-actors {args.num_actors}" + " (with --env-ids: one per game unless given)" * bool(games)
@@ -771,7 +772,7 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
     argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
     first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
     family = first.preset != "paper" and not first.resume
-    overrides = table.get(run_family(first), (PAPER, {}))[1] if family else {}
+    overrides = table.get(task_family(first.env_id), (PAPER, {}))[1] if family else {}
     if family and first.env_ids:  # one actor per game and envs rounded up to match, unless given
         given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
         actors = first.num_actors if "--num-actors" in given else len(expand_env_ids(first.env_ids))
@@ -782,13 +783,9 @@ def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
     return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
 
 
-def run_family(args) -> str:
-    return "atari" if args.env_ids else task_family(args.env_id)
-
-
 def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
     """(family, where the defaults came from), for the start-up line and args.json."""
-    family = run_family(args)
+    family = task_family(args.env_id)
     source, values = table.get(family, (PAPER, {}))
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper"

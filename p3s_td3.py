@@ -647,11 +647,8 @@ def check_args(args):
         require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     require(args.threads >= 0, f"--threads must be 0 (chosen as the run goes) or a count, got {args.threads}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
-    require(
-        args.buffer_size // args.num_learners >= args.batch_size,
-        f"--buffer-size {args.buffer_size} leaves each of the {args.num_learners} learners fewer than --batch-size "
-        f"{args.batch_size} rows; use at least {args.batch_size * args.num_learners}",
-    )
+    rows = args.batch_size * args.num_learners  # each learner's share of D holds a minibatch at least
+    require(args.buffer_size >= rows, f"--buffer-size {args.buffer_size}: at least --batch-size x learners, {rows}")
     for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     beta_range = f"[--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
@@ -668,9 +665,7 @@ def check_args(args):
     # the authors' code: N updates of each learner per step of its own (p3s_td3.py:147, base.py:118-123), so that at
     # equal steps of all learners each learner has made as many updates as one TD3; the text (Sec. 4.1): one
     updates_per_step = args.updates_per_step if args.updates_per_step >= 0 else (1 if text else args.num_learners)
-    require(
-        updates_per_step >= 1, f"--updates-per-step must be 1 or more (negative: the default), got {updates_per_step}"
-    )
+    require(updates_per_step >= 1, f"--updates-per-step must be 1 or more (negative: the default): {updates_per_step}")
     derived = dict(t_initial=t_initial, learning_starts=learning_starts, updates_per_step=updates_per_step, d_min=d_min)
     args = dataclasses.replace(args, **derived)
     first = first_update_step(args)
