@@ -23,26 +23,32 @@ def run_script(script, argv, run_dir, timeout=300):
     return runs[0]
 
 
-def learns(script, argv, run_dir, target, timeout=900):
+def learns(script, argv, run_dir, target, timeout=900, evaluations=False):
     """Runs `script` with `argv` (the defaults a user gets, with a budget) and watches its console line: once the mean
     return of its last 100 episodes, over 100 episodes or more, reaches `target`, a Ctrl-C stops the run (it saves
-    the update in hand and exits 130); otherwise it runs its budget out. Returns the best such mean seen and the run
-    folder. A learning test asserts that the budget is enough; the run's whole curve is a benchmark's business."""
+    the update in hand and exits 130); otherwise it runs its budget out. With `evaluations` (p3s_td3.py) it watches the
+    periodic evaluation's score (`eval X at step`) instead. Returns the best value seen and the run folder. A learning
+    test asserts that the budget is enough; the run's whole curve is a benchmark's business."""
     import signal
     import threading
 
-    cmd = [sys.executable, script, *argv, "--eval-episodes", "0", "--log-interval", "1", "--run-dir", str(run_dir)]
+    no_eval = [] if evaluations else ["--eval-episodes", "0"]  # the end's evaluation: none (p3s: its periodic ones)
+    cmd = [sys.executable, script, *argv, *no_eval, "--log-interval", "1", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
-    best, lines, line_pattern = -float("inf"), [], re.compile(r"return\(100\)\s+(-?[\d.]+) \| episodes (\d+)")
+    best, lines = -float("inf"), []
+    line_pattern = re.compile(
+        r"\| eval (-?[\d.]+) at " if evaluations else r"return\(100\)\s+(-?[\d.]+) \| episodes (\d+)"
+    )
     try:
         for line in proc.stdout:
             lines.append(line)
             m = line_pattern.search(line)
-            if m and int(m.group(2)) >= 100 and best < target <= float(m.group(1)):
+            value = float(m.group(1)) if m and (evaluations or int(m.group(2)) >= 100) else None
+            if value is not None and best < target <= value:
                 os.kill(proc.pid, signal.SIGINT)  # once: the first line at the target
-            best = max(best, float(m.group(1))) if m and int(m.group(2)) >= 100 else best
+            best = max(best, value) if value is not None else best
         proc.wait(timeout=120)
     finally:
         timer.cancel()
@@ -106,21 +112,54 @@ def imported_envpool_modules(module):
     return out.stdout.strip()
 
 
-def assert_usage_error(script, argv, run_dir, needle):
-    """Bad input: exit status 2, one line `error: ...` naming `needle`, no traceback, no run folder, quickly."""
-    t = time.time()
-    out = subprocess.run(
-        [sys.executable, script, *argv, "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.stderr
-    assert "Traceback" not in out.stderr and not os.listdir(run_dir)  # no work done, no run folder
-    assert time.time() - t < 60
+def assert_usage_error(script, argv, run_dir, needle, process=None):
+    """Bad input: exit status 2, one line `error: ...` naming `needle`, no traceback, no run folder. With `process`
+    (by default the first bad input of each script in a session) as `python script ...` runs it, within 60 s; else
+    the script's `cli()` in this process, as its `__main__` calls it, its `RunLog` a tripwire (the run would begin)."""
+    import contextlib
+    import importlib
+    import io
+
+    process = script not in AS_A_PROCESS if process is None else process
+    AS_A_PROCESS.add(script)
+    if process:
+        t = time.time()
+        cmd = [sys.executable, script, *argv, "--run-dir", str(run_dir)]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        code, err = out.returncode, out.stderr
+        assert time.time() - t < 60
+    else:
+        module, err_io, threads = importlib.import_module(script.removesuffix(".py")), io.StringIO(), torch_threads()
+        saved_argv, saved_log, code = sys.argv, module.RunLog, None
+        sys.argv = [script, *argv, "--run-dir", str(run_dir)]
+        module.RunLog = run_began
+        try:
+            with contextlib.redirect_stderr(err_io):
+                module.cli()
+        except SystemExit as e:
+            code = e.code
+        finally:
+            sys.argv, module.RunLog = saved_argv, saved_log
+            torch_threads(threads)
+        err = err_io.getvalue()
+    assert code == 2, (code, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], err
+    assert "Traceback" not in err and not os.listdir(run_dir)  # no work done, no run folder
+
+
+AS_A_PROCESS = set()  # the scripts whose bad input has run as a process in this session
+
+
+def run_began(*args, **kwargs):
+    raise AssertionError("the bad input was taken: the run began")
+
+
+def torch_threads(count=None):
+    """torch's thread count in this process, or sets it (a script's set-up may change it)."""
+    import torch
+
+    return torch.get_num_threads() if count is None else torch.set_num_threads(count)
 
 
 def wait_for_actors(proc, timeout=120):
