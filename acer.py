@@ -806,8 +806,7 @@ def loss_stats(result) -> dict:
     return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
 
 
-# Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
-PAPER = "the paper's settings (the Args defaults)"
+PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):

@@ -729,8 +729,7 @@ class ThreadChoice:
         self.per_step, self.spent, self.steps, self.tried = {}, 0.0, 0, 0.0
         torch.set_num_threads(self.options[0])
 
-    def record(self, seconds, now) -> None:
-        """A time step's updates took `seconds`, ending about `now` (time.perf_counter)."""
+    def record(self, seconds, now) -> None:  # a time step's updates took `seconds`, from `now` (time.perf_counter)
         self.spent, self.steps = self.spent + seconds, self.steps + 1
         if len(self.options) == 1 or self.spent < self.window:
             return
@@ -784,8 +783,7 @@ def fail(error: Exception, run_path: str) -> None:
     os._exit(1)
 
 
-# Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
-PAPER = "the paper's settings as its authors' code runs them (the Args defaults)"
+PAPER = "the paper's settings as its authors' code runs them (the Args defaults)"  # defaults outside a family
 PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code departs from it, forced by --preset paper"
 
 

@@ -793,8 +793,7 @@ def fail(error: Exception, run_path: str) -> None:
     os._exit(1)
 
 
-# Defaults by task family: `--env-id` alone picks its family's settings, the same on every device; a flag given wins.
-PAPER = "the paper's settings (the Args defaults)"
+PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
 
 
 def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
