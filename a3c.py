@@ -457,11 +457,10 @@ def main(args: Args):
     if args.shared_statistics:
         optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     parts = dict(agent=agent, target=target, optimizer=optimizer)  # θ (and the observation statistics), θ⁻, g
-    for name, part in parts.items():
-        if part is not None and resumed is not None:
+    for name, part in ((k, v) for k, v in parts.items() if v is not None):
+        if resumed is not None:
             part.load_state_dict(resumed[name])
-        if part is not None:
-            part.share_memory()  # read and written by every worker
+        part.share_memory()  # read and written by every worker
     # The training state: views of the shared tensors, so a save writes them as the workers left them (Hogwild:
     # read without locks, as the workers read them). model.pt: what evaluate.py and `make_eval_policy` play.
     state = {name: None if part is None else part.state_dict() for name, part in parts.items()}
@@ -480,7 +479,8 @@ def main(args: Args):
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
     stop, done = Stop(), 0
     work = (args, agent, target, optimizer, counter, obs_lock, msg_q, halt)
-    workers = start_workers(train_worker, range(args.num_workers), *work)
+    run = (train_worker, range(args.num_workers), *work)  # run_worker's arguments
+    workers = torch.multiprocessing.start_processes(run_worker, run, args.num_workers, join=False, start_method="spawn")
     try:
         while done < args.num_workers:  # until each worker has sent ("done", step)
             with contextlib.suppress(queue.Empty):  # ("episode", step, return, length), ("stats", step, {tag: value})
@@ -706,12 +706,6 @@ def run_worker(i, target, per_worker, *args):
     if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
         target(per_worker[i], *args)
-
-
-def start_workers(target, per_worker, *args):
-    """One process per item of `per_worker`, running `target(item, *args)`."""
-    run = (target, per_worker, *args)
-    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
 
 
 def check_workers(workers, run_path) -> None:

@@ -480,9 +480,10 @@ def main(args: Args):
         return step
 
     shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt)
+    run = (train_worker, range(args.num_workers), *shared)  # run_worker's arguments
+    workers = torch.multiprocessing.start_processes(run_worker, run, args.num_workers, join=False, start_method="spawn")
+    done = 0
     try:
-        workers = start_workers(train_worker, range(args.num_workers), *shared)
-        done = 0
         while done < args.num_workers:  # the workers learn; this process logs, checkpoints and watches them
             with contextlib.suppress(queue.Empty):
                 kind, step, payload = msg_q.get(timeout=0.2)
@@ -782,12 +783,6 @@ def run_worker(i, target, per_worker, *args):
     if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
         torch.set_num_threads(1)
         target(per_worker[i], *args)
-
-
-def start_workers(target, per_worker, *args):
-    """One process per item of `per_worker`, running `target(item, *args)`."""
-    run = (target, per_worker, *args)
-    return torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
 
 
 def check_workers(workers, run_path) -> None:

@@ -359,9 +359,8 @@ def main(args: Args):
     agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta, args.init)
     agent = agent.to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
-    if world > 1:  # the same initial weights in every learner (rank 0's)
-        for p in [*agent.parameters(), *multipliers.parameters()]:
-            torch.distributed.broadcast(p.data, 0)
+    for p in [*agent.parameters(), *multipliers.parameters()] if world > 1 else ():  # every learner from rank 0's
+        torch.distributed.broadcast(p.data, 0)
     learner = dict(agent=agent, multipliers=multipliers, optimizer=make_optimizer(args, agent, multipliers))
     for k, part in learner.items() if resumed else ():
         part.load_state_dict(resumed[k])

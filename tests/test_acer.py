@@ -735,7 +735,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
         "--num-envs",
         "2",
         "--total-timesteps",
-        "150000",
+        "50000",
         "--checkpoint-interval",
         "0.5",
         "--eval-episodes",
@@ -750,11 +750,11 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     ckpt = kill_after_first_checkpoint("acer.py", argv, tmp_path, settle=4.0)
     run = os.path.dirname(ckpt)
     saved = torch.load(ckpt, weights_only=False)
-    assert "avg_agent" in saved and 0 < saved["global_step"] < 150000
+    assert "avg_agent" in saved and 0 < saved["global_step"] < 50000
     assert any(g.abs().sum() > 0 for g in saved["square_avg"])  # the shared statistics, not fresh zeros
     assert run_script("acer.py", ["--resume", run], tmp_path, timeout=600) == run
     summary = json.load(open(os.path.join(run, "summary.json")))
-    assert summary["total_timesteps"] >= 150000
+    assert summary["total_timesteps"] >= 50000
     final = torch.load(ckpt, weights_only=False)
     assert final["global_step"] == summary["total_timesteps"] and final["args"]["num_envs"] == 2
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -809,7 +809,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     """A run SIGKILLed after a checkpoint continues with --resume: the learners' networks, Adam states, π_b,
     π_old and replay parts, β and the best learner, the random generators and the step counters; curves go on from
     the checkpoint's step and population.jsonl is appended to."""
-    argv = [*SMALL, "--total-timesteps", "12000", "--checkpoint-interval", "0.5", "--save-model"]
+    argv = [*SMALL, "--total-timesteps", "6000", "--checkpoint-interval", "0.5", "--save-model"]
     proc = start(argv, tmp_path)
     try:
         ckpt = os.path.join(str(tmp_path), "runs", "*", "checkpoint.pt")
@@ -825,7 +825,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
     saved = torch.load(ckpt, weights_only=False)
     t = saved["t"]
-    assert 0 < t < 6000 and saved["global_step"] == 2 * t
+    assert 0 < t < 3000 and saved["global_step"] == 2 * t
     assert saved["learners"]["updates"] == 2 * max(t - 99, 0)  # N = 2 per step from t = 100 (200 rows of D)
     for part in saved["replay"]:  # each learner's part of the shared replay
         assert 0 < part["writes"] <= t  # reset steps are not stored
@@ -833,11 +833,11 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     selections_before = open(os.path.join(run, "population.jsonl")).read().splitlines()
     assert run_script("p3s_td3.py", ["--resume", run], tmp_path / "runs", timeout=600) == run
     summary = json.load(open(os.path.join(run, "summary.json")))
-    assert summary["total_timesteps"] == 12000
+    assert summary["total_timesteps"] == 6000
     # the updates went on from the saved count across both sessions: N = 2 per step from t = 100 (200 rows of D)
-    assert summary["updates_per_learner"] == [2 * (6000 - 99)] * 2
+    assert summary["updates_per_learner"] == [2 * (3000 - 99)] * 2
     final = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
-    assert final["t"] == 6000 and sorted(os.listdir(run)) == sorted(
+    assert final["t"] == 3000 and sorted(os.listdir(run)) == sorted(
         ["args.json", "checkpoint.pt", "model.pt", "summary.json", "population.jsonl"]
         + [f for f in os.listdir(run) if f.startswith("events.out.tfevents")]
     )
@@ -848,7 +848,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     acc = EventAccumulator(run, size_guidance={"scalars": 0})
     acc.Reload()
     steps = [e.step for e in acc.Scalars("stats/beta")]
-    assert steps == sorted(steps) and steps[-1] == 12000
+    assert steps == sorted(steps) and steps[-1] == 6000
     assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
 
 
