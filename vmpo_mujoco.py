@@ -80,7 +80,7 @@ class Args:
     init_alpha_mu: float = 1.0  # initial α_μ, mean-KL multiplier (Table 1)
     init_alpha_sigma: float = 1.0  # initial α_Σ, covariance-KL multiplier (Table 1)
     min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
-    multipliers: Literal["paper", "softplus"] = "paper"  # paper: projected parameters; softplus: Acme's MPO (docs)
+    multipliers: Literal["paper", "softplus", "exp"] = "paper"  # paper: projected; softplus: Acme's MPO; exp (docs)
     dual_learning_rate: float = 0.0  # learning rate of η, α_μ, α_Σ; 0: the networks' Adam and learning rate (Sec. 4.3)
     update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
     top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
@@ -106,11 +106,14 @@ TABLE7_COLUMNS = {
 
 # Defaults by task family on top of the Table 7 column, the same on every device (`--preset paper`: the column alone),
 # measured on 2 CPU cores (docs/vmpo_mujoco.md; Table 7 is for thousands of envs): short unrolls, a fast PopArt.
+# The trust regions of Stoix's ff_vmpo_continuous (ε_αμ 0.05, ε_αΣ 5e-4) held by multipliers learned in log space at
+# Acme's dual step (1e-2): Table 7's bounds would hold σ at its start for the first ~10M steps of a short-unroll run.
 ONE_MACHINE = dict(num_minibatches=1, unroll_length=10, target_update_period=10, learning_rate=1e-3, popart_beta=0.1)
+TRUST_REGIONS = dict(multipliers="exp", dual_learning_rate=1e-2, eps_alpha_mu=0.05, eps_alpha_sigma=5e-4)
 FAMILY_DEFAULTS = {
     "mujoco": (
         "settings measured on InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4 (docs)",
-        dict(num_envs=32, batch_size=32, **ONE_MACHINE),
+        dict(num_envs=32, batch_size=32, **ONE_MACHINE, **TRUST_REGIONS),
     ),
     "classic": ("settings measured on Pendulum-v1 (docs)", dict(num_envs=16, batch_size=16, **ONE_MACHINE)),
 }
@@ -256,18 +259,24 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
 
 class LagrangeMultipliers(nn.Module):
     """η (Eq. 13), α_μ and α_Σ (Eq. 26) as `values()` of three parameters: form "paper", the multipliers themselves,
-    projected to at least η_min after every step (Sec. 4.2.2); "softplus" (Acme's MPO), softplus(parameter) + η_min."""
+    projected to at least η_min after every step (Sec. 4.2.2); "softplus" (Acme's MPO), softplus(parameter) + η_min;
+    "exp", exp(parameter) + η_min: an Adam step moves a multiplier by a factor, not by an amount."""
 
     def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0, form="paper", minimum=1e-8):
         super().__init__()
         self.form, self.minimum = form, minimum
         for name, v in (("eta", eta), ("alpha_mu", alpha_mu), ("alpha_sigma", alpha_sigma)):
-            raw = float(v) if form == "paper" else math.log(math.expm1(max(float(v) - minimum, 1e-12)))  # image: v
-            setattr(self, name, nn.Parameter(torch.tensor(raw)))
+            if form == "softplus":
+                v = math.log(math.expm1(max(float(v) - minimum, 1e-12)))  # softplus(parameter) + η_min = v
+            elif form == "exp":
+                v = math.log(v)
+            setattr(self, name, nn.Parameter(torch.tensor(float(v))))
 
     def values(self):
         raw = (self.eta, self.alpha_mu, self.alpha_sigma)
-        return raw if self.form == "paper" else tuple(F.softplus(p) + self.minimum for p in raw)
+        if self.form == "paper":
+            return raw
+        return tuple((p.exp() if self.form == "exp" else F.softplus(p)) + self.minimum for p in raw)
 
     @torch.no_grad()
     def project(self):

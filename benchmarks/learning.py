@@ -7,6 +7,7 @@
     python benchmarks/learning.py --preset a3c-atari-cpu --seeds 1 2  # Breakout, a3c.py's four methods, 1M steps
     python benchmarks/learning.py --preset a3c-mujoco-cpu --seeds 1 2 --parallel 2  # Hopper, HalfCheetah: A3C, 1M
     python benchmarks/learning.py --preset mujoco-cpu              # Hopper, Walker2d, HalfCheetah: P3S, TD3, V-MPO
+    python benchmarks/learning.py --preset mujoco-long --seeds 1 2 --parallel 2 --time-limit 9000  # V-MPO, 10M
     python benchmarks/learning.py --preset p3s-cpu --seeds 1 2 --parallel 2   # P3S, TD3, one update per step
     python benchmarks/learning.py --preset acer-mujoco-cpu --seeds 1 2 --parallel 2  # Hopper, HalfCheetah: ACER, 1M
     python benchmarks/learning.py --preset qbert-cpu --seeds 1 2   # Qbert, A3C and ACER, 1M steps
@@ -158,6 +159,15 @@ PRESETS = {
         Entry("vmpo_mujoco", "Walker2d-v4", 1_000_000),
         Entry("vmpo_mujoco", "HalfCheetah-v4", 1_000_000),
     ],
+    # V-MPO's asymptote (Sec. 5.2, Figs. 5c-d, 11) on 2 CPU cores, `--env-id` and a budget alone, one run a core
+    # (`--parallel 2`, `--time-limit` to fit a session): the preset run again continues each stopped run
+    "mujoco-long": [
+        Entry("vmpo_mujoco", env, 10_000_000)
+        for env in ("Hopper-v4", "Walker2d-v4", "HalfCheetah-v4", "Ant-v4", "Humanoid-v4")
+    ],
+    "mujoco-50m": [
+        Entry("vmpo_mujoco", env, 50_000_000) for env in ("Hopper-v4", "Walker2d-v4", "HalfCheetah-v4", "Ant-v4")
+    ],
     # P3S-TD3 as its authors' code trains it, TD3 with its published curve's settings, and P3S with one update per
     # step of each learner (the text's reading of Sec. 4.1)
     "p3s-cpu": [
@@ -195,22 +205,17 @@ def run_folder(out, entry, seed):
 
 
 def launch(entry, seed, out, extra):
+    """Starts one run; a run of this entry and seed that stopped before its budget (a checkpoint, no summary.json)
+    is continued with `--resume` instead, so a long preset goes on across sessions."""
     folder = run_folder(out, entry, seed)
     os.makedirs(folder, exist_ok=True)
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, f"{entry.script}.py"),
-        *(["--env-ids", *entry.games] if entry.games else ["--env-id", entry.env_id]),
-        "--seed",
-        str(seed),
-        "--total-timesteps",
-        str(entry.steps),
-        "--run-dir",
-        folder,
-        *entry.args,
-        *extra,
-    ]
-    log = open(os.path.join(folder, "console.log"), "w")
+    script = os.path.join(ROOT, f"{entry.script}.py")
+    stopped = [os.path.dirname(p) for p in glob.glob(os.path.join(folder, "*", "checkpoint.pt"))]
+    stopped = sorted(p for p in stopped if not os.path.exists(os.path.join(p, "summary.json")))
+    task = ["--env-ids", *entry.games] if entry.games else ["--env-id", entry.env_id]
+    fresh = [*task, "--seed", str(seed), "--total-timesteps", str(entry.steps), "--run-dir", folder]
+    cmd = [sys.executable, script, *(["--resume", stopped[-1]] if stopped else [*fresh, *entry.args, *extra])]
+    log = open(os.path.join(folder, "console.log"), "a")
     print("$ " + " ".join(cmd[1:]), flush=True)
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log
 
@@ -257,6 +262,19 @@ def episode_returns(run_path, tag="charts/episodic_return"):
         return np.zeros(0), np.zeros(0)
     events = sorted(acc.Scalars(tag), key=lambda e: e.step)
     return np.array([e.step for e in events], float), np.array([e.value for e in events], float)
+
+
+def episode_minutes(run_path, tag="charts/episodic_return"):
+    """Minutes of running at each episode of `tag`, in step order: gaps over two minutes (a run stopped, then
+    resumed in a later session) do not count."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
+    acc.Reload()
+    if tag not in acc.Tags()["scalars"]:
+        return np.zeros(0)
+    gaps = np.diff([e.wall_time for e in sorted(acc.Scalars(tag), key=lambda e: e.step)], prepend=0.0)[1:]
+    return np.concatenate([[0.0], np.cumsum(np.where(gaps > 120, 0.0, gaps))]) / 60
 
 
 def evaluation_curve(run_path):
@@ -318,7 +336,7 @@ def fmt(values):
 
 
 def report(out, preset, entries, seeds, settings):
-    machine, rows, panels = settings["machine"], [], []
+    machine, rows, panels, minute_panels = settings["machine"], [], [], []
     for source, (entry, tag, share, game) in [(e, view) for e in entries for view in e.views()]:
         runs = collect(out, source, seeds, tag, share, game)
         if not runs:
@@ -352,6 +370,10 @@ def report(out, preset, entries, seeds, settings):
         if evals:  # each run's last evaluation at or before each grid point, averaged over the runs that have one
             eval_curve = np.stack([curve_on_grid(s, v, grid, 1) for s, v in evals])
         panels.append((entry, grid, curves, eval_curve))
+        minutes = [episode_minutes(r["path"], tag) for r in runs]
+        grid = np.linspace(0, max([m[-1] for m in minutes if len(m)], default=0) or 1, 101)[1:]
+        curves = np.stack([curve_on_grid(m, r["returns"], grid) for m, r in zip(minutes, runs)])
+        minute_panels.append((entry, grid, curves, None))
     if settings["parallel"] is None:
         how = "runs made outside this script (each run's args.json and console.log say how)"
     elif settings["parallel"] > 1:
@@ -388,6 +410,7 @@ def report(out, preset, entries, seeds, settings):
     print(table)
     if panels:
         plot(panels, base + ".png", f"{preset} preset: mean and min-max over seeds, {machine}")
+        plot(minute_panels, base + "_minutes.png", f"{preset} preset against minutes of running, {machine}", "minutes")
         if any(p[3] is not None for p in panels):
             plot_evaluations(panels, base + "_eval.png", f"{preset} preset: evaluations, mean over seeds, {machine}")
     return rows
@@ -434,7 +457,7 @@ def plot_evaluations(panels, path, title):
     print(f"wrote {path}")
 
 
-def plot(panels, path, title):
+def plot(panels, path, title, x="environment steps"):
     try:
         import matplotlib
 
@@ -460,14 +483,14 @@ def plot(panels, path, title):
                 warnings.simplefilter("ignore", RuntimeWarning)
                 ax.plot(grid, np.nanmean(eval_curve, 0), lw=1.2, label=f"{entry.script} evaluation")
             ax.legend(fontsize=7)
-        for j, (label, points) in enumerate(REFERENCES.get(entry.env_id, [])):
-            ref = [(x, y) for x, y in points if x <= 1.05 * grid[-1]]
+        for j, (label, points) in enumerate(REFERENCES.get(entry.env_id, []) if x == "environment steps" else []):
+            ref = [(s, y) for s, y in points if s <= 1.05 * grid[-1]]
             if ref:
                 ax.plot(*zip(*ref), "k--" if j == 0 else "k:", lw=1, marker="os^"[j % 3], ms=3 + j, label=label)
                 ax.legend(fontsize=7)
         what = f"{entry.script} {entry.label}".strip()
         ax.set_title(f"{what}: {entry.env_id} ({len(curves)} seeds)", fontsize=9)
-        ax.set_xlabel("environment steps", fontsize=8)
+        ax.set_xlabel(x, fontsize=8)
         ax.set_ylabel(f"return (last {WINDOW} episodes)", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)

@@ -41,6 +41,33 @@ def fake_run(out, seed, returns):
 
 
 @pytest.mark.e2e
+def test_minutes_of_running_leave_out_the_gaps_between_sessions(tmp_path):
+    """The curves against wall-clock minutes: episodes 30 s apart, then a 3-hour gap (stopped, resumed later)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    for i, wall in enumerate([1000.0, 1030.0, 1060.0, 1060.0 + 3 * 3600, 1090.0 + 3 * 3600]):
+        writer.add_scalar("charts/episodic_return", float(i), 100 * (i + 1), walltime=wall)
+    writer.close()
+    np.testing.assert_allclose(learning.episode_minutes(str(tmp_path)), [0.0, 0.5, 1.0, 1.0, 1.5])
+
+
+def test_a_stopped_run_is_resumed_and_a_finished_one_run_again(tmp_path, monkeypatch):
+    """Running a preset again continues each run that stopped before its budget (a checkpoint, no summary.json) from
+    its checkpoint; a finished run (summary.json) is not resumed."""
+    started = []
+    monkeypatch.setattr(learning.subprocess, "Popen", lambda cmd, **kw: started.append(cmd))
+    entry = learning.Entry("vmpo_mujoco", "Hopper-v4", 10_000_000)
+    run = os.path.join(learning.run_folder(str(tmp_path), entry, 1), "Hopper-v4__vmpo_mujoco__1__1")
+    os.makedirs(run)
+    open(os.path.join(run, "checkpoint.pt"), "w").close()
+    learning.launch(entry, 1, str(tmp_path), [])
+    assert started[-1][1:] == [os.path.join(ROOT, "vmpo_mujoco.py"), "--resume", run]
+    open(os.path.join(run, "summary.json"), "w").close()
+    learning.launch(entry, 1, str(tmp_path), [])
+    assert "--resume" not in started[-1] and started[-1][started[-1].index("--total-timesteps") + 1] == "10000000"
+
+
 def test_report_from_logs(tmp_path):
     out = str(tmp_path)
     fake_run(out, 1, np.arange(40.0))  # last 20: 20..39, mean 29.5

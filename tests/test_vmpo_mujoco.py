@@ -1,6 +1,7 @@
 """vmpo_mujoco.py: the decoupled Gaussian KL of Appendix C, the multipliers, the minibatch E-step, and the
 script end to end. The E-step's reference (`weights_reference`) is shared with test_vmpo_atari.py."""
 
+import itertools
 import json
 import math
 import os
@@ -162,13 +163,13 @@ def _args(**kw):
     return SimpleNamespace(**base)
 
 
-@pytest.mark.parametrize("form", ["paper", "softplus"])
+@pytest.mark.parametrize("form", ["paper", "softplus", "exp"])
 @pytest.mark.parametrize("moved", ["mean", "std"])
 def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved, form):
     """Eq. (26): when the target's mean is far from the online mean (KL_μ > ε_αμ) and its covariance equal
     (KL_Σ = 0 < ε_αΣ), a step on the loss raises α_μ and lowers α_Σ; the other way round when only the standard
-    deviation moved. In either form of the multipliers (the softplus form's gradient has the factor
-    softplus'(parameter) = sigmoid(parameter))."""
+    deviation moved. In every form of the multipliers (the softplus form's gradient has the factor
+    softplus'(parameter) = sigmoid(parameter), the exp form's exp(parameter) = 1 at the start)."""
     torch.manual_seed(0)
     agent = vmpo_mujoco.Agent(5, 3, hidden=(16,), head_hidden=16)
     m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0, form)
@@ -186,7 +187,7 @@ def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved, form):
         assert float(stats["stats/kl_sigma"]) > 1.6e-5 and float(stats["stats/kl_mu"]) == pytest.approx(0, abs=1e-9)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     loss.backward()
-    slope = 1.0 if form == "paper" else torch.sigmoid(m.alpha_mu.detach()).item()  # the same for α_Σ: both are 1
+    slope = torch.sigmoid(m.alpha_mu.detach()).item() if form == "softplus" else 1.0  # the same for α_Σ: both are 1
     assert math.isclose(float(m.alpha_mu.grad), slope * (0.007 - float(stats["stats/kl_mu"])), rel_tol=1e-5)
     assert math.isclose(float(m.alpha_sigma.grad), slope * (1.6e-5 - float(stats["stats/kl_sigma"])), rel_tol=1e-5)
     opt.step()
@@ -216,6 +217,28 @@ def test_kl_terms_pull_the_policy_back_with_stop_gradient_alphas():
     torch.testing.assert_close(gm, rm)
     torch.testing.assert_close(gs, rs)
     assert (gm[~mask] == 0).all() and (gs[~mask] == 0).all()
+
+
+def test_policy_loss_is_not_decoupled():
+    """Eq. (26)'s L_π = −Σ ψ log N(a; μ, σ) with the online μ and σ together ("we do not decouple the policy loss",
+    App. C), not MPO's −Σ ψ [log N(a; μ, σ_t) + log N(a; μ_t, σ)]. Value and gradients against a plain loop."""
+    g = torch.Generator().manual_seed(3)
+    T, B, d = 5, 4, 2
+    tm, ts = torch.randn(T + 1, B, d, generator=g), torch.rand(T + 1, B, d, generator=g) + 0.5
+    m = (tm + 0.3 * torch.randn(T + 1, B, d, generator=g)).requires_grad_()
+    s = (ts * (1 + 0.2 * torch.rand(T + 1, B, d, generator=g))).requires_grad_()
+    a, returns = torch.randn(T + 1, B, d, generator=g), torch.randn(T, B, generator=g)
+    eta, ended = torch.tensor(0.7), torch.zeros(T + 1, B, dtype=torch.bool)
+    out = vmpo_mujoco.vmpo_loss(m, s, tm, ts, a, torch.zeros(T, B), returns, ended, eta, torch.tensor(1.0),
+                                torch.tensor(1.0))  # fmt: skip
+    psi, _ = vmpo_weights(returns, eta, 0.01)
+    ref = 0.0
+    for t, b, i in itertools.product(range(T), range(B), range(d)):
+        mu, sigma = m[t, b, i], s[t, b, i]
+        ref = ref - psi[t, b] * (-((a[t, b, i] - mu) ** 2) / (2 * sigma**2) - sigma.log() - 0.5 * math.log(2 * math.pi))
+    torch.testing.assert_close(out.policy_loss, ref)
+    for got, want in zip(torch.autograd.grad(out.policy_loss, [m, s]), torch.autograd.grad(ref, [m, s])):
+        torch.testing.assert_close(got, want)
 
 
 def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
@@ -317,6 +340,21 @@ def test_softplus_multipliers_start_at_their_values_need_no_projection_and_learn
     assert [g["lr"] for g in shared.param_groups] == [1e-4, 1e-4]  # the paper: one Adam, one rate (Sec. 4.3)
 
 
+def test_exp_multipliers_start_at_their_values_and_move_by_a_factor_per_step():
+    """`--multipliers exp`: each multiplier is exp(parameter) + η_min, starting at the given value; an Adam step of
+    size lr on the parameter multiplies it by about e^lr, so 100 steps at 1e-2 that all ask for more multiply it by e
+    (the paper's form, moved by about lr per step, would have moved by 1)."""
+    m = vmpo_mujoco.LagrangeMultipliers(2.0, 10.0, 500.0, "exp", 1e-8)
+    assert [round(v.item(), 3) for v in m.values()] == [2.0, 10.0, 500.0]
+    agent = vmpo_mujoco.Agent(5, 2, hidden=(8,), head_hidden=8)
+    optimizer = vmpo_mujoco.make_optimizer(SimpleNamespace(learning_rate=1e-4, dual_learning_rate=1e-2), agent, m)
+    for _ in range(100):
+        optimizer.zero_grad()
+        (-sum(v.log() for v in m.values())).backward()  # a gradient of −1 on every parameter: each step raises it
+        optimizer.step()
+    assert [v.item() for v in m.values()] == pytest.approx([2.0 * math.e, 10.0 * math.e, 500.0 * math.e], rel=1e-4)
+
+
 def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
     """Rows arrive for any subset of envs in any order (envpool's async mode): env e's unroll k holds its rows
     kT..kT+T (the last row of an unroll is the first of the next) and goes to the learner once it has row T."""
@@ -360,13 +398,16 @@ def test_presets_follow_table_7_and_flags_override_them():
 
 
 def test_family_defaults_on_top_of_the_column_and_flags_win():
-    """`--env-id` alone: the MuJoCo family's one-machine settings; the humanoid keeps its column's KL bounds;
-    a flag given wins over both."""
+    """`--env-id` alone: the MuJoCo family's one-machine settings and trust regions, over the task's column (the
+    humanoid's too: `--preset paper` gives it its column's bounds); a flag given wins over both."""
     hop = vmpo_mujoco.parse_args(["--env-id", "Hopper-v4"])
     family = vmpo_mujoco.FAMILY_DEFAULTS["mujoco"][1]
-    assert all(getattr(hop, k) == v for k, v in family.items()) and hop.eps_alpha_mu == vmpo_mujoco.Args.eps_alpha_mu
+    assert all(getattr(hop, k) == v for k, v in family.items()) and hop.eps_eta == vmpo_mujoco.Args.eps_eta
+    assert (hop.multipliers, hop.eps_alpha_mu, hop.eps_alpha_sigma) == ("exp", 0.05, 5e-4)
     hum = vmpo_mujoco.parse_args(["--env-id", "HumanoidRun-v1"])
-    assert hum.eps_alpha_mu == 0.16 and hum.unroll_length == family["unroll_length"]
+    assert hum.eps_alpha_mu == 0.05 and hum.unroll_length == family["unroll_length"]
+    hum = vmpo_mujoco.parse_args(["--env-id", "HumanoidRun-v1", "--preset", "paper"])
+    assert (hum.eps_alpha_mu, hum.eps_alpha_sigma, hum.unroll_length, hum.multipliers) == (0.16, 2.2e-5, 63, "paper")
     mine = vmpo_mujoco.parse_args(["--env-id", "Hopper-v4", "--learning-rate", "3e-4", "--num-envs=8"])
     assert (mine.learning_rate, mine.num_envs, mine.batch_size) == (3e-4, 8, family["batch_size"])
     a = vmpo_mujoco.Args()
@@ -544,6 +585,21 @@ def test_learns_inverted_pendulum(tmp_path):
     saved = json.load(open(os.path.join(run_path, "args.json")))
     assert saved["task_family"] == "mujoco" and saved["num_envs"] == 32 and saved["target_update_period"] == 10
     assert best100 >= 950, f"best mean return over 100 consecutive episodes {best100:.1f} < 950"
+
+
+@pytest.mark.e2e
+def test_trust_regions_hold_on_a_short_hopper_run(tmp_path):
+    """Appendix C's decoupled trust regions held with `--env-id` and a budget alone: over 60k Hopper-v4 steps (187
+    updates, each logged), the mean KL_Σ and KL_μ of the second half stay within 10x of ε_αΣ and ε_αμ (the paper's
+    multipliers, moved by about the learning rate per step, ran KL_Σ at 25-90x its bound for 5M steps: docs)."""
+    argv = ["--env-id", "Hopper-v4", "--total-timesteps", "60000", "--eval-episodes", "0", "--log-interval", "0"]
+    run_path = run_script("vmpo_mujoco.py", argv, tmp_path, timeout=600)
+    args = json.load(open(os.path.join(run_path, "args.json")))
+    for kl, bound in (("kl_sigma", "eps_alpha_sigma"), ("kl_mu", "eps_alpha_mu")):
+        values = events_tags(run_path, values_of=f"stats/{kl}")
+        assert len(values) >= 150, len(values)
+        late = float(np.mean(values[len(values) // 2 :]))
+        assert late <= 10 * args[bound], f"{kl} {late:.2e} over the second half against {bound} {args[bound]:.1e}"
 
 
 @pytest.mark.e2e
