@@ -106,8 +106,7 @@ TABLE7_COLUMNS = {
 
 # Defaults by task family on top of the Table 7 column, the same on every device (`--preset paper`: the column alone),
 # measured on 2 CPU cores (docs/vmpo_mujoco.md; Table 7 is for thousands of envs): short unrolls, a fast PopArt.
-# The trust regions of Stoix's ff_vmpo_continuous (ε_αμ 0.05, ε_αΣ 5e-4) held by multipliers learned in log space at
-# Acme's dual step (1e-2): Table 7's bounds would hold σ at its start for the first ~10M steps of a short-unroll run.
+# Trust regions: Stoix's ff_vmpo_continuous ε_αμ and ε_αΣ, held by multipliers learned in log space at Acme's step.
 ONE_MACHINE = dict(num_minibatches=1, unroll_length=10, target_update_period=10, learning_rate=1e-3, popart_beta=0.1)
 TRUST_REGIONS = dict(multipliers="exp", dual_learning_rate=1e-2, eps_alpha_mu=0.05, eps_alpha_sigma=5e-4)
 FAMILY_DEFAULTS = {
@@ -273,10 +272,8 @@ class LagrangeMultipliers(nn.Module):
             setattr(self, name, nn.Parameter(torch.tensor(float(v))))
 
     def values(self):
-        raw = (self.eta, self.alpha_mu, self.alpha_sigma)
-        if self.form == "paper":
-            return raw
-        return tuple((p.exp() if self.form == "exp" else F.softplus(p)) + self.minimum for p in raw)
+        raw, image = (self.eta, self.alpha_mu, self.alpha_sigma), torch.exp if self.form == "exp" else F.softplus
+        return raw if self.form == "paper" else tuple(image(p) + self.minimum for p in raw)
 
     @torch.no_grad()
     def project(self):
