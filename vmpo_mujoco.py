@@ -264,12 +264,9 @@ class LagrangeMultipliers(nn.Module):
     def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0, form="paper", minimum=1e-8):
         super().__init__()
         self.form, self.minimum = form, minimum
+        inverse = {"paper": float, "exp": math.log, "softplus": lambda v: math.log(math.expm1(max(v - minimum, 1e-12)))}
         for name, v in (("eta", eta), ("alpha_mu", alpha_mu), ("alpha_sigma", alpha_sigma)):
-            if form == "softplus":
-                v = math.log(math.expm1(max(float(v) - minimum, 1e-12)))  # softplus(parameter) + η_min = v
-            elif form == "exp":
-                v = math.log(v)
-            setattr(self, name, nn.Parameter(torch.tensor(float(v))))
+            setattr(self, name, nn.Parameter(torch.tensor(float(inverse[form](v)))))  # the image of each is v
 
     def values(self):
         raw, image = (self.eta, self.alpha_mu, self.alpha_sigma), torch.exp if self.form == "exp" else F.softplus
