@@ -253,28 +253,18 @@ def run_all(jobs, out, parallel, time_limit, extra):
 
 
 def episode_returns(run_path, tag="charts/episodic_return"):
-    """(steps, returns) of `tag` in a run folder's TensorBoard log, in step order."""
+    """(steps, returns, minutes) of `tag` in a run folder's TensorBoard log, in step order. Minutes of running: gaps
+    of more than two minutes between episodes (a run stopped, then resumed in a later session) do not count."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
     acc.Reload()
     if tag not in acc.Tags()["scalars"]:
-        return np.zeros(0), np.zeros(0)
+        return np.zeros(0), np.zeros(0), np.zeros(0)
     events = sorted(acc.Scalars(tag), key=lambda e: e.step)
-    return np.array([e.step for e in events], float), np.array([e.value for e in events], float)
-
-
-def episode_minutes(run_path, tag="charts/episodic_return"):
-    """Minutes of running at each episode of `tag`, in step order: gaps over two minutes (a run stopped, then
-    resumed in a later session) do not count."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
-    acc.Reload()
-    if tag not in acc.Tags()["scalars"]:
-        return np.zeros(0)
-    gaps = np.diff([e.wall_time for e in sorted(acc.Scalars(tag), key=lambda e: e.step)], prepend=0.0)[1:]
-    return np.concatenate([[0.0], np.cumsum(np.where(gaps > 120, 0.0, gaps))]) / 60
+    gaps = np.diff([e.wall_time for e in events])
+    minutes = np.concatenate([[0.0], np.cumsum(np.where(gaps > 120, 0.0, gaps))]) / 60
+    return np.array([e.step for e in events], float), np.array([e.value for e in events], float), minutes
 
 
 def evaluation_curve(run_path):
@@ -312,7 +302,7 @@ def collect(out, entry, seeds, tag="charts/episodic_return", share=1, game=None)
         if not folders:
             continue
         path = sorted(folders)[-1]
-        steps, returns = episode_returns(path, tag)
+        steps, returns, minutes = episode_returns(path, tag)
         summary_file = os.path.join(path, "summary.json")
         summary = json.load(open(summary_file)) if os.path.exists(summary_file) else None
         if summary and game:
@@ -321,7 +311,15 @@ def collect(out, entry, seeds, tag="charts/episodic_return", share=1, game=None)
             summary["eval_mean_return"] = evals[0] if evals else None
         steps = steps / share
         runs.append(
-            dict(seed=seed, path=path, steps=steps, returns=returns, summary=summary, evals=evaluation_curve(path))
+            dict(
+                seed=seed,
+                path=path,
+                steps=steps,
+                returns=returns,
+                minutes=minutes,
+                summary=summary,
+                evals=evaluation_curve(path),
+            )
         )
     return runs
 
@@ -370,9 +368,8 @@ def report(out, preset, entries, seeds, settings):
         if evals:  # each run's last evaluation at or before each grid point, averaged over the runs that have one
             eval_curve = np.stack([curve_on_grid(s, v, grid, 1) for s, v in evals])
         panels.append((entry, grid, curves, eval_curve))
-        minutes = [episode_minutes(r["path"], tag) for r in runs]
-        grid = np.linspace(0, max([m[-1] for m in minutes if len(m)], default=0) or 1, 101)[1:]
-        curves = np.stack([curve_on_grid(m, r["returns"], grid) for m, r in zip(minutes, runs)])
+        grid = np.linspace(0, max([r["minutes"][-1] for r in runs if len(r["minutes"])], default=0) or 1, 101)[1:]
+        curves = np.stack([curve_on_grid(r["minutes"], r["returns"], grid) for r in runs])
         minute_panels.append((entry, grid, curves, None))
     if settings["parallel"] is None:
         how = "runs made outside this script (each run's args.json and console.log say how)"

@@ -49,7 +49,7 @@ def test_minutes_of_running_leave_out_the_gaps_between_sessions(tmp_path):
     for i, wall in enumerate([1000.0, 1030.0, 1060.0, 1060.0 + 3 * 3600, 1090.0 + 3 * 3600]):
         writer.add_scalar("charts/episodic_return", float(i), 100 * (i + 1), walltime=wall)
     writer.close()
-    np.testing.assert_allclose(learning.episode_minutes(str(tmp_path)), [0.0, 0.5, 1.0, 1.0, 1.5])
+    np.testing.assert_allclose(learning.episode_returns(str(tmp_path))[2], [0.0, 0.5, 1.0, 1.0, 1.5])
 
 
 def test_a_stopped_run_is_resumed_and_a_finished_one_run_again(tmp_path, monkeypatch):
