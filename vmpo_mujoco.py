@@ -74,13 +74,13 @@ class Args:
     max_grad_norm: float = 0.0  # global gradient-norm clipping threshold; 0: none (the paper mentions none)
     gamma: float = 0.99  # γ, agent discount (Table 7)
     eps_eta: float = 0.01  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 7)
-    eps_alpha_mu: float = 0.007  # ε_αμ, bound of the mean part of the KL (Table 7 Gym: middle of [0.005, 0.01])
-    eps_alpha_sigma: float = 1.6e-5  # ε_αΣ, bound of the covariance part (Table 7 Gym: middle of [5e-6, 5e-5))
+    eps_alpha_mu: float = 0.007  # ε_αμ, mean part of the KL (Table 7 Gym: middle of [0.005, 0.01]; MuJoCo family: 0.05)
+    eps_alpha_sigma: float = 1.6e-5  # ε_αΣ, covariance part (Table 7 Gym: middle of [5e-6, 5e-5); MuJoCo family: 5e-4)
     init_eta: float = 1.0  # initial η, temperature (Table 1)
     init_alpha_mu: float = 1.0  # initial α_μ, mean-KL multiplier (Table 1)
     init_alpha_sigma: float = 1.0  # initial α_Σ, covariance-KL multiplier (Table 1)
     min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
-    multipliers: Literal["paper", "softplus", "exp"] = "paper"  # paper: projected; softplus: Acme's MPO; exp (docs)
+    multipliers: Literal["paper", "softplus", "exp"] = "paper"  # paper: projected; softplus: Acme's MPO; exp: log space
     dual_learning_rate: float = 0.0  # learning rate of η, α_μ, α_Σ; 0: the networks' Adam and learning rate (Sec. 4.3)
     update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
     top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
