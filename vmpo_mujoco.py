@@ -105,8 +105,7 @@ TABLE7_COLUMNS = {
 }
 
 # Defaults by task family on top of the Table 7 column, the same on every device (`--preset paper`: the column alone),
-# measured on 2 CPU cores (docs/vmpo_mujoco.md; Table 7 is for thousands of envs): short unrolls, a fast PopArt.
-# Trust regions: Stoix's ff_vmpo_continuous ε_αμ and ε_αΣ, held by multipliers learned in log space at Acme's step.
+# measured on 2 CPU cores (docs/vmpo_mujoco.md): short unrolls, a fast PopArt, Stoix's ε_αμ, ε_αΣ held in log space.
 ONE_MACHINE = dict(num_minibatches=1, unroll_length=10, target_update_period=10, learning_rate=1e-3, popart_beta=0.1)
 TRUST_REGIONS = dict(multipliers="exp", dual_learning_rate=1e-2, eps_alpha_mu=0.05, eps_alpha_sigma=5e-4)
 FAMILY_DEFAULTS = {
@@ -281,11 +280,9 @@ class LagrangeMultipliers(nn.Module):
 
 
 def make_optimizer(args, agent, multipliers):
-    """Adam for the networks and the multipliers (Sec. 4.3); the multipliers at `--dual-learning-rate` if given."""
+    """Adam (Sec. 4.3; torch's ε 1e-8, the paper's) for the networks and the multipliers (`--dual-learning-rate`)."""
     dual = dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate or args.learning_rate)
-    return torch.optim.Adam(
-        [dict(params=list(agent.parameters())), dual], lr=args.learning_rate
-    )  # torch's ε, 1e-8: the paper's
+    return torch.optim.Adam([dict(params=list(agent.parameters())), dual], lr=args.learning_rate)
 
 
 # ---------------------------------------------------------------------------------------------------------
