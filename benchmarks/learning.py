@@ -368,9 +368,10 @@ def report(out, preset, entries, seeds, settings):
         if evals:  # each run's last evaluation at or before each grid point, averaged over the runs that have one
             eval_curve = np.stack([curve_on_grid(s, v, grid, 1) for s, v in evals])
         panels.append((entry, grid, curves, eval_curve))
-        grid = np.linspace(0, max([r["minutes"][-1] for r in runs if len(r["minutes"])], default=0) or 1, 101)[1:]
-        curves = np.stack([curve_on_grid(r["minutes"], r["returns"], grid) for r in runs])
-        minute_panels.append((entry, grid, curves, None))
+        longest = max([r["minutes"][-1] for r in runs if len(r["minutes"])], default=0) or 1
+        minutes = np.linspace(0, longest, 101)[1:]
+        by_minute = np.stack([curve_on_grid(r["minutes"], r["returns"], minutes) for r in runs])
+        minute_panels.append((entry, minutes, by_minute, None))
     if settings["parallel"] is None:
         how = "runs made outside this script (each run's args.json and console.log say how)"
     elif settings["parallel"] > 1:
