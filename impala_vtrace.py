@@ -391,9 +391,9 @@ def main(args: Args):
             logits, stats = learner_step(model, optimizer, batch, args, diagnose)
             schedule.step()
             pool.publish(agent)
-            if rank == 0 and (log.save_due() or update == num_updates):
-                save(log, update, steps_per_update, agent, optimizer, schedule)
             log_update(log, pool, agent, update * steps_per_update, stats if diagnose else None, logits, batch)
+            if rank == 0 and (log.save_due() or update == num_updates):  # its flush takes this update's curves
+                save(log, update, steps_per_update, agent, optimizer, schedule)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
     pool.close()

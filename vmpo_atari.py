@@ -384,9 +384,9 @@ def main(args: Args):
             stats = learner_step(learner, batch, args, update, diagnose)
             if update % args.target_update_period == 0:
                 pool.publish(agent.state_dict())  # θ_target ← θ_online
-            if rank == 0 and (log.save_due() or update == num_updates):
-                save(log, update, learner, pool.agent)
             log_update(log, pool, agent, update, stats if diagnose else None, batch)
+            if rank == 0 and (log.save_due() or update == num_updates):  # its flush takes this update's curves
+                save(log, update, learner, pool.agent)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
     pool.close()

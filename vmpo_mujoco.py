@@ -445,9 +445,9 @@ def main(args: Args):
             stats = learner_step(state, batch, args, update)
             if update % args.target_update_period == 0:
                 pool.publish(agent)  # θ_target ← θ_online
-            if rank == 0 and (log.save_due() or update == num_updates):
-                save(log, state, update, spec)
             log_update(log, pool, update, batch, stats if log.due() or update == num_updates else None)
+            if rank == 0 and (log.save_due() or update == num_updates):  # its flush takes this update's curves
+                save(log, state, update, spec)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
     pool.close()

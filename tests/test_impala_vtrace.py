@@ -562,7 +562,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
         "--eval-episodes",
         "0",
         "--log-interval",
-        "0.5",
+        "0",
         "--seed",
         "3",
     ]
@@ -584,7 +584,8 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     acc.Reload()
     steps = [e.step for e in acc.Scalars("charts/learning_rate")]
     assert steps == sorted(steps) and steps[-1] == 20000  # after purging, one continuing curve
-    assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
+    # the checkpoint's own update reached the curves with it (logged, then flushed by the save), the rest went on
+    assert saved["global_step"] in steps and any(s > saved["global_step"] for s in steps)
     lr = {e.step: e.value for e in acc.Scalars("charts/learning_rate")}
     for step, value in lr.items():  # annealed on the same schedule across the restart
         assert value == pytest.approx(3e-3 * (1 - (step / 80 - 1) / 250), rel=1e-5)

@@ -637,7 +637,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
         "--eval-episodes",
         "0",
         "--log-interval",
-        "0.5",
+        "0",
         "--seed",
         "3",
     ]
@@ -657,7 +657,8 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     acc.Reload()
     steps = [e.step for e in acc.Scalars("stats/eta")]
     assert steps == sorted(steps) and steps[-1] == 32000
-    assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
+    # the checkpoint's own update reached the curves with it (logged, then flushed by the save), the rest went on
+    assert saved["global_step"] in steps and any(s > saved["global_step"] for s in steps)
 
 
 @pytest.mark.e2e
