@@ -88,6 +88,7 @@ class Args:
     hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state)
     head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
     init_std: float = 0.5  # initial policy standard deviation in [-1, 1] action units (not in the paper)
+    action_penalty: float = 0.0  # λ: the E-step's advantages less λ‖a − clip(a)‖² in PopArt units (not in the paper)
     save_model: bool = False  # write model.pt (weights, observation and PopArt statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
@@ -165,8 +166,7 @@ def gaussian_kl_parts(target_mean, target_std, mean, std):
         KL_Σ = ½ [ Tr(Σ⁻¹ Σ_t) − d + log(|Σ| / |Σ_t|) ]           (no mean: only σ moves it)
 
     `[..., d] -> ([...], [...])`; KL_μ + KL_Σ is the full KL of Eq. (23). π_target carries no gradient."""
-    target_mean, target_var = target_mean.detach(), target_std.detach() ** 2
-    var = std**2
+    target_mean, target_var, var = target_mean.detach(), target_std.detach() ** 2, std**2
     kl_mu = 0.5 * ((mean - target_mean) ** 2 / target_var).sum(-1)
     kl_sigma = 0.5 * (target_var / var - 1.0 + var.log() - target_var.log()).sum(-1)
     return kl_mu, kl_sigma
@@ -212,20 +212,21 @@ class VmpoLoss(NamedTuple):
 
 def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_norm, ended, eta, alpha_mu, alpha_sigma,
               eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5,
-              num_minibatches=1) -> VmpoLoss:  # fmt: skip
+              num_minibatches=1, action_penalty=0.0) -> VmpoLoss:  # fmt: skip
     """Eq. (26): L_V + L_π + L_η + L_αμ + L_αΣ on a batch of unrolls, in PopArt's normalised units.
 
     `mean, std [T+1, B, d]` from the online network on rows 0..T (row T only bootstraps), `target_mean,
     target_std` π_target's (the actors'), `actions [T+1, B, d]`, `ended [T+1, B]`; `value_norm` the online
     network's normalised values and `returns_norm` the normalised targets (G − μ)/σ of rows 0..T-1 `[T, B]`; η,
     α_μ, α_Σ the Lagrange multipliers. The E-step runs on `num_minibatches` groups of columns, ψ of each scaled
-    by 1/num_minibatches. A reset step (`ended`) takes no part."""
+    by 1/num_minibatches. A reset step (`ended`) takes no part. With `action_penalty` λ (not in the paper) the E-step
+    ranks A − λ‖a − clip(a, −1, 1)‖², pulling a mean beyond the action box (where samples all clip alike) inside."""
     mask = ~ended[:-1]
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
-    advantages = returns_norm - value_norm.detach()  # (G − V)/σ
-    psi = torch.zeros_like(advantages)
-    eta_loss, kl_psi = 0.0, 0.0
+    excess = actions[:-1] - actions[:-1].clamp(-1.0, 1.0)
+    advantages = returns_norm - value_norm.detach() - action_penalty * (excess**2).sum(-1)  # (G − V)/σ, penalised
+    psi, eta_loss, kl_psi = torch.zeros_like(advantages), 0.0, 0.0
     for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
         psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], eta, eps_eta, mask[:, cols], top_fraction)
         psi[:, cols] = psi_mb / num_minibatches
@@ -311,8 +312,7 @@ class Agent(nn.Module):
     def forward(self, obs):
         """Raw `obs [..., obs_dim]` -> mean, std `[..., d]` and the value head's features (values: `self.popart`)."""
         x = self.core(self.obs_norm(obs).reshape(-1, self.obs_norm.mean.shape[0])).view(*obs.shape[:-1], -1)
-        out = self.policy(self.policy_mlp(x))
-        mean, raw_std = out.split(self.action_dim, dim=-1)
+        mean, raw_std = self.policy(self.policy_mlp(x)).split(self.action_dim, dim=-1)
         return mean, F.softplus(raw_std) + self.MIN_STD, self.value_mlp(x)
 
 
@@ -399,6 +399,7 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     eta, alpha_mu, alpha_sigma = multipliers.values()
     target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
     bounds = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)
+    bounds += (args.action_penalty,)
     out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], eta, alpha_mu, alpha_sigma, *bounds)
     n, named = real.sum().clamp(min=1), dict(eta=eta, alpha_mu=alpha_mu, alpha_sigma=alpha_sigma)
     stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in named.items()}}
@@ -554,7 +555,7 @@ def check_args(args):
     positive = ("unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu", "eps_alpha_sigma")
     for name in (*positive, "init_eta", "init_alpha_mu", "init_alpha_sigma"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    require(args.dual_learning_rate >= 0, "--dual-learning-rate must be 0 (the networks' Adam) or positive")
+    require(min(args.dual_learning_rate, args.action_penalty) >= 0, "--dual-learning-rate, --action-penalty: 0 or more")
     require(args.init_std > Agent.MIN_STD, f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")

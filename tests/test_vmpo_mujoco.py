@@ -158,7 +158,9 @@ def _batch(agent, T=6, B=8, seed=0):
 
 
 def _args(**kw):
-    base = dict(gamma=0.9, eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5)
+    base = dict(
+        gamma=0.9, eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5, action_penalty=0.0
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -239,6 +241,31 @@ def test_policy_loss_is_not_decoupled():
     torch.testing.assert_close(out.policy_loss, ref)
     for got, want in zip(torch.autograd.grad(out.policy_loss, [m, s]), torch.autograd.grad(ref, [m, s])):
         torch.testing.assert_close(got, want)
+
+
+def test_action_penalty_ranks_out_of_box_samples_lower_and_leaves_the_value_loss_alone():
+    """`--action-penalty λ`: the E-step's ψ is the paper's on A − λ Σ_i max(|a_i| − 1, 0)² (a plain loop over the
+    samples), the value loss is unchanged, and λ = 0 is the paper's loss exactly."""
+    g = torch.Generator().manual_seed(5)
+    T, B, d, lam = 4, 6, 3, 0.3
+    tm, ts = torch.randn(T + 1, B, d, generator=g), torch.rand(T + 1, B, d, generator=g) + 0.5
+    a, returns, values = 2 * torch.randn(T + 1, B, d, generator=g), torch.randn(T, B, generator=g), torch.randn(T, B)
+    eta, ended, one = torch.tensor(0.5), torch.zeros(T + 1, B, dtype=torch.bool), torch.tensor(1.0)
+    a[:, :2] = a[:, :2].clamp(-1.0, 1.0)  # two columns of samples inside the box
+    penalty = torch.zeros(T, B)
+    for t, b, i in itertools.product(range(T), range(B), range(d)):
+        penalty[t, b] += max(abs(a[t, b, i].item()) - 1.0, 0.0) ** 2
+    assert (penalty > 0).any() and (penalty == 0).any()
+    for lam_, want in ((lam, returns - values - lam * penalty), (0.0, returns - values)):
+        out = vmpo_mujoco.vmpo_loss(tm, ts, tm, ts, a, values, returns, ended, eta, one, one, action_penalty=lam_)
+        psi, _ = vmpo_weights(want, eta, 0.01)
+        ref = -(psi * vmpo_mujoco.gaussian_log_prob(a[:-1], tm[:-1], ts[:-1])).sum()
+        torch.testing.assert_close(out.policy_loss, ref)
+        torch.testing.assert_close(out.value_loss, 0.5 * ((returns - values) ** 2).mean())
+    paper = vmpo_mujoco.vmpo_loss(tm, ts, tm, ts, a, values, returns, ended, eta, one, one)
+    assert not torch.allclose(out.policy_loss, vmpo_mujoco.vmpo_loss(tm, ts, tm, ts, a, values, returns, ended, eta,
+                              one, one, action_penalty=lam).policy_loss)  # fmt: skip
+    torch.testing.assert_close(out.policy_loss, paper.policy_loss)
 
 
 def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
@@ -528,6 +555,7 @@ def test_smoke_torchrun_two_learners(tmp_path):
         (["--env-id", "Pendulum-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
         (["--env-id", "Pendulum-v1", "--eps-alpha-sigma", "0"], "--eps-alpha-sigma"),
         (["--env-id", "Pendulum-v1", "--total-timesteps", "10"], "less than one batch"),
+        (["--env-id", "Pendulum-v1", "--action-penalty", "-1"], "--action-penalty"),
         (["--preset", "humanoid-pixels"], "--preset"),
         (["--resume", "runs/no-such-run"], "--resume"),
     ],
