@@ -398,9 +398,9 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
     eta, alpha_mu, alpha_sigma = multipliers.values()
     target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
-    bounds = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)
-    bounds += (args.action_penalty,)
-    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], eta, alpha_mu, alpha_sigma, *bounds)
+    settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)
+    settings += (args.action_penalty,)  # not in the paper; 0 by default
+    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], eta, alpha_mu, alpha_sigma, *settings)
     n, named = real.sum().clamp(min=1), dict(eta=eta, alpha_mu=alpha_mu, alpha_sigma=alpha_sigma)
     stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in named.items()}}
     stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
