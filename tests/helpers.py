@@ -330,8 +330,8 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
     steps) and exits with 130, saying how to continue."""
     import signal
 
-    def updates_done(text):
-        return sum(line.startswith("step ") and "collecting" not in line for line in text.splitlines())
+    def updates_done(text):  # complete lines only: a line still being written may not show "collecting" yet
+        return sum(line.startswith("step ") and "collecting" not in line for line in text.split("\n")[:-1])
 
     log = os.path.join(str(run_dir), "console.log")
     with open(log, "w") as out:
