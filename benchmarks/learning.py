@@ -9,6 +9,7 @@
     python benchmarks/learning.py --preset mujoco-cpu              # Hopper, Walker2d, HalfCheetah: P3S, TD3, V-MPO
     python benchmarks/learning.py --preset mujoco-long --seeds 1 2 --parallel 2 --time-limit 9000  # V-MPO, 10M
     python benchmarks/learning.py --preset p3s-cpu --seeds 1 2 --parallel 2   # P3S, TD3, one update per step
+    python benchmarks/learning.py --preset p3s-delayed-cpu --seeds 1 --parallel 2 --time-limit 9000  # Table 1
     python benchmarks/learning.py --preset acer-mujoco-cpu --seeds 1 2 --parallel 2  # Hopper, HalfCheetah: ACER, 1M
     python benchmarks/learning.py --preset qbert-cpu --seeds 1 2   # Qbert, A3C and ACER, 1M steps
     python benchmarks/learning.py --preset impala-multi-cpu --seeds 1  # one agent on 3 games (3M), each alone (1M)
@@ -176,6 +177,14 @@ PRESETS = {
         Entry("p3s_td3", "Hopper-v4", 1_000_000, ("--updates-per-step", "1"), label="1-update"),
         Entry("p3s_td3", "Walker2d-v4", 300_000),
         Entry("p3s_td3", "Walker2d-v4", 300_000, ("--num-learners", "1"), label="td3"),
+    ],
+    # Sec. 4.2, Table 1: rewards delayed by f_reward = 20, P3S-TD3 beside TD3 with `--env-id`, `--reward-delay 20`
+    # and a budget alone; long runs, one a core (`--parallel 2`, `--time-limit` to fit a session, the preset run
+    # again continues each stopped run; `--only` takes an entry's name to pick one method)
+    "p3s-delayed-cpu": [
+        Entry("p3s_td3", env, steps, ("--reward-delay", "20", *flags), label=label)
+        for env, steps in (("Walker2d-v4", 1_000_000), ("Ant-v4", 1_000_000), ("Hopper-v4", 500_000))
+        for label, flags in (("delayed", ()), ("delayed-td3", ("--num-learners", "1")))
     ],
     # each difference between the authors' code and the text on its own, from the text's reading (Hopper, 100k)
     "p3s-changes": [
@@ -519,7 +528,7 @@ def main():
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument(
-        "--only", nargs="+", default=[], help="entries whose script, env id or one of whose games is one of these"
+        "--only", nargs="+", default=[], help="entries whose script, env id, name or one of whose games is one of these"
     )
     p.add_argument("--parallel", type=int, default=1, help="runs at a time")
     p.add_argument("--time-limit", type=float, default=0.0, help="seconds per run, then Ctrl-C (0: none)")
@@ -532,7 +541,7 @@ def main():
     if a.parallel < 1:
         p.error("--parallel must be at least 1")
     only = set(a.only)
-    entries = [e for e in PRESETS[a.preset] if not only or only & {e.script, e.env_id, *e.games}]
+    entries = [e for e in PRESETS[a.preset] if not only or only & {e.script, e.env_id, e.name, *e.games}]
     if not entries:
         p.error(f"--only {' '.join(a.only)} matches nothing in preset {a.preset}")
     out = a.out or os.path.join(ROOT, "benchmarks", f"learning_{a.preset}")
