@@ -111,7 +111,23 @@ REFERENCES = {
         ("CleanRL PPO", [(1_000_000, 1443)]),
         ("Tianshou A2C", [(1_000_000, 1830)]),
     ],
+    # delayed MuJoCo (`--reward-delay`): P3S-TD3's and TD3's steady state in the P3S paper (Table 1, v1 tasks)
+    **{
+        f"Delayed {env}": [("P3S paper, Table 1", [(1_000_000, p3s)]), ("its TD3, Table 1", [(1_000_000, td3)])]
+        for env, p3s, td3 in (
+            ("Hopper-v4", 3355.53, 1866.02),
+            ("Walker2d-v4", 4058.85, 2016.48),
+            ("HalfCheetah-v4", 5754.80, 3684.28),
+            ("Ant-v4", 724.50, -7.45),
+        )
+    },
 }
+
+
+def task_name(entry):
+    """The task as REFERENCES and the evaluation panels name it: the env id, "Delayed ..." with delayed rewards."""
+    return f"Delayed {entry.env_id}" if "--reward-delay" in entry.args else entry.env_id
+
 
 PRESETS = {
     # about 15 minutes per seed on 2 CPU cores
@@ -285,6 +301,17 @@ def evaluation_curve(run_path):
     return np.array([r["step"] for r in rows], float), np.array([r["eval_return"] for r in rows], float)
 
 
+MILESTONES = (100_000, 300_000, 500_000, 1_000_000)  # steps at which the table reads the runs' own evaluations
+
+
+def evaluation_at(evals, step):
+    """A run's last evaluation at or before `step`, if the run got that far (None otherwise)."""
+    steps, values = evals
+    if len(steps) == 0 or steps[-1] < step:
+        return None
+    return float(values[np.searchsorted(steps, step, side="right") - 1])
+
+
 def running_mean(values, window=WINDOW):
     """Mean of the last `window` values at each position (fewer at the start)."""
     c = np.cumsum(np.insert(values, 0, 0.0))
@@ -368,6 +395,7 @@ def report(out, preset, entries, seeds, settings):
                 final_mean_100=final100,
                 eval_mean_return=evals,
                 wall_time_s=walls,
+                evals_at={m: [evaluation_at(r["evals"], m) for r in runs] for m in MILESTONES if m <= entry.steps},
             )
         )
         grid = np.linspace(0, max(reached), 101)[1:]
@@ -408,6 +436,17 @@ def report(out, preset, entries, seeds, settings):
             f"{fmt(r['final_mean_20'])} | {fmt(r['final_mean_100'])} | {fmt(r['eval_mean_return'])} "
             f"| {wall} |"
         )
+    with_evals = [r for r in rows if any(v is not None for vs in r["evals_at"].values() for v in vs)]
+    if with_evals:  # the evaluations the runs logged as they went (p3s_td3's, every R_eval steps)
+        milestones = sorted({m for r in with_evals for m in r["evals_at"]})
+        lines += ["", "Evaluations as the runs went, at " + " / ".join(f"{m:,}" for m in milestones) + " steps:", ""]
+        lines += [
+            "| script | env | " + " | ".join(f"{m:,}" for m in milestones) + " |",
+            "|---|---|" + "---|" * len(milestones),
+        ]
+        for r in with_evals:
+            cells = [fmt(r["evals_at"].get(m, [])) for m in milestones]
+            lines.append(f"| {r['script']} | {r['env_id']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n"
     base = os.path.join(out, f"learning_{preset}")
     with open(base + ".md", "w") as f:
@@ -420,7 +459,42 @@ def report(out, preset, entries, seeds, settings):
         plot(minute_panels, base + "_minutes.png", f"{preset} preset against minutes of running, {machine}", "minutes")
         if any(p[3] is not None for p in panels):
             plot_evaluations(panels, base + "_eval.png", f"{preset} preset: evaluations, mean over seeds, {machine}")
+        plot_population(out, entries, seeds, base + "_beta.png", f"{preset} preset: P3S's population, {machine}")
     return rows
+
+
+def plot_population(out, entries, seeds, path, title):
+    """P3S's β and distances (its Fig. 5a-b) from each population run's `population.jsonl`: the best learner's
+    evaluation with β (log scale) above, D_spread and D_change with the search radius max(ρ D_change, d_min) below."""
+    runs = [(e, r) for e in entries for r in collect(out, e, seeds) if os.path.exists(f"{r['path']}/population.jsonl")]
+    if not runs:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(runs), figsize=(5.0 * len(runs), 6.0), squeeze=False)
+    for (entry, run), top, bottom in zip(runs, axes[0], axes[1]):
+        rows = [json.loads(line) for line in open(f"{run['path']}/population.jsonl") if line.strip()]
+        steps = np.array([r["step"] for r in rows], float)
+        top.plot(*run["evals"], lw=1, color="C0", label="evaluation (best learner)")
+        top.set_ylabel("evaluation return", fontsize=8)
+        right = top.twinx()
+        right.semilogy(steps, [r["beta"] for r in rows], lw=0.8, color="C3", label="β")
+        right.set_ylabel("β", fontsize=8)
+        top.set_title(f"{task_name(entry)}, seed {run['seed']}", fontsize=9)
+        for key, color in (("d_spread", "C0"), ("d_change", "C1"), ("d_search", "k")):
+            values = np.array([r[key] for r in rows], float)
+            bottom.semilogy(steps, values, lw=0.6 if key != "d_search" else 1.0, color=color, label=key)
+        bottom.set_xlabel("environment steps (all learners)", fontsize=8)
+        for ax in (top, right, bottom):
+            ax.tick_params(labelsize=7)
+        top.legend(fontsize=7, loc="upper left"), right.legend(fontsize=7, loc="lower right"), bottom.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def plot_evaluations(panels, path, title):
@@ -435,12 +509,12 @@ def plot_evaluations(panels, path, title):
         return
     import warnings
 
-    envs = list(dict.fromkeys(entry.env_id for entry, _, _, e in panels if e is not None))
+    envs = list(dict.fromkeys(task_name(entry) for entry, _, _, e in panels if e is not None))
     fig, axes = plt.subplots(1, len(envs), figsize=(5.5 * len(envs), 3.8), squeeze=False)
     for ax, env_id in zip(axes.flat, envs):
         right = 0.0
         for entry, grid, _, eval_curve in panels:
-            if entry.env_id != env_id or eval_curve is None:
+            if task_name(entry) != env_id or eval_curve is None:
                 continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -490,7 +564,7 @@ def plot(panels, path, title, x="environment steps"):
                 warnings.simplefilter("ignore", RuntimeWarning)
                 ax.plot(grid, np.nanmean(eval_curve, 0), lw=1.2, label=f"{entry.script} evaluation")
             ax.legend(fontsize=7)
-        for j, (label, points) in enumerate(REFERENCES.get(entry.env_id, []) if x == "environment steps" else []):
+        for j, (label, points) in enumerate(REFERENCES.get(task_name(entry), []) if x == "environment steps" else []):
             ref = [(s, y) for s, y in points if s <= 1.05 * grid[-1]]
             if ref:
                 ax.plot(*zip(*ref), "k--" if j == 0 else "k:", lw=1, marker="os^"[j % 3], ms=3 + j, label=label)

@@ -268,6 +268,54 @@ def test_evaluation_curves_of_entries_on_one_env_are_drawn_together(tmp_path):
 
 
 @pytest.mark.e2e
+def test_delayed_runs_get_their_evaluations_at_milestones_and_the_population_plot(tmp_path):
+    """The p3s-delayed-cpu preset: P3S on delayed Ant to 320k steps (evaluations every 4k, β and the distances in
+    population.jsonl), TD3 to 120k. The table reads each run's last evaluation at or before 100k / 300k / 500k / 1M,
+    "–" where the run did not get there; β's plot is drawn; `--only` picks an entry by its name."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    out = str(tmp_path)
+    for label, last in (("delayed", 320_000), ("delayed-td3", 120_000)):
+        folder = os.path.join(out, "runs", f"p3s_td3__Ant-v4__{label}__s1", "Ant-v4__p3s_td3__1__1")
+        writer = SummaryWriter(folder)
+        for step in range(4000, last + 1, 4000):
+            writer.add_scalar("charts/episodic_return", step / 1000, step)
+        writer.close()
+        with open(os.path.join(folder, "evaluations.jsonl"), "w") as f:
+            for step in range(4000, last + 1, 4000):
+                f.write(json.dumps({"step": step, "eval_return": step / 100 + (label == "delayed")}) + "\n")
+        if label == "delayed":
+            with open(os.path.join(folder, "population.jsonl"), "w") as f:
+                for step in range(1000, last + 1, 1000):
+                    f.write(
+                        json.dumps(
+                            dict(
+                                step=step,
+                                beta=2.0 ** (step // 50_000),
+                                d_spread=0.1,
+                                d_change=0.02,
+                                d_search=0.05,
+                                best=0,
+                            )
+                        )
+                        + "\n"
+                    )
+
+    def report(*only):
+        argv = ["benchmarks/learning.py", "--preset", "p3s-delayed-cpu", "--seeds", "1", "--report-only", "--out", out]
+        res = subprocess.run([sys.executable, *argv, *only], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return open(os.path.join(out, "learning_p3s-delayed-cpu.md")).read()
+
+    table = report()
+    assert "| p3s_td3 --reward-delay 20 | Ant-v4 | 1001.0 | 3001.0 | – | – |" in table
+    assert "| p3s_td3 --reward-delay 20 --num-learners 1 | Ant-v4 | 1000.0 | – | – | – |" in table
+    assert os.path.getsize(os.path.join(out, "learning_p3s-delayed-cpu_beta.png")) > 10_000
+    table = report("--only", "p3s_td3__Ant-v4__delayed-td3")
+    assert "--num-learners 1 | Ant-v4 | 1000.0 |" in table and "| p3s_td3 --reward-delay 20 | Ant" not in table
+
+
+@pytest.mark.e2e
 def test_a_multi_game_run_gets_a_row_and_a_curve_per_game(tmp_path):
     """A run of one agent on several games (`--env-ids`): each game's row reads its own TensorBoard tag, its steps
     as the run's over the games, and its own end-of-run evaluation; the single-game runs keep their rows."""
