@@ -317,7 +317,7 @@ def all_settings(cuda):
             num_envs=1,
             learners=[1, 4],
             timesteps=3_000,
-            extra=["--t-initial", "1000"],
+            extra=["--t-initial", "1000", "--learning-starts", "1000"],  # updates from 1,000 rows (default 10,000)
         ),
     ]
 
