@@ -490,7 +490,9 @@ def plot_population(out, entries, seeds, path, title):
         bottom.set_xlabel("environment steps (all learners)", fontsize=8)
         for ax in (top, right, bottom):
             ax.tick_params(labelsize=7)
-        top.legend(fontsize=7, loc="upper left"), right.legend(fontsize=7, loc="lower right"), bottom.legend(fontsize=7)
+        top.legend(fontsize=7, loc="upper left")
+        right.legend(fontsize=7, loc="lower right")
+        bottom.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
