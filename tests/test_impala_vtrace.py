@@ -4,6 +4,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -522,16 +523,17 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 
 @pytest.mark.e2e
 def test_breakout_policy_comes_to_depend_on_the_state(tmp_path):
-    """Default flags, Breakout-v5, 80k steps (about 2 minutes on 2 CPU cores): the policy's logits must come to
-    differ between states and most torso units must fire on some state. Measured in two 1M-step runs of the defaults
-    (seed 1): the logits' spread across states passed 0.004 at 45-50k steps and was 0.006-0.04 from 60k to 80k (the
-    last quarter here) and 0.019-0.084 from 85k to 120k, with 18-30% of the torso units off on a whole batch at the
-    latter (43-52% most of the former); with PyTorch's default initialisation (the cause of the stall,
-    "Atari on two cores", benchmarks) the spread stayed at 2-3e-4 and 77-78% of the units were off, while the
-    entropy sat at ln 4."""
+    """Default flags, Breakout-v5, 160k steps (about 2-3 minutes on 2 CPU cores): over the last quarter of the run the
+    policy's logits differ between states and most torso units fire on some state (medians, as single batches are
+    noisy). When this happens varies between runs, as actors and learner race: at 80k steps one run in four checked
+    (seeds 1-3, alone and two at a time) was still state-blind (spread 0.001-0.003, 60-80% of the units off) and one
+    CI run had 69-91% off. At 160k, two runs sharing the cores (seeds 1-2) had medians of 0.15 / 0.11 (spread) and
+    0.25 / 0.16 (dead) in the last quarter. With PyTorch's default initialisation (the cause of the stall,
+    "Atari on two cores", benchmarks) the spread stayed at 2-3e-4 and 77-78% of the units were off, while the entropy
+    sat at ln 4."""
     run_path = run_script(
         "impala_vtrace.py",
-        ["--env-id", "Breakout-v5", "--total-timesteps", "80000", "--eval-episodes", "0", "--log-interval", "2"],
+        ["--env-id", "Breakout-v5", "--total-timesteps", "160000", "--eval-episodes", "0", "--log-interval", "2"],
         tmp_path,
         timeout=900,
     )
@@ -539,8 +541,8 @@ def test_breakout_policy_comes_to_depend_on_the_state(tmp_path):
     dead = events_tags(run_path, values_of="stats/dead_units")
     assert len(spread) >= 10
     late = len(spread) * 3 // 4  # the last quarter of the run
-    assert max(spread[late:]) >= 0.004, f"logits spread across states {spread[late:]}: the policy is state-blind"
-    assert min(dead[late:]) < 0.6, f"fraction of dead torso units {dead[late:]}"
+    assert statistics.median(spread[late:]) >= 0.004, f"logits spread {spread[late:]}: the policy is state-blind"
+    assert statistics.median(dead[late:]) < 0.6, f"fraction of dead torso units {dead[late:]}"
 
 
 @pytest.mark.e2e
