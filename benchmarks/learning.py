@@ -111,9 +111,10 @@ REFERENCES = {
         ("CleanRL PPO", [(1_000_000, 1443)]),
         ("Tianshou A2C", [(1_000_000, 1830)]),
     ],
-    # delayed MuJoCo (`--reward-delay`): P3S-TD3's and TD3's steady state in the P3S paper (Table 1, v1 tasks)
+    # delayed MuJoCo (`--reward-delay`): P3S-TD3's and TD3's steady state in the P3S paper (Table 1, v1 tasks),
+    # at no step in particular (None: a level across the panel)
     **{
-        f"Delayed {env}": [("P3S paper, Table 1", [(1_000_000, p3s)]), ("its TD3, Table 1", [(1_000_000, td3)])]
+        f"Delayed {env}": [("P3S paper, Table 1", [(None, p3s)]), ("its TD3, Table 1", [(None, td3)])]
         for env, p3s, td3 in (
             ("Hopper-v4", 3355.53, 1866.02),
             ("Walker2d-v4", 4058.85, 2016.48),
@@ -525,9 +526,7 @@ def plot_evaluations(panels, path, title):
             ax.plot(grid, mean, lw=1.2, label=label)
             right = max(right, grid[-1])
         for j, (label, points) in enumerate(REFERENCES.get(env_id, [])):
-            ref = [(x, y) for x, y in points if x <= 1.05 * right]
-            if ref:
-                ax.plot(*zip(*ref), "k--" if j == 0 else "k:", lw=1, marker="os^"[j % 3], ms=3 + j, label=label)
+            draw_reference(ax, j, label, points, right)
         ax.set_title(env_id, fontsize=9)
         ax.set_xlabel("environment steps (all learners)", fontsize=8)
         ax.set_ylabel("evaluation return (best learner)", fontsize=8)
@@ -538,6 +537,19 @@ def plot_evaluations(panels, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+def draw_reference(ax, j, label, points, right):
+    """A published curve's points up to the panel's last step `right` (a level across it where the step is None);
+    True if anything was drawn."""
+    style = dict(color="k", ls="--" if j == 0 else ":", lw=1, label=label)
+    if points[0][0] is None:
+        ax.axhline(points[0][1], **style)
+        return True
+    ref = [(x, y) for x, y in points if x <= 1.05 * right]
+    if ref:
+        ax.plot(*zip(*ref), marker="os^"[j % 3], ms=3 + j, **style)
+    return bool(ref)
 
 
 def plot(panels, path, title, x="environment steps"):
@@ -567,9 +579,7 @@ def plot(panels, path, title, x="environment steps"):
                 ax.plot(grid, np.nanmean(eval_curve, 0), lw=1.2, label=f"{entry.script} evaluation")
             ax.legend(fontsize=7)
         for j, (label, points) in enumerate(REFERENCES.get(task_name(entry), []) if x == "environment steps" else []):
-            ref = [(s, y) for s, y in points if s <= 1.05 * grid[-1]]
-            if ref:
-                ax.plot(*zip(*ref), "k--" if j == 0 else "k:", lw=1, marker="os^"[j % 3], ms=3 + j, label=label)
+            if draw_reference(ax, j, label, points, grid[-1]):
                 ax.legend(fontsize=7)
         what = f"{entry.script} {entry.label}".strip()
         ax.set_title(f"{what}: {entry.env_id} ({len(curves)} seeds)", fontsize=9)
