@@ -99,6 +99,7 @@ class Args:
     policy_noise: float = 0.2  # σ of the target policy smoothing noise (Eq. 80, App. I)
     noise_clip: float = 0.5  # c, clipping of the target policy smoothing noise (Eq. 80, App. I)
     hidden: tuple[int, ...] = (400, 300)  # hidden layers of the policy and each Q-function, ReLU (App. I)
+    bf16: bool = False  # the hidden layers' matmuls in bfloat16, outputs float32 (a CPU with AVX512_BF16/AMX: docs)
     reward_delay: int = 0  # f_reward: rewards given every f_reward steps or at the episode's end (Sec. 4.2: 20)
     save_model: bool = False  # write model.pt (every learner's policy, the best one first) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
@@ -172,9 +173,7 @@ def select_best(recent_returns, previous_best: int) -> int:
     have the highest mean return; a learner with no finished episode cannot be chosen; ties go to the lower
     index; with no scores at all, the previous best stays."""
     scores = [float(np.mean(r)) if len(r) else -math.inf for r in recent_returns]
-    if all(s == -math.inf for s in scores):
-        return previous_best
-    return int(np.argmax(scores))
+    return previous_best if all(s == -math.inf for s in scores) else int(np.argmax(scores))
 
 
 def policy_distance(actions, other_actions, reduction="mean"):
@@ -224,9 +223,7 @@ class DelayedReward:
     truncation), so an episode's total is unchanged. `delay` 0 or 1 passes rewards through."""
 
     def __init__(self, num_envs: int, delay: int):
-        self.delay = delay
-        self.acc = np.zeros(num_envs, np.float64)
-        self.count = np.zeros(num_envs, np.int64)
+        self.delay, self.acc, self.count = delay, np.zeros(num_envs, np.float64), np.zeros(num_envs, np.int64)
 
     def __call__(self, rewards, episode_end, real):
         """`rewards`, `episode_end` and `real` (False at envpool's reset steps, which count for nothing) per env."""
@@ -246,17 +243,27 @@ class DelayedReward:
 # start alike (Algorithm 1, line 1: φ_i and θ_i the same for every learner) or, with --no-common-init, each its own.
 
 
+def mlp_forward(net, x, bf16, out):
+    """`net` on x; with `bf16` its hidden layers in bfloat16 (autocast) and its last `out` modules (the output layer,
+    its activation) in float32: bfloat16 resolves a Q-value of 300 to ±1, the size of a late TD error (docs)."""
+    if not bf16:
+        return net(x)
+    with torch.autocast(x.device.type, torch.bfloat16):
+        x = net[:-out](x)
+    return net[-out:](x.float())
+
+
 class Actor(nn.Module):
     """Deterministic policies π_φi(s) in [-1, 1]^d of N learners: `[N, B, obs] -> [N, B, d]`. With N = 1 it is
     one policy (model.pt holds one per learner)."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True, bf16=False):
         super().__init__()
-        self.config = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden))
+        self.config, self.bf16 = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden)), bf16
         self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init, common)
 
     def forward(self, obs):
-        return self.net(obs)
+        return mlp_forward(self.net, obs, self.bf16, 2)
 
     def learner_state(self, i):
         """Learner i's policy as the state of an `Actor` with N = 1."""
@@ -266,17 +273,17 @@ class Actor(nn.Module):
 class TwinQ(nn.Module):
     """Q_θ1 and Q_θ2 of N learners, each an MLP of the concatenated state and action: `[N, B, ...] -> [N, B]`."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True, bf16=False):
         super().__init__()
-        self.q1 = batched_mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init, common=common)
-        self.q2 = batched_mlp([obs_dim + action_dim, *hidden, 1], num_learners, init=init, common=common)
+        self.bf16, sizes = bf16, [obs_dim + action_dim, *hidden, 1]
+        self.q1, self.q2 = (batched_mlp(sizes, num_learners, init=init, common=common) for _ in ("q1", "q2"))
 
     def forward(self, obs, actions):
         x = torch.cat([obs, actions], -1)
-        return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
+        return mlp_forward(self.q1, x, self.bf16, 1).squeeze(-1), mlp_forward(self.q2, x, self.bf16, 1).squeeze(-1)
 
     def q1_only(self, obs, actions):
-        return self.q1(torch.cat([obs, actions], -1)).squeeze(-1)
+        return mlp_forward(self.q1, torch.cat([obs, actions], -1), self.bf16, 1).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -300,9 +307,7 @@ class SharedReplay:
 
     def add(self, learners, obs, actions, rewards, next_obs, terminated):
         """Rows `[k, ...]`, row j written by learner `learners[j]` (a CPU tensor `[k]`); each learner's rows go to
-        the next places of its ring, in order."""
-        if len(learners) == 0:
-            return
+        the next places of its ring, in order (k may be 0)."""
         mine = nn.functional.one_hot(learners, self.num_learners)  # [k, N]
         rank = (mine.cumsum(0) - 1).gather(1, learners[:, None])[:, 0]  # earlier rows of the same learner
         rows = (learners * self.part + (self.writes[learners] + rank) % self.part).to(self.device)
@@ -317,8 +322,7 @@ class SharedReplay:
         """A uniform minibatch over all rows written so far: (obs, actions, rewards, next_obs, terminated) and
         the index of the learner that wrote each row (on the CPU). `batch_size` may be a shape, e.g. (N, B)."""
         shape = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
-        sizes = self.sizes()
-        ends = sizes.cumsum(0)
+        sizes, ends = self.sizes(), self.sizes().cumsum(0)
         u = torch.randint(int(ends[-1]), shape, generator=generator)
         writer = torch.searchsorted(ends, u.flatten(), right=True).view(shape)
         rows = (writer * self.part + u - (ends[writer] - sizes[writer])).to(self.device)
@@ -348,14 +352,13 @@ class Learners:
     parameters exactly its own gradient: one update of all N is N independent TD3 updates."""
 
     def __init__(self, num_learners, obs_dim, action_dim, args: Args, device="cpu", generator=None):
-        self.args, self.device, self.generator = args, torch.device(device), generator
-        self.num_learners = num_learners
-        nets = (args.hidden, num_learners, args.init, args.common_init)
+        self.args, self.device, self.generator, self.num_learners = args, torch.device(device), generator, num_learners
+        nets = (args.hidden, num_learners, args.init, args.common_init, args.bf16)
         self.actor = Actor(obs_dim, action_dim, *nets).to(self.device)
         self.qf = TwinQ(obs_dim, action_dim, *nets).to(self.device)
         self.actor_target, self.qf_target = copy.deepcopy(self.actor), copy.deepcopy(self.qf)
         self.old_actor = copy.deepcopy(self.actor)  # π_old, each learner's policy at the start of the period
-        self.best_actor = Actor(obs_dim, action_dim, args.hidden).to(self.device)  # π_b, frozen
+        self.best_actor = Actor(obs_dim, action_dim, args.hidden, bf16=args.bf16).to(self.device)  # π_b, frozen
         self.best_actor.load_state_dict(self.actor.learner_state(0))  # Algorithm 1, line 1: φ_b = φ_i at start
         for frozen in (self.actor_target, self.qf_target, self.best_actor, self.old_actor):
             frozen.requires_grad_(False)
@@ -427,9 +430,7 @@ class Learners:
         over the period's policy steps, each on that step's minibatch (None if the period had none); "end": now, on
         the states `obs` `[N, B, obs]`."""
         if self.args.period_distances == "updates":
-            if self.period_count == 0:
-                return None
-            return self.period_sums / self.period_count
+            return self.period_sums / self.period_count if self.period_count else None
         obs, d = obs.to(self.device), self.args.distance
         pi = self.actor(obs)
         return policy_distance(pi, self.best_actions(obs), d), policy_distance(pi, self.old_actor(obs), d)
@@ -614,9 +615,8 @@ def main(args: Args):
         model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
         evaluate(lambda k: make_eval_policy(model, k), args.env_id, 1, 1, args.seed + 10_000, log.path)
     log.console(step)
-    last_10 = [
-        float(np.mean(log.groups[f"learner_{i}"][-10:])) if f"learner_{i}" in log.groups else None for i in range(N)
-    ]
+    groups = [log.groups.get(f"learner_{i}") for i in range(N)]
+    last_10 = [float(np.mean(g[-10:])) if g else None for g in groups]
     summary = dict(num_learners=N, eval_mean_return_per_learner=means, mean_episodic_return_last_10_per_learner=last_10)
     summary.update(best_learner=best, beta=beta, updates_per_learner=[learners.updates] * N)
     summary.update(foreign_sample_fraction=(counts["foreign"] / counts["sampled"].clamp(min=1)).tolist())
@@ -629,7 +629,6 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
     `checkpoint["actor"]` (the best learner's; TD3 evaluates without noise, so `greedy` changes nothing)."""
     actor = Actor(**checkpoint["actor_config"]).to(device)
     actor.load_state_dict(checkpoint["actor"])
-    actor.eval()
     low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
 
     @torch.no_grad()
@@ -749,8 +748,8 @@ class Stop:
 
     def __init__(self):
         self.requested = False
-        signal.signal(signal.SIGINT, self.on_signal)
-        signal.signal(signal.SIGTERM, self.on_signal)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.on_signal)
 
     def on_signal(self, signum, frame):
         if self.requested and signum == signal.SIGINT:

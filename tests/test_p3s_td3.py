@@ -458,6 +458,44 @@ def test_update_with_its_own_optimisers_matches_plain_adam():
                 torch.testing.assert_close(v, ref, rtol=1e-5, atol=1e-7, msg=f"{name}.{k}")
 
 
+def test_bf16_runs_the_hidden_layers_in_bfloat16_and_the_output_layers_in_float32():
+    """--bf16: every network of the population computes its hidden layers in bfloat16 and its output layer in
+    float32. The Q-values and actions come out as float32 and differ from the float32 networks' by the hidden
+    layers' rounding; Q-values near 300 are not on bfloat16's grid (steps of 2 there), which they would be if the
+    output layer ran in bfloat16. An update keeps the parameters float32 and finite and moves them as the float32
+    update does, to bfloat16's precision."""
+    torch.manual_seed(3)
+    N, obs_dim, action_dim = 2, 5, 3
+    learners = {bf16: Learners(N, obs_dim, action_dim, Args(hidden=(64, 48), bf16=bf16)) for bf16 in (False, True)}
+    learners[True].qf.load_state_dict(learners[False].qf.state_dict())
+    learners[True].actor.load_state_dict(learners[False].actor.state_dict())
+    for name in ("actor", "qf", "actor_target", "qf_target", "best_actor", "old_actor"):
+        assert getattr(learners[True], name).bf16 and not getattr(learners[False], name).bf16, name
+    with torch.no_grad():
+        for bf16 in (False, True):  # Q-values near 300: the output layers' bias
+            learners[bf16].qf.q1[-1].bias.add_(300.0)
+            learners[bf16].qf.q2[-1].bias.add_(300.0)
+    obs, actions = torch.randn(N, 256, obs_dim), torch.rand(N, 256, action_dim) * 2 - 1
+    with torch.no_grad():
+        q32, q16 = (learners[bf16].qf(obs, actions)[0] for bf16 in (False, True))
+        a32, a16 = (learners[bf16].actor(obs) for bf16 in (False, True))
+    assert q16.dtype == a16.dtype == torch.float32
+    assert not torch.equal(q16, q32) and not torch.equal(a16, a32)  # the hidden layers did run in bfloat16
+    torch.testing.assert_close(q16, q32, rtol=0, atol=0.5)
+    torch.testing.assert_close(a16, a32, rtol=0, atol=0.05)
+    assert (q16.bfloat16().float() != q16).float().mean() > 0.9  # the output layer's sum kept float32's resolution
+    batch = (obs[:, :32], actions[:, :32], torch.randn(N, 32), torch.randn(N, 32, obs_dim), torch.zeros(N, 32))
+    for bf16 in (False, True):  # from the same parameters: the policy's gradient through Q_1, then a Q step
+        learners[bf16].qf.q1_only(obs, learners[bf16].actor(obs)).sum().backward()
+        learners[bf16].update(batch, 1.0, torch.tensor([False, True]))
+    for net in ("actor", "qf"):  # those gradients against float32's
+        for (k, p), p32 in zip(
+            getattr(learners[True], net).named_parameters(), getattr(learners[False], net).parameters()
+        ):
+            assert p.dtype == torch.float32 and bool(torch.isfinite(p).all()), k
+            assert float(torch.nn.functional.cosine_similarity(p.grad.flatten(), p32.grad.flatten(), 0)) > 0.99, k
+
+
 def test_periodic_evaluation_plays_each_learners_own_deterministic_policy(monkeypatch):
     """Sec. 4.1's evaluation: env e of the N x E evaluation envs is played by learner e // E's policy, without
     noise, its actions mapped to the env's box; each learner's score is the mean of its own E episodes."""
