@@ -322,7 +322,8 @@ class SharedReplay:
         """A uniform minibatch over all rows written so far: (obs, actions, rewards, next_obs, terminated) and
         the index of the learner that wrote each row (on the CPU). `batch_size` may be a shape, e.g. (N, B)."""
         shape = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
-        sizes, ends = self.sizes(), self.sizes().cumsum(0)
+        sizes = self.sizes()
+        ends = sizes.cumsum(0)
         u = torch.randint(int(ends[-1]), shape, generator=generator)
         writer = torch.searchsorted(ends, u.flatten(), right=True).view(shape)
         rows = (writer * self.part + u - (ends[writer] - sizes[writer])).to(self.device)
@@ -748,8 +749,8 @@ class Stop:
 
     def __init__(self):
         self.requested = False
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
 
     def on_signal(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
