@@ -141,6 +141,31 @@ def test_vmpo_weights_match_brute_force(shape, eta, use_mask):
     assert math.isclose(float(eta_loss), ref_loss, rel_tol=1e-12) and not psi.requires_grad
 
 
+@pytest.mark.parametrize("num_minibatches,use_mask", [(1, False), (3, True)])
+def test_solve_eta_minimises_the_temperature_dual(num_minibatches, use_mask):
+    """`solve_eta` against Eq. (13) itself: the mean over the E-step's minibatches of the dual L_η, written as a plain
+    loop over each minibatch's top half (the shared `weights_reference`), is smallest at η* on a fine grid of η, and
+    KL(ψ_η* ‖ uniform) there is ε_η; equal advantages give η* = 1 (any η gives the same ψ)."""
+    g = torch.Generator().manual_seed(num_minibatches)
+    adv = torch.randn(8, 9, generator=g, dtype=torch.float64) * 0.1
+    mask = torch.rand(8, 9, generator=g) > 0.2 if use_mask else torch.ones(8, 9, dtype=torch.bool)
+    eta = float(vmpo_mujoco.solve_eta(adv, 0.01, mask, 0.5, num_minibatches))
+    cols = torch.arange(9).chunk(num_minibatches)
+
+    def dual(e):
+        return sum(weights_reference(adv[:, c], e, 0.01, mask[:, c])[1] for c in cols) / num_minibatches
+
+    grid = np.exp(np.linspace(math.log(eta) - 1, math.log(eta) + 1, 401))
+    assert abs(math.log(grid[int(np.argmin([dual(e) for e in grid]))] / eta)) <= 0.01
+    kls = []
+    for c in cols:
+        psi = weights_reference(adv[:, c], eta, 0.01, mask[:, c])[0]
+        top = psi[psi > 0]
+        kls.append(float((top * (top * top.numel()).log()).sum()))
+    assert math.isclose(np.mean(kls), 0.01, rel_tol=1e-4)
+    assert float(vmpo_mujoco.solve_eta(torch.ones(4, 4), 0.01, torch.ones(4, 4, dtype=torch.bool))) == 1.0
+
+
 def _batch(agent, T=6, B=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     d, obs_dim = agent.action_dim, agent.obs_norm.mean.shape[0]
@@ -159,7 +184,13 @@ def _batch(agent, T=6, B=8, seed=0):
 
 def _args(**kw):
     base = dict(
-        gamma=0.9, eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5, action_penalty=0.0
+        gamma=0.9,
+        eps_eta=0.01,
+        eps_alpha_mu=0.007,
+        eps_alpha_sigma=1.6e-5,
+        top_fraction=0.5,
+        action_penalty=0.0,
+        solve_eta=False,
     )
     base.update(kw)
     return SimpleNamespace(**base)
