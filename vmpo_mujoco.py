@@ -82,12 +82,7 @@ class Args:
     min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
     multipliers: Literal["paper", "softplus", "exp"] = "paper"  # paper: projected; softplus: Acme's MPO; exp: log space
     dual_learning_rate: float = 0.0  # learning rate of η, α_μ, α_Σ; 0: the networks' Adam and learning rate (Sec. 4.3)
-    solve_eta: bool = False  # η of each batch solved from its dual, Eq. (13), by bisection, not one Adam step a batch
-    lr_schedule: Literal["constant", "kl"] = (
-        "constant"  # kl: learning rate ÷1.5 when KL > 2 ε, ×1.5 when < ½ ε (ε_αμ+ε_αΣ)
-    )
-    update_epochs: int = 1  # passes over each batch, all against its π_target (1: Algorithm 1's one step)
-    sgd_minibatches: int = 1  # groups of unrolls a pass takes one gradient step on each (1: the whole batch)
+    update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
     top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
     hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state)
@@ -130,8 +125,7 @@ FAMILY_DEFAULTS = {
 def n_step_returns(rewards, discounts, bootstrap_value):
     """Eq. (1): G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(s_n) for every ℓ of an unroll
     of length n, with per-step discounts γ_i = γ (1 − done_i). `[T, B]` inputs, bootstrap_value `[B]`."""
-    acc = bootstrap_value
-    out = []
+    acc, out = bootstrap_value, []
     for t in reversed(range(rewards.shape[0])):
         acc = rewards[t] + discounts[t] * acc
         out.append(acc)
@@ -156,26 +150,6 @@ def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
     psi = torch.zeros_like(adv).scatter(0, top_index, weights).view_as(advantages)
     eta_loss = eta * eps_eta + eta * (torch.logsumexp(top_values / eta, dim=0) - math.log(k))
     return psi, eta_loss
-
-
-@torch.no_grad()
-def solve_eta(advantages, eps_eta, mask, top_fraction=0.5, num_minibatches=1, iterations=30):
-    """η* = argmin_η L_η (Eq. 13, averaged over the E-step's minibatches) for a batch. L_η is convex in η and
-    dL_η/dη = ε_η − KL(ψ_η ‖ uniform on D̃), which falls as η grows: η* is where that KL meets ε_η, found by bisection
-    on log η within e^±10 of the top advantages' spread (1.0 where they are all equal and any η gives the same ψ)."""
-    tops = []
-    for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
-        adv, valid = advantages[:, cols].reshape(-1), mask[:, cols].reshape(-1).bool()
-        k = max(1, int(int(valid.sum()) * top_fraction))
-        tops.append(adv.masked_fill(~valid, -math.inf).topk(k).values if valid.any() else adv.new_zeros(1))
-    spread = torch.stack([t.max() - t.min() for t in tops]).max()
-    lo, hi = spread.clamp(min=1e-12).log() - 10.0, spread.clamp(min=1e-12).log() + 10.0
-    for _ in range(iterations):
-        mid = (lo + hi) / 2
-        kl = sum((p.exp() * p).sum() + math.log(t.numel()) for t in tops for p in [F.log_softmax(t / mid.exp(), 0)])
-        kl = kl / len(tops)
-        lo, hi = torch.where(kl > eps_eta, mid, lo), torch.where(kl > eps_eta, hi, mid)
-    return torch.where(spread > 0, hi.exp(), 1.0)
 
 
 def gaussian_log_prob(actions, mean, std):
@@ -230,7 +204,6 @@ class VmpoLoss(NamedTuple):
     kl_mu: torch.Tensor
     kl_sigma: torch.Tensor
     kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃), averaged over the E-step's minibatches
-    eta: torch.Tensor  # the η the E-step used: the multiplier's, or with `solve_eta` the batch's own η*
     policy_std: torch.Tensor
     advantage_mean: torch.Tensor
     advantage_std: torch.Tensor  # the advantages' spread in PopArt units: what η is set against
@@ -238,7 +211,7 @@ class VmpoLoss(NamedTuple):
 
 def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_norm, ended, eta, alpha_mu, alpha_sigma,
               eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5,
-              num_minibatches=1, action_penalty=0.0, solve=False) -> VmpoLoss:  # fmt: skip
+              num_minibatches=1, action_penalty=0.0) -> VmpoLoss:  # fmt: skip
     """Eq. (26): L_V + L_π + L_η + L_αμ + L_αΣ on a batch of unrolls, in PopArt's normalised units.
 
     `mean, std [T+1, B, d]` from the online network on rows 0..T (row T only bootstraps), `target_mean,
@@ -246,23 +219,20 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
     network's normalised values and `returns_norm` the normalised targets (G − μ)/σ of rows 0..T-1 `[T, B]`; η,
     α_μ, α_Σ the Lagrange multipliers. The E-step runs on `num_minibatches` groups of columns, ψ of each scaled
     by 1/num_minibatches. A reset step (`ended`) takes no part. With `action_penalty` λ (not in the paper) the E-step
-    ranks A − λ‖a − clip(a, −1, 1)‖², pulling a mean beyond the action box (where samples all clip alike) inside.
-    With `solve` the E-step takes η* of `solve_eta` in place of `eta` (L_η then carries no gradient)."""
+    ranks A − λ‖a − clip(a, −1, 1)‖², pulling a mean beyond the action box (where samples all clip alike) inside."""
     mask = ~ended[:-1]
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
     excess = actions[:-1] - actions[:-1].clamp(-1.0, 1.0)
     advantages = returns_norm - value_norm.detach() - action_penalty * (excess**2).sum(-1)  # (G − V)/σ, penalised
     psi, eta_loss, kl_psi = torch.zeros_like(advantages), 0.0, 0.0
-    eta = solve_eta(advantages, eps_eta, mask, top_fraction, num_minibatches) if solve else eta
     for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
         psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], eta, eps_eta, mask[:, cols], top_fraction)
         psi[:, cols] = psi_mb / num_minibatches
         eta_loss = eta_loss + eta_loss_mb / num_minibatches
         top = psi_mb[psi_mb > 0].detach()
         kl_psi = kl_psi + (top * (top * top.numel()).log()).sum() / num_minibatches
-    logp = gaussian_log_prob(actions[:-1], mean[:-1], std[:-1])
-    policy_loss = -(psi * logp).sum()
+    policy_loss = -(psi * gaussian_log_prob(actions[:-1], mean[:-1], std[:-1])).sum()
     kl_mu, kl_sigma = gaussian_kl_parts(target_mean[:-1], target_std[:-1], mean[:-1], std[:-1])
     alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, alpha_mu, eps_alpha_mu, mask)
     alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, alpha_sigma, eps_alpha_sigma, mask)
@@ -277,7 +247,6 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
         kl_mu=kl_mu_mean,
         kl_sigma=kl_sigma_mean,
         kl_psi=torch.as_tensor(kl_psi),
-        eta=eta.detach().clone(),
         policy_std=((mask[..., None] * std[:-1]).sum() / (n * std.shape[-1])).detach(),
         advantage_mean=advantage_mean,
         advantage_std=((mask * (advantages.detach() - advantage_mean) ** 2).sum() / n).sqrt(),
@@ -388,24 +357,15 @@ def act(cfg, link: "ActorLink") -> None:
 
 
 def learner_step(state, batch, args, update):
-    """Algorithm 1's update number `update`: the observation statistics moved, then `--update-epochs` passes against
-    the batch's π_target, each gradient averaged over the learners, clipped, Adam, the multipliers projected; with
-    `--lr-schedule kl`, the networks' learning rate moved by rl_games' AdaptiveScheduler rule on KL_μ / ε_αμ."""
+    """Algorithm 1's update: observation statistics, `--update-epochs` Adam steps on π_target's batch, clipped."""
     agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
-    params = [p for p in (*agent.parameters(), *multipliers.parameters()) if p.requires_grad]
+    params = [*agent.parameters(), *multipliers.parameters()]
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
-    groups = max(1, args.num_minibatches // (world * args.sgd_minibatches))  # this step's E-step minibatches
-    before = update_kl(agent, batch) if args.lr_schedule == "kl" else None
-    parts = [
-        (e, c)
-        for e in range(args.update_epochs)
-        for c in torch.randperm(batch["obs"].shape[1]).chunk(args.sgd_minibatches)
-    ]
-    for epoch, cols in parts:
-        part = {k: v[:, cols] for k, v in batch.items()} if args.sgd_minibatches > 1 else batch
-        mean, std, value_features = agent(part["obs"])
-        out, stats = batch_loss(mean, std, value_features, part, agent, multipliers, args, groups, epoch == 0)
+    for epoch in range(args.update_epochs):
+        mean, std, value_features = agent(batch["obs"])
+        groups = args.num_minibatches // world  # this learner's share of the E-step's minibatches
+        out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
         optimizer.zero_grad(set_to_none=False)
         out.loss.backward()
         if world > 1:  # one all-reduce of all the gradients (not DDP: PopArt rescales its layer inside the loss)
@@ -418,27 +378,7 @@ def learner_step(state, batch, args, update):
         check_finite(f"at update {update}", loss=out.loss, gradient=grad_norm, **named)
         optimizer.step()
         multipliers.project()
-    if (
-        args.lr_schedule == "kl"
-    ):  # rl_games/common/schedulers.py on the KL of this update's own move, every learner alike
-        stats["stats/update_kl"] = kl = update_kl(agent, batch, before)
-        if world > 1:
-            torch.distributed.all_reduce(kl.div_(world))
-        ratio = float(kl) / (args.eps_alpha_mu + args.eps_alpha_sigma)
-        lr = optimizer.param_groups[0]["lr"] * (1 / 1.5 if ratio > 2 else 1.5 if ratio < 0.5 else 1.0)
-        optimizer.param_groups[0]["lr"] = min(max(lr, 1e-6), 1e-2)
-    return {**stats, "stats/grad_norm": grad_norm, "charts/learning_rate": optimizer.param_groups[0]["lr"]}
-
-
-@torch.no_grad()
-def update_kl(agent, batch, before=None):
-    """KL(π_before ‖ π) on the batch's real steps: `before` the policy's (mean, std) ahead of an update, taken by a
-    first call; the KL the update moved the policy by (whatever the actors' policy was), by a second call."""
-    mean, std, _ = agent(batch["obs"][:-1])
-    if before is None:
-        return mean, std
-    real = (~batch["ended"][:-1]).float()
-    return (real * sum(gaussian_kl_parts(*before, mean, std))).sum() / real.sum().clamp(min=1)
+    return {**stats, "stats/grad_norm": grad_norm}
 
 
 def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1, move_popart=True):
@@ -456,13 +396,13 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     eta, alpha_mu, alpha_sigma = multipliers.values()
     target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
     settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)
-    settings += (args.action_penalty, args.solve_eta)  # not in the paper; off by default
+    settings += (args.action_penalty,)  # not in the paper; 0 by default
     out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], eta, alpha_mu, alpha_sigma, *settings)
-    n, named = real.sum().clamp(min=1), dict(alpha_mu=alpha_mu, alpha_sigma=alpha_sigma)
+    n, named = real.sum().clamp(min=1), dict(eta=eta, alpha_mu=alpha_mu, alpha_sigma=alpha_sigma)
     stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in named.items()}}
     stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
-    g, v = returns[real], values[:-1][real]  # CleanRL's explained variance, 1 − Var(G − V)/Var(G)
-    stats["losses/explained_variance"] = 1 - (g - v).var() / g.var() if g.numel() > 1 else torch.tensor(float("nan"))
+    stats |= {f"stats/{k}_ratio": stats[f"stats/{k}"] / e for k, e in zip(("kl_psi", "kl_mu", "kl_sigma"), settings)}
+    stats["losses/explained_variance"] = 1 - (returns - values[:-1])[real].var() / returns[real].var().clamp(min=1e-8)
     return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
 
 
@@ -480,12 +420,12 @@ def main(args: Args):
     agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, args.popart_beta).to(device)
     init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
     multipliers = LagrangeMultipliers(*init, args.multipliers, args.min_multiplier).to(device)
-    multipliers.eta.requires_grad_(not args.solve_eta)  # a solved η takes no Adam step
     for p in [*agent.parameters(), *multipliers.parameters()] if world > 1 else ():  # every learner from rank 0's
         torch.distributed.broadcast(p.data, 0)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
-    describe = f"device {device}, {world} learner(s), each with {args.num_actors} actor(s) and {args.num_envs} envs"
+    describe = f"{device}, {world} learner(s) of {args.num_actors} actor(s), {args.num_envs} envs"
+    describe += f", {1000 * args.update_epochs / steps_per_update:.1f} gradient steps per 1,000 samples"
     log = RunLog(args, resumed, describe, write=rank == 0)
     specs, cfgs = buffer_specs(obs_dim, action_dim, args.unroll_length), actor_configs(args, rank, device)
     pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
@@ -536,9 +476,6 @@ def save(log, state, update, spec) -> None:
     log.save(step, {**weights, "update": update}, model)
 
 
-EPSILONS = dict(kl_psi="eps_eta", kl_mu="eps_alpha_mu", kl_sigma="eps_alpha_sigma")  # each KL and the bound it keeps
-
-
 def log_update(log, pool, update, batch, stats) -> None:
     """After each update, the actors' episodes (every learner takes them, rank 0 logs them); with `stats`, the rest."""
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
@@ -550,9 +487,7 @@ def log_update(log, pool, update, batch, stats) -> None:
         return
     target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
     stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
-    stats["stats/target_version"], a = pool.version.item(), log.args  # and each bound's use, as CI tests it:
-    stats.update({f"stats/{k}_ratio": stats[f"stats/{k}"] / getattr(a, e) for k, e in EPSILONS.items()})
-    stats["stats/steps_per_1k_samples"] = 1000 * a.update_epochs * a.sgd_minibatches / (a.batch_size * a.unroll_length)
+    stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
     log.scalars(stats, step)
     eta, alpha_mu, alpha_sigma, std = (stats[f"stats/{k}"] for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std"))
     log.console(step, f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f}")
@@ -616,8 +551,6 @@ def check_args(args):
     require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
     fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
     require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
-    fits = 1 <= args.sgd_minibatches <= args.batch_size // world
-    require(fits, f"--sgd-minibatches {args.sgd_minibatches} must be 1 to the unrolls of a learner's batch")
     require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
     positive = ("unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu", "eps_alpha_sigma")
     for name in (*positive, "init_eta", "init_alpha_mu", "init_alpha_sigma"):

@@ -141,31 +141,6 @@ def test_vmpo_weights_match_brute_force(shape, eta, use_mask):
     assert math.isclose(float(eta_loss), ref_loss, rel_tol=1e-12) and not psi.requires_grad
 
 
-@pytest.mark.parametrize("num_minibatches,use_mask", [(1, False), (3, True)])
-def test_solve_eta_minimises_the_temperature_dual(num_minibatches, use_mask):
-    """`solve_eta` against Eq. (13) itself: the mean over the E-step's minibatches of the dual L_η, written as a plain
-    loop over each minibatch's top half (the shared `weights_reference`), is smallest at η* on a fine grid of η, and
-    KL(ψ_η* ‖ uniform) there is ε_η; equal advantages give η* = 1 (any η gives the same ψ)."""
-    g = torch.Generator().manual_seed(num_minibatches)
-    adv = torch.randn(8, 9, generator=g, dtype=torch.float64) * 0.1
-    mask = torch.rand(8, 9, generator=g) > 0.2 if use_mask else torch.ones(8, 9, dtype=torch.bool)
-    eta = float(vmpo_mujoco.solve_eta(adv, 0.01, mask, 0.5, num_minibatches))
-    cols = torch.arange(9).chunk(num_minibatches)
-
-    def dual(e):
-        return sum(weights_reference(adv[:, c], e, 0.01, mask[:, c])[1] for c in cols) / num_minibatches
-
-    grid = np.exp(np.linspace(math.log(eta) - 1, math.log(eta) + 1, 401))
-    assert abs(math.log(grid[int(np.argmin([dual(e) for e in grid]))] / eta)) <= 0.01
-    kls = []
-    for c in cols:
-        psi = weights_reference(adv[:, c], eta, 0.01, mask[:, c])[0]
-        top = psi[psi > 0]
-        kls.append(float((top * (top * top.numel()).log()).sum()))
-    assert math.isclose(np.mean(kls), 0.01, rel_tol=1e-4)
-    assert float(vmpo_mujoco.solve_eta(torch.ones(4, 4), 0.01, torch.ones(4, 4, dtype=torch.bool))) == 1.0
-
-
 def _batch(agent, T=6, B=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     d, obs_dim = agent.action_dim, agent.obs_norm.mean.shape[0]
@@ -184,16 +159,35 @@ def _batch(agent, T=6, B=8, seed=0):
 
 def _args(**kw):
     base = dict(
-        gamma=0.9,
-        eps_eta=0.01,
-        eps_alpha_mu=0.007,
-        eps_alpha_sigma=1.6e-5,
-        top_fraction=0.5,
-        action_penalty=0.0,
-        solve_eta=False,
+        gamma=0.9, eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5, action_penalty=0.0
     )
     base.update(kw)
     return SimpleNamespace(**base)
+
+
+def test_batch_loss_logs_explained_variance_and_each_bound_s_use():
+    """`losses/explained_variance` is CleanRL's 1 − Var(G − V)/Var(G) over the real steps (G the n-step targets of
+    Eq. 1, V the online values, unnormalised), and `stats/kl_*_ratio` each KL over its ε, as a plain computation."""
+    torch.manual_seed(3)
+    agent = vmpo_mujoco.Agent(5, 2, hidden=(16,), head_hidden=16)
+    batch = _batch(agent)
+    batch["ended"][2, :3] = True
+    batch["mean"] += 0.3
+    mean, std, feats = agent(batch["obs"])
+    args = _args(eps_eta=0.02, eps_alpha_mu=0.05, eps_alpha_sigma=1e-3)
+    _, stats = vmpo_mujoco.batch_loss(mean, std, feats, batch, agent, vmpo_mujoco.LagrangeMultipliers(), args, 1, False)
+    with torch.no_grad():
+        task = torch.zeros(feats.shape[:2], dtype=torch.long)
+        v = agent.popart.unnormalize(agent.popart(feats)[..., 0], task)
+    g = vmpo_mujoco.n_step_targets(v, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
+    real = ~batch["ended"][:-1]
+    gs, vs = g[real].tolist(), v[:-1][real].tolist()
+    var = lambda x: sum((a - sum(x) / len(x)) ** 2 for a in x) / (len(x) - 1)  # noqa: E731
+    expected = 1 - var([a - b for a, b in zip(gs, vs)]) / var(gs)
+    assert float(stats["losses/explained_variance"]) == pytest.approx(expected, rel=1e-5)
+    for kl, eps in (("kl_psi", 0.02), ("kl_mu", 0.05), ("kl_sigma", 1e-3)):
+        assert float(stats[f"stats/{kl}_ratio"]) == pytest.approx(float(stats[f"stats/{kl}"]) / eps, rel=1e-6)
+    assert float(stats["stats/kl_mu_ratio"]) > 0.1  # the target's mean was moved: a ratio that can be told from 0
 
 
 @pytest.mark.parametrize("form", ["paper", "softplus", "exp"])
@@ -650,7 +644,8 @@ def test_log_space_multipliers_hold_the_trust_regions_on_a_short_hopper_run(tmp_
     """Appendix C's decoupled trust regions held by `--multipliers exp` (Stoix's bounds, Acme's dual step): over 60k
     Hopper-v4 steps (187 updates, each logged), the mean KL_Σ and KL_μ of the second half stay within 10x of ε_αΣ and
     ε_αμ (the paper's multipliers, moved by about the learning rate per step, ran KL_Σ at 25-90x its bound for 5M
-    steps, and at 6x with these bounds over this run: docs, "The trust regions held")."""
+    steps, and at 6x with these bounds over this run: docs, "The trust regions held"), KL(ψ ‖ uniform) within 10x of
+    ε_η; each bound's logged ratio KL/ε is that KL over its ε, and the critic's explained variance is logged."""
     argv = ["--env-id", "Hopper-v4", "--total-timesteps", "60000", "--eval-episodes", "0", "--log-interval", "0"]
     argv += [
         "--multipliers",
@@ -664,11 +659,14 @@ def test_log_space_multipliers_hold_the_trust_regions_on_a_short_hopper_run(tmp_
     ]
     run_path = run_script("vmpo_mujoco.py", argv, tmp_path, timeout=600)
     args = json.load(open(os.path.join(run_path, "args.json")))
-    for kl, bound in (("kl_sigma", "eps_alpha_sigma"), ("kl_mu", "eps_alpha_mu")):
-        values = events_tags(run_path, values_of=f"stats/{kl}")
+    for kl, bound in (("kl_sigma", "eps_alpha_sigma"), ("kl_mu", "eps_alpha_mu"), ("kl_psi", "eps_eta")):
+        values, ratios = (events_tags(run_path, values_of=f"stats/{kl}{end}") for end in ("", "_ratio"))
         assert len(values) >= 150, len(values)
+        np.testing.assert_allclose(ratios, np.array(values) / args[bound], rtol=1e-5)  # the logged use of the bound
         late = float(np.mean(values[len(values) // 2 :]))
         assert late <= 10 * args[bound], f"{kl} {late:.2e} over the second half against {bound} {args[bound]:.1e}"
+    explained = events_tags(run_path, values_of="losses/explained_variance")  # 1 − Var(G − V)/Var(G) on each batch
+    assert len(explained) >= 150 and np.mean(explained[len(explained) // 2 :]) > 0, "the critic explains nothing"
 
 
 @pytest.mark.e2e
