@@ -99,11 +99,9 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Table 7's columns: the Args defaults are the OpenAI Gym column; dm_control's Humanoid* tasks take humanoid-from-state.
-TABLE7_COLUMNS = {
-    "gym": {},
-    "humanoid-state": dict(unroll_length=63, eps_eta=0.01, eps_alpha_mu=0.16, eps_alpha_sigma=2.2e-5),
-}
+# Table 7's columns: the Args defaults are the OpenAI Gym column; dm_control's Humanoid* tasks take humanoid-from-state
+# (whose ε_η, 0.01, is the Gym column's).
+TABLE7_COLUMNS = {"gym": {}, "humanoid-state": dict(unroll_length=63, eps_alpha_mu=0.16, eps_alpha_sigma=2.2e-5)}
 
 # Defaults by task family on top of the Table 7 column, the same on every device (`--preset paper`: the column alone),
 # measured on 2 CPU cores (docs/vmpo_mujoco.md; Table 7 is for thousands of envs): short unrolls, a fast PopArt.
@@ -357,7 +355,7 @@ def act(cfg, link: "ActorLink") -> None:
 
 
 def learner_step(state, batch, args, update):
-    """Algorithm 1's update: observation statistics, `--update-epochs` Adam steps on π_target's batch, clipped."""
+    """Algorithm 1's update: observation statistics, `--update-epochs` Adam steps against π_target (all-reduced)."""
     agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
     params = [*agent.parameters(), *multipliers.parameters()]
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
@@ -395,14 +393,16 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
     eta, alpha_mu, alpha_sigma = multipliers.values()
     target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
-    settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)
+    settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)  # ε's first
     settings += (args.action_penalty,)  # not in the paper; 0 by default
     out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], eta, alpha_mu, alpha_sigma, *settings)
     n, named = real.sum().clamp(min=1), dict(eta=eta, alpha_mu=alpha_mu, alpha_sigma=alpha_sigma)
     stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in named.items()}}
     stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
     stats |= {f"stats/{k}_ratio": stats[f"stats/{k}"] / e for k, e in zip(("kl_psi", "kl_mu", "kl_sigma"), settings)}
-    stats["losses/explained_variance"] = 1 - (returns - values[:-1])[real].var() / returns[real].var().clamp(min=1e-8)
+    g, v = returns[real], values[:-1][real]  # CleanRL's explained variance, 1 − Var(G − V)/Var(G); 1 on < 2 steps
+    unexplained = (g - v).var(correction=0) / g.var(correction=0).clamp(min=1e-8)
+    stats["losses/explained_variance"] = 1 - unexplained.nan_to_num(0.0)
     return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
 
 
