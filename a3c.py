@@ -42,7 +42,6 @@ import copy
 import dataclasses
 import itertools
 import json
-import multiprocessing
 import math
 import os
 import queue
@@ -117,6 +116,16 @@ FAMILY_DEFAULTS = {
     ),
     "classic": ("the paper's settings, with a budget measured on CartPole-v1", dict(total_timesteps=300_000)),
 }
+PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
+
+
+def defaults_for(args, given=()) -> tuple[str, str, dict]:
+    """(task family, the defaults' source, their values) of a run of `args`: its family's (none: `--preset paper`)."""
+    family = task_family(args.env_id)
+    if args.preset == "paper":
+        return family, PAPER + ", forced by --preset paper", {}
+    return family, *FAMILY_DEFAULTS.get(family, (PAPER, {}))
+
 
 # ---------------------------------------------------------------------------------------------------------
 # The paper's math: pure functions of time-major [T, B] tensors.
@@ -479,8 +488,7 @@ def main(args: Args):
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
     stop, done = Stop(), 0
     work = (args, agent, target, optimizer, counter, obs_lock, msg_q, halt)
-    run = (train_worker, range(args.num_workers), *work)  # run_worker's arguments
-    workers = torch.multiprocessing.start_processes(run_worker, run, args.num_workers, join=False, start_method="spawn")
+    workers = start_workers(train_worker, range(args.num_workers), *work)
     try:
         while done < args.num_workers:  # until each worker has sent ("done", step)
             with contextlib.suppress(queue.Empty):  # ("episode", step, return, length), ("stats", step, {tag: value})
@@ -491,7 +499,7 @@ def main(args: Args):
                     log.scalars(*message, step)
                 else:
                     done += 1
-            check_workers(workers, log.path)
+            check_workers(workers)
             if stop.requested and not halt.is_set():  # each worker completes its update in hand, says so, returns
                 halt.set()
                 give_up = time.time() + 10  # a worker still starting (no update in hand) is not waited for
@@ -505,12 +513,12 @@ def main(args: Args):
         step = steps.value
         check_finite(f"at step {step}", **state["agent"])
         log.save(step, state, model if args.save_model else None)
-    except NonFiniteError as e:
+    except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
+    finally:
+        end_workers(workers)
     if stop.requested:
-        hint = f"continue with python {os.path.basename(__file__)} --resume {log.path}"
-        print(f"checkpoint at step {step}: {hint}", file=sys.stderr)
-        sys.exit(130)
+        stopped(log, step)
     log.console(step)
     eval_mean = None
     if args.eval_episodes > 0:  # the first episode filmed with --capture-video
@@ -694,28 +702,8 @@ def check_args(args):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing: the worker processes, Ctrl-C and failures, the task family's defaults, the run folder. No equation below.
-
-
-def run_worker(i, target, per_worker, *args):
-    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back):
-    Ctrl-C and SIGTERM are the main process's to handle, it dies with the main process, one torch thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, ignored here
-    if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
-        torch.set_num_threads(1)
-        target(per_worker[i], *args)
-
-
-def check_workers(workers, run_path) -> None:
-    """A worker that raised (its traceback) or died ends the run; torch's `join` has then stopped the others."""
-    try:
-        workers.join(timeout=0, grace_period=2.0)
-    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
-        fail(RuntimeError(f"worker {e.error_index} failed:" + str(e).partition("following error:")[2]), run_path)
-    except torch.multiprocessing.ProcessExitedException as e:
-        fail(RuntimeError(f"worker {e.error_index} died with exit code {e.exit_code}"), run_path)
+# The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
+# the copies are identical); what differs between scripts comes in as arguments.
 
 
 class Stop:
@@ -746,61 +734,110 @@ def check_finite(where: str, **named) -> None:
         raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
+class WorkerError(RuntimeError):
+    """A worker process raised (its traceback), died (its exit code) or ended before its learner."""
+
+
 def fail(error: Exception, run_path: str) -> None:
-    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit 1 (worker
-    processes die with this one; torchrun stops the other learners)."""
+    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit status 1 (the
+    caller's `finally` ends the workers first; torchrun stops the other learners)."""
     print(f"error: {error}", file=sys.stderr)
-    if "NonFiniteError" in f"{type(error).__name__} {error}":
+    if "NonFiniteError" in f"{type(error).__name__} {error}":  # here, or in a worker's traceback
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
         kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
         advice = kept if step is not None else "no checkpoint was written before it"
         print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
-    os._exit(1)
+    sys.exit(1)
 
 
-PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
+def stopped(log, step: int, world: int = 1) -> None:
+    """The end of a stopped run whose last update is saved: how to continue, then exit status 130 (a second Ctrl-C is
+    ignored from here: the interpreter's shutdown releases the queues' semaphores)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log is not None:  # rank 0
+        log.writer.close()
+        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
+        hint = f"continue with {again} {os.path.basename(__file__)} --resume {log.path}"
+        print(f"checkpoint at step {step}: {hint}", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
-def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the family's defaults: a flag given wins, `--help` shows the values a run would take; none
-    under `--preset paper`, nor on `--resume` (the run keeps its own arguments)."""
+def start_workers(target, per_worker, *args):
+    """A process per item of `per_worker` running `target(item, *args)`, deaf to Ctrl-C and SIGTERM from the start."""
+    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # inherited by them
+    run = (target, per_worker, *args)
+    workers = torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+    for s, handler in ignored.items():
+        signal.signal(s, handler)
+    return workers
+
+
+def run_worker(i, target, per_worker, *args):
+    """Worker process i of torch's `start_processes` (its `join` brings a traceback back): it dies with the process
+    that started it, one torch thread."""
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
+    if torch.multiprocessing.parent_process().is_alive():  # else the parent died before the line above
+        torch.set_num_threads(1)
+        target(per_worker[i], *args)
+
+
+def check_workers(workers, what: str = "worker") -> int:
+    """WorkerError if a worker raised (its traceback) or died, torch's `join` having stopped the others; else the
+    number of workers that have ended."""
+    try:
+        workers.join(timeout=0, grace_period=2.0)
+    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
+        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
+    except torch.multiprocessing.ProcessExitedException as e:
+        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
+    return sum(p.exitcode == 0 for p in workers.processes)
+
+
+def end_workers(workers) -> None:
+    """Kills the worker processes and waits for each: none is left running, and the exit has none to wait for."""
+    for p in workers.processes:
+        p.kill()
+        p.join()
+
+
+def parse_args(argv=None):
+    """tyro's flags over the defaults `defaults_for` gives the run (none on `--resume`: the run keeps its own
+    arguments): a flag given wins, and `--help` shows the values a run would take."""
     import tyro
 
-    argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
-    first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    overrides = {} if first.preset == "paper" or first.resume else table.get(task_family(first.env_id), (PAPER, {}))[1]
-    return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
-
-
-def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
-    """(family, where the defaults came from), for the start-up line and args.json."""
-    family = task_family(args.env_id)
-    source, values = table.get(family, (PAPER, {}))
-    if args.preset == "paper":
-        return family, PAPER + ", forced by --preset paper"
-    show = [f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
-    return family, source + (": " + ", ".join(show) if show else "")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first, _ = tyro.cli(Args, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
+    given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
+    overrides = {} if first.resume else defaults_for(first, given)[2]
+    return tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **overrides))
 
 
 class RunLog:
     """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
-    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json."""
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json. `name`: the folder's task (several
+    games: "<G>games"); `write`: False in the learners other than rank 0; an episode's `group`: its game or learner."""
 
-    def __init__(self, args, resumed, describe):
-        resumed, self.args = resumed or {}, args
-        self.returns = list(resumed.get("returns", []))
+    def __init__(self, args, resumed, describe, name=None, write=True):
+        resumed, self.args, self.writer = resumed or {}, args, None
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
+        self.episodes = resumed.get("episodes", len(self.returns))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_line = self.last_save = time.time()
-        name = os.path.join(args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(self.start)}")
+        self.start = self.last_line = self.last_wait = self.last_save = time.time()
+        self.name = name or args.env_id
+        name = os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}__{int(self.start)}")
         self.path = args.resume or name
+        if not write:
+            return
         for k in itertools.count(2):  # a run started in the same second takes `<name>_2`, ...
             try:
                 os.makedirs(self.path, exist_ok=bool(args.resume))  # atomic: two runs never share a folder
                 break
             except FileExistsError:
                 self.path = f"{name}_{k}"
-        family, source = describe_defaults(args)
+        family, source, values = defaults_for(args)
+        values = {k.replace("_", "-"): " ".join(map(str, v)) if isinstance(v, tuple) else v for k, v in values.items()}
+        source += ": " + ", ".join(f"{k} {v}" for k, v in values.items()) if values else ""
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
         from torch.utils.tensorboard import SummaryWriter
@@ -812,32 +849,41 @@ class RunLog:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step) -> None:
+    def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
+        self.episodes += 1
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
+        if group is not None:
+            self.groups.setdefault(group, []).append(score)
+            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
     def due(self) -> bool:
         """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
         return time.time() - self.last_line >= self.args.log_interval
 
-    def console(self, step: int, extra: str = "") -> None:
-        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+    def console(self, step: int, extra: str = "", waiting=False) -> None:
+        """The progress line (step, SPS, recent return, episodes so far, ETA) and charts/SPS; `waiting` (for a batch,
+        say): a line at most every --log-interval seconds (and 5 s) since any other, leaving `due` to the update's."""
         now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        if waiting and now - max(self.last_line, self.last_wait) < max(self.args.log_interval, 5.0):
+            return
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-        print(
-            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
-            flush=True,
-        )
-        self.scalars({"charts/SPS": sps}, step)
-        self.last_line = now
+        line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+        print(line + f"| episodes {self.episodes}{' | ' + extra if extra else ''} | ETA {left}", flush=True)
+        if waiting:
+            self.last_wait = now
+        elif self.writer is not None:
+            self.scalars({"charts/SPS": sps}, step)
+            self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
-        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
-        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        """checkpoint.pt: the script's training `state` with the log's own and the run's arguments (and with
+        --save-model, model.pt), each through a temporary file and a rename: a run killed while saving keeps its last
+        good file."""
         wall = self.previous_wall + time.time() - self.start
-        log = dict(global_step=step, returns=self.returns[-100:], wall_time_s=wall, args=dataclasses.asdict(self.args))
+        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
+        log.update(episodes=self.episodes, wall_time_s=wall, args=dataclasses.asdict(self.args))
         log["script"] = os.path.basename(__file__)
         for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
             if obj is not None:
@@ -853,7 +899,7 @@ class RunLog:
         """summary.json (the house keys and the script's `extra`; the wall time and SPS up to the final checkpoint, not
         through the evaluation); closes the TensorBoard writer."""
         end = self.last_save  # the final checkpoint, saved after the last update
-        summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
         summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
         with open(os.path.join(self.path, "summary.json"), "w") as f:
@@ -863,7 +909,7 @@ class RunLog:
 
 
 def cli():
-    """tyro's flags, the family's defaults for the flags not given, bad input as one line (exit status 2)."""
+    """tyro's flags, the run's defaults for the flags not given, bad input as one line (exit status 2)."""
     try:
         main(parse_args())
     except UsageError as e:

@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import multiprocessing
 import os
 import queue
 import signal
@@ -116,6 +115,21 @@ FAMILY_DEFAULTS = {
         dict(total_timesteps=300_000, num_envs=16, batch_size=8, learning_rate=3e-3, baseline_cost=0.1),
     ),
 }
+PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
+
+
+def defaults_for(args, given=()) -> tuple[str, str, dict]:
+    """(task family, the defaults' source, their values) of a run of `args`: its family's, none with `--preset paper`;
+    with --env-ids one actor per game and the envs rounded up to match, unless `given`."""
+    family = task_family(args.env_id)
+    if args.preset == "paper":
+        return family, PAPER + ", forced by --preset paper", {}
+    source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
+    if args.env_ids:
+        actors = args.num_actors if "--num-actors" in given else len(expand_env_ids(args.env_ids))
+        envs = args.num_envs if "--num-envs" in given else -(-values.get("num_envs", Args.num_envs) // actors) * actors
+        source, values = source + "; --env-ids: an actor per game", {**values, "num_actors": actors, "num_envs": envs}
+    return family, source, values
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -390,27 +404,24 @@ def main(args: Args):
             update, diagnose = update + 1, rank == 0 and (log.due() or update + 1 == num_updates)
             logits, stats = learner_step(model, optimizer, batch, args, diagnose)
             schedule.step()
-            pool.publish(agent)
+            pool.publish(agent.state_dict())
             log_update(log, pool, agent, update * steps_per_update, stats if diagnose else None, logits, batch)
             if rank == 0 and (log.save_due() or update == num_updates):  # its flush takes this update's curves
                 save(log, update, steps_per_update, agent, optimizer, schedule)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
-    pool.close()
-    if rank == 0 and update < num_updates:  # stopped: the last completed update saved, and how to continue
+    finally:
+        pool.close()
+    if rank == 0 and update < num_updates:  # stopped: the last completed update saved
         save(log, update, steps_per_update, agent, optimizer, schedule)
-        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
-        step, continue_with = update * steps_per_update, f"{again} {os.path.basename(__file__)} --resume {log.path}"
-        print(f"checkpoint at step {step}: continue with {continue_with}", file=sys.stderr)
-        log.writer.close()
     elif rank == 0:
         model = saved_model(args, agent, update * steps_per_update)
         eval_mean, extra = evaluate_model(log, model, device)
         log.end(update * steps_per_update, eval_mean, **extra)
     if world > 1:
         torch.distributed.destroy_process_group()
-    if update < num_updates:  # stopped; os._exit leaves no interpreter shutdown for a second Ctrl-C to cut into
-        os._exit(130)
+    if update < num_updates:
+        stopped(log if rank == 0 else None, update * steps_per_update, world)
 
 
 def save(log, update, steps_per_update, agent, optimizer, schedule) -> None:
@@ -530,8 +541,135 @@ def check_args(args):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing: actor processes and their shared-memory unrolls, learner processes, the run folder, checkpoints,
-# Ctrl-C and failures, the task family's defaults. No equation below.
+# The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
+# the copies are identical); what differs between scripts comes in as arguments.
+
+
+class Stop:
+    """Ctrl-C or SIGTERM: `requested`, and the run stops after the update in hand; a second Ctrl-C exits at once (130).
+    A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            os._exit(130)
+        self.requested = True
+        print("stopping after the update in hand (Ctrl-C again: at once)", file=sys.stderr, flush=True)
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or parameter became NaN or infinite: the run stops before it spoils its checkpoint."""
+
+
+def check_finite(where: str, **named) -> None:
+    """NonFiniteError naming the first of `named` (tensors or numbers) with a NaN or an infinity (one host sync)."""
+    flags = [torch.isfinite(torch.as_tensor(v).detach()).all() for v in named.values()]
+    ok = torch.stack([f.to(flags[0].device) for f in flags])
+    if not bool(ok.all()):
+        raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised (its traceback), died (its exit code) or ended before its learner."""
+
+
+def fail(error: Exception, run_path: str) -> None:
+    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit status 1 (the
+    caller's `finally` ends the workers first; torchrun stops the other learners)."""
+    print(f"error: {error}", file=sys.stderr)
+    if "NonFiniteError" in f"{type(error).__name__} {error}":  # here, or in a worker's traceback
+        path = os.path.join(run_path, "checkpoint.pt")
+        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
+        advice = kept if step is not None else "no checkpoint was written before it"
+        print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def stopped(log, step: int, world: int = 1) -> None:
+    """The end of a stopped run whose last update is saved: how to continue, then exit status 130 (a second Ctrl-C is
+    ignored from here: the interpreter's shutdown releases the queues' semaphores)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log is not None:  # rank 0
+        log.writer.close()
+        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
+        hint = f"continue with {again} {os.path.basename(__file__)} --resume {log.path}"
+        print(f"checkpoint at step {step}: {hint}", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
+def loss_stats(result) -> dict:
+    """A loss's named tuple as TensorBoard tags: `losses/<name>` for its parts, `stats/<name>` for other scalars."""
+    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
+    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def learner_process(args):
+    """(rank, world, device) of this learner: the process group under torchrun, seeds, determinism, threads."""
+    rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
+    return rank, world, device
+
+
+def agreed(flag: bool, device) -> bool:
+    """Whether `flag` holds in any learner process: under torchrun every learner stops after the same update."""
+    if world_size() == 1:
+        return flag
+    flag = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def start_workers(target, per_worker, *args):
+    """A process per item of `per_worker` running `target(item, *args)`, deaf to Ctrl-C and SIGTERM from the start."""
+    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # inherited by them
+    run = (target, per_worker, *args)
+    workers = torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+    for s, handler in ignored.items():
+        signal.signal(s, handler)
+    return workers
+
+
+def run_worker(i, target, per_worker, *args):
+    """Worker process i of torch's `start_processes` (its `join` brings a traceback back): it dies with the process
+    that started it, one torch thread."""
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
+    if torch.multiprocessing.parent_process().is_alive():  # else the parent died before the line above
+        torch.set_num_threads(1)
+        target(per_worker[i], *args)
+
+
+def check_workers(workers, what: str = "worker") -> int:
+    """WorkerError if a worker raised (its traceback) or died, torch's `join` having stopped the others; else the
+    number of workers that have ended."""
+    try:
+        workers.join(timeout=0, grace_period=2.0)
+    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
+        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
+    except torch.multiprocessing.ProcessExitedException as e:
+        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
+    return sum(p.exitcode == 0 for p in workers.processes)
+
+
+def end_workers(workers) -> None:
+    """Kills the worker processes and waits for each: none is left running, and the exit has none to wait for."""
+    for p in workers.processes:
+        p.kill()
+        p.join()
 
 
 def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNamespace]:
@@ -581,16 +719,16 @@ class UnrollWriter:
 
     def __init__(self, link: ActorLink, num_envs: int, unroll_length: int):
         self.link, self.T = link, unroll_length
-        self.slot, self.pos = np.array([self.link.free_q.get() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
+        self.slot, self.pos = np.array([link.free_q.get() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
 
     def write(self, ids, row, core_state=None):
         buffers, T, core_state = self.link.buffers, self.T, core_state or {}
-        sl, p = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
+        slots, pos = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
         for k, v in row.items():
-            buffers[k][sl, p] = v
-        start = p == 0  # rows that open a slot: the LSTM state before them is kept
+            buffers[k][slots, pos] = v
+        start = pos == 0  # rows that open a slot: the LSTM state before them is kept
         for k, v in core_state.items():
-            buffers[k][sl[start]] = v[start]
+            buffers[k][slots[start]] = v[start]
         self.pos[ids] += 1
         for i in np.flatnonzero(self.pos[ids] == T + 1):
             e, new = ids[i], self.link.free_q.get()
@@ -615,20 +753,23 @@ class ActorPool:
         self.agent, self.version = shared, version  # the network the actors act with, and how often it was published
         for i in range(num_slots):
             self.link.free_q.put(i)
+        self.link.free_q.cancel_join_thread()  # an exit does not wait to flush it to actors that are gone
         self.workers = start_workers(act, cfgs, self.link)
 
     def next_batch(self, stop, log=None, step=0):
         """`batch_size` unrolls `[T+1, B, ...]` on the learner's device (`core_*`: `[B, ...]`), or None once a stop is
-        requested; progress lines while they are collected (`log`); WorkerError if an actor died."""
-        idx, batch_size = [], self.batch_size
-        while len(idx) < batch_size and not stop.requested:
+        requested; progress lines while they are collected (`log`); WorkerError if an actor died or ended."""
+        idx = []
+        while len(idx) < self.batch_size and not stop.requested:
             try:
                 idx.append(self.link.full_q.get(timeout=1.0))
             except queue.Empty:
-                check_workers(self.workers, "actor")
+                if check_workers(self.workers, "actor"):
+                    raise WorkerError("an actor ended before its learner")
             if log is not None:
-                log.console(step, f"collecting a batch: {len(idx)}/{batch_size} unrolls", waiting=True)
-        check_workers(self.workers, "actor")
+                log.console(step, f"collecting a batch: {len(idx)}/{self.batch_size} unrolls", waiting=True)
+        if check_workers(self.workers, "actor"):
+            raise WorkerError("an actor ended before its learner")
         if stop.requested:
             return None
         batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
@@ -638,173 +779,46 @@ class ActorPool:
         pin = self.device.type == "cuda"
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def publish(self, agent):
-        """Copies `agent`'s weights into the network the actors act with; they load it at their next step."""
-        with torch.no_grad():
-            for dst, src in zip(self.agent.state_dict().values(), agent.state_dict().values()):
-                dst.copy_(src)
+    def publish(self, weights):
+        """Copies `weights` (a state_dict) into the network the actors act with; they load it at their next step."""
+        self.agent.load_state_dict(weights)
         self.version += 1
 
     def take_episodes(self) -> list:
-        """(score, length, task) of each episode the actors finished since the last call."""
-        return [self.link.episode_q.get() for _ in range(self.link.episode_q.qsize())]
+        """What the actors put on `episode_q` (an episode's score and length, ...) since the last call."""
+        episodes = []
+        while not self.link.episode_q.empty():
+            episodes.append(self.link.episode_q.get())
+        return episodes
 
     def close(self):
-        for p in self.workers.processes:
-            p.kill()
-            p.join()
+        end_workers(self.workers)
 
 
-class WorkerError(RuntimeError):
-    """A worker process raised (its traceback) or died (its exit code)."""
-
-
-def run_worker(i, target, per_worker, *args):
-    """Worker process i of torch's `start_processes` (its `join` brings a traceback back): it dies with its learner."""
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
-    if multiprocessing.parent_process().is_alive():  # else the parent died before the line above
-        torch.set_num_threads(1)
-        target(per_worker[i], *args)
-
-
-def start_workers(target, per_worker, *args):
-    """A process per item of `per_worker` running `target(item, *args)`, deaf to Ctrl-C and SIGTERM from the start."""
-    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # inherited by them
-    run = (target, per_worker, *args)
-    workers = torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
-    for s, handler in ignored.items():
-        signal.signal(s, handler)
-    return workers
-
-
-def check_workers(workers, what) -> None:
-    """WorkerError if a worker raised (its traceback), died or ended; torch's `join` has then stopped the others."""
-    try:
-        workers.join(timeout=0, grace_period=2.0)
-    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
-        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
-    except torch.multiprocessing.ProcessExitedException as e:
-        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-    if any(p.exitcode == 0 for p in workers.processes):
-        raise WorkerError(f"{what} ended before its learner")
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def learner_process(args):
-    """(rank, world, device) of this learner: the process group under torchrun, seeds, determinism, threads."""
-    rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
-    if world > 1:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    torch.manual_seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
-    return rank, world, device
-
-
-def agreed(flag: bool, device) -> bool:
-    """Whether `flag` holds in any learner process: under torchrun every learner stops after the same update."""
-    if world_size() == 1:
-        return flag
-    flag = torch.tensor([float(flag)], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def loss_stats(result) -> dict:
-    """A loss's named tuple as TensorBoard tags: `losses/<name>` for its parts, `stats/<name>` for other scalars."""
-    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
-    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
-
-
-class Stop:
-    """Ctrl-C or SIGTERM: `requested`, and the run stops after the update in hand; a second Ctrl-C exits at once (130).
-    A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGINT, self.on_signal)
-        signal.signal(signal.SIGTERM, self.on_signal)
-
-    def on_signal(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            os._exit(130)
-        self.requested = True
-        print("stopping after the update in hand (Ctrl-C again: at once)", file=sys.stderr, flush=True)
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, gradient or parameter became NaN or infinite: the run stops before it spoils its checkpoint."""
-
-
-def check_finite(where: str, **named) -> None:
-    """NonFiniteError naming the first of `named` (tensors or numbers) with a NaN or an infinity (one host sync)."""
-    flags = [torch.isfinite(torch.as_tensor(v).detach()).all() for v in named.values()]
-    ok = torch.stack([f.to(flags[0].device) for f in flags])
-    if not bool(ok.all()):
-        raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
-
-
-def fail(error: Exception, run_path: str) -> None:
-    """A failed worker or a non-finite value: the error line, the last good checkpoint, exit 1 (workers die too)."""
-    print(f"error: {error}", file=sys.stderr)
-    if "NonFiniteError" in f"{type(error).__name__} {error}":
-        path = os.path.join(run_path, "checkpoint.pt")
-        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
-        kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
-        advice = kept if step is not None else "no checkpoint was written before it"
-        print(f"{advice}: try a lower --learning-rate", file=sys.stderr)
-    os._exit(1)
-
-
-PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
-
-
-def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the family's defaults (none under `--preset paper` or `--resume`); `--help` shows them."""
+def parse_args(argv=None):
+    """tyro's flags over the defaults `defaults_for` gives the run (none on `--resume`: the run keeps its own
+    arguments): a flag given wins, and `--help` shows the values a run would take."""
     import tyro
 
-    argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
-    first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    family = first.preset != "paper" and not first.resume
-    overrides = table.get(task_family(first.env_id), (PAPER, {}))[1] if family else {}
-    if family and first.env_ids:  # one actor per game and envs rounded up to match, unless given
-        given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
-        actors = first.num_actors if "--num-actors" in given else len(expand_env_ids(first.env_ids))
-        envs = (
-            first.num_envs if "--num-envs" in given else -(-overrides.get("num_envs", cls.num_envs) // actors) * actors
-        )
-        overrides = {**overrides, "num_actors": actors, "num_envs": envs}
-    return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
-
-
-def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
-    """(family, where the defaults came from), for the start-up line and args.json."""
-    family = task_family(args.env_id)
-    source, values = table.get(family, (PAPER, {}))
-    if args.preset == "paper":
-        return family, PAPER + ", forced by --preset paper"
-    show = [f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
-    source += ": " + ", ".join(show) if show else ""
-    if args.env_ids:
-        source += f"; --env-ids: {args.num_actors} actors, {args.num_envs} envs (one actor per game unless given)"
-    return family, source
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first, _ = tyro.cli(Args, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
+    given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
+    overrides = {} if first.resume else defaults_for(first, given)[2]
+    return tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **overrides))
 
 
 class RunLog:
     """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
-    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json; written by rank 0 (`write`) alone."""
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json. `name`: the folder's task (several
+    games: "<G>games"); `write`: False in the learners other than rank 0; an episode's `group`: its game or learner."""
 
     def __init__(self, args, resumed, describe, name=None, write=True):
         resumed, self.args, self.writer = resumed or {}, args, None
         self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
+        self.episodes = resumed.get("episodes", len(self.returns))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
         self.start = self.last_line = self.last_wait = self.last_save = time.time()
-        self.name = name or args.env_id  # several games: "<G>games"
+        self.name = name or args.env_id
         name = os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}__{int(self.start)}")
         self.path = args.resume or name
         if not write:
@@ -815,7 +829,9 @@ class RunLog:
                 break
             except FileExistsError:
                 self.path = f"{name}_{k}"
-        family, source = describe_defaults(args)
+        family, source, values = defaults_for(args)
+        values = {k.replace("_", "-"): " ".join(map(str, v)) if isinstance(v, tuple) else v for k, v in values.items()}
+        source += ": " + ", ".join(f"{k} {v}" for k, v in values.items()) if values else ""
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
         from torch.utils.tensorboard import SummaryWriter
@@ -829,6 +845,7 @@ class RunLog:
 
     def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
+        self.episodes += 1
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
         if group is not None:
             self.groups.setdefault(group, []).append(score)
@@ -839,18 +856,15 @@ class RunLog:
         return time.time() - self.last_line >= self.args.log_interval
 
     def console(self, step: int, extra: str = "", waiting=False) -> None:
-        """The progress line (step, SPS, recent return, ETA) and charts/SPS; `waiting` (for a batch, say): a line at
-        most every --log-interval seconds (and 5 s) since any other, which leaves the diagnostics' turn (`due`)."""
+        """The progress line (step, SPS, recent return, episodes so far, ETA) and charts/SPS; `waiting` (for a batch,
+        say): a line at most every --log-interval seconds (and 5 s) since any other, leaving `due` to the update's."""
         now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
         if waiting and now - max(self.last_line, self.last_wait) < max(self.args.log_interval, 5.0):
             return
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-        print(
-            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
-            flush=True,
-        )
+        line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+        print(line + f"| episodes {self.episodes}{' | ' + extra if extra else ''} | ETA {left}", flush=True)
         if waiting:
             self.last_wait = now
         elif self.writer is not None:
@@ -858,10 +872,13 @@ class RunLog:
             self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
-        """checkpoint.pt (the training `state`, the log's own, the arguments) and model.pt, each written atomically."""
+        """checkpoint.pt: the script's training `state` with the log's own and the run's arguments (and with
+        --save-model, model.pt), each through a temporary file and a rename: a run killed while saving keeps its last
+        good file."""
         wall = self.previous_wall + time.time() - self.start
         log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
-        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        log.update(episodes=self.episodes, wall_time_s=wall, args=dataclasses.asdict(self.args))
+        log["script"] = os.path.basename(__file__)
         for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
@@ -873,7 +890,8 @@ class RunLog:
         return 0 < self.args.checkpoint_interval <= time.time() - self.last_save
 
     def end(self, step: int, eval_mean=None, **extra) -> dict:
-        """summary.json (the SPS up to the final checkpoint, not through the evaluation); closes the writer."""
+        """summary.json (the house keys and the script's `extra`; the wall time and SPS up to the final checkpoint, not
+        through the evaluation); closes the TensorBoard writer."""
         end = self.last_save  # the final checkpoint, saved after the last update
         summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
@@ -885,7 +903,7 @@ class RunLog:
 
 
 def cli():
-    """tyro's flags, the family's defaults for the flags not given, bad input as one line (exit status 2)."""
+    """tyro's flags, the run's defaults for the flags not given, bad input as one line (exit status 2)."""
     try:
         main(parse_args())
     except UsageError as e:

@@ -146,6 +146,17 @@ FAMILY_DEFAULTS = {
         dict(total_timesteps=20_000, num_learners=2, t_initial=1000, learning_starts=2000),
     ),
 }
+PAPER = "the paper's settings as its authors' code runs them (the Args defaults)"  # defaults outside a family
+PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code departs from it, forced by --preset paper"
+
+
+def defaults_for(args, given=()) -> tuple[str, str, dict]:
+    """(task family, the defaults' source, their values) of a run of `args`: its family's, or with `--preset paper`
+    the text's reading where the authors' code departs from it."""
+    family = task_family(args.env_id)
+    if args.preset == "paper":
+        return family, PAPER_FORCED, PAPER_TEXT
+    return family, *FAMILY_DEFAULTS.get(family, (PAPER, {}))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -597,11 +608,7 @@ def main(args: Args):
                 model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
                 log.save(step, state, model if args.save_model else None)  # model.pt: the last evaluation's best first
             if stop.requested:
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # saved: a second Ctrl-C while exiting changes nothing
-                log.writer.close()
-                again = f"python {os.path.basename(__file__)} --resume {log.path}"
-                print(f"checkpoint at step {step}: continue with {again}", file=sys.stderr, flush=True)
-                sys.exit(130)
+                stopped(log, step)
             if log.due():  # the console line and every learner's statistics
                 selected = f"best {best} | beta {beta:.3g}" if N > 1 else ""
                 log.console(step, " | ".join(filter(None, (selected, last_eval))))
@@ -716,7 +723,7 @@ def log_evaluation(log, step, means) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing: Ctrl-C, failures, the task family's defaults, the run folder. No equation below.
+# Threads. No equation below.
 
 
 class ThreadChoice:
@@ -743,9 +750,14 @@ class ThreadChoice:
         torch.set_num_threads(choice)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
+# the copies are identical); what differs between scripts comes in as arguments.
+
+
 class Stop:
-    """Ctrl-C or SIGTERM: `requested`, and the run stops after the time step in hand (its updates complete); a second
-    Ctrl-C exits at once (130). A SIGTERM after the first signal waits."""
+    """Ctrl-C or SIGTERM: `requested`, and the run stops after the update in hand; a second Ctrl-C exits at once (130).
+    A SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) waits."""
 
     def __init__(self):
         self.requested = False
@@ -772,62 +784,67 @@ def check_finite(where: str, **named) -> None:
 
 
 def fail(error: Exception, run_path: str) -> None:
-    """A non-finite value: the error line, where the last good checkpoint is, exit 1."""
+    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit status 1 (the
+    caller's `finally` ends the workers first; torchrun stops the other learners)."""
     print(f"error: {error}", file=sys.stderr)
-    if "NonFiniteError" in f"{type(error).__name__} {error}":
+    if "NonFiniteError" in f"{type(error).__name__} {error}":  # here, or in a worker's traceback
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
         kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
         advice = kept if step is not None else "no checkpoint was written before it"
         print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
-    os._exit(1)
+    sys.exit(1)
 
 
-PAPER = "the paper's settings as its authors' code runs them (the Args defaults)"  # defaults outside a family
-PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code departs from it, forced by --preset paper"
+def stopped(log, step: int, world: int = 1) -> None:
+    """The end of a stopped run whose last update is saved: how to continue, then exit status 130 (a second Ctrl-C is
+    ignored from here: the interpreter's shutdown releases the queues' semaphores)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log is not None:  # rank 0
+        log.writer.close()
+        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
+        hint = f"continue with {again} {os.path.basename(__file__)} --resume {log.path}"
+        print(f"checkpoint at step {step}: {hint}", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
-def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the family's defaults, or under `--preset paper` over the text's reading where the
-    authors' code departs from it (`PAPER_TEXT`): a flag given wins, `--help` shows the values a run would take;
-    none on `--resume` (the run keeps its own arguments)."""
+def parse_args(argv=None):
+    """tyro's flags over the defaults `defaults_for` gives the run (none on `--resume`: the run keeps its own
+    arguments): a flag given wins, and `--help` shows the values a run would take."""
     import tyro
 
-    argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
-    first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    family = table.get(task_family(first.env_id), (PAPER, {}))[1]
-    overrides = {} if first.resume else PAPER_TEXT if first.preset == "paper" else family
-    return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
-
-
-def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
-    """(family, where the defaults came from), for the start-up line and args.json."""
-    family = task_family(args.env_id)
-    source, values = table.get(family, (PAPER, {}))
-    if args.preset == "paper":
-        return family, PAPER_FORCED
-    show = [f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
-    return family, source + (": " + ", ".join(show) if show else "")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first, _ = tyro.cli(Args, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
+    given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
+    overrides = {} if first.resume else defaults_for(first, given)[2]
+    return tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **overrides))
 
 
 class RunLog:
-    """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns (per learner) and wall
-    time to go on from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json."""
+    """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json. `name`: the folder's task (several
+    games: "<G>games"); `write`: False in the learners other than rank 0; an episode's `group`: its game or learner."""
 
-    def __init__(self, args, resumed, describe):
-        resumed, self.args = resumed or {}, args
+    def __init__(self, args, resumed, describe, name=None, write=True):
+        resumed, self.args, self.writer = resumed or {}, args, None
         self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
+        self.episodes = resumed.get("episodes", len(self.returns))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_line = self.last_save = time.time()
-        name = os.path.join(args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(self.start)}")
+        self.start = self.last_line = self.last_wait = self.last_save = time.time()
+        self.name = name or args.env_id
+        name = os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}__{int(self.start)}")
         self.path = args.resume or name
+        if not write:
+            return
         for k in itertools.count(2):  # a run started in the same second takes `<name>_2`, ...
             try:
                 os.makedirs(self.path, exist_ok=bool(args.resume))  # atomic: two runs never share a folder
                 break
             except FileExistsError:
                 self.path = f"{name}_{k}"
-        family, source = describe_defaults(args)
+        family, source, values = defaults_for(args)
+        values = {k.replace("_", "-"): " ".join(map(str, v)) if isinstance(v, tuple) else v for k, v in values.items()}
+        source += ": " + ", ".join(f"{k} {v}" for k, v in values.items()) if values else ""
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
         from torch.utils.tensorboard import SummaryWriter
@@ -841,6 +858,7 @@ class RunLog:
 
     def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
+        self.episodes += 1
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
         if group is not None:
             self.groups.setdefault(group, []).append(score)
@@ -850,29 +868,35 @@ class RunLog:
         """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
         return time.time() - self.last_line >= self.args.log_interval
 
-    def console(self, step: int, extra: str = "") -> None:
-        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+    def console(self, step: int, extra: str = "", waiting=False) -> None:
+        """The progress line (step, SPS, recent return, episodes so far, ETA) and charts/SPS; `waiting` (for a batch,
+        say): a line at most every --log-interval seconds (and 5 s) since any other, leaving `due` to the update's."""
         now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        if waiting and now - max(self.last_line, self.last_wait) < max(self.args.log_interval, 5.0):
+            return
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
-        print(
-            f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-            f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}",
-            flush=True,
-        )
-        self.scalars({"charts/SPS": sps}, step)
-        self.last_line = now
+        line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
+        print(line + f"| episodes {self.episodes}{' | ' + extra if extra else ''} | ETA {left}", flush=True)
+        if waiting:
+            self.last_wait = now
+        elif self.writer is not None:
+            self.scalars({"charts/SPS": sps}, step)
+            self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
-        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
-        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        """checkpoint.pt: the script's training `state` with the log's own and the run's arguments (and with
+        --save-model, model.pt), each through a temporary file and a rename: a run killed while saving keeps its last
+        good file."""
         wall = self.previous_wall + time.time() - self.start
         log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
-        log.update(wall_time_s=wall, args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        log.update(episodes=self.episodes, wall_time_s=wall, args=dataclasses.asdict(self.args))
+        log["script"] = os.path.basename(__file__)
         for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
                 os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
+        self.writer.flush()  # the curves on disk reach the checkpoint: a resumed run continues them
         self.last_save = time.time()
 
     def save_due(self) -> bool:
@@ -882,7 +906,7 @@ class RunLog:
         """summary.json (the house keys and the script's `extra`; the wall time and SPS up to the final checkpoint, not
         through the evaluation); closes the TensorBoard writer."""
         end = self.last_save  # the final checkpoint, saved after the last update
-        summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
         summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
         with open(os.path.join(self.path, "summary.json"), "w") as f:
@@ -892,7 +916,7 @@ class RunLog:
 
 
 def cli():
-    """tyro's flags, the family's defaults for the flags not given, bad input as one line (exit status 2)."""
+    """tyro's flags, the run's defaults for the flags not given, bad input as one line (exit status 2)."""
     try:
         main(parse_args())
     except UsageError as e:

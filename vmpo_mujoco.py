@@ -113,6 +113,19 @@ FAMILY_DEFAULTS = {
     ),
     "classic": ("settings measured on Pendulum-v1 (docs)", dict(num_envs=16, batch_size=16, **ONE_MACHINE)),
 }
+PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
+
+
+def defaults_for(args, given=()) -> tuple[str, str, dict]:
+    """(task family, the defaults' source, their values) of a run of `args`: the task's Table 7 column and, unless
+    `--preset paper`, its family's settings on top."""
+    family, humanoid = task_family(args.env_id), args.env_id.startswith("Humanoid")
+    humanoid = humanoid and type(env_spec(args.env_id)).__name__.startswith("Dmc")
+    column = TABLE7_COLUMNS["humanoid-state" if humanoid else "gym"]
+    if args.preset == "paper":
+        return family, PAPER + ", forced by --preset paper", column
+    source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
+    return family, source, {**column, **values}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -324,7 +337,7 @@ def buffer_specs(obs_dim, action_dim, T):
     return {**specs, "obs": ((T + 1, obs_dim), torch.float32), "reward": ((T + 1,), torch.float32)}
 
 
-def act(cfg, link: "ActorLink") -> None:
+def act(cfg, link) -> None:
     """Algorithm 1, 'use π_θtarget to act': steps an envpool with the target network and fills unrolls."""
     n, device = cfg.num_envs, torch.device(cfg.device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -347,7 +360,7 @@ def act(cfg, link: "ActorLink") -> None:
         row.update(ended=torch.from_numpy(term | trunc), terminated=torch.from_numpy(term))
         unrolls.write(ids, {**row, "version": torch.full((len(ids),), seen, dtype=torch.long)})
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
-            link.msg_q.put((score, length))
+            link.episode_q.put((score, length))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -409,13 +422,7 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
 def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     spec = check_args(args)
-    rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
-    if world > 1:  # torchrun's learners
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    torch.manual_seed(args.seed + rank)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))  # the rest: envs
+    rank, world, device = learner_process(args)
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
     agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, args.popart_beta).to(device)
     init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
@@ -445,26 +452,23 @@ def main(args: Args):
             update += 1
             stats = learner_step(state, batch, args, update)
             if update % args.target_update_period == 0:
-                pool.publish(agent)  # θ_target ← θ_online
+                pool.publish(agent.state_dict())  # θ_target ← θ_online
             log_update(log, pool, update, batch, stats if log.due() or update == num_updates else None)
             if rank == 0 and (log.save_due() or update == num_updates):  # its flush takes this update's curves
                 save(log, state, update, spec)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
-    pool.close()
+    finally:
+        pool.close()
     step = update * steps_per_update
-    if rank == 0 and update < num_updates:  # stopped: the last completed update saved, and how to continue
+    if rank == 0 and update < num_updates:  # stopped: the last completed update saved
         save(log, state, update, spec)
-        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
-        continue_with = f"{again} {os.path.basename(__file__)} --resume {log.path}"
-        print(f"checkpoint at step {step}: continue with {continue_with}", file=sys.stderr, flush=True)
-        log.writer.close()
     elif rank == 0:
         log.end(step, evaluate_model(log, saved_model(args, spec, agent, multipliers, step), device))
     if world > 1:
         torch.distributed.destroy_process_group()
-    if update < num_updates:  # stopped; os._exit leaves no interpreter shutdown for a second Ctrl-C to cut into
-        os._exit(130)
+    if update < num_updates:
+        stopped(log if rank == 0 else None, step, world)
 
 
 def save(log, state, update, spec) -> None:
@@ -535,7 +539,7 @@ def saved_model(args, spec, agent, multipliers, global_step):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plumbing: checks, actor processes and their unrolls, the run folder, Ctrl-C and failures, defaults. No equation below.
+# Checking the arguments. No equation below.
 
 
 def check_args(args):
@@ -564,159 +568,9 @@ def check_args(args):
     return spec
 
 
-def actor_configs(args, rank, device) -> list[SimpleNamespace]:
-    """The actors of learner `rank`: seeds apart by learner and actor, their envs stepped by the cores left free."""
-    n = args.num_envs // args.num_actors
-    threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
-    shared = dict(num_envs=n, unroll_length=args.unroll_length, env_batch_size=args.env_batch_size or max(1, n // 2))
-    shared.update(env_id=args.env_id, device=str(device), env_threads=threads)
-    return [SimpleNamespace(seed=args.seed + 1000 * rank + a, **shared) for a in range(args.num_actors)]
-
-
-@dataclass
-class ActorLink:
-    """What an actor shares with its learner: the published network, its version, unroll buffers, slot queues."""
-
-    agent: nn.Module
-    version: torch.Tensor
-    buffers: dict
-    free_q: object
-    full_q: object
-    msg_q: object
-    seen: int = -1  # the version the actor's copy holds
-
-    def local_agent(self, device):
-        self.seen = -1  # the first refresh loads the published network
-        return copy.deepcopy(self.agent).to(device)
-
-    def refresh(self, agent) -> int:
-        """Loads the published network into `agent` if the learner has published since; returns its version."""
-        latest = int(self.version.item())
-        if latest != self.seen:
-            agent.load_state_dict(self.agent.state_dict())
-            self.seen = latest
-        return latest
-
-
-class UnrollWriter:
-    """The actor's side: `write(ids, row)` for any envs (async envpool); a slot of T+1 rows goes to the learner."""
-
-    def __init__(self, link: ActorLink, num_envs: int, unroll_length: int):
-        self.link, self.T = link, unroll_length
-        self.slot, self.pos = np.array([link.free_q.get() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
-
-    def write(self, ids, row):
-        buffers, T = self.link.buffers, self.T
-        slots, pos = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
-        for k, v in row.items():
-            buffers[k][slots, pos] = v
-        self.pos[ids] += 1
-        for e in ids[self.pos[ids] == T + 1]:
-            new = self.link.free_q.get()
-            for k in row:  # the env goes on in a free slot whose row 0 is the full one's row T
-                buffers[k][new, 0] = buffers[k][self.slot[e], T]
-            self.link.full_q.put(int(self.slot[e]))
-            self.slot[e], self.pos[e] = new, 1
-
-
-class ActorPool:
-    """The learner's side: one process per config running `act`, batches of full unrolls, the network published."""
-
-    def __init__(self, cfgs, agent, specs, batch_size, device):
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.batch_size, self.device = batch_size, device
-        num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
-        buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
-        shared, version = copy.deepcopy(agent).cpu().share_memory(), torch.zeros(1, dtype=torch.long).share_memory_()
-        self.link = ActorLink(shared, version, buffers, ctx.Queue(), ctx.Queue(), ctx.Queue())
-        self.agent, self.version = shared, version  # the network the actors act with, and how often it was published
-        for i in range(num_slots):
-            self.link.free_q.put(i)
-        # The actors inherit SIG_IGN for Ctrl-C and SIGTERM (a terminal signals every process; the learner stops them).
-        ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        start = torch.multiprocessing.start_processes
-        self.workers = start(run_worker, (act, cfgs, self.link), len(cfgs), join=False, start_method="spawn")
-        for s, handler in ignored.items():
-            signal.signal(s, handler)
-
-    def next_batch(self, stop, log=None, step=0):
-        """`batch_size` unrolls `[T+1, B, ...]` on the device (None on a stop), with progress lines while it waits."""
-        idx = []
-        while len(idx) < self.batch_size and not stop.requested:
-            try:
-                idx.append(self.link.full_q.get(timeout=1.0))
-            except queue.Empty:
-                check_workers(self.workers, "actor")
-            if log is not None and log.due():
-                log.console(step, f"collecting a batch: {len(idx)}/{self.batch_size} unrolls")
-        check_workers(self.workers, "actor")
-        if stop.requested:
-            return None
-        batch = {k: v[torch.tensor(idx)].transpose(0, 1) for k, v in self.link.buffers.items()}
-        for i in idx:
-            self.link.free_q.put(i)
-        pin = self.device.type == "cuda"
-        return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    def publish(self, agent):
-        """Copies `agent`'s weights into the network the actors act with; they load it at their next step."""
-        self.agent.load_state_dict(agent.state_dict())
-        self.version += 1
-
-    def take_episodes(self) -> list:  # (return, length) of each episode finished since the last call
-        episodes = []
-        while not self.link.msg_q.empty():
-            episodes.append(self.link.msg_q.get())
-        return episodes
-
-    def close(self):
-        for p in self.workers.processes:
-            p.kill()
-            p.join()
-
-
-class WorkerError(RuntimeError):
-    """A worker process raised (its traceback) or died (its exit code)."""
-
-
-def run_worker(i, target, per_worker, *args):
-    """Worker process i, started by torch's `start_processes` (whose `join` brings an exception's traceback back): it
-    dies with its learner, one torch thread."""
-    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
-    if torch.multiprocessing.parent_process().is_alive():  # else the parent died before the line above
-        torch.set_num_threads(1)
-        target(per_worker[i], *args)
-
-
-def check_workers(workers, what) -> None:
-    """WorkerError if a worker raised (its traceback), died or ended; torch's `join` has then stopped the others."""
-    try:
-        workers.join(timeout=0, grace_period=2.0)
-    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
-        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
-    except torch.multiprocessing.ProcessExitedException as e:
-        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
-    if any(p.exitcode == 0 for p in workers.processes):
-        raise WorkerError(f"{what} ended before its learner")
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def agreed(flag: bool, device) -> bool:
-    """Whether `flag` holds in any learner process: under torchrun every learner stops after the same update."""
-    if world_size() == 1:
-        return flag
-    flag = torch.tensor([float(flag)], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def loss_stats(result) -> dict:
-    """TensorBoard tags of a loss's named tuple: `losses/<part>`, `stats/<other scalar>` (the total left out)."""
-    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
-    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
+# ---------------------------------------------------------------------------------------------------------
+# The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
+# the copies are identical); what differs between scripts comes in as arguments.
 
 
 class Stop:
@@ -747,56 +601,253 @@ def check_finite(where: str, **named) -> None:
         raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
+class WorkerError(RuntimeError):
+    """A worker process raised (its traceback), died (its exit code) or ended before its learner."""
+
+
 def fail(error: Exception, run_path: str) -> None:
-    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit 1 (worker
-    processes die with this one; torchrun stops the other learners)."""
+    """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit status 1 (the
+    caller's `finally` ends the workers first; torchrun stops the other learners)."""
     print(f"error: {error}", file=sys.stderr)
-    if "NonFiniteError" in f"{type(error).__name__} {error}":
+    if "NonFiniteError" in f"{type(error).__name__} {error}":  # here, or in a worker's traceback
         path = os.path.join(run_path, "checkpoint.pt")
         step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
         kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
         advice = kept if step is not None else "no checkpoint was written before it"
         print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
-    os._exit(1)
+    sys.exit(1)
 
 
-PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
+def stopped(log, step: int, world: int = 1) -> None:
+    """The end of a stopped run whose last update is saved: how to continue, then exit status 130 (a second Ctrl-C is
+    ignored from here: the interpreter's shutdown releases the queues' semaphores)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log is not None:  # rank 0
+        log.writer.close()
+        again = f"torchrun --standalone --nproc_per_node {world}" if world > 1 else "python"
+        hint = f"continue with {again} {os.path.basename(__file__)} --resume {log.path}"
+        print(f"checkpoint at step {step}: {hint}", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
-def parse_args(argv=None, table=FAMILY_DEFAULTS, cls=None):
-    """tyro's flags over the task's Table 7 column and, unless `--preset paper`, its family's defaults: a flag
-    given wins, `--help` shows the values a run would take; none on `--resume` (the run keeps its own arguments)."""
+def loss_stats(result) -> dict:
+    """A loss's named tuple as TensorBoard tags: `losses/<name>` for its parts, `stats/<name>` for other scalars."""
+    items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
+    return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def learner_process(args):
+    """(rank, world, device) of this learner: the process group under torchrun, seeds, determinism, threads."""
+    rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
+    return rank, world, device
+
+
+def agreed(flag: bool, device) -> bool:
+    """Whether `flag` holds in any learner process: under torchrun every learner stops after the same update."""
+    if world_size() == 1:
+        return flag
+    flag = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def start_workers(target, per_worker, *args):
+    """A process per item of `per_worker` running `target(item, *args)`, deaf to Ctrl-C and SIGTERM from the start."""
+    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # inherited by them
+    run = (target, per_worker, *args)
+    workers = torch.multiprocessing.start_processes(run_worker, run, len(per_worker), join=False, start_method="spawn")
+    for s, handler in ignored.items():
+        signal.signal(s, handler)
+    return workers
+
+
+def run_worker(i, target, per_worker, *args):
+    """Worker process i of torch's `start_processes` (its `join` brings a traceback back): it dies with the process
+    that started it, one torch thread."""
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # torch asks for SIGINT, which workers ignore
+    if torch.multiprocessing.parent_process().is_alive():  # else the parent died before the line above
+        torch.set_num_threads(1)
+        target(per_worker[i], *args)
+
+
+def check_workers(workers, what: str = "worker") -> int:
+    """WorkerError if a worker raised (its traceback) or died, torch's `join` having stopped the others; else the
+    number of workers that have ended."""
+    try:
+        workers.join(timeout=0, grace_period=2.0)
+    except torch.multiprocessing.ProcessRaisedException as e:  # a header line, then the traceback
+        raise WorkerError(f"{what} {e.error_index} failed:" + str(e).partition("following error:")[2]) from None
+    except torch.multiprocessing.ProcessExitedException as e:
+        raise WorkerError(f"{what} {e.error_index} died with exit code {e.exit_code}") from None
+    return sum(p.exitcode == 0 for p in workers.processes)
+
+
+def end_workers(workers) -> None:
+    """Kills the worker processes and waits for each: none is left running, and the exit has none to wait for."""
+    for p in workers.processes:
+        p.kill()
+        p.join()
+
+
+def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNamespace]:
+    """The actors of learner `rank`: actor a plays game a mod G (every game the same share, all 18 actions), its
+    envs stepped `--env-batch-size` at a time (0: half of them) by the cores the learner leaves free."""
+    n, tasks = args.num_envs // args.num_actors, list(games) or [args.env_id]
+    threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
+    options = {**env_options, "full_action_space": True} if games else env_options
+    shared = dict(num_envs=n, unroll_length=args.unroll_length, env_batch_size=args.env_batch_size or max(1, n // 2))
+    shared.update(device=str(device), env_threads=threads, env_options=options)
+    return [
+        SimpleNamespace(env_id=tasks[a % len(tasks)], task=a % len(tasks), seed=args.seed + 1000 * rank + a, **shared)
+        for a in range(args.num_actors)
+    ]
+
+
+@dataclass
+class ActorLink:
+    """What an actor shares with its learner: the published network, its version, the unroll slots and queues."""
+
+    agent: nn.Module
+    version: torch.Tensor
+    buffers: dict
+    free_q: object
+    full_q: object
+    episode_q: object
+    seen: int = -1  # the version the actor's copy holds
+
+    def local_agent(self, device):
+        agent, self.seen = copy.deepcopy(self.agent).to(device), -1
+        self.refresh(agent)
+        return agent
+
+    def refresh(self, agent) -> int:
+        """Loads the published network into `agent` if the learner has published since; returns its version."""
+        latest = int(self.version.item())
+        if latest != self.seen:
+            agent.load_state_dict(self.agent.state_dict())
+            self.seen = latest
+        return latest
+
+
+class UnrollWriter:
+    """The actor's side of the slots: `write(ids, row, core_state)` stores a row for each env in `ids` (any subset:
+    envpool's async mode); a slot that reaches T+1 rows goes to the learner and its env goes on in a free slot whose
+    row 0 is the full one's row T. `core_state` (the LSTM state before the row) is kept where a row opens a slot."""
+
+    def __init__(self, link: ActorLink, num_envs: int, unroll_length: int):
+        self.link, self.T = link, unroll_length
+        self.slot, self.pos = np.array([link.free_q.get() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
+
+    def write(self, ids, row, core_state=None):
+        buffers, T, core_state = self.link.buffers, self.T, core_state or {}
+        slots, pos = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
+        for k, v in row.items():
+            buffers[k][slots, pos] = v
+        start = pos == 0  # rows that open a slot: the LSTM state before them is kept
+        for k, v in core_state.items():
+            buffers[k][slots[start]] = v[start]
+        self.pos[ids] += 1
+        for i in np.flatnonzero(self.pos[ids] == T + 1):
+            e, new = ids[i], self.link.free_q.get()
+            for k in row:
+                buffers[k][new, 0] = buffers[k][self.slot[e], T]
+            for k, v in core_state.items():  # row T's state opens the next slot
+                buffers[k][new] = v[i]
+            self.link.full_q.put(int(self.slot[e]))
+            self.slot[e], self.pos[e] = new, 1
+
+
+class ActorPool:
+    """The learner's side: one process per config running `act`, batches of full unrolls, publication, episodes."""
+
+    def __init__(self, cfgs, agent, specs, batch_size, device):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.batch_size, self.device = batch_size, device
+        num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
+        buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
+        shared, version = copy.deepcopy(agent).cpu().share_memory(), torch.zeros(1, dtype=torch.long).share_memory_()
+        self.link = ActorLink(shared, version, buffers, ctx.Queue(), ctx.Queue(), ctx.Queue())
+        self.agent, self.version = shared, version  # the network the actors act with, and how often it was published
+        for i in range(num_slots):
+            self.link.free_q.put(i)
+        self.link.free_q.cancel_join_thread()  # an exit does not wait to flush it to actors that are gone
+        self.workers = start_workers(act, cfgs, self.link)
+
+    def next_batch(self, stop, log=None, step=0):
+        """`batch_size` unrolls `[T+1, B, ...]` on the learner's device (`core_*`: `[B, ...]`), or None once a stop is
+        requested; progress lines while they are collected (`log`); WorkerError if an actor died or ended."""
+        idx = []
+        while len(idx) < self.batch_size and not stop.requested:
+            try:
+                idx.append(self.link.full_q.get(timeout=1.0))
+            except queue.Empty:
+                if check_workers(self.workers, "actor"):
+                    raise WorkerError("an actor ended before its learner")
+            if log is not None:
+                log.console(step, f"collecting a batch: {len(idx)}/{self.batch_size} unrolls", waiting=True)
+        if check_workers(self.workers, "actor"):
+            raise WorkerError("an actor ended before its learner")
+        if stop.requested:
+            return None
+        batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
+        for i in idx:
+            self.link.free_q.put(i)
+        batch = {k: v if k.startswith("core_") else v.transpose(0, 1) for k, v in batch.items()}
+        pin = self.device.type == "cuda"
+        return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def publish(self, weights):
+        """Copies `weights` (a state_dict) into the network the actors act with; they load it at their next step."""
+        self.agent.load_state_dict(weights)
+        self.version += 1
+
+    def take_episodes(self) -> list:
+        """What the actors put on `episode_q` (an episode's score and length, ...) since the last call."""
+        episodes = []
+        while not self.link.episode_q.empty():
+            episodes.append(self.link.episode_q.get())
+        return episodes
+
+    def close(self):
+        end_workers(self.workers)
+
+
+def parse_args(argv=None):
+    """tyro's flags over the defaults `defaults_for` gives the run (none on `--resume`: the run keeps its own
+    arguments): a flag given wins, and `--help` shows the values a run would take."""
     import tyro
 
-    argv, cls = sys.argv[1:] if argv is None else list(argv), cls or Args
-    first, _ = tyro.cli(cls, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
-    humanoid = first.env_id.startswith("Humanoid") and type(env_spec(first.env_id)).__name__.startswith("Dmc")
-    overrides = {} if first.resume else dict(TABLE7_COLUMNS["humanoid-state" if humanoid else "gym"])
-    if not first.resume and first.preset != "paper":
-        overrides.update(table.get(task_family(first.env_id), (PAPER, {}))[1])
-    return tyro.cli(cls, args=argv, default=dataclasses.replace(cls(), **overrides))
-
-
-def describe_defaults(args, table=FAMILY_DEFAULTS) -> tuple[str, str]:
-    """(family, where the defaults came from), for the start-up line and args.json."""
-    family = task_family(args.env_id)
-    source, values = table.get(family, (PAPER, {}))
-    if args.preset == "paper":
-        return family, PAPER + ", forced by --preset paper"
-    show = [f"{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in values.items()]
-    return family, source + (": " + ", ".join(show) if show else "")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first, _ = tyro.cli(Args, args=argv, add_help=False, return_unknown_args=True)  # --env-id, --preset, ...
+    given = {a.split("=")[0].replace("_", "-") for a in argv if a.startswith("--")}
+    overrides = {} if first.resume else defaults_for(first, given)[2]
+    return tyro.cli(Args, args=argv, default=dataclasses.replace(Args(), **overrides))
 
 
 class RunLog:
     """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
-    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json; written by rank 0 (`write`) alone."""
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json. `name`: the folder's task (several
+    games: "<G>games"); `write`: False in the learners other than rank 0; an episode's `group`: its game or learner."""
 
-    def __init__(self, args, resumed, describe, write=True):
+    def __init__(self, args, resumed, describe, name=None, write=True):
         resumed, self.args, self.writer = resumed or {}, args, None
-        self.returns = list(resumed.get("returns", []))
+        self.returns, self.groups = list(resumed.get("returns", [])), dict(resumed.get("groups", {}))
+        self.episodes = resumed.get("episodes", len(self.returns))
         self.start_step, self.previous_wall = resumed.get("global_step", 0), resumed.get("wall_time_s", 0.0)
-        self.start = self.last_line = self.last_save = time.time()
-        name = os.path.join(args.run_dir, f"{args.env_id}__{args.exp_name}__{args.seed}__{int(self.start)}")
+        self.start = self.last_line = self.last_wait = self.last_save = time.time()
+        self.name = name or args.env_id
+        name = os.path.join(args.run_dir, f"{self.name}__{args.exp_name}__{args.seed}__{int(self.start)}")
         self.path = args.resume or name
         if not write:
             return
@@ -806,7 +857,9 @@ class RunLog:
                 break
             except FileExistsError:
                 self.path = f"{name}_{k}"
-        family, source = describe_defaults(args)
+        family, source, values = defaults_for(args)
+        values = {k.replace("_", "-"): " ".join(map(str, v)) if isinstance(v, tuple) else v for k, v in values.items()}
+        source += ": " + ", ".join(f"{k} {v}" for k, v in values.items()) if values else ""
         with open(os.path.join(self.path, "args.json"), "w") as f:
             json.dump({**dataclasses.asdict(args), "task_family": family, "defaults_from": source}, f, indent=2)
         from torch.utils.tensorboard import SummaryWriter
@@ -818,31 +871,42 @@ class RunLog:
         for tag, value in values.items():
             self.writer.add_scalar(tag, float(value), step)
 
-    def episode(self, score, length, step) -> None:
+    def episode(self, score, length, step, group=None) -> None:
         self.returns.append(score)
+        self.episodes += 1
         self.scalars({"charts/episodic_return": score, "charts/episodic_length": length}, step)
+        if group is not None:
+            self.groups.setdefault(group, []).append(score)
+            self.scalars({f"charts/{group}/episodic_return": score}, step)
 
     def due(self) -> bool:
         """Time for the console line (and the diagnostics that go with it): every --log-interval seconds."""
         return time.time() - self.last_line >= self.args.log_interval
 
-    def console(self, step: int, extra: str = "") -> None:
-        """The progress line (step, SPS, recent return, ETA) and charts/SPS."""
+    def console(self, step: int, extra: str = "", waiting=False) -> None:
+        """The progress line (step, SPS, recent return, episodes so far, ETA) and charts/SPS; `waiting` (for a batch,
+        say): a line at most every --log-interval seconds (and 5 s) since any other, leaving `due` to the update's."""
         now, recent = time.time(), f"{np.mean(self.returns[-100:]):.1f}" if self.returns else "n/a"
+        if waiting and now - max(self.last_line, self.last_wait) < max(self.args.log_interval, 5.0):
+            return
         sps = (step - self.start_step) / max(now - self.start, 1e-9)
         left = f"{max(self.args.total_timesteps - step, 0) / sps / 60:.1f} min" if sps > 0 else "n/a"
         line = f"step {step:>10d}/{self.args.total_timesteps} | SPS {sps:7.0f} | return(100) {recent:>8} "
-        print(line + f"| episodes {len(self.returns)}{' | ' + extra if extra else ''} | ETA {left}", flush=True)
-        if self.writer is not None:
+        print(line + f"| episodes {self.episodes}{' | ' + extra if extra else ''} | ETA {left}", flush=True)
+        if waiting:
+            self.last_wait = now
+        elif self.writer is not None:
             self.scalars({"charts/SPS": sps}, step)
-        self.last_line = now
+            self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
-        """checkpoint.pt: the script's training `state` with the log's own, the run's arguments (and with --save-model,
-        model.pt), each through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        """checkpoint.pt: the script's training `state` with the log's own and the run's arguments (and with
+        --save-model, model.pt), each through a temporary file and a rename: a run killed while saving keeps its last
+        good file."""
         wall = self.previous_wall + time.time() - self.start
-        log = dict(global_step=step, returns=self.returns[-100:], wall_time_s=wall)
-        log.update(args=dataclasses.asdict(self.args), script=os.path.basename(__file__))
+        log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
+        log.update(episodes=self.episodes, wall_time_s=wall, args=dataclasses.asdict(self.args))
+        log["script"] = os.path.basename(__file__)
         for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
@@ -857,7 +921,7 @@ class RunLog:
         """summary.json (the house keys and the script's `extra`; the wall time and SPS up to the final checkpoint, not
         through the evaluation); closes the TensorBoard writer."""
         end = self.last_save  # the final checkpoint, saved after the last update
-        summary = dict(env_id=self.args.env_id, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
+        summary = dict(env_id=self.name, total_timesteps=step, wall_time_s=self.previous_wall + end - self.start)
         summary.update(sps=(step - self.start_step) / max(end - self.start, 1e-9), eval_mean_return=eval_mean)
         summary.update(mean_episodic_return_last_100=float(np.mean(self.returns[-100:])) if self.returns else None)
         with open(os.path.join(self.path, "summary.json"), "w") as f:
@@ -867,7 +931,7 @@ class RunLog:
 
 
 def cli():
-    """tyro's flags over the Table 7 column and the family's defaults, bad input as one line (exit status 2)."""
+    """tyro's flags, the run's defaults for the flags not given, bad input as one line (exit status 2)."""
     try:
         main(parse_args())
     except UsageError as e:

@@ -1,14 +1,12 @@
-"""common/ (networks, envs, evaluation helpers) and the plumbing every script carries (tested in each copy)."""
+"""common/ (networks, envs, evaluation helpers) and the run machinery every script carries (one text, tested once)."""
 
 import ctypes.util
 import importlib
-import inspect
 import math
 import re
 import os
 import sys
 import time
-from typing import Literal
 
 import numpy as np
 import pytest
@@ -449,57 +447,64 @@ def test_grad_norms_by_layer():
 
 
 # --------------------------------------------------------------------------------------------------------
-# Defaults by task family: each script carries its own copy of this plumbing, each copy tested.
+# Defaults by task family and the run machinery: one text in every script (checked first), so tested on one copy.
+
+MACHINERY = "vmpo_atari"  # the script that carries every piece of the run machinery
 
 
-def _family_functions(where):
-    module = importlib.import_module(where)
-    return module.describe_defaults, module.parse_args
+def _machinery(path):
+    """{name: source} of each top-level definition below the run machinery's banner of the script at `path`."""
+    import ast
+
+    text = open(path).read()
+    start = text.index("# The run machinery: one text")
+    lines, pieces = text.splitlines(), {}
+    for node in ast.parse(text).body:
+        first = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
+        if getattr(node, "name", None) and first > text[:start].count("\n"):
+            pieces[node.name] = "\n".join(lines[first - 1 : node.end_lineno])
+    return pieces
 
 
-def test_task_family_of_env_ids():
-    from common.envs import task_family
+def test_the_run_machinery_is_one_text_in_every_script():
+    """Every piece of the run machinery a script carries is the same text, in the same order, as in the script that
+    carries them all; every script has the core pieces; nothing else sits below the banner."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    reference = _machinery(os.path.join(root, f"{MACHINERY}.py"))
+    core = {"Stop", "NonFiniteError", "check_finite", "fail", "stopped", "parse_args", "RunLog", "cli"}
+    for script in SCRIPTS:
+        pieces = _machinery(os.path.join(root, f"{script}.py"))
+        assert core <= set(pieces), (script, core - set(pieces))
+        assert set(pieces) <= set(reference), (script, set(pieces) - set(reference))
+        assert list(pieces) == [n for n in reference if n in pieces], script  # the reference's order
+        for name, text in pieces.items():
+            assert text == reference[name], f"{script}.py's {name} differs from {MACHINERY}.py's"
+    assert len(reference) >= 20
 
-    assert [
-        task_family(e)
-        for e in ["Breakout-v5", "Pong-v5", "Hopper-v4", "HumanoidRun-v1", "CartPole-v1", "Pendulum-v1", "Acrobot-v1"]
-    ] == ["atari", "atari", "mujoco", "mujoco", "classic", "classic", "classic"]
-    with pytest.raises(UsageError, match="CartPole-v1"):
-        task_family("CartPol-v1")
 
-
-@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"])
-def test_family_defaults_fill_what_the_user_did_not_give(where, capsys):
+def test_family_defaults_fill_what_the_user_did_not_give(capsys):
     import dataclasses
 
-    describe_defaults, parse_args = _family_functions(where)
-
-    @dataclasses.dataclass
-    class A:
-        env_id: str = "CartPole-v1"
-        preset: Literal["family", "paper"] = "family"
-        lr: float = 1e-4
-        use_lstm: bool = True
-        channels: tuple[int, ...] = (16, 32)
-        resume: str = ""
-        env_ids: tuple[str, ...] = ()  # read by the scripts that have --env-ids
-
-    table = {"classic": ("measured", dict(lr=1e-3, use_lstm=False, channels=(8,))), "atari": ("the paper's", {})}
-    family = A(lr=1e-3, use_lstm=False, channels=(8,))
-    assert parse_args([], table, A) == family
-    assert parse_args(["--lr", "5e-3"], table, A) == dataclasses.replace(family, lr=5e-3)
-    assert parse_args(["--lr=5e-3", "--use-lstm"], table, A) == dataclasses.replace(family, lr=5e-3, use_lstm=True)
-    assert parse_args(["--channels", "4", "4"], table, A) == dataclasses.replace(family, channels=(4, 4))
-    if where != "p3s_td3":  # p3s_td3 takes the text's reading under --preset paper: its own test
-        assert parse_args(["--preset", "paper"], table, A) == A(preset="paper")  # the paper's everywhere
-    assert parse_args(["--resume", "runs/x"], table, A) == A(resume="runs/x")  # its own arguments
-    assert parse_args(["--env-id", "Pong-v5"], table, A) == A(env_id="Pong-v5")
-    assert parse_args(["--env-id", "Hopper-v4"], table, A) == A(env_id="Hopper-v4")  # not in the table
+    module = importlib.import_module(MACHINERY)
+    parse_args, Args = module.parse_args, module.Args
+    source, values = module.FAMILY_DEFAULTS["atari"]
+    family = dataclasses.replace(Args(env_id="Breakout-v5"), **values)
+    assert family != Args(env_id="Breakout-v5") and values["learning_rate"] != Args.learning_rate
+    breakout = ["--env-id", "Breakout-v5"]
+    assert parse_args(breakout) == family
+    assert parse_args([*breakout, "--learning-rate", "5e-3"]) == dataclasses.replace(family, learning_rate=5e-3)
+    both = dataclasses.replace(family, learning_rate=5e-3, use_lstm=True)
+    assert parse_args(["--env-id=Breakout-v5", "--learning_rate=5e-3", "--use-lstm"]) == both
+    assert parse_args([*breakout, "--channels", "4", "4"]) == dataclasses.replace(family, channels=(4, 4))
+    assert parse_args([*breakout, "--preset", "paper"]) == Args(env_id="Breakout-v5", preset="paper")
+    assert parse_args([*breakout, "--resume", "runs/x"]) == Args(env_id="Breakout-v5", resume="runs/x")  # its own
+    assert parse_args(["--env-id", "Hopper-v4"]) == Args(env_id="Hopper-v4")  # no entry for its family
     with pytest.raises(SystemExit):  # --help shows what a run of this env id would take
-        parse_args(["--help"], table, A)
-    assert "(default: 0.001)" in capsys.readouterr().out
-    assert describe_defaults(A(), table) == ("classic", "measured: lr 0.001, use-lstm False, channels 8")
-    assert describe_defaults(A(preset="paper"), table)[1].endswith("forced by --preset paper")
+        parse_args([*breakout, "--help"])
+    assert f"(default: {values['learning_rate']})" in capsys.readouterr().out
+    family_name, said, shown = module.defaults_for(family)
+    assert (family_name, said, shown) == ("atari", source, values)
+    assert module.defaults_for(Args(preset="paper"))[1:] == (module.PAPER + ", forced by --preset paper", {})
 
 
 FAMILIES = {
@@ -527,14 +532,14 @@ def test_defaults_are_the_same_with_and_without_a_gpu(where, monkeypatch, capsys
         assert seen[0] == seen[1] and "(default: " in seen[0][1], env_id
 
 
-@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari"])  # vmpo_mujoco: the same without LSTM states
-def test_unroll_writer_fills_overlapping_unrolls_in_async_order(where):
+def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
     """Rows arrive for any subset of envs in any order (envpool's async mode). Each env's unroll k must hold its
     rows kT..kT+T (T+1 rows: the last row of an unroll is the first of the next), its core state must be the one
     before row kT, and a slot goes to the learner as soon as its env has written row T."""
     import queue
 
-    ActorLink, UnrollWriter = importlib.import_module(where).ActorLink, importlib.import_module(where).UnrollWriter
+    module = importlib.import_module(MACHINERY)
+    ActorLink, UnrollWriter = module.ActorLink, module.UnrollWriter
 
     T, n, num_slots = 3, 3, 64
     buffers = {"x": torch.zeros(num_slots, T + 1), "core_h": torch.zeros(num_slots, 2)}
@@ -569,7 +574,7 @@ def test_unroll_writer_fills_overlapping_unrolls_in_async_order(where):
 
 
 # --------------------------------------------------------------------------------------------------------
-# The run folder, Ctrl-C and the loss's curves: each script's own copy.
+# The run folder, Ctrl-C and the loss's curves (the machinery, on the script that carries all of it).
 
 
 def _run_args(module, tmp_path, **kw):
@@ -580,31 +585,31 @@ def _run_args(module, tmp_path, **kw):
     return dataclasses.replace(module.Args(), **{**run, **kw})
 
 
-@pytest.mark.parametrize("where", SCRIPTS)
-def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, capsys, where):
+def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, capsys):
     """A fresh run: args.json with the family, return(100) over the episodes logged, per-group returns, a checkpoint
     holding the script's state with the log's, and summary.json with the house keys, its SPS up to the last checkpoint.
-    A resumed run: the same folder, its returns and groups continued, the steps and wall time counted on from the
-    checkpoint's."""
+    A resumed run: the same folder, its returns, groups and episode count continued, the steps and wall time counted
+    on from the checkpoint's."""
     import json
 
+    where = MACHINERY
     module = importlib.import_module(where)
     args = _run_args(module, tmp_path)
     log = module.RunLog(args, None, "test run")
     assert os.path.basename(log.path).startswith("CartPole-v1__x__3__")
     saved = json.load(open(os.path.join(log.path, "args.json")))
     assert saved["task_family"] == "classic" and saved["seed"] == 3 and saved["exp_name"] == "x"
-    grouped = "group" in inspect.signature(module.RunLog.episode).parameters  # returns per game or learner
-    for i in range(12):
-        log.episode(float(i), 10, 100 * i, *(["learner_0" if i % 2 else "learner_1"] if grouped else []))
-    assert not grouped or log.groups["learner_0"] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    for i in range(112):
+        log.episode(float(i % 12), 10, 100 * i, "learner_0" if i % 2 else "learner_1")
+    assert log.groups["learner_0"][:6] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
     assert log.due()  # --log-interval 0
     log.console(1200)
-    assert "return(100)      5.5 | episodes 12" in capsys.readouterr().out
+    recent = np.mean([i % 12 for i in range(12, 112)])
+    assert f"return(100) {recent:8.1f} | episodes 112" in capsys.readouterr().out
     log.save(1200, dict(update=7), model={"weights": 1})
     state = torch.load(os.path.join(log.path, "checkpoint.pt"), weights_only=False)
-    assert (state["update"], state["global_step"], len(state["returns"])) == (7, 1200, 12)
-    assert not grouped or state["groups"]["learner_1"] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert (state["update"], state["global_step"], len(state["returns"]), state["episodes"]) == (7, 1200, 100, 112)
+    assert state["groups"]["learner_1"] == [8.0, 10.0, 0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 0.0, 2.0]  # the last 10
     assert state["args"]["seed"] == 3
     assert state["script"] == f"{where}.py" and torch.load(os.path.join(log.path, "model.pt")) == {"weights": 1}
     assert not [f for f in os.listdir(log.path) if f.endswith(".tmp")]
@@ -612,7 +617,7 @@ def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, cap
     time.sleep(0.05)  # the evaluation, say: not counted in the wall time nor the SPS
     summary = log.end(1200, 3.5, num_workers=2)
     keys = {"env_id", "total_timesteps", "wall_time_s", "sps", "mean_episodic_return_last_100", "eval_mean_return"}
-    assert keys <= set(summary) and summary["num_workers"] == 2 and summary["mean_episodic_return_last_100"] == 5.5
+    assert keys <= set(summary) and summary["num_workers"] == 2 and summary["mean_episodic_return_last_100"] == recent
     assert summary["wall_time_s"] == pytest.approx(saved_at - log.start) and summary["eval_mean_return"] == 3.5
     assert summary["sps"] == pytest.approx(1200 / (saved_at - log.start))
     assert json.load(open(os.path.join(log.path, "summary.json"))) == summary
@@ -622,16 +627,18 @@ def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, cap
     assert resumed_args.seed == 3 and resumed_args.exp_name == "x" and resumed_args.resume == log.path
     again = module.RunLog(resumed_args, resumed, "resumed")
     assert again.path == log.path and again.start_step == 1200 and again.returns == state["returns"]
-    assert not grouped or again.groups["learner_1"] == state["groups"]["learner_1"]
+    assert again.groups["learner_1"] == state["groups"]["learner_1"]
+    again.episode(1.0, 10, 1250)
+    again.console(1250)
+    assert "| episodes 113 |" in capsys.readouterr().out  # counted on after the resume
     again.save(1300, {})
     assert torch.load(os.path.join(log.path, "checkpoint.pt"), weights_only=False)["wall_time_s"] >= 30.0
 
 
-@pytest.mark.parametrize("where", SCRIPTS)
-def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch, where):
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
     """Two runs of the same env, name and seed started within one second: the second gets `<name>_2`, so
     neither overwrites the other's logs, checkpoints or model."""
-    module = importlib.import_module(where)
+    module = importlib.import_module(MACHINERY)
     monkeypatch.setattr(module.time, "time", lambda: 1_700_000_000.0)
     args = _run_args(module, tmp_path)
     logs = [module.RunLog(args, None, "run") for _ in range(3)]
@@ -640,13 +647,12 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
     assert all(os.path.isfile(os.path.join(log.path, "args.json")) for log in logs)
 
 
-@pytest.mark.parametrize("where", SCRIPTS)
-def test_stop_waits_for_the_update_in_hand_and_a_second_ctrl_c_exits_at_once(where, monkeypatch, capsys):
+def test_stop_waits_for_the_update_in_hand_and_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
     """Ctrl-C or SIGTERM only asks the run to stop (it finishes the update in hand); a second Ctrl-C exits at once
     with status 130; a SIGTERM after the first signal (torchrun's, after the terminal's Ctrl-C) does not."""
     import signal as _signal
 
-    module = importlib.import_module(where)
+    module = importlib.import_module(MACHINERY)
     exits = []
     monkeypatch.setattr(module.os, "_exit", exits.append)
     old = _signal.getsignal(_signal.SIGINT), _signal.getsignal(_signal.SIGTERM)
@@ -667,11 +673,10 @@ def test_stop_waits_for_the_update_in_hand_and_a_second_ctrl_c_exits_at_once(whe
         _signal.signal(_signal.SIGTERM, old[1])
 
 
-@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "acer"])
-def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics(where):
+def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics():
     from typing import NamedTuple
 
-    loss_stats = importlib.import_module(where).loss_stats
+    loss_stats = importlib.import_module(MACHINERY).loss_stats
 
     class Out(NamedTuple):
         loss: torch.Tensor
@@ -685,13 +690,12 @@ def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics(where):
     assert float(stats["losses/value_loss"]) == 4.0 and not stats["losses/value_loss"].requires_grad
 
 
-@pytest.mark.parametrize("where", ["impala_vtrace", "vmpo_atari"])
-def test_actor_configs_share_envs_games_and_seeds(where):
+def test_actor_configs_share_envs_games_and_seeds():
     """Envs split evenly over the actors, actor a plays game a mod G with the full action set, seeds apart by
     learner and actor, env batch half an actor's envs by default."""
     from types import SimpleNamespace
 
-    actor_configs = importlib.import_module(where).actor_configs
+    actor_configs = importlib.import_module(MACHINERY).actor_configs
 
     args = SimpleNamespace(num_envs=8, num_actors=4, unroll_length=5, env_batch_size=0, seed=10, env_id="Pong-v5")
     cfgs = actor_configs(args, 1, "cpu", ("Pong-v5", "Breakout-v5"), reward_clip=False)
