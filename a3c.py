@@ -74,20 +74,20 @@ class Args:
     total_timesteps: int = 20_000_000  # environment steps over all workers (80M frames on Atari)
     num_workers: int = 0  # actor-learner processes; 0: one per CPU core (the paper: 16 threads, Supp. 8)
     num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
-    t_max: int = 0  # t_max (I_update of the one-step methods), steps per rollout and update; 0: 5 (Supp. 8), 20 --lstm
-    target_update_period: int = 0  # I_target, steps between θ⁻ ← θ; 0: 10k Atari (40k frames, Supp. 8), else 500
-    epsilon_steps: int = 0  # steps over which ε anneals from 1; 0: 1M Atari (4M frames, Supp. 8), else run / 3
+    t_max: int = 5  # t_max (I_update of the one-step methods), steps per rollout and update (Supp. 8; --lstm: 20)
+    target_update_period: int = 10_000  # I_target, steps between θ⁻ ← θ: 40k frames (Supp. 8)
+    epsilon_steps: int = 1_000_000  # steps over which ε anneals from 1: 4M frames (Supp. 8)
     learning_rate: float = 1e-3  # η, initial learning rate (middle of the paper's LogUniform(1e-4, 1e-2), Supp. 8)
     anneal_lr: bool = True  # anneal η linearly to 0 over the run (Supp. 8)
     rmsprop_alpha: float = 0.99  # α, RMSProp decay of the squared-gradient average g (Supp. 8)
     rmsprop_eps: float = 0.1  # ε of RMSProp, inside the square root (Eq. S3; not given in the paper)
     shared_statistics: bool = True  # shared RMSProp: one g for all workers (Sec. 4); off: each worker its own
     gamma: float = 0.99  # γ, discount (Supp. 8)
-    ent_coef: float = -1.0  # β, entropy regularisation; negative: 0.01 discrete (Supp. 8), 1e-4 continuous (Supp. 9)
+    ent_coef: float = 0.01  # β, entropy regularisation (Supp. 8)
     value_coef: float = 0.5  # weight of the value loss Σ (R − V)²
-    max_grad_norm: float = -1.0  # gradient-norm clipping (not in the paper); 0: none; negative: 40 pixels, else none
+    max_grad_norm: float = 40.0  # gradient-norm clipping for pixels (not in the paper; as TorchBeast); 0: none
     lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
-    lstm_size: int = 0  # LSTM cells; 0: 256 pixels (Sec. 5.1), 128 vectors (Supp. 9)
+    lstm_size: int = 256  # LSTM cells with --lstm (Sec. 5.1)
     hidden: int = 200  # ReLU units of the hidden layer for vector observations (Supp. 9)
     # continuous policy: paper: μ linear, σ² = softplus(linear) of the state, one for all dimensions (Supp. 9);
     # tanh: μ = tanh(linear) within the action box, σ a learned vector independent of the state
@@ -117,14 +117,25 @@ FAMILY_DEFAULTS = {
     "classic": ("the paper's settings, with a budget measured on CartPole-v1", dict(total_timesteps=300_000)),
 }
 PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
+# The Args defaults are the paper's for Atari (Supp. 8). Vector observations take Supp. 9's LSTM, no gradient clipping,
+# θ⁻ every 500 steps and ε annealed over a third of the run (measured on CartPole-v1); continuous actions Supp. 9's β;
+# --lstm a t_max of 20 (Supp. 9). These hold with --preset paper too.
+VECTORS = dict(lstm_size=128, max_grad_norm=0.0, target_update_period=500)
+CONTINUOUS = dict(ent_coef=1e-4)
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args`: its family's (none: `--preset paper`)."""
-    family = task_family(args.env_id)
+    """(task family, the defaults' source, their values) of a run of `args`: the observations', actions' and --lstm's
+    values above and, unless `--preset paper`, the family's on top (`given`: the flags on the command line)."""
+    family, source, values = task_family(args.env_id), *FAMILY_DEFAULTS.get(task_family(args.env_id), (PAPER, {}))
     if args.preset == "paper":
-        return family, PAPER + ", forced by --preset paper", {}
-    return family, *FAMILY_DEFAULTS.get(family, (PAPER, {}))
+        source, values = PAPER + ", forced by --preset paper", {}
+    total = (
+        args.total_timesteps if "--total-timesteps" in given else values.get("total_timesteps", args.total_timesteps)
+    )
+    own = {} if is_atari(args.env_id) else dict(VECTORS, epsilon_steps=max(1, total // 3))
+    own.update({} if hasattr(env_spec(args.env_id).action_space, "n") else CONTINUOUS)
+    return family, source, {**own, **(dict(t_max=20) if args.lstm else {}), **values}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -457,7 +468,7 @@ def main(args: Args):
     num_actions, action_dim = (spec.action_space.n, 0) if discrete else (0, spec.action_space.shape[0])
     if args.method == "a3c":
         heads = dict(gaussian=args.gaussian, scale_rewards=args.scale_rewards)
-        agent = Agent(obs_shape, num_actions, int(action_dim), args.hidden, args.lstm_size, **heads)
+        agent = Agent(obs_shape, num_actions, int(action_dim), args.hidden, args.lstm_size if args.lstm else 0, **heads)
         target = None
     else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
         agent = QAgent(obs_shape, num_actions, args.hidden)
@@ -668,11 +679,11 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
     spec = env_spec(args.env_id)
-    pixels, value_based, t_max = is_atari(args.env_id), args.method != "a3c", args.t_max or (20 if args.lstm else 5)
+    value_based, t_max = args.method != "a3c", args.t_max
     require(not args.cuda, "--cuda is not available in a3c.py: its Hogwild workers share parameters in CPU memory")
     require(args.num_workers >= 0, f"--num-workers must be at least 1, or 0 for one per core; got {args.num_workers}")
     require(args.num_envs >= 1, f"--num-envs must be at least 1, got {args.num_envs}")
-    require(args.t_max >= 0, f"--t-max must be at least 1, or 0 for the paper's 5 (20 with --lstm); got {args.t_max}")
+    require(args.t_max >= 1, f"--t-max must be at least 1, got {args.t_max}")
     rollout = f"one rollout (t-max x num-envs = {t_max * args.num_envs} steps)"
     require(args.total_timesteps >= t_max * args.num_envs, f"--total-timesteps is less than {rollout}")
     require(args.learning_rate > 0, f"--learning-rate must be positive, got {args.learning_rate}")
@@ -680,25 +691,19 @@ def check_args(args):
     require(0 <= args.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     require(args.value_coef >= 0, f"--value-coef must not be negative, got {args.value_coef}")
-    require(args.lstm_size >= 0, f"--lstm-size must not be negative, got {args.lstm_size}")
+    require(args.lstm_size >= 1, f"--lstm-size must be at least 1, got {args.lstm_size}")
     require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
-    require(args.target_update_period >= 0, f"--target-update-period must not be negative: {args.target_update_period}")
-    require(args.epsilon_steps >= 0, f"--epsilon-steps must not be negative, got {args.epsilon_steps}")
+    require(args.target_update_period >= 1, f"--target-update-period must be at least 1: {args.target_update_period}")
+    require(args.epsilon_steps >= 1, f"--epsilon-steps must be at least 1, got {args.epsilon_steps}")
+    require(args.max_grad_norm >= 0, f"--max-grad-norm must be 0 (none) or more, got {args.max_grad_norm}")
     what = f"--method {args.method}"
     discrete = hasattr(spec.action_space, "n")
     require(discrete or not value_based, f"{what} takes discrete actions, {args.env_id} has continuous ones")
     require(not (value_based and args.lstm), f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
     if args.capture_video:
         check_render(args.env_id)
-    return spec, dict(
-        t_max=t_max,
-        lstm_size=(args.lstm_size or (256 if pixels else 128)) if args.lstm else 0,
-        num_workers=args.num_workers or os.cpu_count() or 1,
-        max_grad_norm=args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0),
-        target_update_period=args.target_update_period or (10_000 if pixels else 500),
-        epsilon_steps=args.epsilon_steps or (1_000_000 if pixels else max(1, args.total_timesteps // 3)),
-        ent_coef=args.ent_coef if args.ent_coef >= 0 else (0.01 if discrete else 1e-4),
-    )
+    require(args.ent_coef >= 0, f"--ent-coef must not be negative, got {args.ent_coef}")
+    return spec, dict(num_workers=args.num_workers or os.cpu_count() or 1)
 
 
 # ---------------------------------------------------------------------------------------------------------

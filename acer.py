@@ -70,21 +70,21 @@ class Args:
     total_timesteps: int = 20_000_000  # environment steps over all workers, on-policy steps only (80M frames on Atari)
     num_workers: int = 0  # actor-learner processes; 0: one per CPU core (the paper: 16 threads, Sec. 4)
     num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
-    k: int = 0  # k, steps per segment and update; 0: 20 discrete (Sec. 4), 50 continuous (Sec. 6)
+    k: int = 20  # k, steps per segment and update (Sec. 4)
     replay_ratio: float = 4.0  # r, replay updates per on-policy update, Poisson (Algorithm 1; Sec. 4); 0: no replay
     poisson_replay: bool = True  # draw the number of replay updates from Poisson(r) (Algorithm 1); off: exactly r
-    replay_size: int = 0  # replay per worker, in env steps; 0: 50,000 (Sec. 4), 5,000 continuous (Sec. 6)
-    c: float = 0.0  # c, truncation of the policy gradient's importance weight; 0: 10 (Sec. 4), 5 continuous
+    replay_size: int = 50_000  # replay per worker, in env steps (Sec. 4)
+    c: float = 10.0  # c, truncation of the policy gradient's importance weight (Sec. 4)
     delta: float = 1.0  # δ, trust-region bound on the linearised KL to the average policy (Sec. 4)
-    avg_decay: float = 0.0  # α of the average policy network; 0: 0.99 (Sec. 4), 0.995 continuous (Sec. 6)
+    avg_decay: float = 0.99  # α of the average policy network (Sec. 4)
     trust_region: bool = True  # the trust region (Sec. 3.3); off: the paper's 'without trust region' ablation
-    learning_rate: float = 0.0  # η, constant (Sec. 4); 0: 1e-3 discrete, 2.2e-4 continuous (middle of Sec. 6's range)
+    learning_rate: float = 1e-3  # η, constant (Sec. 4)
     rmsprop_alpha: float = 0.99  # RMSProp decay of the squared-gradient average (as A3C)
     rmsprop_eps: float = 0.1  # RMSProp ε, inside the square root (as a3c.py)
     gamma: float = 0.99  # γ, discount (Sec. 4)
     ent_coef: float = 0.001  # β, entropy regularisation (Sec. 4)
     value_coef: float = 0.5  # weight of the critic loss (Q^ret − Q)²; 0.5 gives Eq. (6)'s gradient
-    max_grad_norm: float = -1.0  # gradient-norm clipping; 0: none; negative: 40 for pixels, none for vectors
+    max_grad_norm: float = 40.0  # gradient-norm clipping for pixels (not in the paper; as a3c.py); 0: none
     hidden: int = 200  # ReLU units of the hidden layer for vector observations (and of the advantage network)
     policy_std: float = 0.3  # σ, fixed standard deviation of the Gaussian policy in [-1, 1] action units (Sec. 6)
     scale_rewards: bool = False  # continuous: r / std of the running discounted return, clipped ±10 (not the paper's)
@@ -112,14 +112,19 @@ FAMILY_DEFAULTS = {
     "classic": ("settings measured on CartPole-v1", dict(total_timesteps=300_000, num_envs=4)),
 }
 PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
+# The Args defaults are Sec. 4's (Atari); continuous actions take Sec. 6's values (its learning rate the middle of the
+# range it searched), vector observations no gradient clipping. These hold with --preset paper too.
+CONTINUOUS = dict(k=50, replay_size=5_000, c=5.0, avg_decay=0.995, learning_rate=2.2e-4)
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args`: its family's (none: `--preset paper`)."""
-    family = task_family(args.env_id)
+    """(task family, the defaults' source, their values) of a run of `args`: the actions' and observations' values
+    above and, unless `--preset paper`, the family's on top."""
+    family, source, values = task_family(args.env_id), *FAMILY_DEFAULTS.get(task_family(args.env_id), (PAPER, {}))
     if args.preset == "paper":
-        return family, PAPER + ", forced by --preset paper", {}
-    return family, *FAMILY_DEFAULTS.get(family, (PAPER, {}))
+        source, values = PAPER + ", forced by --preset paper", {}
+    own = {} if hasattr(env_spec(args.env_id).action_space, "n") else dict(CONTINUOUS)
+    return family, source, {**own, **({} if is_atari(args.env_id) else dict(max_grad_norm=0.0)), **values}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -698,31 +703,24 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the arguments with the paper's values for
-    those left at 0 (discrete: Sec. 4, continuous: Sec. 6) and the env spec."""
+    """Bad input: one clear line before any work (UsageError). Returns the arguments (--num-workers 0: one per core)
+    and the env spec."""
     spec = env_spec(args.env_id)
     discrete, pixels = hasattr(spec.action_space, "n"), is_atari(args.env_id)
     require(not args.cuda, "--cuda: acer.py's workers share their parameters in CPU memory (as the paper's threads)")
     if args.capture_video:
         check_render(args.env_id)
-    args = dataclasses.replace(
-        args,
-        k=args.k or (20 if discrete else 50),
-        replay_size=args.replay_size or (50_000 if discrete else 5_000),
-        c=args.c or (10.0 if discrete else 5.0),
-        avg_decay=args.avg_decay or (0.99 if discrete else 0.995),
-        learning_rate=args.learning_rate or (1e-3 if discrete else 2.2e-4),
-        num_workers=args.num_workers or os.cpu_count() or 1,
-        max_grad_norm=args.max_grad_norm if args.max_grad_norm >= 0 else (40.0 if pixels else 0.0),
-    )
+    args = dataclasses.replace(args, num_workers=args.num_workers or os.cpu_count() or 1)
     positive = ("num_workers", "num_envs", "k", "replay_size", "sdn_samples", "hidden", "c", "delta", "learning_rate")
-    for name in (*positive, "rmsprop_eps", "policy_std"):  # 0 (where --help names a default) has become it
+    for name in (*positive, "rmsprop_eps", "policy_std"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("avg_decay", "rmsprop_alpha"):
         value = getattr(args, name)
         require(0 <= value < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    require(args.value_coef >= 0 and args.ent_coef >= 0, "--value-coef and --ent-coef must not be negative")
+    require(
+        min(args.value_coef, args.ent_coef, args.max_grad_norm) >= 0, "--value-coef, --ent-coef, --max-grad-norm: 0+"
+    )
     segment = args.k * args.num_envs
     require(args.total_timesteps >= segment, f"--total-timesteps must be at least one segment ({segment} steps)")
     require(args.replay_size >= segment or not args.replay_ratio, f"--replay-size is below one segment ({segment})")

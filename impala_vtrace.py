@@ -76,7 +76,7 @@ class Args:
     batch_size: int = 32  # unrolls per learner batch, over all learner processes (Table G.1)
     learning_rate: float = 6e-4  # learning rate (Table G.1)
     anneal_lr: bool = True  # anneal the learning rate linearly to 0 (Table G.1)
-    lr_anneal_steps: int = 0  # steps to anneal over; 0: Atari 50M (the paper's 200M frames), else the run's length
+    lr_anneal_steps: int = 50_000_000  # steps to anneal over: 200M frames (Table G.1); 0: the run's length
     optimizer: Literal["rmsprop_torch", "rmsprop_tf"] = "rmsprop_torch"  # PyTorch's or TensorFlow's RMSProp (docs)
     rmsprop_decay: float = 0.99  # RMSProp decay (the paper's code default)
     rmsprop_eps: float = 0.01  # RMSProp ε (Table G.1)
@@ -112,7 +112,8 @@ FAMILY_DEFAULTS = {
     "atari": ("Table G.1 with 4x its learning rate, measured on Breakout-v5 (docs)", dict(learning_rate=2.4e-3)),
     "classic": (
         "settings measured on CartPole-v1 (docs)",
-        dict(total_timesteps=300_000, num_envs=16, batch_size=8, learning_rate=3e-3, baseline_cost=0.1),
+        dict(total_timesteps=300_000, num_envs=16, batch_size=8, learning_rate=3e-3, baseline_cost=0.1)
+        | dict(lr_anneal_steps=0),
     ),
 }
 PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
@@ -380,7 +381,7 @@ def main(args: Args):
     optimizer = make_optimizer(args, agent.parameters())
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
-    anneal_steps = args.lr_anneal_steps or (50_000_000 if is_atari(args.env_id) or games else args.total_timesteps)
+    anneal_steps = args.lr_anneal_steps or args.total_timesteps
     anneal_updates = max(num_updates, anneal_steps // steps_per_update)  # the learning rate to 0 linearly (Table G.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates if args.anneal_lr else 1)
     update = resumed["update"] if resumed else 0
@@ -534,7 +535,7 @@ def check_args(args):
     require(fits, f"--num-envs {args.num_envs} must be a positive multiple of {actors}")
     require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
     require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
-    require(args.lr_anneal_steps >= 0, f"--lr-anneal-steps must be 0 (automatic) or steps, not {args.lr_anneal_steps}")
+    require(args.lr_anneal_steps >= 0, f"--lr-anneal-steps must be steps, or 0 (the run's), not {args.lr_anneal_steps}")
     require(0 < args.popart_beta <= 1, f"--popart-beta must be in (0, 1], got {args.popart_beta}")
     check_channels(args.network, args.channels)
     return spec, games

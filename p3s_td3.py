@@ -74,9 +74,9 @@ class Args:
     total_timesteps: int = 1_000_000  # environment steps of all learners together (the paper's Figs. 3-4: 1M)
     num_learners: int = 4  # N, learners (Sec. 4.1), updated together as one batch; 1 is plain TD3
     num_envs: int = 1  # environment copies per learner (1 in the paper)
-    updates_per_step: int = -1  # updates of a learner per interaction of its own; negative: N (authors' code), 1 (text)
-    t_initial: int = -1  # T_initial, random-action steps per learner; negative: the authors' code's (1000 Hopper, ...)
-    learning_starts: int = -1  # rows of D before the first update; negative: the authors' code's; 0: after T_initial
+    updates_per_step: int = 4  # updates of a learner per interaction of its own: N (authors' code; the text: 1)
+    t_initial: int = 3000  # T_initial, random-action steps per learner: HalfCheetah's of N = 4 (`task_defaults`)
+    learning_starts: int = 10_000  # rows of D before the first update (authors' code); 0: after T_initial (text)
     distance: Literal["mean", "sum"] = "mean"  # D's ½Δa² over action dimensions: mean (authors' code), sum (text)
     guide_first_period: bool = False  # guide toward the initial policy before the first selection (text: Alg. 1, l. 1)
     period_distances: Literal["updates", "end"] = "updates"  # D_spread, D_change: mean over the period, or at its end
@@ -85,7 +85,7 @@ class Args:
     best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
     rho: float = 2.0  # ρ, the search radius as a multiple of D_change (Sec. 4.1)
-    d_min: float = -1.0  # d_min, minimum search radius; negative: App. I's value for the task (0.02 or 0.05)
+    d_min: float = 0.05  # d_min, minimum search radius: HalfCheetah's (App. I; other tasks: `task_defaults`)
     beta_init: float = 1.0  # β at the start (Algorithm 1, line 2)
     beta_min: float = 1e-3  # lower bound of β
     beta_max: float = 1e3  # upper bound of β
@@ -151,12 +151,17 @@ PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code de
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args`: its family's, or with `--preset paper`
-    the text's reading where the authors' code departs from it."""
-    family = task_family(args.env_id)
-    if args.preset == "paper":
-        return family, PAPER_FORCED, PAPER_TEXT
-    return family, *FAMILY_DEFAULTS.get(family, (PAPER, {}))
+    """(task family, the defaults' source, their values) of a run of `args`: the task's start and d_min
+    (`task_defaults`) and N updates per learner step as the authors' code runs them, the family's settings on top; with
+    `--preset paper` the text's reading where the code departs from it (`given`: the flags on the command line)."""
+    family, text = task_family(args.env_id), args.preset == "paper"
+    source, values = (PAPER_FORCED, PAPER_TEXT) if text else FAMILY_DEFAULTS.get(family, (PAPER, {}))
+    n = args.num_learners if "--num-learners" in given else values.get("num_learners", args.num_learners)
+    t_initial, learning_starts, d_min = task_defaults(args.env_id, args.reward_delay > 1, n, text)
+    # the authors' code: N updates of each learner per step of its own (p3s_td3.py:147, base.py:118-123), so that at
+    # equal steps of all learners each learner has made as many updates as one TD3; the text (Sec. 4.1): one
+    own = dict(t_initial=t_initial, learning_starts=learning_starts, d_min=d_min, updates_per_step=1 if text else n)
+    return family, source, {**own, **values}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -664,23 +669,15 @@ def check_args(args):
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes", "eval_interval"):
         require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    text = args.preset == "paper"
-    t_initial, learning_starts, d_min = task_defaults(args.env_id, args.reward_delay > 1, args.num_learners, text)
-    t_initial = args.t_initial if args.t_initial >= 0 else t_initial
-    learning_starts = args.learning_starts if args.learning_starts >= 0 else learning_starts
-    d_min = args.d_min if args.d_min >= 0 else d_min
-    # the authors' code: N updates of each learner per step of its own (p3s_td3.py:147, base.py:118-123), so that at
-    # equal steps of all learners each learner has made as many updates as one TD3; the text (Sec. 4.1): one
-    updates_per_step = args.updates_per_step if args.updates_per_step >= 0 else (1 if text else args.num_learners)
-    require(updates_per_step >= 1, f"--updates-per-step must be 1 or more (negative: the default): {updates_per_step}")
-    derived = dict(t_initial=t_initial, learning_starts=learning_starts, updates_per_step=updates_per_step, d_min=d_min)
-    args = dataclasses.replace(args, **derived)
+    for name in ("t_initial", "learning_starts", "d_min"):
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    require(args.updates_per_step >= 1, f"--updates-per-step must be 1 or more, got {args.updates_per_step}")
     first = first_update_step(args)
     if args.total_timesteps <= first:
         raise UsageError(
             f"--total-timesteps {args.total_timesteps} ends before the first update at step {first} (T_initial "
-            f"{t_initial} x {args.num_learners} learners x {args.num_envs} envs, --learning-starts "
-            f"{learning_starts}); give more, or a smaller --t-initial or --learning-starts"
+            f"{args.t_initial} x {args.num_learners} learners x {args.num_envs} envs, --learning-starts "
+            f"{args.learning_starts}); give more, or a smaller --t-initial or --learning-starts"
         )
     if args.capture_video:
         check_render(args.env_id)

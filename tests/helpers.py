@@ -186,6 +186,17 @@ def assert_two_ctrl_cs_end_cleanly(proc):
     assert "Traceback" not in err, err[-3000:]
 
 
+STOP_LINES = ("stopping after the update in hand", "checkpoint at step ")  # what a stopped run writes to stderr
+
+
+def assert_only_stop_lines(err, also=()):
+    """The whole of a stopped run's stderr (with `also`: the prefixes of its stdout's lines where they are merged) is
+    the stop's own lines: no warning (a leaked semaphore, say), no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert any(line.startswith(STOP_LINES[1]) for line in lines), err[-3000:]
+    assert all(line.startswith((*STOP_LINES, *also)) for line in lines), err[-3000:]
+
+
 def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
     """Starts `script` for a long run; `victim` "actor" (or "worker", "learner", "population") SIGKILLs one of its
     spawned processes (the run must end non-zero, naming it), "sigint" sends Ctrl-C to the main process (the run must
@@ -373,6 +384,7 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
     done = updates_done(text)
     assert done in (seen, seen + 1), text[-3000:]  # the update in hand completed, no other started
     assert "continue with" in text and "--resume" in text, text[-3000:]
+    assert_only_stop_lines(text, also=("step ", "task family: ", "run folder: "))
     import torch
 
     (run,) = glob.glob(os.path.join(str(run_dir), "runs", "*"))

@@ -17,6 +17,7 @@ from acer import acer_loss, acer_policy_gradient, kl_gradient, retrace, trust_re
 from tests.helpers import (
     learns,
     ROOT,
+    assert_only_stop_lines,
     assert_killed_process_ends_the_run,
     assert_non_finite_stops_the_run,
     assert_usage_error,
@@ -633,6 +634,7 @@ def test_ctrl_c_completes_the_updates_in_hand_saves_and_says_how_to_continue(tmp
     final = torch.load(found[0], weights_only=False)["global_step"]
     assert final >= first > 0 and "Traceback" not in err, err[-3000:]
     assert f"checkpoint at step {final}: continue with python acer.py --resume {run}" in err, err[-3000:]
+    assert_only_stop_lines(err)
 
 
 def summary_steps(run):

@@ -36,6 +36,7 @@ from p3s_td3 import (
 from tests.helpers import (
     learns,  # noqa: E402
     ROOT,
+    assert_only_stop_lines,
     assert_two_ctrl_cs_end_cleanly,
     assert_usage_error,
     children,
@@ -912,6 +913,7 @@ def test_ctrl_c_saves_the_step_in_hand_and_stops(tmp_path, group):
     (ckpt,) = glob.glob(os.path.join(str(tmp_path), "runs", "*", "checkpoint.pt"))
     saved = torch.load(ckpt, weights_only=False)
     assert f"checkpoint at step {saved['global_step']}: continue with" in err
+    assert_only_stop_lines(err)
     assert saved["global_step"] == 2 * saved["t"] and saved["learners"]["updates"] == 2 * max(saved["t"] - 99, 0)
 
 
