@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -497,33 +498,17 @@ def main(args: Args):
     ctx = torch.multiprocessing.get_context("spawn")
     counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    stop, done = Stop(), 0
+    stop = Stop()
+
+    def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
+        check_finite(f"at step {step}", **state["agent"])
+        log.save(step, state, dict(model, global_step=step) if args.save_model else None)
+
     work = (args, agent, target, optimizer, counter, obs_lock, msg_q, halt)
     workers = start_workers(train_worker, range(args.num_workers), *work)
     try:
-        while done < args.num_workers:  # until each worker has sent ("done", step)
-            with contextlib.suppress(queue.Empty):  # ("episode", step, return, length), ("stats", step, {tag: value})
-                kind, step, *message = msg_q.get(timeout=1.0)
-                if kind == "episode":
-                    log.episode(*message, step)
-                elif kind == "stats":
-                    log.scalars(*message, step)
-                else:
-                    done += 1
-            check_workers(workers)
-            if stop.requested and not halt.is_set():  # each worker completes its update in hand, says so, returns
-                halt.set()
-                give_up = time.time() + 10  # a worker still starting (no update in hand) is not waited for
-            if halt.is_set() and time.time() > give_up:
-                break
-            if log.save_due() and steps.value > log.start_step:
-                check_finite(f"at step {steps.value}", **state["agent"])
-                log.save(steps.value, state, model if args.save_model else None)
-            if log.due():
-                log.console(steps.value)
-        step = steps.value
-        check_finite(f"at step {step}", **state["agent"])
-        log.save(step, state, model if args.save_model else None)
+        step = watch_workers(workers, msg_q, halt, steps, log, stop, save)  # the paper's loop runs in the workers
+        save(step)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
     finally:
@@ -531,14 +516,7 @@ def main(args: Args):
     if stop.requested:
         stopped(log, step)
     log.console(step)
-    eval_mean = None
-    if args.eval_episodes > 0:  # the first episode filmed with --capture-video
-        film = log.path if args.capture_video else None
-        policy = lambda k: make_eval_policy(model, k)  # noqa: E731
-        eval_mean = float(np.mean(evaluate(policy, args.env_id, args.eval_episodes, None, args.seed + 10_000, film)))
-        log.scalars({"charts/eval_return": eval_mean}, step)
-        print(f"evaluation over {args.eval_episodes} episodes: mean {eval_mean:.1f}", flush=True)
-    log.end(step, eval_mean, num_workers=args.num_workers)
+    log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
 
 
 def to_env_action(action, low, high):
@@ -621,7 +599,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                 env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
-                    msg_q.put(("episode", counter.value, score, length))
+                    msg_q.put(("episode", counter.value, (score, length)))
                 if local.return_norm is not None:
                     discounted_return = discounted_return * args.gamma + reward
                     returns_seen.append(torch.as_tensor(discounted_return))
@@ -673,7 +651,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                 stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
             msg_q.put(("stats", step + T * n, {k: float(v) for k, v in stats.items()}))
             last_report = time.time()
-    msg_q.put(("done", counter.value))
+    msg_q.put(("done", counter.value, worker_id))
 
 
 def check_args(args):
@@ -804,6 +782,43 @@ def end_workers(workers) -> None:
     for p in workers.processes:
         p.kill()
         p.join()
+
+
+def watch_workers(workers, msg_q, halt, steps, log, stop, save) -> int:
+    """The main process of a Hogwild run, until every worker has said it is done: their episodes and statistics
+    logged, `save(step)` every --checkpoint-interval, a failed worker ending the run, a stop passed on to them (each
+    completes its update in hand; one still starting is not waited for past 10 s). Returns the step they reached."""
+    done, give_up = 0, float("inf")
+    while done < len(workers.processes) and time.time() < give_up:
+        with contextlib.suppress(queue.Empty):  # ("episode", step, (score, length)), ("stats", step, {tag: value}), ...
+            kind, step, payload = msg_q.get(timeout=0.2)
+            if kind == "episode":
+                log.episode(*payload, step)
+            elif kind == "stats":
+                log.scalars(payload, step)
+            else:  # ("done", step, worker)
+                done += 1
+        check_workers(workers)
+        if stop.requested and not halt.is_set():
+            halt.set()
+            give_up = time.time() + 10
+        if log.save_due() and steps.value > log.start_step:
+            save(steps.value)
+        if log.due():
+            log.console(steps.value)
+    return steps.value
+
+
+def evaluate_model(log, model, device="cpu"):
+    """`--eval-episodes` episodes of a saved policy (the first filmed with `--capture-video`): their mean, or None."""
+    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
+    if n == 0:
+        return None
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
+    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+    log.scalars({"charts/eval_return": mean}, model["global_step"])
+    return mean
 
 
 def parse_args(argv=None):

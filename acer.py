@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -486,39 +487,17 @@ def main(args: Args):
     counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
 
-    def save() -> int:  # the shared state as the workers leave it (read without locks, as they read it)
-        step = steps.value
-        weights = {f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
-        check_finite(f"at step {step}", **weights)
+    def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
+        check_finite(
+            f"at step {step}", **{f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
+        )
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
-        return step
 
     shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt)
     workers = start_workers(train_worker, range(args.num_workers), *shared)
-    done = 0
     try:
-        while done < args.num_workers:  # the workers learn; this process logs, checkpoints and watches them
-            with contextlib.suppress(queue.Empty):
-                kind, step, payload = msg_q.get(timeout=0.2)
-                if kind == "episode":
-                    log.episode(*payload, step)
-                elif kind == "stats":  # after an update
-                    log.scalars(payload, step)
-                else:
-                    done += 1
-            check_workers(workers)
-            if stop.requested:
-                halt.set()  # each worker stops after its update in hand and says it is done
-            if stop.requested and steps.value == log.start_step:  # none has begun: nothing to wait for or save
-                print("stopped before the first update: nothing to save", file=sys.stderr, flush=True)
-                sys.exit(130)  # the workers ended below
-            if log.save_due() and steps.value > log.start_step:
-                save()
-            if log.due():
-                log.console(steps.value)
-        for p in workers.processes:
-            p.join()
-        step = save()
+        step = watch_workers(workers, msg_q, halt, steps, log, stop, save)  # Algorithm 1 runs in the workers
+        save(step)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
     finally:
@@ -526,14 +505,7 @@ def main(args: Args):
     log.console(step)
     if stop.requested:
         stopped(log, step)
-    eval_mean = None
-    if args.eval_episodes > 0:  # sampling from the policy; the first episode filmed with --capture-video
-        film = log.path if args.capture_video else None
-        policy = lambda n: make_eval_policy(model, n)  # noqa: E731
-        eval_mean = float(np.mean(evaluate(policy, args.env_id, args.eval_episodes, None, args.seed + 10_000, film)))
-        log.scalars({"charts/eval_return": eval_mean}, step)
-        print(f"evaluation over {args.eval_episodes} episodes: mean {eval_mean:.1f}", flush=True)
-    log.end(step, eval_mean, num_workers=args.num_workers)
+    log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
 
 
 def to_env_action(action, low, high):
@@ -836,6 +808,43 @@ def end_workers(workers) -> None:
     for p in workers.processes:
         p.kill()
         p.join()
+
+
+def watch_workers(workers, msg_q, halt, steps, log, stop, save) -> int:
+    """The main process of a Hogwild run, until every worker has said it is done: their episodes and statistics
+    logged, `save(step)` every --checkpoint-interval, a failed worker ending the run, a stop passed on to them (each
+    completes its update in hand; one still starting is not waited for past 10 s). Returns the step they reached."""
+    done, give_up = 0, float("inf")
+    while done < len(workers.processes) and time.time() < give_up:
+        with contextlib.suppress(queue.Empty):  # ("episode", step, (score, length)), ("stats", step, {tag: value}), ...
+            kind, step, payload = msg_q.get(timeout=0.2)
+            if kind == "episode":
+                log.episode(*payload, step)
+            elif kind == "stats":
+                log.scalars(payload, step)
+            else:  # ("done", step, worker)
+                done += 1
+        check_workers(workers)
+        if stop.requested and not halt.is_set():
+            halt.set()
+            give_up = time.time() + 10
+        if log.save_due() and steps.value > log.start_step:
+            save(steps.value)
+        if log.due():
+            log.console(steps.value)
+    return steps.value
+
+
+def evaluate_model(log, model, device="cpu"):
+    """`--eval-episodes` episodes of a saved policy (the first filmed with `--capture-video`): their mean, or None."""
+    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
+    if n == 0:
+        return None
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
+    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+    log.scalars({"charts/eval_return": mean}, model["global_step"])
+    return mean
 
 
 def parse_args(argv=None):

@@ -21,7 +21,7 @@ gets no gradient, and V-trace gets discount 0 and reward V(x_k) there, so nothin
 Departures from the paper (orthogonal initialisation, PyTorch's RMSProp, the CPU learning rate, the annealing
 horizon) and their measurements: docs/impala_vtrace.md.
 
-Processes: each learner (one, or K under torchrun, gradients averaged by DDP) starts `--num-actors` actor
+Processes: each learner (one, or K under torchrun, gradients summed in one all-reduce) starts `--num-actors` actor
 processes that write unrolls into shared-memory slots; the learner publishes its weights after every update.
 
     python impala_vtrace.py --env-id Breakout-v5
@@ -224,14 +224,6 @@ def learner_loss(
     )
 
 
-def batch_loss(logits, values, batch, args, popart=None) -> VtraceLoss:
-    """learner_loss with the run's hyperparameters."""
-    clips = (args.clip_rho_threshold, args.clip_pg_rho_threshold, args.clip_c_threshold)
-    return learner_loss(
-        logits, values, batch, args.gamma, args.baseline_cost, args.entropy_cost, clips, args.vtrace_lambda, popart
-    )
-
-
 class RMSpropTF(torch.optim.Optimizer):
     """RMSProp as TensorFlow computes it, which the paper's code used (Table G.1's decay, ε and momentum):
 
@@ -346,27 +338,38 @@ def act(cfg, link: ActorLink) -> None:
 # Learning: the learner's step, then setup, the learner's loop (Fig. 1's learner), the end.
 
 
-def learner_step(model, optimizer, batch, args, diagnose=False):
-    """One update on a batch of unrolls (Sec. 3, 4.2): the agent's outputs, the V-trace loss, its gradient (summed
-    over the learner processes) clipped to --max-grad-norm, the optimiser's step, PopArt moved toward the batch's
-    targets (per game; outputs preserved). Returns the logits and the stats (`diagnose`: the per-layer gradient
-    norms too)."""
-    agent = getattr(model, "module", model)  # under DDP, the module it wraps
-    state = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
-    logits, values, _ = model(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], state)
+def learner_step(state, batch, args, diagnose=False):
+    """One update on a batch of unrolls (Sec. 3, 4.2), the training state's `update`-th: the agent's outputs, the
+    V-trace loss, its gradient (summed over the learner processes) clipped to --max-grad-norm, the optimiser's step
+    and the learning rate's, PopArt moved toward the batch's targets (per game; outputs preserved). Returns the logits
+    and the stats (`diagnose`: the per-layer gradient norms too)."""
+    agent, optimizer = state["agent"], state["optimizer"]
+    state["update"] += 1
+    core = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
+    logits, values, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], core)
     out = batch_loss(logits, values, batch, args, agent.popart)
-    optimizer.zero_grad(set_to_none=True)
-    (out.loss * world_size()).backward()  # DDP averages over processes: keep the sum over the global batch
+    optimizer.zero_grad(set_to_none=False)
+    out.loss.backward()
+    reduce_gradients(agent.parameters(), mean=False)  # the loss sums over the batch: the global batch's sum
     layers = grad_norms_by_layer(agent) if diagnose else {}  # before clipping
     grad_norm, stats = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm), loss_stats(out)
     check_finite("in an update", loss=out.loss, gradient=grad_norm, **{k.split("/")[1]: v for k, v in stats.items()})
     stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
     stats["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
     optimizer.step()
+    state["schedule"].step()
     if agent.popart is not None:
         real = ~batch["ended"][:-1]
         agent.popart.update(out.vs[real], batch["task"][:-1][real])
     return logits, stats
+
+
+def batch_loss(logits, values, batch, args, popart=None) -> VtraceLoss:
+    """learner_loss with the run's hyperparameters."""
+    clips = (args.clip_rho_threshold, args.clip_pg_rho_threshold, args.clip_c_threshold)
+    return learner_loss(
+        logits, values, batch, args.gamma, args.baseline_cost, args.entropy_cost, clips, args.vtrace_lambda, popart
+    )
 
 
 def main(args: Args):
@@ -378,60 +381,52 @@ def main(args: Args):
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
     net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.mlp_hidden, max(1, len(games)))
     agent = Agent(spec.observation_space.shape, num_actions, *net, use_popart, args.popart_beta, args.init).to(device)
+    same_start(agent)
     optimizer = make_optimizer(args, agent.parameters())
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     anneal_steps = args.lr_anneal_steps or args.total_timesteps
     anneal_updates = max(num_updates, anneal_steps // steps_per_update)  # the learning rate to 0 linearly (Table G.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates if args.anneal_lr else 1)
-    update = resumed["update"] if resumed else 0
-    if resumed:
-        agent.load_state_dict(resumed["agent"])
-        optimizer.load_state_dict(resumed["optimizer"])
-        schedule.load_state_dict(resumed["schedule"])
-    model = agent
-    if world > 1:  # gradients averaged over the learners, every one starting from rank 0's weights
-        model = nn.parallel.DistributedDataParallel(agent, [device.index] if device.type == "cuda" else None)
+    # The training state: the weights (with PopArt's statistics), RMSProp, the learning rate's schedule, updates.
+    state = load_state(dict(agent=agent, optimizer=optimizer, schedule=schedule, update=0), resumed)
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
     describe += f"{args.num_envs * world} envs" + (f", {len(games)} games" if games else "") + ", PopArt" * use_popart
     log = RunLog(args, resumed, describe, f"{len(games)}games" if games else None, write=rank == 0)
     specs, cfgs = buffer_specs(spec.observation_space, num_actions, args), actor_configs(args, rank, device, games)
     pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
     try:
-        while update < num_updates:
-            batch = pool.next_batch(stop, log if rank == 0 else None, update * steps_per_update)
+        while state["update"] < num_updates:
+            batch = pool.next_batch(stop, log if rank == 0 else None, state["update"] * steps_per_update)
             if agreed(batch is None, device):  # a stop: every learner after the same update
                 break
-            update, diagnose = update + 1, rank == 0 and (log.due() or update + 1 == num_updates)
-            logits, stats = learner_step(model, optimizer, batch, args, diagnose)
-            schedule.step()
+            diagnose = rank == 0 and (log.due() or state["update"] + 1 == num_updates)
+            logits, stats = learner_step(state, batch, args, diagnose)
             pool.publish(agent.state_dict())
-            log_update(log, pool, agent, update * steps_per_update, stats if diagnose else None, logits, batch)
-            if rank == 0 and (log.save_due() or update == num_updates):  # its flush takes this update's curves
-                save(log, update, steps_per_update, agent, optimizer, schedule)
+            log_update(log, pool, agent, state["update"] * steps_per_update, stats if diagnose else None, logits, batch)
+            if rank == 0 and log.save_due():
+                save(log, state)
+        if rank == 0:  # the last update (after a stop: the one in hand)
+            save(log, state)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
     finally:
         pool.close()
-    if rank == 0 and update < num_updates:  # stopped: the last completed update saved
-        save(log, update, steps_per_update, agent, optimizer, schedule)
-    elif rank == 0:
-        model = saved_model(args, agent, update * steps_per_update)
-        eval_mean, extra = evaluate_model(log, model, device)
-        log.end(update * steps_per_update, eval_mean, **extra)
+    step = state["update"] * steps_per_update
+    if rank == 0 and state["update"] == num_updates:
+        eval_mean, extra = evaluate_games_model(log, saved_model(args, agent, step), device)
+        log.end(step, eval_mean, **extra)
     if world > 1:
         torch.distributed.destroy_process_group()
-    if update < num_updates:
-        stopped(log if rank == 0 else None, update * steps_per_update, world)
+    if state["update"] < num_updates:
+        stopped(log if rank == 0 else None, step, world)
 
 
-def save(log, update, steps_per_update, agent, optimizer, schedule) -> None:
-    """checkpoint.pt: the training state (weights with PopArt's statistics, the optimiser, the learning-rate schedule,
-    the update counter), once it is found finite; model.pt with --save-model."""
-    step, weights = update * steps_per_update, agent.state_dict()
-    check_finite("in the weights", **{f"agent.{k}": v for k, v in weights.items() if v.is_floating_point()})
-    state = dict(agent=weights, optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), update=update)
-    log.save(step, state, saved_model(log.args, agent, step) if log.args.save_model else None)
+def save(log, state) -> None:
+    """checkpoint.pt: the training state, once found finite; model.pt with --save-model."""
+    step, saved = state["update"] * log.args.batch_size * log.args.unroll_length, state_dicts(state)
+    check_finite("in the weights", **{f"agent.{k}": v for k, v in saved["agent"].items() if v.is_floating_point()})
+    log.save(step, saved, saved_model(log.args, state["agent"], step) if log.args.save_model else None)
 
 
 def log_update(log, pool, agent, step, stats, logits, batch) -> None:
@@ -459,28 +454,6 @@ def log_update(log, pool, agent, step, stats, logits, batch) -> None:
         stats["charts/median_human_normalized"] = float(np.median(hns))
     log.scalars(stats, step)
     log.console(step, f"entropy {stats['stats/entropy']:.2f} | lag {lag:.1f}")
-
-
-def evaluate_model(log, model, device) -> tuple:
-    """The end of training: `--eval-episodes` episodes of the final policy (each game's, with a table, for several
-    games; the first episode filmed with `--capture-video`). Returns (mean return, summary.json's extra entries)."""
-    n, games, step = log.args.eval_episodes, log.args.env_ids, model["global_step"]
-    film, seed = log.path if log.args.capture_video else None, log.args.seed + 10_000
-    policy = functools.partial(make_eval_policy, model, device=str(device))
-    if n == 0:
-        return None, {}
-    if not games:
-        mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, seed, film)))
-        print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
-        log.scalars({"charts/eval_return": mean}, step)
-        return mean, {}
-    _, table = evaluate_games(policy, games, n, seed, os.path.join(log.path, "evaluation"), film)
-    log.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
-    log.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
-    extra = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
-    last10 = {g: float(np.mean(log.groups[g][-10:])) if log.groups.get(g) else None for g in games}
-    extra.update(eval_per_game=table["games"], env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
-    return float(np.mean([r["mean"] for r in table["games"]])), extra
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -603,6 +576,21 @@ def stopped(log, step: int, world: int = 1) -> None:
     sys.exit(130)
 
 
+def load_state(state: dict, resumed) -> dict:
+    """The training state (modules, optimisers, schedules, counters) set to `--resume`'s checkpoint, if any."""
+    for k, part in state.items() if resumed else ():
+        if hasattr(part, "load_state_dict"):
+            part.load_state_dict(resumed[k])
+        else:
+            state[k] = resumed[k]
+    return state
+
+
+def state_dicts(state: dict) -> dict:
+    """The training state as a checkpoint holds it: each part's state_dict, the counters as they are."""
+    return {k: part.state_dict() if hasattr(part, "state_dict") else part for k, part in state.items()}
+
+
 def loss_stats(result) -> dict:
     """A loss's named tuple as TensorBoard tags: `losses/<name>` for its parts, `stats/<name>` for other scalars."""
     items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
@@ -624,6 +612,23 @@ def learner_process(args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
     return rank, world, device
+
+
+def same_start(*modules) -> None:
+    """Under torchrun: every learner starts from rank 0's parameters."""
+    for p in [p for m in modules for p in m.parameters()] if world_size() > 1 else ():
+        torch.distributed.broadcast(p.data, 0)
+
+
+def reduce_gradients(params, mean: bool) -> None:
+    """Under torchrun: the gradients summed over the learners (`mean`: averaged) in one all-reduce (not DDP's: a
+    loss that moves PopArt's layer runs outside it)."""
+    if world_size() > 1:
+        params = list(params)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        torch.distributed.all_reduce(flat)
+        for p, g in zip(params, flat.div_(world_size() if mean else 1).split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
 
 
 def agreed(flag: bool, device) -> bool:
@@ -794,6 +799,35 @@ class ActorPool:
 
     def close(self):
         end_workers(self.workers)
+
+
+def evaluate_model(log, model, device="cpu"):
+    """`--eval-episodes` episodes of a saved policy (the first filmed with `--capture-video`): their mean, or None."""
+    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
+    if n == 0:
+        return None
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
+    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+    log.scalars({"charts/eval_return": mean}, model["global_step"])
+    return mean
+
+
+def evaluate_games_model(log, model, device) -> tuple:
+    """`evaluate_model`, and for several games each game's episodes with a table (`evaluation/`): (the mean return,
+    summary.json's extra entries)."""
+    n, games, step = log.args.eval_episodes, log.args.env_ids, model["global_step"]
+    if n == 0 or not games:
+        return evaluate_model(log, model, device), {}
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    film = log.path if log.args.capture_video else None
+    _, table = evaluate_games(policy, games, n, log.args.seed + 10_000, os.path.join(log.path, "evaluation"), film)
+    log.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
+    log.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
+    extra = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
+    last10 = {g: float(np.mean(log.groups[g][-10:])) if log.groups.get(g) else None for g in games}
+    extra.update(eval_per_game=table["games"], env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
+    return float(np.mean([r["mean"] for r in table["games"]])), extra
 
 
 def parse_args(argv=None):

@@ -157,7 +157,9 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
     family, text = task_family(args.env_id), args.preset == "paper"
     source, values = (PAPER_FORCED, PAPER_TEXT) if text else FAMILY_DEFAULTS.get(family, (PAPER, {}))
     n = args.num_learners if "--num-learners" in given else values.get("num_learners", args.num_learners)
-    t_initial, learning_starts, d_min = task_defaults(args.env_id, args.reward_delay > 1, n, text)
+    t_initial, learning_starts, d_min = task_defaults(
+        args.env_id, args.reward_delay > 1, max(n, 1), text
+    )  # n < 1: check_args
     # the authors' code: N updates of each learner per step of its own (p3s_td3.py:147, base.py:118-123), so that at
     # equal steps of all learners each learner has made as many updates as one TD3; the text (Sec. 4.1): one
     own = dict(t_initial=t_initial, learning_starts=learning_starts, d_min=d_min, updates_per_step=1 if text else n)

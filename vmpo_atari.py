@@ -338,21 +338,22 @@ def act(cfg, link: ActorLink) -> None:
             link.episode_q.put((score, length, cfg.task))
 
 
-def learner_step(learner, batch, args, update, diagnose=False):
-    """Algorithm 1's update: `--update-epochs` Adam steps on the batch against the same π_target (PopArt's statistics
-    moved on the first), the multipliers kept positive. Returns the last step's stats (`diagnose`: and diagnostics)."""
-    (agent, multipliers, optimizer), world = learner.values(), world_size()
+def learner_step(state, batch, args, diagnose=False):
+    """Algorithm 1's update, the training state's `update`-th: `--update-epochs` Adam steps on the batch against the
+    same π_target (PopArt's statistics moved on the first), the multipliers kept positive. Returns the last step's
+    stats (`diagnose`: and diagnostics)."""
+    agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
+    state["update"] += 1
     chunks, max_norm = args.num_minibatches // world, args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     for epoch in range(args.update_epochs):
         optimizer.zero_grad(set_to_none=False)
         stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks, epoch == 0)
-        if world > 1:  # averaged over the learners, in place of DDP (PopArt rescales its layer inside the loss)
-            for p in [*agent.parameters(), *multipliers.parameters()]:
-                torch.distributed.all_reduce(p.grad)
-                p.grad.div_(world)
+        reduce_gradients([*agent.parameters(), *multipliers.parameters()], mean=True)
         layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # unclipped
         grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-        check_finite(f"at update {update}", gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()})
+        check_finite(
+            f"at update {state['update']}", gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()}
+        )
         stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
         optimizer.step()
         multipliers.project()
@@ -361,6 +362,42 @@ def learner_step(learner, batch, args, update, diagnose=False):
             stats["stats/dead_units"] = dead_units(agent.torso(obs[:-1].flatten(0, 1)))
         stats["stats/logits_std_across_states"] = logits_std_across_states(logits[:-1])
     return stats
+
+
+def minibatch_gradients(agent, multipliers, batch, args, chunks, move_popart=True):
+    """Accumulates vmpo_loss's gradient over `chunks` minibatches of columns (`move_popart`: PopArt's statistics moved
+    by each). Returns the stats averaged over them, and the last minibatch's logits and observations."""
+    stats = {}
+    for cols in torch.arange(batch["obs"].shape[1], device=batch["obs"].device).chunk(chunks):
+        mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
+        state = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
+        logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], state)
+        beta = args.popart_beta / chunks if move_popart else 0.0
+        out, mb_stats = batch_loss(logits, value_features, mb, agent, multipliers, args, beta)
+        (out.loss / chunks).backward()
+        for k, v in mb_stats.items():
+            stats[k] = stats.get(k, 0) + v / chunks
+    return stats, logits, mb["obs"]
+
+
+def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_beta=None):
+    """vmpo_loss on unrolls: n-step targets from the online V, PopArt's statistics moved toward them first (step
+    `popart_beta`; outputs preserved), then the loss in the new normalised units. Returns (VmpoLoss, stats)."""
+    popart, task, (eta, alpha) = agent.popart, batch["task"], multipliers.values()  # task: each row's game
+    own = task.unsqueeze(-1)  # each row reads its own game's output
+    with torch.no_grad():
+        values = popart.unnormalize(popart(value_features).gather(-1, own).squeeze(-1), task)  # online V
+    returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
+    real = ~batch["ended"][:-1]
+    popart.update(returns[real], task[:-1][real], popart_beta)
+    value_norm = popart(value_features[:-1]).gather(-1, own[:-1]).squeeze(-1)
+    returns_norm = popart.normalize(returns, task[:-1])
+    pi_target, bounds = batch["logits"], (args.eps_eta, args.eps_alpha, args.top_fraction)  # π_target's logits
+    out = vmpo_loss(logits, pi_target, batch["action"], value_norm, returns_norm, batch["ended"], eta, alpha, *bounds)
+    n = real.sum().clamp(min=1)
+    stats = {**loss_stats(out), "stats/eta": eta.detach(), "stats/alpha": alpha.detach()}
+    stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
+    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
 
 
 def main(args: Args):
@@ -373,12 +410,7 @@ def main(args: Args):
     agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta, args.init)
     agent = agent.to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
-    for p in [*agent.parameters(), *multipliers.parameters()] if world > 1 else ():  # every learner from rank 0's
-        torch.distributed.broadcast(p.data, 0)
-    learner = dict(agent=agent, multipliers=multipliers, optimizer=make_optimizer(args, agent, multipliers))
-    for k, part in learner.items() if resumed else ():
-        part.load_state_dict(resumed[k])
-    update = resumed["update"] if resumed else 0
+    same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
@@ -387,43 +419,45 @@ def main(args: Args):
     specs = buffer_specs(spec.observation_space, num_actions, args)
     cfgs = actor_configs(args, rank, device, games, episodic_life=args.episodic_life, reward_clip=args.reward_clip)
     pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
-    if resumed:
-        pool.publish(resumed["target_agent"])  # the target network the run was acting with
+    # The training state: the online network (with PopArt's statistics), θ_target, η and α, Adam, updates.
+    optimizer = make_optimizer(args, agent, multipliers)
+    state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer, update=0)
+    load_state(state, resumed)
+    pool.version += resumed is not None  # the actors load the θ_target resumed
     try:
-        while update < num_updates:
-            batch = pool.next_batch(stop, log if rank == 0 else None, update * steps_per_update)
+        while state["update"] < num_updates:
+            batch = pool.next_batch(stop, log if rank == 0 else None, state["update"] * steps_per_update)
             if agreed(batch is None, device):  # a stop: every learner after the same update
                 break
-            update, diagnose = update + 1, rank == 0 and (log.due() or update + 1 == num_updates)
-            stats = learner_step(learner, batch, args, update, diagnose)
+            diagnose = rank == 0 and (log.due() or state["update"] + 1 == num_updates)
+            stats, update = learner_step(state, batch, args, diagnose), state["update"]
             if update % args.target_update_period == 0:
                 pool.publish(agent.state_dict())  # θ_target ← θ_online
             log_update(log, pool, agent, update, stats if diagnose else None, batch)
-            if rank == 0 and (log.save_due() or update == num_updates):  # its flush takes this update's curves
-                save(log, update, learner, pool.agent)
+            if rank == 0 and log.save_due():
+                save(log, state)
+        if rank == 0:  # the last update (after a stop: the one in hand)
+            save(log, state)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
     finally:
         pool.close()
-    if rank == 0 and update < num_updates:  # stopped: the last completed update saved
-        save(log, update, learner, pool.agent)
-    elif rank == 0:
-        eval_mean, extra = evaluate_model(log, saved_model(args, learner, update * steps_per_update), device)
-        log.end(update * steps_per_update, eval_mean, **extra)
+    step = state["update"] * steps_per_update
+    if rank == 0 and state["update"] == num_updates:
+        eval_mean, extra = evaluate_games_model(log, saved_model(args, state, step), device)
+        log.end(step, eval_mean, **extra)
     if world > 1:
         torch.distributed.destroy_process_group()
-    if update < num_updates:
-        stopped(log if rank == 0 else None, update * steps_per_update, world)
+    if state["update"] < num_updates:
+        stopped(log if rank == 0 else None, step, world)
 
 
-def save(log, update, learner, target) -> None:
-    """checkpoint.pt (the learner, the target network, the update counter) once found finite; model.pt."""
-    args, state = log.args, {k: part.state_dict() for k, part in learner.items()}
-    weights = {f"{k}.{n}": v for k in ("agent", "multipliers") for n, v in state[k].items() if v.is_floating_point()}
-    check_finite(f"at update {update}", **weights)
-    step = update * args.batch_size * args.unroll_length
-    model = saved_model(args, learner, step) if args.save_model else None
-    log.save(step, {**state, "target_agent": target.state_dict(), "update": update}, model)
+def save(log, state) -> None:
+    """checkpoint.pt: the training state, once found finite; model.pt with --save-model."""
+    step, saved = state["update"] * log.args.batch_size * log.args.unroll_length, state_dicts(state)
+    weights = {f"{k}.{n}": v for k in ("agent", "multipliers") for n, v in saved[k].items() if v.is_floating_point()}
+    check_finite(f"at update {state['update']}", **weights)
+    log.save(step, saved, saved_model(log.args, state, step) if log.args.save_model else None)
 
 
 def log_update(log, pool, agent, update, stats, batch) -> None:
@@ -449,28 +483,6 @@ def log_update(log, pool, agent, update, stats, batch) -> None:
     log.scalars(stats, step)
     eta, alpha, kl = (float(stats[f"stats/{k}"]) for k in ("eta", "alpha", "kl"))
     log.console(step, f"entropy {float(stats['stats/entropy']):.2f} | η {eta:.3f} α {alpha:.3f} KL {kl:.4f}")
-
-
-def evaluate_model(log, model, device) -> tuple:
-    """The end of training: `--eval-episodes` episodes of the final policy (each game's, with a table, for several
-    games; the first episode filmed with `--capture-video`). Returns (mean return, summary.json's extra entries)."""
-    n, games, step = log.args.eval_episodes, log.args.env_ids, model["global_step"]
-    film, seed = log.path if log.args.capture_video else None, log.args.seed + 10_000
-    policy = functools.partial(make_eval_policy, model, device=str(device))
-    if n == 0:
-        return None, {}
-    if not games:
-        mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, seed, film)))
-        print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
-        log.scalars({"charts/eval_return": mean}, step)
-        return mean, {}
-    _, table = evaluate_games(policy, games, n, seed, os.path.join(log.path, "evaluation"), film)
-    log.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
-    log.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
-    extra = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
-    last10 = {g: float(np.mean(log.groups[g][-10:])) if log.groups.get(g) else None for g in games}
-    extra.update(eval_per_game=table["games"], env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
-    return float(np.mean([r["mean"] for r in table["games"]])), extra
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -518,42 +530,6 @@ def check_args(args):
     return spec, games
 
 
-def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_beta=None):
-    """vmpo_loss on unrolls: n-step targets from the online V, PopArt's statistics moved toward them first (step
-    `popart_beta`; outputs preserved), then the loss in the new normalised units. Returns (VmpoLoss, stats)."""
-    popart, task, (eta, alpha) = agent.popart, batch["task"], multipliers.values()  # task: each row's game
-    own = task.unsqueeze(-1)  # each row reads its own game's output
-    with torch.no_grad():
-        values = popart.unnormalize(popart(value_features).gather(-1, own).squeeze(-1), task)  # online V
-    returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
-    real = ~batch["ended"][:-1]
-    popart.update(returns[real], task[:-1][real], popart_beta)
-    value_norm = popart(value_features[:-1]).gather(-1, own[:-1]).squeeze(-1)
-    returns_norm = popart.normalize(returns, task[:-1])
-    pi_target, bounds = batch["logits"], (args.eps_eta, args.eps_alpha, args.top_fraction)  # π_target's logits
-    out = vmpo_loss(logits, pi_target, batch["action"], value_norm, returns_norm, batch["ended"], eta, alpha, *bounds)
-    n = real.sum().clamp(min=1)
-    stats = {**loss_stats(out), "stats/eta": eta.detach(), "stats/alpha": alpha.detach()}
-    stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
-    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
-
-
-def minibatch_gradients(agent, multipliers, batch, args, chunks, move_popart=True):
-    """Accumulates vmpo_loss's gradient over `chunks` minibatches of columns (`move_popart`: PopArt's statistics moved
-    by each). Returns the stats averaged over them, and the last minibatch's logits and observations."""
-    stats = {}
-    for cols in torch.arange(batch["obs"].shape[1], device=batch["obs"].device).chunk(chunks):
-        mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
-        state = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
-        logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], state)
-        beta = args.popart_beta / chunks if move_popart else 0.0
-        out, mb_stats = batch_loss(logits, value_features, mb, agent, multipliers, args, beta)
-        (out.loss / chunks).backward()
-        for k, v in mb_stats.items():
-            stats[k] = stats.get(k, 0) + v / chunks
-    return stats, logits, mb["obs"]
-
-
 def make_optimizer(args, agent, multipliers):
     """Adam (Sec. 4.3), the multipliers in a parameter group of their own at `--dual-learning-rate` (0: the same)."""
     dual_lr = args.dual_learning_rate if args.dual_learning_rate > 0 else args.learning_rate
@@ -561,12 +537,12 @@ def make_optimizer(args, agent, multipliers):
     return torch.optim.Adam(groups, lr=args.learning_rate)  # torch's ε, 1e-8, is the paper's (TensorFlow's)
 
 
-def saved_model(args, learner, global_step):
+def saved_model(args, state, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
     games = args.env_ids
     model = dict(script="vmpo_atari", env_id=games[0] if games else args.env_id, env_ids=list(games))
-    model.update(full_action_space=bool(games), args=dataclasses.asdict(args), agent_config=learner["agent"].config)
-    model.update({k: {n: v.cpu() for n, v in learner[k].state_dict().items()} for k in ("agent", "multipliers")})
+    model.update(full_action_space=bool(games), args=dataclasses.asdict(args), agent_config=state["agent"].config)
+    model.update({k: {n: v.cpu() for n, v in state[k].state_dict().items()} for k in ("agent", "multipliers")})
     clip = args.reward_clip and (bool(games) or is_atari(args.env_id))
     return {**model, "reward_clip": clip, "global_step": global_step}
 
@@ -633,6 +609,21 @@ def stopped(log, step: int, world: int = 1) -> None:
     sys.exit(130)
 
 
+def load_state(state: dict, resumed) -> dict:
+    """The training state (modules, optimisers, schedules, counters) set to `--resume`'s checkpoint, if any."""
+    for k, part in state.items() if resumed else ():
+        if hasattr(part, "load_state_dict"):
+            part.load_state_dict(resumed[k])
+        else:
+            state[k] = resumed[k]
+    return state
+
+
+def state_dicts(state: dict) -> dict:
+    """The training state as a checkpoint holds it: each part's state_dict, the counters as they are."""
+    return {k: part.state_dict() if hasattr(part, "state_dict") else part for k, part in state.items()}
+
+
 def loss_stats(result) -> dict:
     """A loss's named tuple as TensorBoard tags: `losses/<name>` for its parts, `stats/<name>` for other scalars."""
     items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
@@ -654,6 +645,23 @@ def learner_process(args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
     return rank, world, device
+
+
+def same_start(*modules) -> None:
+    """Under torchrun: every learner starts from rank 0's parameters."""
+    for p in [p for m in modules for p in m.parameters()] if world_size() > 1 else ():
+        torch.distributed.broadcast(p.data, 0)
+
+
+def reduce_gradients(params, mean: bool) -> None:
+    """Under torchrun: the gradients summed over the learners (`mean`: averaged) in one all-reduce (not DDP's: a
+    loss that moves PopArt's layer runs outside it)."""
+    if world_size() > 1:
+        params = list(params)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        torch.distributed.all_reduce(flat)
+        for p, g in zip(params, flat.div_(world_size() if mean else 1).split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
 
 
 def agreed(flag: bool, device) -> bool:
@@ -824,6 +832,35 @@ class ActorPool:
 
     def close(self):
         end_workers(self.workers)
+
+
+def evaluate_model(log, model, device="cpu"):
+    """`--eval-episodes` episodes of a saved policy (the first filmed with `--capture-video`): their mean, or None."""
+    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
+    if n == 0:
+        return None
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
+    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+    log.scalars({"charts/eval_return": mean}, model["global_step"])
+    return mean
+
+
+def evaluate_games_model(log, model, device) -> tuple:
+    """`evaluate_model`, and for several games each game's episodes with a table (`evaluation/`): (the mean return,
+    summary.json's extra entries)."""
+    n, games, step = log.args.eval_episodes, log.args.env_ids, model["global_step"]
+    if n == 0 or not games:
+        return evaluate_model(log, model, device), {}
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    film = log.path if log.args.capture_video else None
+    _, table = evaluate_games(policy, games, n, log.args.seed + 10_000, os.path.join(log.path, "evaluation"), film)
+    log.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
+    log.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
+    extra = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
+    last10 = {g: float(np.mean(log.groups[g][-10:])) if log.groups.get(g) else None for g in games}
+    extra.update(eval_per_game=table["games"], env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
+    return float(np.mean([r["mean"] for r in table["games"]])), extra
 
 
 def parse_args(argv=None):

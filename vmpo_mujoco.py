@@ -367,9 +367,11 @@ def act(cfg, link) -> None:
 # Learning: the learner's step, then setup, the learner's loop (Algorithm 1), the end.
 
 
-def learner_step(state, batch, args, update):
-    """Algorithm 1's update: observation statistics, `--update-epochs` Adam steps against π_target (all-reduced)."""
+def learner_step(state, batch, args):
+    """Algorithm 1's update, the training state's `update`-th: observation statistics, `--update-epochs` Adam steps
+    against π_target (all-reduced). Returns the last step's stats."""
     agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
+    state["update"] += 1
     params = [*agent.parameters(), *multipliers.parameters()]
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
@@ -379,14 +381,10 @@ def learner_step(state, batch, args, update):
         out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
         optimizer.zero_grad(set_to_none=False)
         out.loss.backward()
-        if world > 1:  # one all-reduce of all the gradients (not DDP: PopArt rescales its layer inside the loss)
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            torch.distributed.all_reduce(flat)
-            for p, g in zip(params, flat.div_(world).split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
+        reduce_gradients(params, mean=True)
         grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
         named = {k.split("/")[-1]: v for k, v in stats.items()}
-        check_finite(f"at update {update}", loss=out.loss, gradient=grad_norm, **named)
+        check_finite(f"at update {state['update']}", loss=out.loss, gradient=grad_norm, **named)
         optimizer.step()
         multipliers.project()
     return {**stats, "stats/grad_norm": grad_norm}
@@ -427,8 +425,7 @@ def main(args: Args):
     agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, args.popart_beta).to(device)
     init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
     multipliers = LagrangeMultipliers(*init, args.multipliers, args.min_multiplier).to(device)
-    for p in [*agent.parameters(), *multipliers.parameters()] if world > 1 else ():  # every learner from rank 0's
-        torch.distributed.broadcast(p.data, 0)
+    same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     describe = f"{device}, {world} learner(s) of {args.num_actors} actor(s), {args.num_envs} envs"
@@ -436,48 +433,43 @@ def main(args: Args):
     log = RunLog(args, resumed, describe, write=rank == 0)
     specs, cfgs = buffer_specs(obs_dim, action_dim, args.unroll_length), actor_configs(args, rank, device)
     pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
-    # The training state: the online network (PopArt, observation statistics), θ_target, η, α_μ, α_Σ, Adam, `update`.
+    # The training state: the online network (PopArt, observation statistics), θ_target, η, α_μ, α_Σ, Adam, updates.
     optimizer = make_optimizer(args, agent, multipliers)
-    state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer)
-    update = resumed["update"] if resumed else 0
-    if resumed:
-        for k, part in state.items():
-            part.load_state_dict(resumed[k])
-        pool.version += 1  # the actors load the target network the run was acting with
+    state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer, update=0)
+    load_state(state, resumed)
+    pool.version += resumed is not None  # the actors load the θ_target resumed
     try:
-        while update < num_updates:
-            batch = pool.next_batch(stop, log if rank == 0 else None, update * steps_per_update)
+        while state["update"] < num_updates:
+            batch = pool.next_batch(stop, log if rank == 0 else None, state["update"] * steps_per_update)
             if agreed(batch is None, device):  # a stop: every learner after the same update
                 break
-            update += 1
-            stats = learner_step(state, batch, args, update)
+            stats, update = learner_step(state, batch, args), state["update"]
             if update % args.target_update_period == 0:
                 pool.publish(agent.state_dict())  # θ_target ← θ_online
             log_update(log, pool, update, batch, stats if log.due() or update == num_updates else None)
-            if rank == 0 and (log.save_due() or update == num_updates):  # its flush takes this update's curves
-                save(log, state, update, spec)
+            if rank == 0 and log.save_due():
+                save(log, state)
+        if rank == 0:  # the last update (after a stop: the one in hand)
+            save(log, state)
     except (WorkerError, NonFiniteError) as e:
         fail(e, log.path)
     finally:
         pool.close()
-    step = update * steps_per_update
-    if rank == 0 and update < num_updates:  # stopped: the last completed update saved
-        save(log, state, update, spec)
-    elif rank == 0:
-        log.end(step, evaluate_model(log, saved_model(args, spec, agent, multipliers, step), device))
+    step = state["update"] * steps_per_update
+    if rank == 0 and state["update"] == num_updates:
+        log.end(step, evaluate_model(log, saved_model(args, state, step), device))
     if world > 1:
         torch.distributed.destroy_process_group()
-    if update < num_updates:
+    if state["update"] < num_updates:
         stopped(log if rank == 0 else None, step, world)
 
 
-def save(log, state, update, spec) -> None:
-    """checkpoint.pt (the training state and the update counter, once found finite); model.pt with --save-model."""
-    step, weights = update * log.args.batch_size * log.args.unroll_length, {k: v.state_dict() for k, v in state.items()}
-    named = {f"{k}.{n}": v for k in ("agent", "multipliers") for n, v in weights[k].items() if v.is_floating_point()}
-    check_finite(f"at update {update}", **named)
-    model = saved_model(log.args, spec, state["agent"], state["multipliers"], step) if log.args.save_model else None
-    log.save(step, {**weights, "update": update}, model)
+def save(log, state) -> None:
+    """checkpoint.pt: the training state, once found finite; model.pt with --save-model."""
+    step, saved = state["update"] * log.args.batch_size * log.args.unroll_length, state_dicts(state)
+    named = {f"{k}.{n}": v for k in ("agent", "multipliers") for n, v in saved[k].items() if v.is_floating_point()}
+    check_finite(f"at update {state['update']}", **named)
+    log.save(step, saved, saved_model(log.args, state, step) if log.args.save_model else None)
 
 
 def log_update(log, pool, update, batch, stats) -> None:
@@ -495,18 +487,6 @@ def log_update(log, pool, update, batch, stats) -> None:
     log.scalars(stats, step)
     eta, alpha_mu, alpha_sigma, std = (stats[f"stats/{k}"] for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std"))
     log.console(step, f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f}")
-
-
-def evaluate_model(log, model, device):
-    """`--eval-episodes` episodes of the final policy (the first filmed with `--capture-video`): their mean, or None."""
-    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
-    if n == 0:
-        return None
-    policy = functools.partial(make_eval_policy, model, device=str(device))
-    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
-    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
-    log.scalars({"charts/eval_return": mean}, model["global_step"])
-    return mean
 
 
 def to_env_action(action, low, high):
@@ -529,12 +509,13 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     return policy
 
 
-def saved_model(args, spec, agent, multipliers, global_step):
+def saved_model(args, state, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
-    model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args), agent_config=agent.config)
-    weights = dict(agent=agent.state_dict(), multipliers=multipliers.state_dict())
-    model.update({k: {n: v.cpu() for n, v in w.items()} for k, w in weights.items()})
-    low, high = (x.astype(np.float32).tolist() for x in (spec.action_space.low, spec.action_space.high))
+    model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args))
+    model.update({k: {n: v.cpu() for n, v in state[k].state_dict().items()} for k in ("agent", "multipliers")})
+    box = env_spec(args.env_id).action_space
+    low, high = (x.astype(np.float32).tolist() for x in (box.low, box.high))
+    model["agent_config"] = state["agent"].config
     return {**model, "action_low": low, "action_high": high, "global_step": global_step}
 
 
@@ -630,6 +611,21 @@ def stopped(log, step: int, world: int = 1) -> None:
     sys.exit(130)
 
 
+def load_state(state: dict, resumed) -> dict:
+    """The training state (modules, optimisers, schedules, counters) set to `--resume`'s checkpoint, if any."""
+    for k, part in state.items() if resumed else ():
+        if hasattr(part, "load_state_dict"):
+            part.load_state_dict(resumed[k])
+        else:
+            state[k] = resumed[k]
+    return state
+
+
+def state_dicts(state: dict) -> dict:
+    """The training state as a checkpoint holds it: each part's state_dict, the counters as they are."""
+    return {k: part.state_dict() if hasattr(part, "state_dict") else part for k, part in state.items()}
+
+
 def loss_stats(result) -> dict:
     """A loss's named tuple as TensorBoard tags: `losses/<name>` for its parts, `stats/<name>` for other scalars."""
     items = [(k, v.detach()) for k, v in result._asdict().items() if k != "loss" and v.dim() == 0]
@@ -651,6 +647,23 @@ def learner_process(args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
     return rank, world, device
+
+
+def same_start(*modules) -> None:
+    """Under torchrun: every learner starts from rank 0's parameters."""
+    for p in [p for m in modules for p in m.parameters()] if world_size() > 1 else ():
+        torch.distributed.broadcast(p.data, 0)
+
+
+def reduce_gradients(params, mean: bool) -> None:
+    """Under torchrun: the gradients summed over the learners (`mean`: averaged) in one all-reduce (not DDP's: a
+    loss that moves PopArt's layer runs outside it)."""
+    if world_size() > 1:
+        params = list(params)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        torch.distributed.all_reduce(flat)
+        for p, g in zip(params, flat.div_(world_size() if mean else 1).split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
 
 
 def agreed(flag: bool, device) -> bool:
@@ -821,6 +834,18 @@ class ActorPool:
 
     def close(self):
         end_workers(self.workers)
+
+
+def evaluate_model(log, model, device="cpu"):
+    """`--eval-episodes` episodes of a saved policy (the first filmed with `--capture-video`): their mean, or None."""
+    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
+    if n == 0:
+        return None
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
+    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+    log.scalars({"charts/eval_return": mean}, model["global_step"])
+    return mean
 
 
 def parse_args(argv=None):
