@@ -455,6 +455,108 @@ class QAgent(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Acting and learning: a worker runs Algorithm S2 (A3C) or S3 (the value-based methods).
+
+
+def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q, halt=None):
+    """One actor-learner thread, here a process: sync θ' ← θ, act t_max steps, update the shared θ: A3C (Algorithm
+    S3), or a value-based method (Algorithm 1, Sec. 4's Sarsa, Algorithm S2; `target`: the shared θ⁻). Its episodes
+    and (worker 0) its statistics go to `msg_q`; it stops between two updates once `halt` is set."""
+    n, T, value_based = args.num_envs, args.t_max, target is not None
+    torch.manual_seed(args.seed + worker_id)
+    np.random.seed(args.seed + worker_id)
+    envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
+    local = (QAgent if value_based else Agent)(**shared.config)
+    if optimizer is None:  # --no-shared-statistics: this worker's own g, on the shared parameters
+        optimizer = SharedRMSprop(shared.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
+    continuous = local.action_dim > 0
+    pixels = len(local.config["obs_shape"]) == 3
+    if continuous:
+        low = envs.action_space.low.astype(np.float32)
+        high = envs.action_space.high.astype(np.float32)
+    final = final_epsilon() if value_based else None  # this worker's final ε (Supp. 8)
+    sarsa_action = None  # one-step Sarsa: a', chosen at the last rollout's s_T, is the next rollout's first action
+    tracker = EpisodeTracker(n)
+    obs = obs_tensor(envs.reset()[0], pixels)
+    ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
+    first = torch.ones(n, dtype=torch.bool)  # obs starts an episode (the LSTM state is zeroed there)
+    state = local.initial_state(n)
+    last_report = 0.0
+    discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
+    while counter.value < args.total_timesteps and not (halt and halt.is_set()):
+        copy_network(local, shared, obs_lock)  # θ' ← θ
+        synced_at = counter.value
+        epsilon = epsilon_at(synced_at, final, args.epsilon_steps) if value_based else None
+        start_state = state  # (acting runs without gradients: the state carries none)
+        rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "ended")}
+        returns_seen = []
+        with torch.no_grad():  # act; the loss takes one batched pass over the rollout afterwards
+            for t in range(T):
+                out, _, state = local(obs[None], first[None], state)  # π's parameters, or the Q-values
+                check_finite(f"while acting at step {counter.value}", policy=out)
+                if not value_based:
+                    action = local.sample(out[0])
+                else:
+                    action = sarsa_action if t == 0 and sarsa_action is not None else epsilon_greedy(out[0], epsilon)
+                env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
+                next_obs, reward, term, trunc, info = envs.step(env_action)
+                for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
+                    msg_q.put(("episode", counter.value, (score, length)))
+                if local.return_norm is not None:
+                    discounted_return = discounted_return * args.gamma + reward
+                    returns_seen.append(torch.as_tensor(discounted_return))
+                    reward = scale_rewards(reward, local.return_norm.var)
+                    discounted_return[term | trunc] = 0.0
+                for k, v in zip(rows, (obs, first, action, reward, term, ended)):
+                    rows[k].append(torch.as_tensor(v))
+                first, ended = ended, torch.as_tensor(term | trunc)
+                obs = obs_tensor(next_obs, pixels)
+        # rows 0..T-1 of the rollout and the bootstrap observation s_T, through θ' from the rollout's first state
+        all_obs, all_first = torch.stack(rows["obs"] + [obs]), torch.stack(rows["first"] + [first])
+        out, values, _ = local(all_obs, all_first, start_state)
+        actions, rewards = torch.stack(rows["action"]), torch.stack(rows["reward"]).float()
+        terminated, ends = torch.stack(rows["terminated"]), torch.stack(rows["ended"])
+        if value_based:
+            with torch.no_grad():  # θ⁻'s values at s_0..s_T
+                q_target = target(all_obs, all_first)[0]
+            if args.method == "one-step-sarsa":  # a' at s_T, ε-greedy on θ' (taken first in the next rollout)
+                sarsa_action = epsilon_greedy(out[-1].detach(), epsilon)
+            next_actions = torch.cat([actions[1:], sarsa_action[None]]) if sarsa_action is not None else None
+            targets = value_targets(args.method, rewards, terminated, ends, q_target, next_actions, args.gamma)
+            loss, stats = q_loss(out[:-1].gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), targets, ends)
+            stats["stats/epsilon"] = epsilon
+        else:
+            log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
+            hyper = (values[-1].detach(), args.gamma, args.ent_coef, args.value_coef)
+            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards, terminated, ends, *hyper)
+        with counter.get_lock():
+            step = counter.value
+            counter.value += T * n
+        # η annealed by the steps of all workers (a shared counter, which LambdaLR's per-process count is not)
+        lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps) if args.anneal_lr else args.learning_rate
+        optimizer.param_groups[0]["lr"] = lr
+        grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
+        with obs_lock:  # the shared statistics take this rollout's observations (and returns)
+            if shared.obs_norm is not None:
+                shared.obs_norm.update(torch.stack(rows["obs"]))
+            if shared.return_norm is not None:
+                shared.return_norm.update(torch.stack(returns_seen)[..., None])
+        if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
+            copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
+        if worker_id == 0 and (
+            time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps
+        ):  # or the last
+            lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
+            stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
+            stats["stats/active_units"] = active_fraction(local, all_obs[:-1].flatten(0, 1))
+            if continuous:
+                stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
+            msg_q.put(("stats", step + T * n, {k: float(v) for k, v in stats.items()}))
+            last_report = time.time()
+    msg_q.put(("done", counter.value, worker_id))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The run: setup, the workers (the paper's loop runs in them), the end.
 
 
@@ -554,104 +656,6 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
         return to_env_action(action, np.asarray(low), np.asarray(high)) if agent.action_dim else action
 
     return policy
-
-
-def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q, halt=None):
-    """One actor-learner thread, here a process: sync θ' ← θ, act t_max steps, update the shared θ: A3C (Algorithm
-    S3), or a value-based method (Algorithm 1, Sec. 4's Sarsa, Algorithm S2; `target`: the shared θ⁻). Its episodes
-    and (worker 0) its statistics go to `msg_q`; it stops between two updates once `halt` is set."""
-    n, T, value_based = args.num_envs, args.t_max, target is not None
-    torch.manual_seed(args.seed + worker_id)
-    np.random.seed(args.seed + worker_id)
-    envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
-    local = (QAgent if value_based else Agent)(**shared.config)
-    if optimizer is None:  # --no-shared-statistics: this worker's own g, on the shared parameters
-        optimizer = SharedRMSprop(shared.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
-    continuous = local.action_dim > 0
-    pixels = len(local.config["obs_shape"]) == 3
-    if continuous:
-        low = envs.action_space.low.astype(np.float32)
-        high = envs.action_space.high.astype(np.float32)
-    final = final_epsilon() if value_based else None  # this worker's final ε (Supp. 8)
-    sarsa_action = None  # one-step Sarsa: a', chosen at the last rollout's s_T, is the next rollout's first action
-    tracker = EpisodeTracker(n)
-    obs = obs_tensor(envs.reset()[0], pixels)
-    ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
-    first = torch.ones(n, dtype=torch.bool)  # obs starts an episode (the LSTM state is zeroed there)
-    state = local.initial_state(n)
-    last_report = 0.0
-    discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
-    while counter.value < args.total_timesteps and not (halt and halt.is_set()):
-        copy_network(local, shared, obs_lock)  # θ' ← θ
-        synced_at = counter.value
-        epsilon = epsilon_at(synced_at, final, args.epsilon_steps) if value_based else None
-        start_state = state  # (acting runs without gradients: the state carries none)
-        rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "ended")}
-        returns_seen = []
-        with torch.no_grad():  # act; the loss takes one batched pass over the rollout afterwards
-            for t in range(T):
-                out, _, state = local(obs[None], first[None], state)  # π's parameters, or the Q-values
-                check_finite(f"while acting at step {counter.value}", policy=out)
-                if not value_based:
-                    action = local.sample(out[0])
-                else:
-                    action = sarsa_action if t == 0 and sarsa_action is not None else epsilon_greedy(out[0], epsilon)
-                env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
-                next_obs, reward, term, trunc, info = envs.step(env_action)
-                for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
-                    msg_q.put(("episode", counter.value, (score, length)))
-                if local.return_norm is not None:
-                    discounted_return = discounted_return * args.gamma + reward
-                    returns_seen.append(torch.as_tensor(discounted_return))
-                    reward = scale_rewards(reward, local.return_norm.var)
-                    discounted_return[term | trunc] = 0.0
-                for k, v in zip(rows, (obs, first, action, reward, term, ended)):
-                    rows[k].append(torch.as_tensor(v))
-                first, ended = ended, torch.as_tensor(term | trunc)
-                obs = obs_tensor(next_obs, pixels)
-        # rows 0..T-1 of the rollout and the bootstrap observation s_T, through θ' from the rollout's first state
-        all_obs, all_first = torch.stack(rows["obs"] + [obs]), torch.stack(rows["first"] + [first])
-        out, values, _ = local(all_obs, all_first, start_state)
-        actions, rewards = torch.stack(rows["action"]), torch.stack(rows["reward"]).float()
-        terminated, ends = torch.stack(rows["terminated"]), torch.stack(rows["ended"])
-        if value_based:
-            with torch.no_grad():  # θ⁻'s values at s_0..s_T
-                q_target = target(all_obs, all_first)[0]
-            if args.method == "one-step-sarsa":  # a' at s_T, ε-greedy on θ' (taken first in the next rollout)
-                sarsa_action = epsilon_greedy(out[-1].detach(), epsilon)
-            next_actions = torch.cat([actions[1:], sarsa_action[None]]) if sarsa_action is not None else None
-            targets = value_targets(args.method, rewards, terminated, ends, q_target, next_actions, args.gamma)
-            loss, stats = q_loss(out[:-1].gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), targets, ends)
-            stats["stats/epsilon"] = epsilon
-        else:
-            log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
-            hyper = (values[-1].detach(), args.gamma, args.ent_coef, args.value_coef)
-            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards, terminated, ends, *hyper)
-        with counter.get_lock():
-            step = counter.value
-            counter.value += T * n
-        # η annealed by the steps of all workers (a shared counter, which LambdaLR's per-process count is not)
-        lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps) if args.anneal_lr else args.learning_rate
-        optimizer.param_groups[0]["lr"] = lr
-        grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
-        with obs_lock:  # the shared statistics take this rollout's observations (and returns)
-            if shared.obs_norm is not None:
-                shared.obs_norm.update(torch.stack(rows["obs"]))
-            if shared.return_norm is not None:
-                shared.return_norm.update(torch.stack(returns_seen)[..., None])
-        if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
-            copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
-        if worker_id == 0 and (
-            time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps
-        ):  # or the last
-            lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
-            stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
-            stats["stats/active_units"] = active_fraction(local, all_obs[:-1].flatten(0, 1))
-            if continuous:
-                stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
-            msg_q.put(("stats", step + T * n, {k: float(v) for k, v in stats.items()}))
-            last_report = time.time()
-    msg_q.put(("done", counter.value, worker_id))
 
 
 def check_args(args):

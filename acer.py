@@ -426,131 +426,6 @@ class ContinuousAgent(nn.Module):
         return values + adv[..., 0] - adv[..., 1:].mean(-1)
 
 
-def segment_loss(local, avg_agent, segment, args, generator=None):
-    """Runs the local and average networks over a segment and returns the ACER loss (Algorithm 2 or 3)."""
-    data = [segment[key] for key in ("action", "reward", "terminated", "ended", "mu")]
-    hyper = {k: getattr(args, k) for k in ("gamma", "c", "delta", "value_coef", "trust_region")}
-    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)  # --bf16: the networks' passes only
-    with torch.no_grad(), amp:
-        avg_out = avg_agent(segment["obs"])[0].float()
-    if isinstance(local, ContinuousAgent):
-        mean, values = local(segment["obs"])
-        obs = segment["obs"][:-1].float()
-        q_taken = local.q_tilde(obs, segment["action"][:-1], mean[:-1], values[:-1], args.sdn_samples, generator)
-        with torch.no_grad():
-            sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape, generator=generator)
-            q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples, generator)
-        return acer_loss_continuous(
-            mean, values, q_taken, q_sampled, sampled, avg_out, *data, std=args.policy_std, **hyper
-        )
-    with amp:
-        logits, q = local(segment["obs"])
-    return acer_loss(logits.float(), q.float(), avg_out, *data, ent_coef=args.ent_coef, **hyper)
-
-
-def main(args: Args):
-    args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
-    args, spec = check_args(args)
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    obs_shape = tuple(spec.observation_space.shape) if is_atari(args.env_id) else (flat_obs_dim(spec),)
-    discrete = hasattr(spec.action_space, "n")
-    if resumed is not None:
-        config = resumed["agent_config"]  # the run's own network (`agent_from_config` reads older configs too)
-    elif discrete:
-        config = dict(obs_shape=obs_shape, num_actions=int(spec.action_space.n), hidden=args.hidden)
-    else:
-        config = dict(obs_shape=obs_shape, action_dim=int(spec.action_space.shape[0]), hidden=args.hidden)
-        config.update(policy_std=args.policy_std, separate_value=True, obs_norm=True, scale_rewards=args.scale_rewards)
-    agent, avg_agent = agent_from_config(config), agent_from_config(config)
-    avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ (and its observation statistics at θ's)
-    for net in (agent, avg_agent):  # --bf16: convolutions in channels-last layout, as oneDNN's bfloat16 kernels prefer
-        net.to(memory_format=torch.channels_last if args.bf16 else torch.contiguous_format).share_memory()
-    square_avg = [torch.zeros_like(p).share_memory_() for p in agent.parameters()]  # RMSProp's g, shared
-    if resumed is not None:  # in place: the tensors stay in shared memory
-        agent.load_state_dict(resumed["agent"])
-        avg_agent.load_state_dict(resumed["avg_agent"])
-        for g, saved in zip(square_avg, resumed["square_avg"]):
-            g.copy_(saved)
-    # the training state and model.pt: views of the shared tensors, saved as the workers leave them (Hogwild)
-    nets = dict(agent_config=agent.config, agent=agent.state_dict(), avg_agent=avg_agent.state_dict())
-    state = dict(nets, square_avg=square_avg)
-    model = dict(nets, script="acer", env_id=args.env_id, args=dataclasses.asdict(args))
-    if not discrete:  # evaluation maps the policy's [-1, 1] actions to the env's box
-        low, high = spec.action_space.low, spec.action_space.high
-        model.update(action_low=low.astype(np.float32).tolist(), action_high=high.astype(np.float32).tolist())
-    describe = f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}"
-    log = RunLog(args, resumed, describe + (", trust region" if args.trust_region else ", no trust region"))
-    stop = Stop()
-    ctx = torch.multiprocessing.get_context("spawn")
-    counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
-    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-
-    def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
-        check_finite(
-            f"at step {step}", **{f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
-        )
-        log.save(step, state, dict(model, global_step=step) if args.save_model else None)
-
-    shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt)
-    workers = start_workers(train_worker, range(args.num_workers), *shared)
-    try:
-        step = watch_workers(workers, msg_q, halt, steps, log, stop, save)  # Algorithm 1 runs in the workers
-        save(step)
-    except (WorkerError, NonFiniteError) as e:
-        fail(e, log.path)
-    finally:
-        end_workers(workers)
-    log.console(step)
-    if stop.requested:
-        stopped(log, step)
-    log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
-
-
-def to_env_action(action, low, high):
-    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
-    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
-
-
-def scale_rewards(rewards, return_var, clip=10.0):
-    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's
-    episode so far (as a3c.py; SB3's VecNormalize), with the statistics of the update (replayed segments too)."""
-    return (rewards / math.sqrt(float(return_var[0]) + 1e-8)).clamp(-clip, clip)
-
-
-def obs_tensor(obs, pixels):
-    """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
-    return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
-
-
-def agent_from_config(config):
-    """The network of a saved `agent_config` (a continuous one saved before its options existed: all three off)."""
-    if "action_dim" not in config:
-        return Agent(**config)
-    return ContinuousAgent(**{"separate_value": False, "obs_norm": False, "scale_rewards": False, **config})
-
-
-def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """A callable `policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it)."""
-    agent = agent_from_config(checkpoint["agent_config"]).to(device)
-    agent.load_state_dict(checkpoint["agent"])  # with the observation statistics it was trained with
-    agent.eval()
-    pixels = len(agent.config["obs_shape"]) == 3
-
-    @torch.no_grad()
-    def policy(obs, rewards, first):
-        out, _ = agent(obs_tensor(obs, pixels).to(device)[None])  # the mean, or the logits
-        if isinstance(agent, ContinuousAgent):
-            action = out[0] if greedy else out[0] + agent.std * torch.randn_like(out[0])
-            low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
-            return to_env_action(action.cpu().numpy(), low, high)
-        action = out[0].argmax(-1) if greedy else torch.distributions.Categorical(logits=out[0]).sample()
-        return action.cpu().numpy()
-
-    return policy
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Replay and the workers: Algorithm 1.
 
@@ -672,6 +547,135 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             msg_q.put(("stats", step + k * n, {key: float(v) for key, v in report.items()}))
             last_report = now
     msg_q.put(("done", counter.value, worker_id))
+
+
+def segment_loss(local, avg_agent, segment, args, generator=None):
+    """Runs the local and average networks over a segment and returns the ACER loss (Algorithm 2 or 3)."""
+    data = [segment[key] for key in ("action", "reward", "terminated", "ended", "mu")]
+    hyper = {k: getattr(args, k) for k in ("gamma", "c", "delta", "value_coef", "trust_region")}
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)  # --bf16: the networks' passes only
+    with torch.no_grad(), amp:
+        avg_out = avg_agent(segment["obs"])[0].float()
+    if isinstance(local, ContinuousAgent):
+        mean, values = local(segment["obs"])
+        obs = segment["obs"][:-1].float()
+        q_taken = local.q_tilde(obs, segment["action"][:-1], mean[:-1], values[:-1], args.sdn_samples, generator)
+        with torch.no_grad():
+            sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape, generator=generator)
+            q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples, generator)
+        return acer_loss_continuous(
+            mean, values, q_taken, q_sampled, sampled, avg_out, *data, std=args.policy_std, **hyper
+        )
+    with amp:
+        logits, q = local(segment["obs"])
+    return acer_loss(logits.float(), q.float(), avg_out, *data, ent_coef=args.ent_coef, **hyper)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run: setup, the workers, the end.
+
+
+def main(args: Args):
+    args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
+    args, spec = check_args(args)
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    obs_shape = tuple(spec.observation_space.shape) if is_atari(args.env_id) else (flat_obs_dim(spec),)
+    discrete = hasattr(spec.action_space, "n")
+    if resumed is not None:
+        config = resumed["agent_config"]  # the run's own network (`agent_from_config` reads older configs too)
+    elif discrete:
+        config = dict(obs_shape=obs_shape, num_actions=int(spec.action_space.n), hidden=args.hidden)
+    else:
+        config = dict(obs_shape=obs_shape, action_dim=int(spec.action_space.shape[0]), hidden=args.hidden)
+        config.update(policy_std=args.policy_std, separate_value=True, obs_norm=True, scale_rewards=args.scale_rewards)
+    agent, avg_agent = agent_from_config(config), agent_from_config(config)
+    avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ (and its observation statistics at θ's)
+    for net in (agent, avg_agent):  # --bf16: convolutions in channels-last layout, as oneDNN's bfloat16 kernels prefer
+        net.to(memory_format=torch.channels_last if args.bf16 else torch.contiguous_format).share_memory()
+    square_avg = [torch.zeros_like(p).share_memory_() for p in agent.parameters()]  # RMSProp's g, shared
+    if resumed is not None:  # in place: the tensors stay in shared memory
+        agent.load_state_dict(resumed["agent"])
+        avg_agent.load_state_dict(resumed["avg_agent"])
+        for g, saved in zip(square_avg, resumed["square_avg"]):
+            g.copy_(saved)
+    # the training state and model.pt: views of the shared tensors, saved as the workers leave them (Hogwild)
+    nets = dict(agent_config=agent.config, agent=agent.state_dict(), avg_agent=avg_agent.state_dict())
+    state = dict(nets, square_avg=square_avg)
+    model = dict(nets, script="acer", env_id=args.env_id, args=dataclasses.asdict(args))
+    if not discrete:  # evaluation maps the policy's [-1, 1] actions to the env's box
+        low, high = spec.action_space.low, spec.action_space.high
+        model.update(action_low=low.astype(np.float32).tolist(), action_high=high.astype(np.float32).tolist())
+    describe = f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}"
+    log = RunLog(args, resumed, describe + (", trust region" if args.trust_region else ", no trust region"))
+    stop = Stop()
+    ctx = torch.multiprocessing.get_context("spawn")
+    counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
+    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
+
+    def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
+        check_finite(
+            f"at step {step}", **{f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
+        )
+        log.save(step, state, dict(model, global_step=step) if args.save_model else None)
+
+    shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt)
+    workers = start_workers(train_worker, range(args.num_workers), *shared)
+    try:
+        step = watch_workers(workers, msg_q, halt, steps, log, stop, save)  # Algorithm 1 runs in the workers
+        save(step)
+    except (WorkerError, NonFiniteError) as e:
+        fail(e, log.path)
+    finally:
+        end_workers(workers)
+    log.console(step)
+    if stop.requested:
+        stopped(log, step)
+    log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
+
+
+def to_env_action(action, low, high):
+    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
+    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
+
+
+def scale_rewards(rewards, return_var, clip=10.0):
+    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's
+    episode so far (as a3c.py; SB3's VecNormalize), with the statistics of the update (replayed segments too)."""
+    return (rewards / math.sqrt(float(return_var[0]) + 1e-8)).clamp(-clip, clip)
+
+
+def obs_tensor(obs, pixels):
+    """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
+    return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
+
+
+def agent_from_config(config):
+    """The network of a saved `agent_config` (a continuous one saved before its options existed: all three off)."""
+    if "action_dim" not in config:
+        return Agent(**config)
+    return ContinuousAgent(**{"separate_value": False, "obs_norm": False, "scale_rewards": False, **config})
+
+
+def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
+    """A callable `policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it)."""
+    agent = agent_from_config(checkpoint["agent_config"]).to(device)
+    agent.load_state_dict(checkpoint["agent"])  # with the observation statistics it was trained with
+    agent.eval()
+    pixels = len(agent.config["obs_shape"]) == 3
+
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        out, _ = agent(obs_tensor(obs, pixels).to(device)[None])  # the mean, or the logits
+        if isinstance(agent, ContinuousAgent):
+            action = out[0] if greedy else out[0] + agent.std * torch.randn_like(out[0])
+            low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
+            return to_env_action(action.cpu().numpy(), low, high)
+        action = out[0].argmax(-1) if greedy else torch.distributions.Categorical(logits=out[0]).sample()
+        return action.cpu().numpy()
+
+    return policy
 
 
 def check_args(args):

@@ -347,7 +347,7 @@ class SharedReplay:
         rows = (writer * self.part + u - (ends[writer] - sizes[writer])).to(self.device)
         return tuple(getattr(self, k)[rows] for k in self.FIELDS), writer
 
-    def state(self):
+    def state_dict(self):
         """Every learner's part (the rows it wrote) and write count, for a checkpoint (on the CPU)."""
         parts = []
         for i in range(self.num_learners):
@@ -355,7 +355,7 @@ class SharedReplay:
             parts.append({"writes": int(self.writes[i]), **{k: getattr(self, k)[rows].cpu() for k in self.FIELDS}})
         return parts
 
-    def load_state(self, parts):
+    def load_state_dict(self, parts):
         for i, part in enumerate(parts):
             k = len(part["rewards"])
             for name in self.FIELDS:
@@ -497,12 +497,22 @@ def evaluate_learners(actor, env_id, episodes, seed, low, high):
     return np.asarray(scores).reshape(N, episodes).mean(1).tolist()
 
 
-def synchronise(learners, replay, recent, best, beta, args, generator):
-    """Algorithm 1, lines 24-26: every learner's score and distances (`Learners.period_distances`); D_spread and
-    D_change over the period's non-best learners → new β (Eq. 76; unchanged when the period had no policy step);
-    the new best b; copy π_b, start π_old."""
-    N = args.num_learners
-    states = replay.sample(args.batch_size, generator)[0][0] if args.period_distances == "end" else None
+def synchronise(state, args):
+    """Algorithm 1, lines 24-26, on the training state: every learner's score and distances
+    (`Learners.period_distances`); D_spread and D_change over the period's non-best learners → new β (Eq. 76;
+    unchanged when the period had no policy step); the new best b; copy π_b, start π_old. Returns the selection."""
+    N, learners, recent, best, beta = (
+        args.num_learners,
+        state["learners"],
+        state["recent"],
+        state["best"],
+        state["beta"],
+    )
+    states = (
+        state["replay"].sample(args.batch_size, state["cpu_generator"])[0][0]
+        if args.period_distances == "end"
+        else None
+    )
     distances = learners.period_distances(None if states is None else states.expand(N, -1, -1))
     others = [i for i in range(N) if i != best]
     d_spread, d_change = math.nan, math.nan
@@ -514,6 +524,7 @@ def synchronise(learners, replay, recent, best, beta, args, generator):
     scores = [float(np.mean(r)) if r else math.nan for r in recent]
     sync = dict(best=new_best, previous_best=best, beta=beta, d_spread=d_spread, d_change=d_change, scores=scores)
     sync["d_search"] = max(args.rho * d_change, args.d_min) if distances is not None else math.nan
+    state.update(best=new_best, beta=beta, generation=state["generation"] + 1)
     return sync
 
 
@@ -527,12 +538,7 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     N, n, M, R, E = args.num_learners, args.num_envs, args.best_period, args.eval_interval, args.eval_episodes
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    describe = f"P3S-TD3 with {N} learners" if N > 1 else "TD3 (one learner)"
-    describe += f" x {n} env(s) on {device}; {args.updates_per_step} update(s) per learner step, "
-    describe += f"T_initial {args.t_initial}, updates from {first_update_step(args)} steps, d_min {args.d_min}"
-    describe += f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else ""
-    log = RunLog(args, resumed, describe)
-    stop = Stop()
+    log, stop = RunLog(args, resumed, describe(args, device)), Stop()
     cores = len(os.sched_getaffinity(0)) if device == "cpu" else 1  # a GPU's kernels need one thread to launch them
     threads = ThreadChoice([args.threads] if args.threads else [cores, 1])
     # Values below 1.2e-38 (Adam's second moments of the weights that rarely get a gradient decay into them) as zero:
@@ -542,33 +548,17 @@ def main(args: Args):
     envs = make_env(args.env_id, N * n, args.seed, num_threads=min(N * n, len(os.sched_getaffinity(0))))
     obs_dim, action_dim = flat_obs_dim(envs.spec), int(envs.action_space.shape[0])
     low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
-    generator = torch.Generator(device=device).manual_seed(args.seed + 1)  # acting and target smoothing noise
-    cpu_generator = torch.Generator().manual_seed(args.seed + 1)  # random actions, minibatches
-    learners = Learners(N, obs_dim, action_dim, args, device, generator)  # Algorithm 1, lines 1-2
-    replay = SharedReplay(args.buffer_size, N, obs_dim, action_dim, device)
-    recent = [deque(maxlen=args.recent_episodes) for _ in range(N)]  # the last E_r training returns of each learner
-    start_t, best, beta, generation = 0, 0, args.beta_init, 0
-    counts = {k: torch.zeros(N, dtype=torch.float64) for k in ("sampled", "foreign", "stored", "rewarded")}
-    if resumed:  # the training state at the checkpoint; the envs start new episodes
-        learners.load_state_dict(resumed["learners"])
-        replay.load_state(resumed["replay"])
-        start_t, best, beta, generation, counts = (resumed[k] for k in ("t", "best", "beta", "generation", "counts"))
-        for r, saved in zip(recent, resumed["recent"]):
-            r.extend(saved)
-        generator.set_state(resumed["generator"])
-        cpu_generator.set_state(resumed["cpu_generator"])
-
-    # 1{i≠b} for the policy loss. Before the first selection no learner is guided (the authors' code), or all but
-    # learner 0 toward the common initial policy (the text: Algorithm 1, line 1).
-    guided = (torch.arange(N, device=device) != best) & (N > 1) & (generation > 0 or args.guide_first_period)
+    state = training_state(args, obs_dim, action_dim, device, resumed)  # the envs start new episodes
+    learners, replay, counts, cpu_generator = (state[k] for k in ("learners", "replay", "counts", "cpu_generator"))
+    guided = guided_learners(state, args, device)
     owner = torch.arange(N).repeat_interleave(n)  # the learner of each env: learner i's are the i-th n
     tracker, delayed = EpisodeTracker(N * n), DelayedReward(N * n, args.reward_delay)
     obs = torch.from_numpy(flatten_obs(envs.reset()[0]))
     ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
-    T, step, stats, means, last_eval = args.total_timesteps // (N * n), start_t * N * n, {}, [], ""
+    T, step, stats, last_eval = args.total_timesteps // (N * n), state["t"] * N * n, {}, ""
     try:
-        for t in range(start_t + 1, T + 1):  # time steps t of Algorithm 1
-            step = t * N * n
+        for t in range(state["t"] + 1, T + 1):  # time steps t of Algorithm 1
+            state["t"], step = t, t * N * n
             if t <= args.t_initial:  # line 7: uniform random actions
                 actions = torch.rand(N * n, action_dim, generator=cpu_generator) * 2.0 - 1.0
             else:  # line 9: π_i(s) + N(0, σ²)
@@ -580,63 +570,121 @@ def main(args: Args):
             agent_rewards = delayed(rewards, term | trunc, real)
             keep, rewards_t, term_t = (torch.from_numpy(x) for x in (real, agent_rewards, term.astype(np.float32)))
             replay.add(*(x[keep] for x in (owner, obs, actions, rewards_t, next_obs, term_t)))
-            counts["stored"] += torch.bincount(owner[keep], minlength=N)
             counts["rewarded"] += torch.bincount(owner[keep], torch.from_numpy(agent_rewards != 0)[keep].float(), N)
             for env, score, length in tracker.step(info["env_id"], rewards, term, trunc, info):
-                recent[env // n].append(score)
+                state["recent"][env // n].append(score)
                 log.episode(score, length, step, f"learner_{env // n}")
             ended, obs = term | trunc, next_obs
-            # lines 13-22: no updates during the random phase (the text); the authors' code starts them once D
-            # holds `learning_starts` rows, whatever the actions. Each update on a fresh minibatch (base.py:118-123).
-            starts = args.learning_starts
-            learning = int(replay.sizes().sum()) >= starts if starts > 0 else t > args.t_initial
-            started = time.perf_counter()
-            for _ in range(n * args.updates_per_step if learning else 0):
-                batch, writers = replay.sample((N, args.batch_size), cpu_generator)
-                counts["foreign"] += (writers != torch.arange(N)[:, None]).sum(1)
-                counts["sampled"] += args.batch_size
-                stats.update(learners.update(batch, beta, guided))  # a policy step's statistics stay till the next
-            if learning:
-                threads.record(time.perf_counter() - started, started)
+            learning = learn(state, args, guided, stats, threads)  # lines 13-22
             if E and (R and step // R > (step - N * n) // R or t == T):  # every R_eval steps, the end (Sec. 4.1)
-                means = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
-                last_eval = log_evaluation(log, step, means)
+                state["means"] = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
+                last_eval = log_evaluation(log, step, state["means"])
             if t % M == 0 and N > 1 and learning:  # lines 24-26: every M steps
-                sync = synchronise(learners, replay, recent, best, beta, args, cpu_generator)
-                best, beta, generation = sync["best"], sync["beta"], generation + 1
-                guided = torch.arange(N, device=device) != best
-                log_selection(log, step, sync)
-            if stop.requested or log.save_due() or t == T:  # the training state, its networks checked finite
-                state = dict(learners=learners.state_dict(), replay=replay.state(), t=t, best=best, beta=beta)
-                weights = {f"{n}.{k}": v for n in ("actor", "qf") for k, v in state["learners"][n].items()}
-                check_finite(f"at step {step}", **weights)
-                state.update(generation=generation, counts=counts, recent=[list(r) for r in recent])
-                state.update(generator=generator.get_state(), cpu_generator=cpu_generator.get_state())
-                model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
-                log.save(step, state, model if args.save_model else None)  # model.pt: the last evaluation's best first
+                log_selection(log, step, synchronise(state, args))
+                guided = guided_learners(state, args, device)
+            if stop.requested or log.save_due() or t == T:
+                save(log, state)
             if stop.requested:
                 stopped(log, step)
-            if log.due():  # the console line and every learner's statistics
-                selected = f"best {best} | beta {beta:.3g}" if N > 1 else ""
-                log.console(step, " | ".join(filter(None, (selected, last_eval))))
-                foreign = counts["foreign"] / counts["sampled"].clamp(min=1)
-                extra = dict(beta=torch.full((N,), beta), guided=guided.float(), foreign_sample_fraction=foreign)
-                for k, values in {**stats, **extra}.items():  # a value per learner
-                    group = "losses" if k.endswith("loss") else "stats"
-                    log.scalars({f"{group}/learner_{i}/{k}": v for i, v in enumerate(values.tolist())}, step)
+            if log.due():
+                log_learners(log, step, state, stats, guided, last_eval)
     except NonFiniteError as e:
         fail(e, log.path)
     if args.capture_video:  # one episode of the best policy
-        model = saved_model(args, learners, int(np.argmax(means)) if means else best, step, low, high)
+        model = saved_model(args, learners, best_first(state), step, low, high)
         evaluate(lambda k: make_eval_policy(model, k), args.env_id, 1, 1, args.seed + 10_000, log.path)
     log.console(step)
-    groups = [log.groups.get(f"learner_{i}") for i in range(N)]
-    last_10 = [float(np.mean(g[-10:])) if g else None for g in groups]
-    summary = dict(num_learners=N, eval_mean_return_per_learner=means, mean_episodic_return_last_10_per_learner=last_10)
-    summary.update(best_learner=best, beta=beta, updates_per_learner=[learners.updates] * N)
-    summary.update(foreign_sample_fraction=(counts["foreign"] / counts["sampled"].clamp(min=1)).tolist())
-    summary.update(rewarded_fraction=(counts["rewarded"] / counts["stored"].clamp(min=1)).tolist())
-    log.end(step, max(means, default=None), **summary)
+    log.end(step, max(state["means"], default=None), **summary(log, state))
+
+
+def describe(args, device) -> str:
+    """The start-up line's account of the run."""
+    N, n = args.num_learners, args.num_envs
+    text = f"P3S-TD3 with {N} learners" if N > 1 else "TD3 (one learner)"
+    text += f" x {n} env(s) on {device}; {args.updates_per_step} update(s) per learner step, "
+    text += f"T_initial {args.t_initial}, updates from {first_update_step(args)} steps, d_min {args.d_min}"
+    return text + (f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else "")
+
+
+def guided_learners(state, args, device):
+    """1{i≠b} for the policy loss. Before the first selection no learner is guided (the authors' code), or all but
+    learner 0 toward the common initial policy (the text: Algorithm 1, line 1)."""
+    before = state["generation"] == 0 and not args.guide_first_period
+    return (torch.arange(args.num_learners, device=device) != state["best"]) & (args.num_learners > 1) & (not before)
+
+
+def learn(state, args, guided, stats, threads) -> bool:
+    """Algorithm 1, lines 13-22: none during the random phase (the text); the authors' code starts the updates once D
+    holds `learning_starts` rows, whatever the actions, each on a fresh minibatch (base.py:118-123). Returns whether
+    they have started; a policy step's statistics stay in `stats` till the next."""
+    N, replay, counts, starts = args.num_learners, state["replay"], state["counts"], args.learning_starts
+    learning = int(replay.sizes().sum()) >= starts if starts > 0 else state["t"] > args.t_initial
+    started = time.perf_counter()
+    for _ in range(args.num_envs * args.updates_per_step if learning else 0):
+        batch, writers = replay.sample((N, args.batch_size), state["cpu_generator"])
+        counts["foreign"] += (writers != torch.arange(N)[:, None]).sum(1)
+        counts["sampled"] += args.batch_size
+        stats.update(state["learners"].update(batch, state["beta"], guided))
+    if learning:
+        threads.record(time.perf_counter() - started, started)
+    return learning
+
+
+def training_state(args, obs_dim, action_dim, device, resumed) -> dict:
+    """The training state, built here (Algorithm 1, lines 1-2) or loaded from `--resume`'s checkpoint: the N learners,
+    the shared replay D, each learner's last E_r training returns, the time step t, the best learner b, β, the
+    selections so far, the last evaluation, counters, the generators of the noise and of the random draws."""
+    N, generator = args.num_learners, torch.Generator(device=device).manual_seed(args.seed + 1)  # acting, smoothing
+    state = dict(learners=Learners(N, obs_dim, action_dim, args, device, generator))
+    state.update(replay=SharedReplay(args.buffer_size, N, obs_dim, action_dim, device), recent=[[] for _ in range(N)])
+    state.update(t=0, best=0, beta=args.beta_init, generation=0, means=[], generator=generator)
+    state["counts"] = {k: torch.zeros(N, dtype=torch.float64) for k in ("sampled", "foreign", "rewarded")}
+    state["cpu_generator"] = torch.Generator().manual_seed(args.seed + 1)  # random actions, minibatches
+    load_state(state, {"means": [], **resumed} if resumed else None)  # older checkpoints: no evaluation kept
+    state["recent"] = [deque(r, maxlen=args.recent_episodes) for r in state["recent"]]
+    return state
+
+
+def best_first(state) -> int:
+    """The learner whose policy model.pt plays: the last evaluation's best, or before any the selected b."""
+    return int(np.argmax(state["means"])) if state["means"] else state["best"]
+
+
+def save(log, state) -> None:
+    """checkpoint.pt: the training state, its networks found finite; model.pt with --save-model."""
+    step, saved = state["t"] * log.args.num_learners * log.args.num_envs, state_dicts(state)
+    check_finite(f"at step {step}", **{f"{n}.{k}": v for n in ("actor", "qf") for k, v in saved["learners"][n].items()})
+    box = env_spec(log.args.env_id).action_space
+    low, high = box.low.astype(np.float32), box.high.astype(np.float32)
+    model = (
+        saved_model(log.args, state["learners"], best_first(state), step, low, high) if log.args.save_model else None
+    )
+    log.save(step, {**saved, "recent": [list(r) for r in state["recent"]]}, model)
+
+
+def log_learners(log, step, state, stats, guided, last_eval) -> None:
+    """Every --log-interval seconds: the console line and every learner's statistics."""
+    N, counts = log.args.num_learners, state["counts"]
+    selected = f"best {state['best']} | beta {state['beta']:.3g}" if N > 1 else ""
+    log.console(step, " | ".join(filter(None, (selected, last_eval))))
+    foreign = counts["foreign"] / counts["sampled"].clamp(min=1)
+    extra = dict(beta=torch.full((N,), state["beta"]), guided=guided.float(), foreign_sample_fraction=foreign)
+    for k, values in {**stats, **extra}.items():  # a value per learner
+        group = "losses" if k.endswith("loss") else "stats"
+        log.scalars({f"{group}/learner_{i}/{k}": v for i, v in enumerate(values.tolist())}, step)
+
+
+def summary(log, state) -> dict:
+    """summary.json's own entries: per learner, its last evaluation and training returns, its updates and samples."""
+    N, counts = log.args.num_learners, state["counts"]
+    last_10 = [float(np.mean(g[-10:])) if g else None for g in (log.groups.get(f"learner_{i}") for i in range(N))]
+    out = dict(
+        num_learners=N, eval_mean_return_per_learner=state["means"], mean_episodic_return_last_10_per_learner=last_10
+    )
+    out.update(best_learner=state["best"], beta=state["beta"], updates_per_learner=[state["learners"].updates] * N)
+    out.update(foreign_sample_fraction=(counts["foreign"] / counts["sampled"].clamp(min=1)).tolist())
+    stored = state["replay"].writes.clamp(min=1)  # the rows each learner stored
+    return dict(out, rewarded_fraction=(counts["rewarded"] / stored).tolist())
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
@@ -805,6 +853,24 @@ def stopped(log, step: int, world: int = 1) -> None:
         hint = f"continue with {again} {os.path.basename(__file__)} --resume {log.path}"
         print(f"checkpoint at step {step}: {hint}", file=sys.stderr, flush=True)
     sys.exit(130)
+
+
+def load_state(state: dict, resumed) -> dict:
+    """The training state (modules, optimisers, generators, counters) set to `--resume`'s checkpoint, if any."""
+    for k, part in state.items() if resumed else ():
+        if isinstance(part, torch.Generator):
+            part.set_state(resumed[k])
+        elif hasattr(part, "load_state_dict"):
+            part.load_state_dict(resumed[k])
+        else:
+            state[k] = resumed[k]
+    return state
+
+
+def state_dicts(state: dict) -> dict:
+    """The training state as a checkpoint holds it: each part's state_dict or a generator's state, counters as is."""
+    saved = {k: part.state_dict() if hasattr(part, "state_dict") else part for k, part in state.items()}
+    return {k: part.get_state() if isinstance(part, torch.Generator) else saved[k] for k, part in state.items()}
 
 
 def parse_args(argv=None):

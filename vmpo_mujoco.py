@@ -27,6 +27,7 @@ The choices the paper leaves open and the one-machine defaults, with their measu
     python vmpo_mujoco.py --env-id HumanoidRun-v1 --preset paper --num-envs 128   # Table 7, humanoid column
 """
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -612,9 +613,11 @@ def stopped(log, step: int, world: int = 1) -> None:
 
 
 def load_state(state: dict, resumed) -> dict:
-    """The training state (modules, optimisers, schedules, counters) set to `--resume`'s checkpoint, if any."""
+    """The training state (modules, optimisers, generators, counters) set to `--resume`'s checkpoint, if any."""
     for k, part in state.items() if resumed else ():
-        if hasattr(part, "load_state_dict"):
+        if isinstance(part, torch.Generator):
+            part.set_state(resumed[k])
+        elif hasattr(part, "load_state_dict"):
             part.load_state_dict(resumed[k])
         else:
             state[k] = resumed[k]
@@ -622,8 +625,9 @@ def load_state(state: dict, resumed) -> dict:
 
 
 def state_dicts(state: dict) -> dict:
-    """The training state as a checkpoint holds it: each part's state_dict, the counters as they are."""
-    return {k: part.state_dict() if hasattr(part, "state_dict") else part for k, part in state.items()}
+    """The training state as a checkpoint holds it: each part's state_dict or a generator's state, counters as is."""
+    saved = {k: part.state_dict() if hasattr(part, "state_dict") else part for k, part in state.items()}
+    return {k: part.get_state() if isinstance(part, torch.Generator) else saved[k] for k, part in state.items()}
 
 
 def loss_stats(result) -> dict:
@@ -802,15 +806,12 @@ class ActorPool:
         requested; progress lines while they are collected (`log`); WorkerError if an actor died or ended."""
         idx = []
         while len(idx) < self.batch_size and not stop.requested:
-            try:
+            with contextlib.suppress(queue.Empty):
                 idx.append(self.link.full_q.get(timeout=1.0))
-            except queue.Empty:
-                if check_workers(self.workers, "actor"):
-                    raise WorkerError("an actor ended before its learner")
+            if check_workers(self.workers, "actor"):
+                raise WorkerError("an actor ended before its learner")
             if log is not None:
                 log.console(step, f"collecting a batch: {len(idx)}/{self.batch_size} unrolls", waiting=True)
-        if check_workers(self.workers, "actor"):
-            raise WorkerError("an actor ended before its learner")
         if stop.requested:
             return None
         batch = {k: v[torch.tensor(idx)] for k, v in self.link.buffers.items()}
