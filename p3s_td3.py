@@ -541,9 +541,7 @@ def main(args: Args):
     log, stop = RunLog(args, resumed, describe(args, device)), Stop()
     cores = len(os.sched_getaffinity(0)) if device == "cpu" else 1  # a GPU's kernels need one thread to launch them
     threads = ThreadChoice([args.threads] if args.threads else [cores, 1])
-    # Values below 1.2e-38 (Adam's second moments of the weights that rarely get a gradient decay into them) as zero:
-    # denormal arithmetic is many times slower on x86 CPUs (docs/p3s_td3.md, "Speed on a CPU").
-    torch.set_flush_denormal(True)
+    torch.set_flush_denormal(True)  # Adam's tiny second moments as 0: slow denormals on x86 (docs: "Speed on a CPU")
     torch.manual_seed(args.seed)  # the same initial weights for every learner (Algorithm 1, line 1)
     envs = make_env(args.env_id, N * n, args.seed, num_threads=min(N * n, len(os.sched_getaffinity(0))))
     obs_dim, action_dim = flat_obs_dim(envs.spec), int(envs.action_space.shape[0])
@@ -566,9 +564,8 @@ def main(args: Args):
             next_obs, rewards, term, trunc, info = envs.step(to_env_action(actions.numpy(), low, high))
             next_obs = torch.from_numpy(flatten_obs(next_obs))
             # line 10: (s, a, r, s') into D, not envpool's reset steps; the rewards delayed by f_reward (Sec. 4.2)
-            real = ~ended
-            agent_rewards = delayed(rewards, term | trunc, real)
-            keep, rewards_t, term_t = (torch.from_numpy(x) for x in (real, agent_rewards, term.astype(np.float32)))
+            agent_rewards = delayed(rewards, term | trunc, ~ended)
+            keep, rewards_t, term_t = (torch.from_numpy(x) for x in (~ended, agent_rewards, term.astype(np.float32)))
             replay.add(*(x[keep] for x in (owner, obs, actions, rewards_t, next_obs, term_t)))
             counts["rewarded"] += torch.bincount(owner[keep], torch.from_numpy(agent_rewards != 0)[keep].float(), N)
             for env, score, length in tracker.step(info["env_id"], rewards, term, trunc, info):
