@@ -128,7 +128,8 @@ CONTINUOUS = dict(ent_coef=1e-4)
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
     """(task family, the defaults' source, their values) of a run of `args`: the observations', actions' and --lstm's
     values above and, unless `--preset paper`, the family's on top (`given`: the flags on the command line)."""
-    family, source, values = task_family(args.env_id), *FAMILY_DEFAULTS.get(task_family(args.env_id), (PAPER, {}))
+    family = task_family(args.env_id)
+    source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
     if args.preset == "paper":
         source, values = PAPER + ", forced by --preset paper", {}
     total = (

@@ -121,7 +121,8 @@ CONTINUOUS = dict(k=50, replay_size=5_000, c=5.0, avg_decay=0.995, learning_rate
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
     """(task family, the defaults' source, their values) of a run of `args`: the actions' and observations' values
     above and, unless `--preset paper`, the family's on top."""
-    family, source, values = task_family(args.env_id), *FAMILY_DEFAULTS.get(task_family(args.env_id), (PAPER, {}))
+    family = task_family(args.env_id)
+    source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
     if args.preset == "paper":
         source, values = PAPER + ", forced by --preset paper", {}
     own = {} if hasattr(env_spec(args.env_id).action_space, "n") else dict(CONTINUOUS)
