@@ -790,9 +790,8 @@ def end_workers(workers) -> None:
 
 
 def watch_workers(workers, msg_q, halt, steps, log, stop, save) -> int:
-    """The main process of a Hogwild run, until every worker has said it is done: their episodes and statistics
-    logged, `save(step)` every --checkpoint-interval, a failed worker ending the run, a stop passed on to them (each
-    completes its update in hand; one still starting is not waited for past 10 s). Returns the step they reached."""
+    """A Hogwild run's main process until every worker is done: their episodes and stats logged, `save(step)` on time,
+    a failed worker ending the run, a stop passed on (a worker still starting is not waited for past 10 s)."""
     done, give_up = 0, float("inf")
     while done < len(workers.processes) and time.time() < give_up:
         with contextlib.suppress(queue.Empty):  # ("episode", step, (score, length)), ("stats", step, {tag: value}), ...
@@ -840,8 +839,7 @@ def parse_args(argv=None):
 
 class RunLog:
     """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
-    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json. `name`: the folder's task (several
-    games: "<G>games"); `write`: False in the learners other than rank 0; an episode's `group`: its game or learner."""
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json; `write`: False in ranks above 0."""
 
     def __init__(self, args, resumed, describe, name=None, write=True):
         resumed, self.args, self.writer = resumed or {}, args, None
@@ -903,9 +901,8 @@ class RunLog:
             self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
-        """checkpoint.pt: the script's training `state` with the log's own and the run's arguments (and with
-        --save-model, model.pt), each through a temporary file and a rename: a run killed while saving keeps its last
-        good file."""
+        """checkpoint.pt: the training `state`, the log's own and the arguments (and model.pt with --save-model), each
+        through a temporary file and a rename: a run killed while saving keeps its last good file."""
         wall = self.previous_wall + time.time() - self.start
         log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
         log.update(episodes=self.episodes, wall_time_s=wall, args=dataclasses.asdict(self.args))

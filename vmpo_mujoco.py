@@ -344,8 +344,7 @@ def act(cfg, link) -> None:
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads)
     low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
-    agent = link.local_agent(device)
-    unrolls = UnrollWriter(link, n, cfg.unroll_length)
+    agent = link.local_agent(n, cfg.unroll_length, device)
     tracker = EpisodeTracker(n)
     envs.async_reset()
     while True:
@@ -359,7 +358,7 @@ def act(cfg, link) -> None:
         envs.send(to_env_action(action.numpy(), low, high), ids)  # the envs step during the bookkeeping
         row = dict(obs=obs_t, reward=torch.from_numpy(reward).float(), action=action, mean=mean.cpu(), std=std.cpu())
         row.update(ended=torch.from_numpy(term | trunc), terminated=torch.from_numpy(term))
-        unrolls.write(ids, {**row, "version": torch.full((len(ids),), seen, dtype=torch.long)})
+        link.write(ids, {**row, "version": torch.full((len(ids),), seen, dtype=torch.long)})
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
             link.episode_q.put((score, length))
 
@@ -733,7 +732,10 @@ def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNam
 
 @dataclass
 class ActorLink:
-    """What an actor shares with its learner: the published network, its version, the unroll slots and queues."""
+    """What an actor shares with its learner (the published network, its version, the unroll slots and queues), and
+    the actor's side of the slots: `write(ids, row, core_state)` stores a row for each env in `ids` (any subset:
+    envpool's async mode); a slot that reaches T+1 rows goes to the learner and its env goes on in a free slot whose
+    row 0 is the full one's row T. `core_state` (the LSTM state before the row) is kept where a row opens a slot."""
 
     agent: nn.Module
     version: torch.Tensor
@@ -741,10 +743,11 @@ class ActorLink:
     free_q: object
     full_q: object
     episode_q: object
-    seen: int = -1  # the version the actor's copy holds
 
-    def local_agent(self, device):
-        agent, self.seen = copy.deepcopy(self.agent).to(device), -1
+    def local_agent(self, num_envs: int, unroll_length: int, device):
+        """In the actor: its copy of the published network; a free slot for each of its envs."""
+        self.T, self.seen, agent = unroll_length, -1, copy.deepcopy(self.agent).to(device)
+        self.slot, self.pos = np.array([self.free_q.get() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
         self.refresh(agent)
         return agent
 
@@ -756,18 +759,8 @@ class ActorLink:
             self.seen = latest
         return latest
 
-
-class UnrollWriter:
-    """The actor's side of the slots: `write(ids, row, core_state)` stores a row for each env in `ids` (any subset:
-    envpool's async mode); a slot that reaches T+1 rows goes to the learner and its env goes on in a free slot whose
-    row 0 is the full one's row T. `core_state` (the LSTM state before the row) is kept where a row opens a slot."""
-
-    def __init__(self, link: ActorLink, num_envs: int, unroll_length: int):
-        self.link, self.T = link, unroll_length
-        self.slot, self.pos = np.array([link.free_q.get() for _ in range(num_envs)]), np.zeros(num_envs, np.int64)
-
     def write(self, ids, row, core_state=None):
-        buffers, T, core_state = self.link.buffers, self.T, core_state or {}
+        buffers, T, core_state = self.buffers, self.T, core_state or {}
         slots, pos = torch.from_numpy(self.slot[ids]), torch.from_numpy(self.pos[ids])
         for k, v in row.items():
             buffers[k][slots, pos] = v
@@ -776,12 +769,12 @@ class UnrollWriter:
             buffers[k][slots[start]] = v[start]
         self.pos[ids] += 1
         for i in np.flatnonzero(self.pos[ids] == T + 1):
-            e, new = ids[i], self.link.free_q.get()
+            e, new = ids[i], self.free_q.get()
             for k in row:
                 buffers[k][new, 0] = buffers[k][self.slot[e], T]
             for k, v in core_state.items():  # row T's state opens the next slot
                 buffers[k][new] = v[i]
-            self.link.full_q.put(int(self.slot[e]))
+            self.full_q.put(int(self.slot[e]))
             self.slot[e], self.pos[e] = new, 1
 
 
@@ -863,8 +856,7 @@ def parse_args(argv=None):
 
 class RunLog:
     """The run folder (new, or `--resume`'s, whose checkpoint `resumed` gives the step, returns and wall time to go on
-    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json. `name`: the folder's task (several
-    games: "<G>games"); `write`: False in the learners other than rank 0; an episode's `group`: its game or learner."""
+    from): args.json, TensorBoard, the console line, checkpoint.pt, summary.json; `write`: False in ranks above 0."""
 
     def __init__(self, args, resumed, describe, name=None, write=True):
         resumed, self.args, self.writer = resumed or {}, args, None
@@ -926,9 +918,8 @@ class RunLog:
             self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
-        """checkpoint.pt: the script's training `state` with the log's own and the run's arguments (and with
-        --save-model, model.pt), each through a temporary file and a rename: a run killed while saving keeps its last
-        good file."""
+        """checkpoint.pt: the training `state`, the log's own and the arguments (and model.pt with --save-model), each
+        through a temporary file and a rename: a run killed while saving keeps its last good file."""
         wall = self.previous_wall + time.time() - self.start
         log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
         log.update(episodes=self.episodes, wall_time_s=wall, args=dataclasses.asdict(self.args))

@@ -145,14 +145,13 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
 
     m.make_env = timed_envs
     link.refresh = timer.wrap("refresh", link.refresh)
-    write = m.UnrollWriter.write
-    m.UnrollWriter.write = timer.wrap("unroll write", write)
+    link.write = timer.wrap("unroll write", link.write)
     local_agent = link.local_agent
 
-    def timed_agent(device):  # the forward pass timed; the sampling and copies back fall in "rest"
-        a = local_agent(device)
-        a.forward = timer.wrap("inference", a.forward)
-        return a
+    def timed_agent(*args):  # the forward pass timed; the sampling and copies back fall in "rest"
+        agent = local_agent(*args)
+        agent.forward = timer.wrap("inference", agent.forward)
+        return agent
 
     link.local_agent = timed_agent
     try:
@@ -160,7 +159,6 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
     except Done:
         pass
     finally:
-        m.UnrollWriter.write = write
         m.make_env = make_env
     wall = timer.end - timer.start
     n = timer.count["recv"]
