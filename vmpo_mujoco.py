@@ -17,7 +17,7 @@ covariance shrinks slowly and keeps exploring. PopArt keeps the value loss on on
 | Eqs. (12)-(13) ψ on the top half of the advantages, L_π; L_η         | `vmpo_weights`, `vmpo_loss`             |
 | Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                     |
 | Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                      | `kl_constraint_loss`                    |
-| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers` (`--multipliers`) |
+| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers`                    |
 | App. F: 512-256 MLP core, 256-unit policy and value MLP heads        | `Agent`                                 |
 | Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `TABLE7_COLUMNS`       |
 
@@ -41,7 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -80,16 +80,12 @@ class Args:
     init_eta: float = 1.0  # initial η, temperature (Table 1)
     init_alpha_mu: float = 1.0  # initial α_μ, mean-KL multiplier (Table 1)
     init_alpha_sigma: float = 1.0  # initial α_Σ, covariance-KL multiplier (Table 1)
-    min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
-    multipliers: Literal["paper", "softplus", "exp"] = "paper"  # paper: projected; softplus: Acme's MPO; exp: log space
-    dual_learning_rate: float = 0.0  # learning rate of η, α_μ, α_Σ; 0: the networks' Adam and learning rate (Sec. 4.3)
-    update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
+    min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2)
     top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
     hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state)
     head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
     init_std: float = 0.5  # initial policy standard deviation in [-1, 1] action units (not in the paper)
-    action_penalty: float = 0.0  # λ: the E-step's advantages less λ‖a − clip(a)‖² in PopArt units (not in the paper)
     save_model: bool = False  # write model.pt (weights, observation and PopArt statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
@@ -223,20 +219,17 @@ class VmpoLoss(NamedTuple):
 
 def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_norm, ended, eta, alpha_mu, alpha_sigma,
               eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5,
-              num_minibatches=1, action_penalty=0.0) -> VmpoLoss:  # fmt: skip
+              num_minibatches=1) -> VmpoLoss:  # fmt: skip
     """Eq. (26): L_V + L_π + L_η + L_αμ + L_αΣ on a batch of unrolls, in PopArt's normalised units.
 
-    `mean, std [T+1, B, d]` from the online network on rows 0..T (row T only bootstraps), `target_mean,
-    target_std` π_target's (the actors'), `actions [T+1, B, d]`, `ended [T+1, B]`; `value_norm` the online
-    network's normalised values and `returns_norm` the normalised targets (G − μ)/σ of rows 0..T-1 `[T, B]`; η,
-    α_μ, α_Σ the Lagrange multipliers. The E-step runs on `num_minibatches` groups of columns, ψ of each scaled
-    by 1/num_minibatches. A reset step (`ended`) takes no part. With `action_penalty` λ (not in the paper) the E-step
-    ranks A − λ‖a − clip(a, −1, 1)‖², pulling a mean beyond the action box (where samples all clip alike) inside."""
+    `mean, std, target_mean, target_std, actions [T+1, B, d]`: the online network's and π_target's Gaussians on rows
+    0..T (row T only bootstraps); `value_norm, returns_norm [T, B]`: V and the targets (G − μ)/σ of rows 0..T-1.
+    The E-step runs on `num_minibatches` groups of columns, ψ of each scaled by 1/num_minibatches; a reset step
+    (`ended [T+1, B]`) takes no part."""
     mask = ~ended[:-1]
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
-    excess = actions[:-1] - actions[:-1].clamp(-1.0, 1.0)
-    advantages = returns_norm - value_norm.detach() - action_penalty * (excess**2).sum(-1)  # (G − V)/σ, penalised
+    advantages = returns_norm - value_norm.detach()  # (G − V)/σ
     psi, eta_loss, kl_psi = torch.zeros_like(advantages), 0.0, 0.0
     for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
         psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], eta, eps_eta, mask[:, cols], top_fraction)
@@ -266,33 +259,22 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
 
 
 class LagrangeMultipliers(nn.Module):
-    """η (Eq. 13), α_μ and α_Σ (Eq. 26) as `values()` of three parameters: form "paper", the multipliers themselves,
-    projected to at least η_min after every step (Sec. 4.2.2); "softplus" (Acme's MPO), softplus(parameter) + η_min;
-    "exp", exp(parameter) + η_min: an Adam step moves a multiplier by a factor, not by an amount."""
+    """η (Eq. 13), α_μ and α_Σ (Eq. 26): learned as they are, with the networks' Adam (Sec. 4.3)."""
 
-    def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0, form="paper", minimum=1e-8):
+    def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0, minimum=1e-8):
         super().__init__()
-        self.form, self.minimum = form, minimum
-        inverse = {"paper": float, "exp": math.log, "softplus": lambda v: math.log(math.expm1(max(v - minimum, 1e-12)))}
-        for name, v in (("eta", eta), ("alpha_mu", alpha_mu), ("alpha_sigma", alpha_sigma)):
-            setattr(self, name, nn.Parameter(torch.tensor(float(inverse[form](v)))))  # the image of each is v
+        self.minimum = minimum
+        values = (eta, alpha_mu, alpha_sigma)
+        self.eta, self.alpha_mu, self.alpha_sigma = (nn.Parameter(torch.tensor(float(v))) for v in values)
 
     def values(self):
-        raw, image = (self.eta, self.alpha_mu, self.alpha_sigma), torch.exp if self.form == "exp" else F.softplus
-        return raw if self.form == "paper" else tuple(image(p) + self.minimum for p in raw)
+        return self.eta, self.alpha_mu, self.alpha_sigma
 
     @torch.no_grad()
     def project(self):
-        """Sec. 4.2.2 (form "paper"): every multiplier ← max(multiplier, η_min); the softplus form needs none."""
-        if self.form == "paper":
-            for p in self.parameters():
-                p.clamp_(min=self.minimum)
-
-
-def make_optimizer(args, agent, multipliers):
-    """Adam (Sec. 4.3; torch's ε 1e-8, the paper's) for the networks and the multipliers (`--dual-learning-rate`)."""
-    dual = dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate or args.learning_rate)
-    return torch.optim.Adam([dict(params=list(agent.parameters())), dual], lr=args.learning_rate)
+        """Sec. 4.2.2: every multiplier ← max(multiplier, η_min) after every step."""
+        for p in self.parameters():
+            p.clamp_(min=self.minimum)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -369,53 +351,46 @@ def act(cfg, link) -> None:
 
 
 def learner_step(state, batch, args):
-    """Algorithm 1's update, the training state's `update`-th: observation statistics, `--update-epochs` Adam steps
-    against π_target (all-reduced). Returns the last step's stats."""
-    agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
+    """Algorithm 1's update, the training state's `update`-th: observation statistics, one Adam step against π_target
+    (gradients all-reduced), the multipliers projected. Returns its stats."""
+    agent, multipliers, optimizer = state["agent"], state["multipliers"], state["optimizer"]
     state["update"] += 1
-    params = [*agent.parameters(), *multipliers.parameters()]
-    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
-    for epoch in range(args.update_epochs):
-        mean, std, value_features = agent(batch["obs"])
-        groups = args.num_minibatches // world  # this learner's share of the E-step's minibatches
-        out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
-        optimizer.zero_grad(set_to_none=False)
-        out.loss.backward()
-        reduce_gradients(params, mean=True)
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-        named = {k.split("/")[-1]: v for k, v in stats.items()}
-        check_finite(f"at update {state['update']}", loss=out.loss, gradient=grad_norm, **named)
-        optimizer.step()
-        multipliers.project()
+    mean, std, value_features = agent(batch["obs"])
+    groups = args.num_minibatches // world_size()  # this learner's share of the E-step's minibatches
+    out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
+    optimizer.zero_grad(set_to_none=False)
+    out.loss.backward()
+    reduce_gradients([*agent.parameters(), *multipliers.parameters()], mean=True)
+    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf)
+    named = {k.split("/")[-1]: v for k, v in stats.items()}
+    check_finite(f"at update {state['update']}", loss=out.loss, gradient=grad_norm, **named)
+    optimizer.step()
+    multipliers.project()
     return {**stats, "stats/grad_norm": grad_norm}
 
 
-def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1, move_popart=True):
+def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1):
     """vmpo_loss on a batch of unrolls: the n-step targets from the online V, PopArt's statistics moved toward them
-    (`move_popart`: the first pass; V(s) unchanged), the loss in the new normalised units. Returns (VmpoLoss, stats)."""
+    (V(s) unchanged), the loss in the new normalised units. Returns (VmpoLoss, stats)."""
     popart = agent.popart
     task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
     with torch.no_grad():
         values = popart.unnormalize(popart(value_features)[..., 0], task)  # online V, unnormalised
     returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
     real = ~batch["ended"][:-1]
-    if move_popart:
-        popart.update(returns[real], task[:-1][real])
+    popart.update(returns[real], task[:-1][real])
     value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
-    eta, alpha_mu, alpha_sigma = multipliers.values()
     target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
     settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)  # ε's first
-    settings += (args.action_penalty,)  # not in the paper; 0 by default
-    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], eta, alpha_mu, alpha_sigma, *settings)
-    n, named = real.sum().clamp(min=1), dict(eta=eta, alpha_mu=alpha_mu, alpha_sigma=alpha_sigma)
-    stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in named.items()}}
+    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], *multipliers.values(), *settings)
+    stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in multipliers.named_parameters()}}
     stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
     stats |= {f"stats/{k}_ratio": stats[f"stats/{k}"] / e for k, e in zip(("kl_psi", "kl_mu", "kl_sigma"), settings)}
     g, v = returns[real], values[:-1][real]  # CleanRL's explained variance, 1 − Var(G − V)/Var(G); 1 on < 2 steps
     unexplained = (g - v).var(correction=0) / g.var(correction=0).clamp(min=1e-8)
     stats["losses/explained_variance"] = 1 - unexplained.nan_to_num(0.0)
-    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
+    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / real.sum().clamp(min=1)}
 
 
 def main(args: Args):
@@ -425,17 +400,17 @@ def main(args: Args):
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
     agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, args.popart_beta).to(device)
     init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
-    multipliers = LagrangeMultipliers(*init, args.multipliers, args.min_multiplier).to(device)
+    multipliers = LagrangeMultipliers(*init, args.min_multiplier).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     describe = f"{device}, {world} learner(s) of {args.num_actors} actor(s), {args.num_envs} envs"
-    describe += f", {1000 * args.update_epochs / steps_per_update:.1f} gradient steps per 1,000 samples"
+    describe += f", {1000 / steps_per_update:.1f} gradient steps per 1,000 samples"
     log = RunLog(args, resumed, describe, write=rank == 0)
     specs, cfgs = buffer_specs(obs_dim, action_dim, args.unroll_length), actor_configs(args, rank, device)
     pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
     # The training state: the online network (PopArt, observation statistics), θ_target, η, α_μ, α_Σ, Adam, updates.
-    optimizer = make_optimizer(args, agent, multipliers)
+    optimizer = torch.optim.Adam([*agent.parameters(), *multipliers.parameters()], lr=args.learning_rate)  # Sec. 4.3
     state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer, update=0)
     load_state(state, resumed)
     pool.version += resumed is not None  # the actors load the θ_target resumed
@@ -541,7 +516,6 @@ def check_args(args):
     positive = ("unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu", "eps_alpha_sigma")
     for name in (*positive, "init_eta", "init_alpha_mu", "init_alpha_sigma"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    require(min(args.dual_learning_rate, args.action_penalty) >= 0, "--dual-learning-rate, --action-penalty: 0 or more")
     require(args.init_std > Agent.MIN_STD, f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")
