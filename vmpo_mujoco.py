@@ -141,12 +141,9 @@ def n_step_returns(rewards, discounts, bootstrap_value):
 
 
 def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
-    """The E-step, Eqs. (12)-(13), on the top `top_fraction` of the advantages of the batch.
-
-    ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) on the k highest advantages D̃ (exactly k = ⌊fraction · |D|⌋ ≥ 1
-    samples, by `topk`, so ties cannot let more in), 0 elsewhere; `psi` has the advantages' shape, sums to one
-    and carries no gradient. L_η = η ε_η + η log( (1/|D̃|) Σ_{D̃} exp(A/η) ), differentiable in η only, on the
-    same k samples. `mask` (bool, the advantages' shape) leaves samples out of D."""
+    """The E-step, Eqs. (12)-(13), on the k = max(1, ⌊top_fraction · |D|⌋) highest advantages D̃ (by `topk`: ties
+    cannot let more in): ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) there and 0 elsewhere, with no gradient; L_η =
+    η ε_η + η log( (1/|D̃|) Σ_{D̃} exp(A/η) ), differentiable in η only. `mask` (bool) leaves samples out of D."""
     adv = advantages.detach().reshape(-1)
     valid = torch.ones_like(adv, dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
     n = int(valid.sum())
@@ -167,33 +164,27 @@ def gaussian_log_prob(actions, mean, std):
 
 
 def gaussian_kl_parts(target_mean, target_std, mean, std):
-    """Eqs. (24)-(25) for diagonal Gaussians: KL(π_target ‖ π) split into
-
-        KL_μ = ½ (μ − μ_t)ᵀ Σ_t⁻¹ (μ − μ_t)                     (the target's covariance: only μ moves it)
-        KL_Σ = ½ [ Tr(Σ⁻¹ Σ_t) − d + log(|Σ| / |Σ_t|) ]           (no mean: only σ moves it)
-
-    `[..., d] -> ([...], [...])`; KL_μ + KL_Σ is the full KL of Eq. (23). π_target carries no gradient."""
+    """Eqs. (24)-(25) for diagonal Gaussians, `[..., d] -> ([...], [...])`: KL(π_target ‖ π) of Eq. (23) split into
+        KL_μ = ½ (μ − μ_t)ᵀ Σ_t⁻¹ (μ − μ_t)               (the target's covariance: only μ moves it),
+        KL_Σ = ½ [ Tr(Σ⁻¹ Σ_t) − d + log(|Σ| / |Σ_t|) ]     (no mean: only σ moves it).
+    π_target carries no gradient."""
     target_mean, target_var, var = target_mean.detach(), target_std.detach() ** 2, std**2
     kl_mu = 0.5 * ((mean - target_mean) ** 2 / target_var).sum(-1)
     kl_sigma = 0.5 * (target_var / var - 1.0 + var.log() - target_var.log()).sum(-1)
     return kl_mu, kl_sigma
 
 
-def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
-    """Eq. (14), for one KL part (Eq. 26): L_α = (1/|D|) Σ_D [ α (ε_α − sg[KL]) + sg[α] KL ], on the full batch D.
-
-    The first term moves α (up when the KL exceeds ε_α, down when below); the second is the trust region on the
-    policy, with α held fixed. Returns (loss, mean KL)."""
-    m = torch.ones_like(kl) if mask is None else mask.float()
-    kl_mean = (m * kl).sum() / m.sum().clamp(min=1)
+def kl_constraint_loss(kl, alpha, eps_alpha, mask):
+    """Eq. (14) for one KL part (Eq. 26) on the batch D (`mask`): L_α = (1/|D|) Σ_D [ α (ε_α − sg[KL]) + sg[α] KL ],
+    whose first term moves α (up when the KL exceeds ε_α), the second the policy (α fixed). Returns (loss, mean KL)."""
+    kl_mean = (mask * kl).sum() / mask.sum().clamp(min=1)
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
 def n_step_targets(values, rewards, terminated, ended, gamma):
-    """The value targets G_k for rows 0..T-1 of unrolls `[T+1, B]`: Eq. (1)'s n-step returns bootstrapped from
-    V(x_T) (`values` unnormalised), with γ_k = 0 after a termination. Row k holds x_k and the reward and end flags
-    that came with it; where x_k ended an episode (`ended`), step k is envpool's reset step: G_k = V(x_k) there,
-    so a truncated episode bootstraps from its last observation."""
+    """The value targets G_k of rows 0..T-1 of unrolls `[T+1, B]` (row k: x_k and the reward and end flags that came
+    with it): Eq. (1)'s n-step returns from V(x_T) (`values` unnormalised), γ_k = 0 after a termination. Where x_k
+    ended an episode, step k is envpool's reset step: G_k = V(x_k), so a truncation bootstraps from its last x."""
     reset_step = ended[:-1]
     discounts = torch.where(reset_step, 0.0, gamma * (~terminated[1:]).float())
     rewards = torch.where(reset_step, values[:-1], rewards[1:])
@@ -275,10 +266,6 @@ class LagrangeMultipliers(nn.Module):
         """Sec. 4.2.2: every multiplier ← max(multiplier, η_min) after every step."""
         for p in self.parameters():
             p.clamp_(min=self.minimum)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The agent (Appendix F).
 
 
 class Agent(nn.Module):
@@ -493,10 +480,6 @@ def saved_model(args, state, global_step):
     low, high = (x.astype(np.float32).tolist() for x in (box.low, box.high))
     model["agent_config"] = state["agent"].config
     return {**model, "action_low": low, "action_high": high, "global_step": global_step}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Checking the arguments. No equation below.
 
 
 def check_args(args):
