@@ -17,7 +17,7 @@ covariance shrinks slowly and keeps exploring. PopArt keeps the value loss on on
 | Eqs. (12)-(13) ψ on the top half of the advantages, L_π; L_η         | `vmpo_weights`, `vmpo_loss`             |
 | Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                     |
 | Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                      | `kl_constraint_loss`                    |
-| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers`                    |
+| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers`                   |
 | App. F: 512-256 MLP core, 256-unit policy and value MLP heads        | `Agent`                                 |
 | Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `TABLE7_COLUMNS`       |
 
@@ -96,12 +96,10 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Table 7's columns: the Args defaults are the OpenAI Gym column; dm_control's Humanoid* tasks take humanoid-from-state
-# (whose ε_η, 0.01, is the Gym column's).
+# Table 7's columns: the Args defaults are the OpenAI Gym column; dm_control's Humanoid* take humanoid-from-state.
 TABLE7_COLUMNS = {"gym": {}, "humanoid-state": dict(unroll_length=63, eps_alpha_mu=0.16, eps_alpha_sigma=2.2e-5)}
 
-# Defaults by task family on top of the Table 7 column, the same on every device (`--preset paper`: the column alone),
-# measured on 2 CPU cores (docs/vmpo_mujoco.md; Table 7 is for thousands of envs): short unrolls, a fast PopArt.
+# Defaults by task family, the same on every device, measured on 2 CPU cores (docs): short unrolls, a fast PopArt.
 ONE_MACHINE = dict(num_minibatches=1, unroll_length=10, target_update_period=10, learning_rate=1e-3, popart_beta=0.1)
 FAMILY_DEFAULTS = {
     "mujoco": (
@@ -114,11 +112,9 @@ PAPER = "the paper's settings (the Args defaults)"  # the defaults' source witho
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args`: the task's Table 7 column and, unless
-    `--preset paper`, its family's settings on top."""
-    family, humanoid = task_family(args.env_id), args.env_id.startswith("Humanoid")
-    humanoid = humanoid and type(env_spec(args.env_id)).__name__.startswith("Dmc")
-    column = TABLE7_COLUMNS["humanoid-state" if humanoid else "gym"]
+    """(family, source, values) of a run's defaults: its Table 7 column, its family's on top unless `--preset paper`."""
+    humanoid = args.env_id.startswith("Humanoid") and type(env_spec(args.env_id)).__name__.startswith("Dmc")
+    family, column = task_family(args.env_id), TABLE7_COLUMNS["humanoid-state" if humanoid else "gym"]
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper", column
     source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
@@ -258,9 +254,6 @@ class LagrangeMultipliers(nn.Module):
         values = (eta, alpha_mu, alpha_sigma)
         self.eta, self.alpha_mu, self.alpha_sigma = (nn.Parameter(torch.tensor(float(v))) for v in values)
 
-    def values(self):
-        return self.eta, self.alpha_mu, self.alpha_sigma
-
     @torch.no_grad()
     def project(self):
         """Sec. 4.2.2: every multiplier ← max(multiplier, η_min) after every step."""
@@ -370,7 +363,7 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
     target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
     settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)  # ε's first
-    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], *multipliers.values(), *settings)
+    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], *multipliers.parameters(), *settings)
     stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in multipliers.named_parameters()}}
     stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
     stats |= {f"stats/{k}_ratio": stats[f"stats/{k}"] / e for k, e in zip(("kl_psi", "kl_mu", "kl_sigma"), settings)}
@@ -474,12 +467,11 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 def saved_model(args, state, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
-    model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args))
+    model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args), global_step=global_step)
     model.update({k: {n: v.cpu() for n, v in state[k].state_dict().items()} for k in ("agent", "multipliers")})
     box = env_spec(args.env_id).action_space
     low, high = (x.astype(np.float32).tolist() for x in (box.low, box.high))
-    model["agent_config"] = state["agent"].config
-    return {**model, "action_low": low, "action_high": high, "global_step": global_step}
+    return {**model, "agent_config": state["agent"].config, "action_low": low, "action_high": high}
 
 
 def check_args(args):
@@ -487,8 +479,6 @@ def check_args(args):
     spec, world, steps = env_spec(args.env_id, discrete=False), world_size(), args.batch_size * args.unroll_length
     per_actor, mb = args.num_envs // max(args.num_actors, 1), args.num_minibatches
     require(args.preset in ("family", "paper"), f"--preset {args.preset!r} is not one of family, paper")
-    fits = args.batch_size >= 1 and args.batch_size % world == 0
-    require(fits, f"--batch-size {args.batch_size} must be a positive multiple of the learners ({world})")
     fits = 1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0
     require(fits, f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
     require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
@@ -496,8 +486,8 @@ def check_args(args):
     fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
     require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
     require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
-    positive = ("unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu", "eps_alpha_sigma")
-    for name in (*positive, "init_eta", "init_alpha_mu", "init_alpha_sigma"):
+    positive = ("batch_size", "unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu")
+    for name in (*positive, "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     require(args.init_std > Agent.MIN_STD, f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")

@@ -213,8 +213,7 @@ def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved):
     assert math.isclose(float(m.alpha_mu.grad), 0.007 - float(stats["stats/kl_mu"]), rel_tol=1e-5)
     assert math.isclose(float(m.alpha_sigma.grad), 1.6e-5 - float(stats["stats/kl_sigma"]), rel_tol=1e-5)
     opt.step()
-    _, alpha_mu, alpha_sigma = m.values()
-    up_mu, up_sigma = alpha_mu.item() > 1.0, alpha_sigma.item() > 1.0
+    up_mu, up_sigma = m.alpha_mu.item() > 1.0, m.alpha_sigma.item() > 1.0
     assert (up_mu, up_sigma) == ((True, False) if moved == "mean" else (False, True))
 
 
