@@ -46,7 +46,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, make_env, require
 from common.envs import task_family
@@ -72,7 +71,6 @@ class Args:
     num_minibatches: int = 8  # E-step minibatches, each with its own top half and ψ: the paper's 8 replicas (App. F)
     target_update_period: int = 100  # T_target, learning steps between target-network refreshes (Table 7)
     learning_rate: float = 1e-4  # Adam learning rate (Sec. 4.3)
-    max_grad_norm: float = 0.0  # global gradient-norm clipping threshold; 0: none (the paper mentions none)
     gamma: float = 0.99  # γ, agent discount (Table 7)
     eps_eta: float = 0.01  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 7)
     eps_alpha_mu: float = 0.007  # ε_αμ, bound of the mean part of the KL (Table 7 Gym: middle of [0.005, 0.01])
@@ -80,12 +78,9 @@ class Args:
     init_eta: float = 1.0  # initial η, temperature (Table 1)
     init_alpha_mu: float = 1.0  # initial α_μ, mean-KL multiplier (Table 1)
     init_alpha_sigma: float = 1.0  # initial α_Σ, covariance-KL multiplier (Table 1)
-    min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2)
-    top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
     hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state)
     head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
-    init_std: float = 0.5  # initial policy standard deviation in [-1, 1] action units (not in the paper)
     save_model: bool = False  # write model.pt (weights, observation and PopArt statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
@@ -155,15 +150,13 @@ def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
 
 def gaussian_log_prob(actions, mean, std):
     """log N(a; μ, diag σ²), summed over the action dimensions `[..., d] -> [...]`."""
-    z = (actions - mean) / std
-    return (-0.5 * z * z - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+    return (-0.5 * ((actions - mean) / std) ** 2 - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
 def gaussian_kl_parts(target_mean, target_std, mean, std):
     """Eqs. (24)-(25) for diagonal Gaussians, `[..., d] -> ([...], [...])`: KL(π_target ‖ π) of Eq. (23) split into
-        KL_μ = ½ (μ − μ_t)ᵀ Σ_t⁻¹ (μ − μ_t)               (the target's covariance: only μ moves it),
-        KL_Σ = ½ [ Tr(Σ⁻¹ Σ_t) − d + log(|Σ| / |Σ_t|) ]     (no mean: only σ moves it).
-    π_target carries no gradient."""
+    KL_μ = ½ (μ − μ_t)ᵀ Σ_t⁻¹ (μ − μ_t)               (the target's covariance: only μ moves it),
+    KL_Σ = ½ [ Tr(Σ⁻¹ Σ_t) − d + log(|Σ| / |Σ_t|) ]     (no mean: only σ moves it); π_target gets no gradient."""
     target_mean, target_var, var = target_mean.detach(), target_std.detach() ** 2, std**2
     kl_mu = 0.5 * ((mean - target_mean) ** 2 / target_var).sum(-1)
     kl_sigma = 0.5 * (target_var / var - 1.0 + var.log() - target_var.log()).sum(-1)
@@ -205,21 +198,18 @@ class VmpoLoss(NamedTuple):
 
 
 def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_norm, ended, eta, alpha_mu, alpha_sigma,
-              eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5,
-              num_minibatches=1) -> VmpoLoss:  # fmt: skip
-    """Eq. (26): L_V + L_π + L_η + L_αμ + L_αΣ on a batch of unrolls, in PopArt's normalised units.
-
-    `mean, std, target_mean, target_std, actions [T+1, B, d]`: the online network's and π_target's Gaussians on rows
-    0..T (row T only bootstraps); `value_norm, returns_norm [T, B]`: V and the targets (G − μ)/σ of rows 0..T-1.
-    The E-step runs on `num_minibatches` groups of columns, ψ of each scaled by 1/num_minibatches; a reset step
-    (`ended [T+1, B]`) takes no part."""
+              eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, num_minibatches=1) -> VmpoLoss:  # fmt: skip
+    """Eq. (26), L_V + L_π + L_η + L_αμ + L_αΣ in PopArt's normalised units, on a batch of unrolls: `mean, std,
+    target_mean, target_std, actions [T+1, B, d]` the online network's and π_target's Gaussians on rows 0..T (row T
+    only bootstraps), `value_norm, returns_norm [T, B]` V and the targets (G − μ)/σ of rows 0..T-1. The E-step runs
+    on `num_minibatches` groups of columns, each ψ scaled by 1/num_minibatches; reset steps (`ended`) take no part."""
     mask = ~ended[:-1]
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
     advantages = returns_norm - value_norm.detach()  # (G − V)/σ
     psi, eta_loss, kl_psi = torch.zeros_like(advantages), 0.0, 0.0
     for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
-        psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], eta, eps_eta, mask[:, cols], top_fraction)
+        psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], eta, eps_eta, mask[:, cols])
         psi[:, cols] = psi_mb / num_minibatches
         eta_loss = eta_loss + eta_loss_mb / num_minibatches
         top = psi_mb[psi_mb > 0].detach()
@@ -246,19 +236,17 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
 
 
 class LagrangeMultipliers(nn.Module):
-    """η (Eq. 13), α_μ and α_Σ (Eq. 26): learned as they are, with the networks' Adam (Sec. 4.3)."""
+    """η (Eq. 13), α_μ and α_Σ (Eq. 26), learned as they are; `project`: each ≥ η_min = α_min = 1e-8 (Sec. 4.2.2)."""
 
-    def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0, minimum=1e-8):
+    def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0):
         super().__init__()
-        self.minimum = minimum
         values = (eta, alpha_mu, alpha_sigma)
         self.eta, self.alpha_mu, self.alpha_sigma = (nn.Parameter(torch.tensor(float(v))) for v in values)
 
     @torch.no_grad()
     def project(self):
-        """Sec. 4.2.2: every multiplier ← max(multiplier, η_min) after every step."""
         for p in self.parameters():
-            p.clamp_(min=self.minimum)
+            p.clamp_(min=1e-8)
 
 
 class Agent(nn.Module):
@@ -285,7 +273,7 @@ class Agent(nn.Module):
         """Raw `obs [..., obs_dim]` -> mean, std `[..., d]` and the value head's features (values: `self.popart`)."""
         x = self.core(self.obs_norm(obs).reshape(-1, self.obs_norm.mean.shape[0])).view(*obs.shape[:-1], -1)
         mean, raw_std = self.policy(self.policy_mlp(x)).split(self.action_dim, dim=-1)
-        return mean, F.softplus(raw_std) + self.MIN_STD, self.value_mlp(x)
+        return mean, nn.functional.softplus(raw_std) + self.MIN_STD, self.value_mlp(x)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -342,9 +330,8 @@ def learner_step(state, batch, args):
     optimizer.zero_grad(set_to_none=False)
     out.loss.backward()
     reduce_gradients([*agent.parameters(), *multipliers.parameters()], mean=True)
-    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else math.inf)
-    named = {k.split("/")[-1]: v for k, v in stats.items()}
-    check_finite(f"at update {state['update']}", loss=out.loss, gradient=grad_norm, **named)
+    grad_norm = nn.utils.get_total_norm([p.grad for p in agent.parameters()])  # for the logs (the paper clips none)
+    check_finite(f"at update {state['update']}", loss=out.loss, gradient=grad_norm, **stats)
     optimizer.step()
     multipliers.project()
     return {**stats, "stats/grad_norm": grad_norm}
@@ -354,15 +341,14 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     """vmpo_loss on a batch of unrolls: the n-step targets from the online V, PopArt's statistics moved toward them
     (V(s) unchanged), the loss in the new normalised units. Returns (VmpoLoss, stats)."""
     popart = agent.popart
-    task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
     with torch.no_grad():
-        values = popart.unnormalize(popart(value_features)[..., 0], task)  # online V, unnormalised
+        values = popart.unnormalize(popart(value_features)[..., 0], 0)  # online V, unnormalised (the one task: 0)
     returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
     real = ~batch["ended"][:-1]
-    popart.update(returns[real], task[:-1][real])
-    value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
+    popart.update(returns[real], torch.zeros_like(returns[real], dtype=torch.long))
+    value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, 0)
     target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
-    settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)  # ε's first
+    settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, num_minibatches)  # the ε's first
     out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], *multipliers.parameters(), *settings)
     stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in multipliers.named_parameters()}}
     stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
@@ -378,9 +364,8 @@ def main(args: Args):
     spec = check_args(args)
     rank, world, device = learner_process(args)
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, args.popart_beta).to(device)
-    init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
-    multipliers = LagrangeMultipliers(*init, args.min_multiplier).to(device)
+    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, popart_beta=args.popart_beta).to(device)
+    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
@@ -431,11 +416,9 @@ def save(log, state) -> None:
 def log_update(log, pool, update, batch, stats) -> None:
     """After each update, the actors' episodes (every learner takes them, rank 0 logs them); with `stats`, the rest."""
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
-    if log.writer is None:
-        return
-    for score, length in episodes:
+    for score, length in episodes if log.writer else ():
         log.episode(score, length, step)
-    if stats is None:
+    if log.writer is None or stats is None:
         return
     target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
     stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
@@ -485,11 +468,9 @@ def check_args(args):
     require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
     fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
     require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
-    require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
     positive = ("batch_size", "unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu")
     for name in (*positive, "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    require(args.init_std > Agent.MIN_STD, f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")
     if args.capture_video:

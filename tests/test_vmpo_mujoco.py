@@ -158,7 +158,7 @@ def _batch(agent, T=6, B=8, seed=0):
 
 
 def _args(**kw):
-    base = dict(gamma=0.9, eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5)
+    base = dict(gamma=0.9, eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -330,7 +330,7 @@ def test_agent_starts_with_the_same_gaussian_everywhere_and_actions_map_to_the_b
 
 
 def test_multipliers_are_projected():
-    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0, 1e-8)
+    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0)
     with torch.no_grad():
         m.eta.fill_(-0.3)
         m.alpha_sigma.fill_(-1.0)
