@@ -17,7 +17,7 @@ covariance shrinks slowly and keeps exploring. PopArt keeps the value loss on on
 | Eqs. (12)-(13) ψ on the top half of the advantages, L_π; L_η         | `vmpo_weights`, `vmpo_loss`             |
 | Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                     |
 | Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                      | `kl_constraint_loss`                    |
-| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers` (`--multipliers`) |
+| Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers`                   |
 | App. F: 512-256 MLP core, 256-unit policy and value MLP heads        | `Agent`                                 |
 | Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `TABLE7_COLUMNS`       |
 
@@ -41,12 +41,11 @@ import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, make_env, require
 from common.envs import task_family
@@ -72,7 +71,6 @@ class Args:
     num_minibatches: int = 8  # E-step minibatches, each with its own top half and ψ: the paper's 8 replicas (App. F)
     target_update_period: int = 100  # T_target, learning steps between target-network refreshes (Table 7)
     learning_rate: float = 1e-4  # Adam learning rate (Sec. 4.3)
-    max_grad_norm: float = 0.0  # global gradient-norm clipping threshold; 0: none (the paper mentions none)
     gamma: float = 0.99  # γ, agent discount (Table 7)
     eps_eta: float = 0.01  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 7)
     eps_alpha_mu: float = 0.007  # ε_αμ, bound of the mean part of the KL (Table 7 Gym: middle of [0.005, 0.01])
@@ -80,16 +78,9 @@ class Args:
     init_eta: float = 1.0  # initial η, temperature (Table 1)
     init_alpha_mu: float = 1.0  # initial α_μ, mean-KL multiplier (Table 1)
     init_alpha_sigma: float = 1.0  # initial α_Σ, covariance-KL multiplier (Table 1)
-    min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
-    multipliers: Literal["paper", "softplus", "exp"] = "paper"  # paper: projected; softplus: Acme's MPO; exp: log space
-    dual_learning_rate: float = 0.0  # learning rate of η, α_μ, α_Σ; 0: the networks' Adam and learning rate (Sec. 4.3)
-    update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
-    top_fraction: float = 0.5  # fraction of the highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
     hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state)
     head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
-    init_std: float = 0.5  # initial policy standard deviation in [-1, 1] action units (not in the paper)
-    action_penalty: float = 0.0  # λ: the E-step's advantages less λ‖a − clip(a)‖² in PopArt units (not in the paper)
     save_model: bool = False  # write model.pt (weights, observation and PopArt statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
@@ -100,12 +91,10 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Table 7's columns: the Args defaults are the OpenAI Gym column; dm_control's Humanoid* tasks take humanoid-from-state
-# (whose ε_η, 0.01, is the Gym column's).
+# Table 7's columns: the Args defaults are the OpenAI Gym column; dm_control's Humanoid* take humanoid-from-state.
 TABLE7_COLUMNS = {"gym": {}, "humanoid-state": dict(unroll_length=63, eps_alpha_mu=0.16, eps_alpha_sigma=2.2e-5)}
 
-# Defaults by task family on top of the Table 7 column, the same on every device (`--preset paper`: the column alone),
-# measured on 2 CPU cores (docs/vmpo_mujoco.md; Table 7 is for thousands of envs): short unrolls, a fast PopArt.
+# Defaults by task family, the same on every device, measured on 2 CPU cores (docs): short unrolls, a fast PopArt.
 ONE_MACHINE = dict(num_minibatches=1, unroll_length=10, target_update_period=10, learning_rate=1e-3, popart_beta=0.1)
 FAMILY_DEFAULTS = {
     "mujoco": (
@@ -118,11 +107,9 @@ PAPER = "the paper's settings (the Args defaults)"  # the defaults' source witho
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args`: the task's Table 7 column and, unless
-    `--preset paper`, its family's settings on top."""
-    family, humanoid = task_family(args.env_id), args.env_id.startswith("Humanoid")
-    humanoid = humanoid and type(env_spec(args.env_id)).__name__.startswith("Dmc")
-    column = TABLE7_COLUMNS["humanoid-state" if humanoid else "gym"]
+    """(family, source, values) of a run's defaults: its Table 7 column, its family's on top unless `--preset paper`."""
+    humanoid = args.env_id.startswith("Humanoid") and type(env_spec(args.env_id)).__name__.startswith("Dmc")
+    family, column = task_family(args.env_id), TABLE7_COLUMNS["humanoid-state" if humanoid else "gym"]
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper", column
     source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
@@ -145,12 +132,9 @@ def n_step_returns(rewards, discounts, bootstrap_value):
 
 
 def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
-    """The E-step, Eqs. (12)-(13), on the top `top_fraction` of the advantages of the batch.
-
-    ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) on the k highest advantages D̃ (exactly k = ⌊fraction · |D|⌋ ≥ 1
-    samples, by `topk`, so ties cannot let more in), 0 elsewhere; `psi` has the advantages' shape, sums to one
-    and carries no gradient. L_η = η ε_η + η log( (1/|D̃|) Σ_{D̃} exp(A/η) ), differentiable in η only, on the
-    same k samples. `mask` (bool, the advantages' shape) leaves samples out of D."""
+    """The E-step, Eqs. (12)-(13), on the k = max(1, ⌊top_fraction · |D|⌋) highest advantages D̃ (by `topk`: ties
+    cannot let more in): ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) there and 0 elsewhere, with no gradient; L_η =
+    η ε_η + η log( (1/|D̃|) Σ_{D̃} exp(A/η) ), differentiable in η only. `mask` (bool) leaves samples out of D."""
     adv = advantages.detach().reshape(-1)
     valid = torch.ones_like(adv, dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
     n = int(valid.sum())
@@ -166,38 +150,30 @@ def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
 
 def gaussian_log_prob(actions, mean, std):
     """log N(a; μ, diag σ²), summed over the action dimensions `[..., d] -> [...]`."""
-    z = (actions - mean) / std
-    return (-0.5 * z * z - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+    return (-0.5 * ((actions - mean) / std) ** 2 - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
 def gaussian_kl_parts(target_mean, target_std, mean, std):
-    """Eqs. (24)-(25) for diagonal Gaussians: KL(π_target ‖ π) split into
-
-        KL_μ = ½ (μ − μ_t)ᵀ Σ_t⁻¹ (μ − μ_t)                     (the target's covariance: only μ moves it)
-        KL_Σ = ½ [ Tr(Σ⁻¹ Σ_t) − d + log(|Σ| / |Σ_t|) ]           (no mean: only σ moves it)
-
-    `[..., d] -> ([...], [...])`; KL_μ + KL_Σ is the full KL of Eq. (23). π_target carries no gradient."""
+    """Eqs. (24)-(25) for diagonal Gaussians, `[..., d] -> ([...], [...])`: KL(π_target ‖ π) of Eq. (23) split into
+    KL_μ = ½ (μ − μ_t)ᵀ Σ_t⁻¹ (μ − μ_t)               (the target's covariance: only μ moves it),
+    KL_Σ = ½ [ Tr(Σ⁻¹ Σ_t) − d + log(|Σ| / |Σ_t|) ]     (no mean: only σ moves it); π_target gets no gradient."""
     target_mean, target_var, var = target_mean.detach(), target_std.detach() ** 2, std**2
     kl_mu = 0.5 * ((mean - target_mean) ** 2 / target_var).sum(-1)
     kl_sigma = 0.5 * (target_var / var - 1.0 + var.log() - target_var.log()).sum(-1)
     return kl_mu, kl_sigma
 
 
-def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
-    """Eq. (14), for one KL part (Eq. 26): L_α = (1/|D|) Σ_D [ α (ε_α − sg[KL]) + sg[α] KL ], on the full batch D.
-
-    The first term moves α (up when the KL exceeds ε_α, down when below); the second is the trust region on the
-    policy, with α held fixed. Returns (loss, mean KL)."""
-    m = torch.ones_like(kl) if mask is None else mask.float()
-    kl_mean = (m * kl).sum() / m.sum().clamp(min=1)
+def kl_constraint_loss(kl, alpha, eps_alpha, mask):
+    """Eq. (14) for one KL part (Eq. 26) on the batch D (`mask`): L_α = (1/|D|) Σ_D [ α (ε_α − sg[KL]) + sg[α] KL ],
+    whose first term moves α (up when the KL exceeds ε_α), the second the policy (α fixed). Returns (loss, mean KL)."""
+    kl_mean = (mask * kl).sum() / mask.sum().clamp(min=1)
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
 def n_step_targets(values, rewards, terminated, ended, gamma):
-    """The value targets G_k for rows 0..T-1 of unrolls `[T+1, B]`: Eq. (1)'s n-step returns bootstrapped from
-    V(x_T) (`values` unnormalised), with γ_k = 0 after a termination. Row k holds x_k and the reward and end flags
-    that came with it; where x_k ended an episode (`ended`), step k is envpool's reset step: G_k = V(x_k) there,
-    so a truncated episode bootstraps from its last observation."""
+    """The value targets G_k of rows 0..T-1 of unrolls `[T+1, B]` (row k: x_k and the reward and end flags that came
+    with it): Eq. (1)'s n-step returns from V(x_T) (`values` unnormalised), γ_k = 0 after a termination. Where x_k
+    ended an episode, step k is envpool's reset step: G_k = V(x_k), so a truncation bootstraps from its last x."""
     reset_step = ended[:-1]
     discounts = torch.where(reset_step, 0.0, gamma * (~terminated[1:]).float())
     rewards = torch.where(reset_step, values[:-1], rewards[1:])
@@ -222,24 +198,18 @@ class VmpoLoss(NamedTuple):
 
 
 def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_norm, ended, eta, alpha_mu, alpha_sigma,
-              eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5,
-              num_minibatches=1, action_penalty=0.0) -> VmpoLoss:  # fmt: skip
-    """Eq. (26): L_V + L_π + L_η + L_αμ + L_αΣ on a batch of unrolls, in PopArt's normalised units.
-
-    `mean, std [T+1, B, d]` from the online network on rows 0..T (row T only bootstraps), `target_mean,
-    target_std` π_target's (the actors'), `actions [T+1, B, d]`, `ended [T+1, B]`; `value_norm` the online
-    network's normalised values and `returns_norm` the normalised targets (G − μ)/σ of rows 0..T-1 `[T, B]`; η,
-    α_μ, α_Σ the Lagrange multipliers. The E-step runs on `num_minibatches` groups of columns, ψ of each scaled
-    by 1/num_minibatches. A reset step (`ended`) takes no part. With `action_penalty` λ (not in the paper) the E-step
-    ranks A − λ‖a − clip(a, −1, 1)‖², pulling a mean beyond the action box (where samples all clip alike) inside."""
+              eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, num_minibatches=1) -> VmpoLoss:  # fmt: skip
+    """Eq. (26), L_V + L_π + L_η + L_αμ + L_αΣ in PopArt's normalised units, on a batch of unrolls: `mean, std,
+    target_mean, target_std, actions [T+1, B, d]` the online network's and π_target's Gaussians on rows 0..T (row T
+    only bootstraps), `value_norm, returns_norm [T, B]` V and the targets (G − μ)/σ of rows 0..T-1. The E-step runs
+    on `num_minibatches` groups of columns, each ψ scaled by 1/num_minibatches; reset steps (`ended`) take no part."""
     mask = ~ended[:-1]
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
-    excess = actions[:-1] - actions[:-1].clamp(-1.0, 1.0)
-    advantages = returns_norm - value_norm.detach() - action_penalty * (excess**2).sum(-1)  # (G − V)/σ, penalised
+    advantages = returns_norm - value_norm.detach()  # (G − V)/σ
     psi, eta_loss, kl_psi = torch.zeros_like(advantages), 0.0, 0.0
     for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
-        psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], eta, eps_eta, mask[:, cols], top_fraction)
+        psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], eta, eps_eta, mask[:, cols])
         psi[:, cols] = psi_mb / num_minibatches
         eta_loss = eta_loss + eta_loss_mb / num_minibatches
         top = psi_mb[psi_mb > 0].detach()
@@ -266,37 +236,17 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
 
 
 class LagrangeMultipliers(nn.Module):
-    """η (Eq. 13), α_μ and α_Σ (Eq. 26) as `values()` of three parameters: form "paper", the multipliers themselves,
-    projected to at least η_min after every step (Sec. 4.2.2); "softplus" (Acme's MPO), softplus(parameter) + η_min;
-    "exp", exp(parameter) + η_min: an Adam step moves a multiplier by a factor, not by an amount."""
+    """η (Eq. 13), α_μ and α_Σ (Eq. 26), learned as they are; `project`: each ≥ η_min = α_min = 1e-8 (Sec. 4.2.2)."""
 
-    def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0, form="paper", minimum=1e-8):
+    def __init__(self, eta=1.0, alpha_mu=1.0, alpha_sigma=1.0):
         super().__init__()
-        self.form, self.minimum = form, minimum
-        inverse = {"paper": float, "exp": math.log, "softplus": lambda v: math.log(math.expm1(max(v - minimum, 1e-12)))}
-        for name, v in (("eta", eta), ("alpha_mu", alpha_mu), ("alpha_sigma", alpha_sigma)):
-            setattr(self, name, nn.Parameter(torch.tensor(float(inverse[form](v)))))  # the image of each is v
-
-    def values(self):
-        raw, image = (self.eta, self.alpha_mu, self.alpha_sigma), torch.exp if self.form == "exp" else F.softplus
-        return raw if self.form == "paper" else tuple(image(p) + self.minimum for p in raw)
+        values = (eta, alpha_mu, alpha_sigma)
+        self.eta, self.alpha_mu, self.alpha_sigma = (nn.Parameter(torch.tensor(float(v))) for v in values)
 
     @torch.no_grad()
     def project(self):
-        """Sec. 4.2.2 (form "paper"): every multiplier ← max(multiplier, η_min); the softplus form needs none."""
-        if self.form == "paper":
-            for p in self.parameters():
-                p.clamp_(min=self.minimum)
-
-
-def make_optimizer(args, agent, multipliers):
-    """Adam (Sec. 4.3; torch's ε 1e-8, the paper's) for the networks and the multipliers (`--dual-learning-rate`)."""
-    dual = dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate or args.learning_rate)
-    return torch.optim.Adam([dict(params=list(agent.parameters())), dual], lr=args.learning_rate)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The agent (Appendix F).
+        for p in self.parameters():
+            p.clamp_(min=1e-8)
 
 
 class Agent(nn.Module):
@@ -323,7 +273,7 @@ class Agent(nn.Module):
         """Raw `obs [..., obs_dim]` -> mean, std `[..., d]` and the value head's features (values: `self.popart`)."""
         x = self.core(self.obs_norm(obs).reshape(-1, self.obs_norm.mean.shape[0])).view(*obs.shape[:-1], -1)
         mean, raw_std = self.policy(self.policy_mlp(x)).split(self.action_dim, dim=-1)
-        return mean, F.softplus(raw_std) + self.MIN_STD, self.value_mlp(x)
+        return mean, nn.functional.softplus(raw_std) + self.MIN_STD, self.value_mlp(x)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -368,53 +318,44 @@ def act(cfg, link) -> None:
 
 
 def learner_step(state, batch, args):
-    """Algorithm 1's update, the training state's `update`-th: observation statistics, `--update-epochs` Adam steps
-    against π_target (all-reduced). Returns the last step's stats."""
-    agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
+    """Algorithm 1's update, the training state's `update`-th: observation statistics, one Adam step against π_target
+    (gradients all-reduced), the multipliers projected. Returns its stats."""
+    agent, multipliers, optimizer = state["agent"], state["multipliers"], state["optimizer"]
     state["update"] += 1
-    params = [*agent.parameters(), *multipliers.parameters()]
-    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
-    for epoch in range(args.update_epochs):
-        mean, std, value_features = agent(batch["obs"])
-        groups = args.num_minibatches // world  # this learner's share of the E-step's minibatches
-        out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups, epoch == 0)
-        optimizer.zero_grad(set_to_none=False)
-        out.loss.backward()
-        reduce_gradients(params, mean=True)
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-        named = {k.split("/")[-1]: v for k, v in stats.items()}
-        check_finite(f"at update {state['update']}", loss=out.loss, gradient=grad_norm, **named)
-        optimizer.step()
-        multipliers.project()
+    mean, std, value_features = agent(batch["obs"])
+    groups = args.num_minibatches // world_size()  # this learner's share of the E-step's minibatches
+    out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
+    optimizer.zero_grad(set_to_none=False)
+    out.loss.backward()
+    reduce_gradients([*agent.parameters(), *multipliers.parameters()], mean=True)
+    grad_norm = nn.utils.get_total_norm([p.grad for p in agent.parameters()])  # for the logs (the paper clips none)
+    check_finite(f"at update {state['update']}", loss=out.loss, gradient=grad_norm, **stats)
+    optimizer.step()
+    multipliers.project()
     return {**stats, "stats/grad_norm": grad_norm}
 
 
-def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1, move_popart=True):
+def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1):
     """vmpo_loss on a batch of unrolls: the n-step targets from the online V, PopArt's statistics moved toward them
-    (`move_popart`: the first pass; V(s) unchanged), the loss in the new normalised units. Returns (VmpoLoss, stats)."""
+    (V(s) unchanged), the loss in the new normalised units. Returns (VmpoLoss, stats)."""
     popart = agent.popart
-    task = torch.zeros(value_features.shape[:2], dtype=torch.long, device=value_features.device)
     with torch.no_grad():
-        values = popart.unnormalize(popart(value_features)[..., 0], task)  # online V, unnormalised
+        values = popart.unnormalize(popart(value_features)[..., 0], 0)  # online V, unnormalised (the one task: 0)
     returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
     real = ~batch["ended"][:-1]
-    if move_popart:
-        popart.update(returns[real], task[:-1][real])
-    value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, task[:-1])
-    eta, alpha_mu, alpha_sigma = multipliers.values()
+    popart.update(returns[real], torch.zeros_like(returns[real], dtype=torch.long))
+    value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, 0)
     target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
-    settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, args.top_fraction, num_minibatches)  # ε's first
-    settings += (args.action_penalty,)  # not in the paper; 0 by default
-    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], eta, alpha_mu, alpha_sigma, *settings)
-    n, named = real.sum().clamp(min=1), dict(eta=eta, alpha_mu=alpha_mu, alpha_sigma=alpha_sigma)
-    stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in named.items()}}
+    settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, num_minibatches)  # the ε's first
+    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], *multipliers.parameters(), *settings)
+    stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in multipliers.named_parameters()}}
     stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
     stats |= {f"stats/{k}_ratio": stats[f"stats/{k}"] / e for k, e in zip(("kl_psi", "kl_mu", "kl_sigma"), settings)}
     g, v = returns[real], values[:-1][real]  # CleanRL's explained variance, 1 − Var(G − V)/Var(G); 1 on < 2 steps
     unexplained = (g - v).var(correction=0) / g.var(correction=0).clamp(min=1e-8)
     stats["losses/explained_variance"] = 1 - unexplained.nan_to_num(0.0)
-    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
+    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / real.sum().clamp(min=1)}
 
 
 def main(args: Args):
@@ -422,19 +363,18 @@ def main(args: Args):
     spec = check_args(args)
     rank, world, device = learner_process(args)
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, args.init_std, args.popart_beta).to(device)
-    init = (args.init_eta, args.init_alpha_mu, args.init_alpha_sigma)
-    multipliers = LagrangeMultipliers(*init, args.multipliers, args.min_multiplier).to(device)
+    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, popart_beta=args.popart_beta).to(device)
+    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     describe = f"{device}, {world} learner(s) of {args.num_actors} actor(s), {args.num_envs} envs"
-    describe += f", {1000 * args.update_epochs / steps_per_update:.1f} gradient steps per 1,000 samples"
+    describe += f", {1000 / steps_per_update:.1f} gradient steps per 1,000 samples"
     log = RunLog(args, resumed, describe, write=rank == 0)
     specs, cfgs = buffer_specs(obs_dim, action_dim, args.unroll_length), actor_configs(args, rank, device)
     pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
     # The training state: the online network (PopArt, observation statistics), θ_target, η, α_μ, α_Σ, Adam, updates.
-    optimizer = make_optimizer(args, agent, multipliers)
+    optimizer = torch.optim.Adam([*agent.parameters(), *multipliers.parameters()], lr=args.learning_rate)  # Sec. 4.3
     state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer, update=0)
     load_state(state, resumed)
     pool.version += resumed is not None  # the actors load the θ_target resumed
@@ -475,11 +415,9 @@ def save(log, state) -> None:
 def log_update(log, pool, update, batch, stats) -> None:
     """After each update, the actors' episodes (every learner takes them, rank 0 logs them); with `stats`, the rest."""
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
-    if log.writer is None:
-        return
-    for score, length in episodes:
+    for score, length in episodes if log.writer else ():
         log.episode(score, length, step)
-    if stats is None:
+    if log.writer is None or stats is None:
         return
     target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
     stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
@@ -511,16 +449,11 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 def saved_model(args, state, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
-    model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args))
+    model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args), global_step=global_step)
     model.update({k: {n: v.cpu() for n, v in state[k].state_dict().items()} for k in ("agent", "multipliers")})
     box = env_spec(args.env_id).action_space
     low, high = (x.astype(np.float32).tolist() for x in (box.low, box.high))
-    model["agent_config"] = state["agent"].config
-    return {**model, "action_low": low, "action_high": high, "global_step": global_step}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Checking the arguments. No equation below.
+    return {**model, "agent_config": state["agent"].config, "action_low": low, "action_high": high}
 
 
 def check_args(args):
@@ -528,20 +461,15 @@ def check_args(args):
     spec, world, steps = env_spec(args.env_id, discrete=False), world_size(), args.batch_size * args.unroll_length
     per_actor, mb = args.num_envs // max(args.num_actors, 1), args.num_minibatches
     require(args.preset in ("family", "paper"), f"--preset {args.preset!r} is not one of family, paper")
-    fits = args.batch_size >= 1 and args.batch_size % world == 0
-    require(fits, f"--batch-size {args.batch_size} must be a positive multiple of the learners ({world})")
     fits = 1 <= args.num_actors <= args.num_envs and args.num_envs % args.num_actors == 0
     require(fits, f"--num-envs {args.num_envs} must be a positive multiple of --num-actors {args.num_actors}")
     require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
     require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
     fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
     require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
-    require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
-    positive = ("unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu", "eps_alpha_sigma")
-    for name in (*positive, "init_eta", "init_alpha_mu", "init_alpha_sigma"):
+    positive = ("batch_size", "unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu")
+    for name in (*positive, "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    require(min(args.dual_learning_rate, args.action_penalty) >= 0, "--dual-learning-rate, --action-penalty: 0 or more")
-    require(args.init_std > Agent.MIN_STD, f"--init-std must be greater than {Agent.MIN_STD}, got {args.init_std}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")
     if args.capture_video:

@@ -158,9 +158,7 @@ def _batch(agent, T=6, B=8, seed=0):
 
 
 def _args(**kw):
-    base = dict(
-        gamma=0.9, eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, top_fraction=0.5, action_penalty=0.0
-    )
+    base = dict(gamma=0.9, eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -175,7 +173,7 @@ def test_batch_loss_logs_explained_variance_and_each_bound_s_use():
     batch["mean"] += 0.3
     mean, std, feats = agent(batch["obs"])
     args = _args(eps_eta=0.02, eps_alpha_mu=0.05, eps_alpha_sigma=1e-3)
-    _, stats = vmpo_mujoco.batch_loss(mean, std, feats, batch, agent, vmpo_mujoco.LagrangeMultipliers(), args, 1, False)
+    _, stats = vmpo_mujoco.batch_loss(mean, std, feats, batch, agent, vmpo_mujoco.LagrangeMultipliers(), args, 1)
     with torch.no_grad():
         task = torch.zeros(feats.shape[:2], dtype=torch.long)
         v = agent.popart.unnormalize(agent.popart(feats)[..., 0], task)
@@ -190,16 +188,14 @@ def test_batch_loss_logs_explained_variance_and_each_bound_s_use():
     assert float(stats["stats/kl_mu_ratio"]) > 0.1  # the target's mean was moved: a ratio that can be told from 0
 
 
-@pytest.mark.parametrize("form", ["paper", "softplus", "exp"])
 @pytest.mark.parametrize("moved", ["mean", "std"])
-def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved, form):
+def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved):
     """Eq. (26): when the target's mean is far from the online mean (KL_μ > ε_αμ) and its covariance equal
     (KL_Σ = 0 < ε_αΣ), a step on the loss raises α_μ and lowers α_Σ; the other way round when only the standard
-    deviation moved. In every form of the multipliers (the softplus form's gradient has the factor
-    softplus'(parameter) = sigmoid(parameter), the exp form's exp(parameter) = 1 at the start)."""
+    deviation moved."""
     torch.manual_seed(0)
     agent = vmpo_mujoco.Agent(5, 3, hidden=(16,), head_hidden=16)
-    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0, form)
+    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0)
     batch = _batch(agent)
     if moved == "mean":
         batch["mean"] += 0.5
@@ -214,12 +210,10 @@ def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved, form):
         assert float(stats["stats/kl_sigma"]) > 1.6e-5 and float(stats["stats/kl_mu"]) == pytest.approx(0, abs=1e-9)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     loss.backward()
-    slope = torch.sigmoid(m.alpha_mu.detach()).item() if form == "softplus" else 1.0  # the same for α_Σ: both are 1
-    assert math.isclose(float(m.alpha_mu.grad), slope * (0.007 - float(stats["stats/kl_mu"])), rel_tol=1e-5)
-    assert math.isclose(float(m.alpha_sigma.grad), slope * (1.6e-5 - float(stats["stats/kl_sigma"])), rel_tol=1e-5)
+    assert math.isclose(float(m.alpha_mu.grad), 0.007 - float(stats["stats/kl_mu"]), rel_tol=1e-5)
+    assert math.isclose(float(m.alpha_sigma.grad), 1.6e-5 - float(stats["stats/kl_sigma"]), rel_tol=1e-5)
     opt.step()
-    _, alpha_mu, alpha_sigma = m.values()
-    up_mu, up_sigma = alpha_mu.item() > 1.0, alpha_sigma.item() > 1.0
+    up_mu, up_sigma = m.alpha_mu.item() > 1.0, m.alpha_sigma.item() > 1.0
     assert (up_mu, up_sigma) == ((True, False) if moved == "mean" else (False, True))
 
 
@@ -266,31 +260,6 @@ def test_policy_loss_is_not_decoupled():
     torch.testing.assert_close(out.policy_loss, ref)
     for got, want in zip(torch.autograd.grad(out.policy_loss, [m, s]), torch.autograd.grad(ref, [m, s])):
         torch.testing.assert_close(got, want)
-
-
-def test_action_penalty_ranks_out_of_box_samples_lower_and_leaves_the_value_loss_alone():
-    """`--action-penalty λ`: the E-step's ψ is the paper's on A − λ Σ_i max(|a_i| − 1, 0)² (a plain loop over the
-    samples), the value loss is unchanged, and λ = 0 is the paper's loss exactly."""
-    g = torch.Generator().manual_seed(5)
-    T, B, d, lam = 4, 6, 3, 0.3
-    tm, ts = torch.randn(T + 1, B, d, generator=g), torch.rand(T + 1, B, d, generator=g) + 0.5
-    a, returns, values = 2 * torch.randn(T + 1, B, d, generator=g), torch.randn(T, B, generator=g), torch.randn(T, B)
-    eta, ended, one = torch.tensor(0.5), torch.zeros(T + 1, B, dtype=torch.bool), torch.tensor(1.0)
-    a[:, :2] = a[:, :2].clamp(-1.0, 1.0)  # two columns of samples inside the box
-    penalty = torch.zeros(T, B)
-    for t, b, i in itertools.product(range(T), range(B), range(d)):
-        penalty[t, b] += max(abs(a[t, b, i].item()) - 1.0, 0.0) ** 2
-    assert (penalty > 0).any() and (penalty == 0).any()
-    for lam_, want in ((lam, returns - values - lam * penalty), (0.0, returns - values)):
-        out = vmpo_mujoco.vmpo_loss(tm, ts, tm, ts, a, values, returns, ended, eta, one, one, action_penalty=lam_)
-        psi, _ = vmpo_weights(want, eta, 0.01)
-        ref = -(psi * vmpo_mujoco.gaussian_log_prob(a[:-1], tm[:-1], ts[:-1])).sum()
-        torch.testing.assert_close(out.policy_loss, ref)
-        torch.testing.assert_close(out.value_loss, 0.5 * ((returns - values) ** 2).mean())
-    paper = vmpo_mujoco.vmpo_loss(tm, ts, tm, ts, a, values, returns, ended, eta, one, one)
-    assert not torch.allclose(out.policy_loss, vmpo_mujoco.vmpo_loss(tm, ts, tm, ts, a, values, returns, ended, eta,
-                              one, one, action_penalty=lam).policy_loss)  # fmt: skip
-    torch.testing.assert_close(out.policy_loss, paper.policy_loss)
 
 
 def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
@@ -361,50 +330,13 @@ def test_agent_starts_with_the_same_gaussian_everywhere_and_actions_map_to_the_b
 
 
 def test_multipliers_are_projected():
-    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0, "paper", 1e-8)
+    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0)
     with torch.no_grad():
         m.eta.fill_(-0.3)
         m.alpha_sigma.fill_(-1.0)
     m.project()
     assert m.eta.item() == pytest.approx(1e-8) and m.alpha_sigma.item() == pytest.approx(1e-8)
     assert m.alpha_mu.item() == 1.0
-
-
-def test_softplus_multipliers_start_at_their_values_need_no_projection_and_learn_at_their_own_rate():
-    """`--multipliers softplus`: each multiplier is softplus(parameter) + η_min, starting at the given value, always
-    above η_min (no projection); `--dual-learning-rate` gives the three parameters an Adam step of that size."""
-    m = vmpo_mujoco.LagrangeMultipliers(2.0, 10.0, 500.0, "softplus", 1e-8)
-    assert [round(v.item(), 4) for v in m.values()] == [2.0, 10.0, 500.0]
-    with torch.no_grad():
-        m.eta.fill_(-50.0)
-    m.project()
-    assert m.eta.item() == -50.0 and m.values()[0].item() == pytest.approx(1e-8, rel=1e-4)  # η_min, not below
-    args = SimpleNamespace(learning_rate=1e-4, dual_learning_rate=1e-2)
-    agent = vmpo_mujoco.Agent(5, 2, hidden=(8,), head_hidden=8)
-    m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0, "softplus")
-    optimizer = vmpo_mujoco.make_optimizer(args, agent, m)
-    before = [p.item() for p in m.parameters()]
-    sum(m.values()).backward()  # every multiplier's gradient positive: Adam's first step is −lr for each
-    optimizer.step()
-    assert [b - p.item() for b, p in zip(before, m.parameters())] == pytest.approx([1e-2] * 3, rel=1e-4)
-    assert all(p.grad is None for p in agent.parameters())
-    shared = vmpo_mujoco.make_optimizer(SimpleNamespace(**(vars(args) | {"dual_learning_rate": 0.0})), agent, m)
-    assert [g["lr"] for g in shared.param_groups] == [1e-4, 1e-4]  # the paper: one Adam, one rate (Sec. 4.3)
-
-
-def test_exp_multipliers_start_at_their_values_and_move_by_a_factor_per_step():
-    """`--multipliers exp`: each multiplier is exp(parameter) + η_min, starting at the given value; an Adam step of
-    size lr on the parameter multiplies it by about e^lr, so 100 steps at 1e-2 that all ask for more multiply it by e
-    (the paper's form, moved by about lr per step, would have moved by 1)."""
-    m = vmpo_mujoco.LagrangeMultipliers(2.0, 10.0, 500.0, "exp", 1e-8)
-    assert [round(v.item(), 3) for v in m.values()] == [2.0, 10.0, 500.0]
-    agent = vmpo_mujoco.Agent(5, 2, hidden=(8,), head_hidden=8)
-    optimizer = vmpo_mujoco.make_optimizer(SimpleNamespace(learning_rate=1e-4, dual_learning_rate=1e-2), agent, m)
-    for _ in range(100):
-        optimizer.zero_grad()
-        (-sum(v.log() for v in m.values())).backward()  # a gradient of −1 on every parameter: each step raises it
-        optimizer.step()
-    assert [v.item() for v in m.values()] == pytest.approx([2.0 * math.e, 10.0 * math.e, 500.0 * math.e], rel=1e-4)
 
 
 def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
@@ -511,13 +443,12 @@ TINY = ["--hidden", "32", "32", "--head-hidden", "32", "--save-model", "--eval-e
 @pytest.mark.parametrize(
     "env_id,extra",
     [
-        ("HalfCheetah-v4", ["--num-actors", "2", "--target-update-period", "2", "--update-epochs", "2"]),
+        ("HalfCheetah-v4", ["--num-actors", "2", "--target-update-period", "2"]),
         ("HumanoidRun-v1", ["--preset", "paper"]),
     ],
 )
 def test_smoke(tmp_path, env_id, extra):
-    """HalfCheetah (Gym) with two actors and two passes over each batch; the dm_control humanoid, whose observations
-    come as a dict."""
+    """HalfCheetah (Gym) with two actors; the dm_control humanoid, whose observations come as a dict."""
     run_path = run_script(
         "vmpo_mujoco.py",
         [
@@ -540,11 +471,10 @@ def test_smoke(tmp_path, env_id, extra):
     )
     summary = check_run(run_path)
     assert summary["total_timesteps"] == 4000 // 80 * 80
-    if "--target-update-period" in extra:  # 50 updates, refresh every 2 (batches, not passes)
+    optimizer = torch.load(os.path.join(run_path, "checkpoint.pt"), weights_only=False)["optimizer"]
+    assert {int(state["step"]) for state in optimizer["state"].values()} == {50}  # 50 updates, one Adam step each
+    if "--target-update-period" in extra:  # a refresh every 2 updates
         assert events_tags(run_path, values_of="stats/target_version")[-1] == 25
-    if "--update-epochs" in extra:  # two Adam steps on each of the 50 batches
-        optimizer = torch.load(os.path.join(run_path, "checkpoint.pt"), weights_only=False)["optimizer"]
-        assert {int(state["step"]) for state in optimizer["state"].values()} == {100}
 
 
 @pytest.mark.e2e
@@ -581,7 +511,6 @@ def test_smoke_torchrun_two_learners(tmp_path):
         (["--env-id", "Pendulum-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
         (["--env-id", "Pendulum-v1", "--eps-alpha-sigma", "0"], "--eps-alpha-sigma"),
         (["--env-id", "Pendulum-v1", "--total-timesteps", "10"], "less than one batch"),
-        (["--env-id", "Pendulum-v1", "--action-penalty", "-1"], "--action-penalty"),
         (["--preset", "humanoid-pixels"], "--preset"),
         (["--resume", "runs/no-such-run"], "--resume"),
     ],
@@ -614,11 +543,11 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 
 @pytest.mark.e2e
 def test_ctrl_c_completes_the_update_in_hand_and_saves_it(tmp_path):
-    """A wide network taking four Adam steps on each batch, so that an update takes a while on a CPU: Ctrl-C while
-    the second update is collected or in progress lets that update finish (no copy of the learner is kept to undo
-    it), starts no other, checkpoints the last completed update and ends the run with exit 130."""
+    """A wide network, so that an update takes a while on a CPU: Ctrl-C while the second update is collected or in
+    progress lets that update finish (no copy of the learner is kept to undo it), starts no other, checkpoints the
+    last completed update and ends the run with exit 130."""
     argv = ["--env-id", "Pendulum-v1", "--num-envs", "4", "--batch-size", "4", "--num-minibatches", "1"]
-    argv += ["--unroll-length", "10", "--hidden", "1024", "1024", "--head-hidden", "1024", "--update-epochs", "4"]
+    argv += ["--unroll-length", "10", "--hidden", "1024", "1024", "--head-hidden", "1024"]
     ctrl_c_during_second_update("vmpo_mujoco.py", argv, tmp_path, steps_per_update=4 * 10)
 
 
@@ -638,36 +567,6 @@ def test_learns_inverted_pendulum(tmp_path):
     saved = json.load(open(os.path.join(run_path, "args.json")))
     assert saved["task_family"] == "mujoco" and saved["num_envs"] == 32 and saved["target_update_period"] == 10
     assert best100 >= 950, f"best mean return over 100 consecutive episodes {best100:.1f} < 950"
-
-
-@pytest.mark.e2e
-def test_log_space_multipliers_hold_the_trust_regions_on_a_short_hopper_run(tmp_path):
-    """Appendix C's decoupled trust regions held by `--multipliers exp` (Stoix's bounds, Acme's dual step): over 60k
-    Hopper-v4 steps (187 updates, each logged), the mean KL_Σ and KL_μ of the second half stay within 10x of ε_αΣ and
-    ε_αμ (the paper's multipliers, moved by about the learning rate per step, ran KL_Σ at 25-90x its bound for 5M
-    steps, and at 6x with these bounds over this run: docs, "The trust regions held"), KL(ψ ‖ uniform) within 10x of
-    ε_η; each bound's logged ratio KL/ε is that KL over its ε, and the critic's explained variance is logged."""
-    argv = ["--env-id", "Hopper-v4", "--total-timesteps", "60000", "--eval-episodes", "0", "--log-interval", "0"]
-    argv += [
-        "--multipliers",
-        "exp",
-        "--dual-learning-rate",
-        "1e-2",
-        "--eps-alpha-mu",
-        "0.05",
-        "--eps-alpha-sigma",
-        "5e-4",
-    ]
-    run_path = run_script("vmpo_mujoco.py", argv, tmp_path, timeout=600)
-    args = json.load(open(os.path.join(run_path, "args.json")))
-    for kl, bound in (("kl_sigma", "eps_alpha_sigma"), ("kl_mu", "eps_alpha_mu"), ("kl_psi", "eps_eta")):
-        values, ratios = (events_tags(run_path, values_of=f"stats/{kl}{end}") for end in ("", "_ratio"))
-        assert len(values) >= 150, len(values)
-        np.testing.assert_allclose(ratios, np.array(values) / args[bound], rtol=1e-5)  # the logged use of the bound
-        late = float(np.mean(values[len(values) // 2 :]))
-        assert late <= 10 * args[bound], f"{kl} {late:.2e} over the second half against {bound} {args[bound]:.1e}"
-    explained = events_tags(run_path, values_of="losses/explained_variance")  # 1 − Var(G − V)/Var(G) on each batch
-    assert len(explained) >= 150 and np.mean(explained[len(explained) // 2 :]) > 0, "the critic explains nothing"
 
 
 @pytest.mark.e2e
