@@ -11,18 +11,17 @@ region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopAr
 | paper                                                            | here                                     |
 |------------------------------------------------------------------|------------------------------------------|
 | Algorithm 1: target network, refreshed every T_target steps      | `act`, `pool.publish` in `main`          |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `n_step_returns`, `n_step_targets`       |
-| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `vmpo_loss`, `batch_loss`, common/popart |
-| Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `vmpo_loss`       |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `n_step_returns`, `batch_loss`           |
+| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `batch_loss`, common/popart              |
+| Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `batch_loss`      |
 | Eq. (13) temperature loss L_η                                    | `vmpo_weights` -> eta_loss               |
 | Eq. (14) KL trust region L_α with stop-gradients                 | `categorical_kl`, `kl_constraint_loss`   |
 | Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step         | `LagrangeMultipliers` (`--multipliers`)  |
 | Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
 | Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target              | `Args` defaults                          |
 
-Losses are means in PopArt's normalised units; envpool's reset step takes no part. Multi-task: `--env-ids` (Table 4),
-one PopArt output per game. What departs from the paper (softplus multipliers, initialisation, the Atari settings
-measured on 2 CPU cores, an LSTM for the Transformer-XL) and why: docs/vmpo_atari.md.
+Multi-task: `--env-ids` (Table 4), one PopArt output per game. What departs from the paper (softplus multipliers,
+initialisation, the Atari settings measured on 2 CPU cores, an LSTM for the Transformer-XL): docs/vmpo_atari.md.
 
     python vmpo_atari.py --env-id Breakout-v5
     torchrun --nproc_per_node 2 vmpo_atari.py --env-id Pong-v5 --num-envs 128
@@ -108,8 +107,7 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family, the same on every device (a flag given wins; `--preset paper`: the paper's agent and batch,
-# which runs about 11 steps/s on 2 CPU cores).
+# Defaults by task family, the same on every device (a flag given wins; `--preset paper`: the Args defaults).
 FAMILY_DEFAULTS = {
     "atari": (
         "settings measured on Breakout-v5 on 2 CPU cores (docs; --preset paper: the paper's agent and batch)",
@@ -127,8 +125,7 @@ PAPER = "the paper's settings (the Args defaults)"  # the defaults' source witho
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args`: its family's, none with `--preset paper`;
-    with --env-ids one actor per game and the envs rounded up to match, unless `given`."""
+    """(task family, the defaults' source, their values) of `args`; --env-ids: an actor per game unless `given`."""
     family = task_family(args.env_id)
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper", {}
@@ -188,19 +185,8 @@ def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
-def n_step_targets(values, rewards, terminated, ended, gamma):
-    """The value targets G_k of Sec. 4.1 for rows 0..T-1 of unrolls `[T+1, B]`: Eq. (1)'s n-step returns
-    bootstrapped from V(x_T) (`values` unnormalised), with γ_k = 0 after a termination. Row k holds x_k and the
-    reward and end flags that came with it; where x_k ended an episode (`ended`), step k is envpool's reset step:
-    G_k = V(x_k) there, so a truncated episode bootstraps from its last observation."""
-    reset_step = ended[:-1]
-    discounts = torch.where(reset_step, 0.0, gamma * (~terminated[1:]).float())
-    rewards = torch.where(reset_step, values[:-1], rewards[1:])
-    return n_step_returns(rewards, discounts, values[-1])
-
-
 class VmpoLoss(NamedTuple):
-    """vmpo_loss's result: the loss and its four parts, and diagnostics (means over the real steps)."""
+    """batch_loss's result: the loss and its four parts, and diagnostics (means over the real steps)."""
 
     loss: torch.Tensor
     value_loss: torch.Tensor
@@ -211,29 +197,6 @@ class VmpoLoss(NamedTuple):
     kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃)
     entropy: torch.Tensor
     advantage_mean: torch.Tensor
-
-
-def vmpo_loss(logits, target_logits, actions, value_norm, returns_norm, ended, eta, alpha, eps_eta=0.1, eps_alpha=0.007,
-              top_fraction=0.5) -> VmpoLoss:  # fmt: skip
-    """Eq. (10): L_V + L_π + L_η + L_α in PopArt's normalised units. `logits`, `target_logits` (π_target's, the
-    actors'), `actions` and `ended` on rows 0..T `[T+1, ...]` (row T only bootstraps, a reset step takes no part);
-    `value_norm`, `returns_norm` = (G − μ)/σ on rows 0..T-1; advantages returns_norm − sg[value_norm] = (G − V)/σ."""
-    mask = ~ended[:-1]
-    n = mask.sum().clamp(min=1)
-    value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
-    advantages = returns_norm - value_norm.detach()
-    psi, eta_loss = vmpo_weights(advantages, eta, eps_eta, mask, top_fraction)
-    logp_all = F.log_softmax(logits[:-1], dim=-1)
-    logp = logp_all.gather(-1, actions[:-1].unsqueeze(-1)).squeeze(-1)
-    policy_loss = -(psi * logp).sum()
-    kl = categorical_kl(target_logits[:-1], logits[:-1])
-    alpha_loss, kl_mean = kl_constraint_loss(kl, alpha, eps_alpha, mask)
-    with torch.no_grad():
-        selected = psi > 0
-        kl_psi = (psi[selected] * (psi[selected] * selected.sum().clamp(min=1)).log()).sum()
-        entropy = (mask * -(logp_all.exp() * logp_all).sum(-1)).sum() / n
-    parts = (value_loss, policy_loss, eta_loss, alpha_loss)
-    return VmpoLoss(sum(parts), *parts, kl_mean, kl_psi, entropy, (mask * advantages).sum() / n)
 
 
 class LagrangeMultipliers(nn.Module):
@@ -261,8 +224,7 @@ class LagrangeMultipliers(nn.Module):
 
 
 class Agent(nn.Module):
-    """Torso (ResNet for pixels, MLP for vectors), optional LSTM core fed the previous action and reward, and two MLP
-    heads: policy logits and a PopArt value readout."""
+    """Fig. 1b: a torso (ResNet for pixels, MLP for vectors), an LSTM fed the previous action and reward, MLP heads."""
 
     def __init__(self, obs_shape, num_actions, network="deep", channels=(), use_lstm=True, lstm_size=256,
                  head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4, init="orthogonal"):  # fmt: skip
@@ -301,8 +263,7 @@ class Agent(nn.Module):
 
 
 def act(cfg, link: ActorLink) -> None:
-    """Algorithm 1, 'use π_θtarget to act': for each batch of envs that envpool returns, the target network samples
-    actions, the envs step while the row is written, and every full unroll goes to the learner."""
+    """Algorithm 1, 'use π_θtarget to act': the target network acts in each batch of envs that envpool returns."""
     n, device = cfg.num_envs, torch.device(cfg.device)
     envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
     agent = link.local_agent(n, cfg.unroll_length, device)
@@ -327,11 +288,9 @@ def act(cfg, link: ActorLink) -> None:
         row = dict(obs=obs_t, reward=reward_t, ended=torch.from_numpy(done), terminated=torch.from_numpy(term))
         row.update(first=first, action=action, prev_action=prev, logits=logits[0].cpu())
         row.update(version=torch.full((len(ids),), version), task=torch.full((len(ids),), cfg.task))
-        core = None
-        if agent.core is not None:
-            core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))
-            for s, s_new in zip(state, state_after):
-                s[ids_dev] = s_new
+        core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))  # empty without an LSTM
+        for s, s_new in zip(state, state_after):
+            s[ids_dev] = s_new
         link.write(ids, row, core)
         prev_action[ids_t], ended[ids] = action, done
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
@@ -339,62 +298,67 @@ def act(cfg, link: ActorLink) -> None:
 
 
 def learner_step(state, batch, args, diagnose=False):
-    """Algorithm 1's update, the training state's `update`-th: `--update-epochs` Adam steps on the batch against the
-    same π_target (PopArt's statistics moved on the first), the multipliers kept positive. Returns the last step's
-    stats (`diagnose`: and diagnostics)."""
+    """Algorithm 1's update, the state's `update`-th: Adam steps on the gradient averaged over minibatches (PopArt
+    moved by each on the first pass), the multipliers kept positive. Returns the last step's stats (and diagnostics)."""
     agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
     state["update"] += 1
     chunks, max_norm = args.num_minibatches // world, args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
     for epoch in range(args.update_epochs):
         optimizer.zero_grad(set_to_none=False)
-        stats, logits, obs = minibatch_gradients(agent, multipliers, batch, args, chunks, epoch == 0)
+        stats = {}
+        for cols in torch.arange(batch["obs"].shape[1], device=batch["obs"].device).chunk(chunks):
+            mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
+            core = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
+            logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], core)
+            beta = args.popart_beta / chunks if epoch == 0 else 0.0
+            out, mb_stats = batch_loss(logits, value_features, mb, agent, multipliers, args, beta)
+            (out.loss / chunks).backward()
+            stats = {k: stats.get(k, 0) + v / chunks for k, v in mb_stats.items()}
         reduce_gradients([*agent.parameters(), *multipliers.parameters()], mean=True)
         layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # unclipped
         grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-        check_finite(
-            f"at update {state['update']}", gradient=grad_norm, **{k.split("/")[-1]: v for k, v in stats.items()}
-        )
+        named = {k.split("/")[-1]: v for k, v in stats.items()}
+        check_finite(f"at update {state['update']}", gradient=grad_norm, **named)
         stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
         optimizer.step()
         multipliers.project()
     if diagnose:  # on the last minibatch: does the policy depend on the state yet, are the torso's units alive
         with torch.no_grad():
-            stats["stats/dead_units"] = dead_units(agent.torso(obs[:-1].flatten(0, 1)))
+            stats["stats/dead_units"] = dead_units(agent.torso(mb["obs"][:-1].flatten(0, 1)))
         stats["stats/logits_std_across_states"] = logits_std_across_states(logits[:-1])
     return stats
 
 
-def minibatch_gradients(agent, multipliers, batch, args, chunks, move_popart=True):
-    """Accumulates vmpo_loss's gradient over `chunks` minibatches of columns (`move_popart`: PopArt's statistics moved
-    by each). Returns the stats averaged over them, and the last minibatch's logits and observations."""
-    stats = {}
-    for cols in torch.arange(batch["obs"].shape[1], device=batch["obs"].device).chunk(chunks):
-        mb = {k: v[cols] if k in ("core_h", "core_c") else v[:, cols] for k, v in batch.items()}
-        state = (mb["core_h"], mb["core_c"]) if args.use_lstm else ()
-        logits, value_features, _ = agent(mb["obs"], mb["prev_action"], mb["reward"], mb["first"], state)
-        beta = args.popart_beta / chunks if move_popart else 0.0
-        out, mb_stats = batch_loss(logits, value_features, mb, agent, multipliers, args, beta)
-        (out.loss / chunks).backward()
-        for k, v in mb_stats.items():
-            stats[k] = stats.get(k, 0) + v / chunks
-    return stats, logits, mb["obs"]
-
-
 def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_beta=None):
-    """vmpo_loss on unrolls: n-step targets from the online V, PopArt's statistics moved toward them first (step
-    `popart_beta`; outputs preserved), then the loss in the new normalised units. Returns (VmpoLoss, stats)."""
+    """Eq. (10), L_V + L_π + L_η + L_α, on unrolls `[T+1, B]` as means in PopArt's normalised units: Sec. 4.1's targets
+    G from the online V, PopArt's statistics moved toward them first (step `popart_beta`; outputs preserved), advantages
+    A = (G − V)/σ. Row T only bootstraps, a reset step takes no part. Returns (VmpoLoss, stats)."""
     popart, task, (eta, alpha) = agent.popart, batch["task"], multipliers.values()  # task: each row's game
     own = task.unsqueeze(-1)  # each row reads its own game's output
     with torch.no_grad():
         values = popart.unnormalize(popart(value_features).gather(-1, own).squeeze(-1), task)  # online V
-    returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
+    # G_k, Eq. (1) bootstrapped from V(x_T), γ_k = 0 after a termination; where x_k ended an episode, step k is
+    # envpool's reset step: G_k = V(x_k) there, so a truncated episode bootstraps from its last observation.
     real = ~batch["ended"][:-1]
+    discounts = torch.where(real, args.gamma * (~batch["terminated"][1:]).float(), 0.0)
+    returns = n_step_returns(torch.where(real, batch["reward"][1:], values[:-1]), discounts, values[-1])
     popart.update(returns[real], task[:-1][real], popart_beta)
     value_norm = popart(value_features[:-1]).gather(-1, own[:-1]).squeeze(-1)
-    returns_norm = popart.normalize(returns, task[:-1])
-    pi_target, bounds = batch["logits"], (args.eps_eta, args.eps_alpha, args.top_fraction)  # π_target's logits
-    out = vmpo_loss(logits, pi_target, batch["action"], value_norm, returns_norm, batch["ended"], eta, alpha, *bounds)
-    n = real.sum().clamp(min=1)
+    returns_norm, n = popart.normalize(returns, task[:-1]), real.sum().clamp(min=1)
+    value_loss = 0.5 * (real * (returns_norm - value_norm) ** 2).sum() / n
+    advantages = returns_norm - value_norm.detach()
+    psi, eta_loss = vmpo_weights(advantages, eta, args.eps_eta, real, args.top_fraction)
+    logp_all = F.log_softmax(logits[:-1], dim=-1)
+    logp = logp_all.gather(-1, batch["action"][:-1].unsqueeze(-1)).squeeze(-1)
+    policy_loss = -(psi * logp).sum()
+    kl = categorical_kl(batch["logits"][:-1], logits[:-1])  # against π_target's logits, which the actors stored
+    alpha_loss, kl_mean = kl_constraint_loss(kl, alpha, args.eps_alpha, real)
+    with torch.no_grad():
+        selected = psi > 0
+        kl_psi = (psi[selected] * (psi[selected] * selected.sum().clamp(min=1)).log()).sum()
+        entropy = (real * -(logp_all.exp() * logp_all).sum(-1)).sum() / n
+    parts = (value_loss, policy_loss, eta_loss, alpha_loss)
+    out = VmpoLoss(sum(parts), *parts, kl_mean, kl_psi, entropy, (real * advantages).sum() / n)
     stats = {**loss_stats(out), "stats/eta": eta.detach(), "stats/alpha": alpha.detach()}
     stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
     return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
@@ -408,7 +372,7 @@ def main(args: Args):
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
     net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.head_hidden, args.mlp_hidden)
     agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta, args.init)
-    agent = agent.to(device)
+    agent.to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
@@ -419,7 +383,6 @@ def main(args: Args):
     specs = buffer_specs(spec.observation_space, num_actions, args)
     cfgs = actor_configs(args, rank, device, games, episodic_life=args.episodic_life, reward_clip=args.reward_clip)
     pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
-    # The training state: the online network (with PopArt's statistics), θ_target, η and α, Adam, updates.
     optimizer = make_optimizer(args, agent, multipliers)
     state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer, update=0)
     load_state(state, resumed)
@@ -461,8 +424,7 @@ def save(log, state) -> None:
 
 
 def log_update(log, pool, agent, update, stats, batch) -> None:
-    """After each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the learner's
-    diagnostics, π_target's version and its unrolls' share, PopArt's per game, the console line."""
+    """After each update: the actors' episodes; with `stats` (the learner's diagnostics), π_target's, the console."""
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
     if log.writer is None:
         return
@@ -486,8 +448,7 @@ def log_update(log, pool, agent, update, stats, batch) -> None:
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """`policy(obs, rewards, first) -> actions` of a saved model (it keeps the LSTM state and the previous action
-    itself); rewards are clipped as in training."""
+    """`policy(obs, rewards, first) -> actions` of a saved model, its rewards clipped as in training (evaluate.py)."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
     return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
@@ -505,13 +466,12 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the (first) game's spec and the games."""
+    """Bad input: one clear line before any work (UsageError). Returns the spec of the (last) game and the games."""
     games, world, steps = expand_env_ids(args.env_ids), world_size(), args.batch_size * args.unroll_length
-    for game in games:  # known to envpool (a line naming an unknown one), and Atari
-        env_spec(game, discrete=True)
-        require(is_atari(game), f"--env-ids takes Atari games (Pong-v5 Breakout-v5, or atari57, atari5), not {game}")
+    for game in games or [args.env_id]:  # known to envpool (a line naming an unknown one); several: Atari
+        spec = env_spec(game, discrete=True)
+        require(not games or is_atari(game), f"--env-ids takes Atari games (Pong-v5, atari57, ...), not {game}")
     require(not games or is_atari(args.env_id), "--env-ids: an --env-id, if given, must be an Atari game too")
-    spec = env_spec(games[0] if games else args.env_id, discrete=True)
     per_actor, minibatches = args.num_envs // max(args.num_actors, 1), args.num_minibatches
     actors = f"--num-actors {args.num_actors}" + " (with --env-ids: one per game unless given)" * bool(games)
     require(not games or args.num_actors % len(games) == 0, f"{actors} must be a multiple of the number of games")

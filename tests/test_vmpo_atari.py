@@ -210,32 +210,37 @@ def breakout_unrolls(num_envs=8, unroll_length=20, seed=0):
     return {**batch, "first": zeros.bool(), "prev_action": zeros, "task": zeros, "version": zeros}
 
 
+def learner_state(args):
+    """The training state `learner_step` updates, for the Breakout agent of `args` (no target network: the tests
+    store π_target's logits in the batch themselves)."""
+    agent = vmpo_atari.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm, init=args.init)
+    multipliers = vmpo_atari.LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier)
+    optimizer = vmpo_atari.make_optimizer(args, agent, multipliers)
+    return dict(agent=agent, multipliers=multipliers, optimizer=optimizer, update=0)
+
+
 def test_cpu_atari_multipliers_reach_their_constraints_within_a_few_hundred_updates():
     """α starts at Table 1's 5 and η at 1; learned with the networks' Adam at the paper's 1e-4 they move by about 1e-4
     an update, so over a 1M-step CPU run (1,560 updates) α stayed near 5 while the KL sat about 100x inside ε_α
     ("Atari on two cores", benchmarks). The Atari defaults (what `--env-id Breakout-v5` runs, on any device)
-    learn them at their own pace. Here those defaults run the learner's update (the script's `minibatch_gradients`
-    and optimiser, one step a batch as in Algorithm 1: the multipliers' pace, not `--update-epochs`', is tested) on
+    learn them at their own pace. Here those defaults run the script's `learner_step` (one step a batch as in
+    Algorithm 1: the multipliers' pace, not `--update-epochs`', is tested) on
     real Breakout frames, with the target network refreshed every T_target updates as in a run:
     within 300 updates α must fall by more than 1 and the KL must reach the scale of ε_α (the trust region binds),
     without running away from it, and η must move by more than 0.1. The paper's form leaves α above 4.8 here."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    args = vmpo_atari.parse_args(["--env-id", "Breakout-v5", "--no-cuda"])
+    args = vmpo_atari.parse_args(["--env-id", "Breakout-v5", "--no-cuda", "--update-epochs", "1"])
     assert args.network == "shallow" and not args.use_lstm  # the CPU family's agent
     batch = breakout_unrolls(8, args.unroll_length)
-    agent = vmpo_atari.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm, init=args.init)
-    multipliers = vmpo_atari.LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier)
-    optimizer = vmpo_atari.make_optimizer(args, agent, multipliers)
+    state = learner_state(args)
+    agent = state["agent"]
     alphas, etas, kls = [], [], []
     for update in range(300):
         if update % args.target_update_period == 0:  # θ_target ← θ_online: the logits the actors would store
             with torch.no_grad():
                 batch["logits"] = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"])[0]
-        optimizer.zero_grad(set_to_none=False)
-        stats, _, _ = vmpo_atari.minibatch_gradients(agent, multipliers, batch, args, args.num_minibatches)
-        optimizer.step()
-        multipliers.project()
+        stats = vmpo_atari.learner_step(state, batch, args)
         alphas.append(float(stats["stats/alpha"]))
         etas.append(float(stats["stats/eta"]))
         kls.append(float(stats["stats/kl"]))
@@ -250,28 +255,21 @@ def test_cpu_atari_defaults_reach_the_trust_region_within_two_target_periods():
     """With Algorithm 1's one Adam step per batch, the CPU Atari defaults left the policy near uniform for the
     first 200k steps of a Breakout run (entropy 1.38-1.39 of ln 4 = 1.386, the KL to π_target about 1e-4 against
     ε_α = 0.007, last 100 games 1.7-2.2 at 250k: docs/vmpo_atari.md): the steps, not the trust region, set the
-    pace. The CPU defaults take several steps on each batch (`--update-epochs`). Here, as the script's learner does
-    (`minibatch_gradients` on every pass, PopArt's statistics moved on the first), on real Breakout frames with
-    π_target refreshed every T_target batches: by the end of the second target period the KL must reach half of
-    ε_α. One step per batch gives about 4e-4 there."""
+    pace. The CPU defaults take several steps on each batch (`--update-epochs`). Here the script's `learner_step`
+    (PopArt's statistics moved on the first pass), on real Breakout frames with π_target refreshed every T_target
+    batches: by the end of the second target period the KL must reach half of ε_α. One step per batch gives about
+    4e-4 there."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     args = vmpo_atari.parse_args(["--env-id", "Breakout-v5", "--no-cuda"])
     batch = breakout_unrolls(8, args.unroll_length)
-    agent = vmpo_atari.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm, init=args.init)
-    multipliers = vmpo_atari.LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier)
-    optimizer = vmpo_atari.make_optimizer(args, agent, multipliers)
+    state = learner_state(args)
+    agent = state["agent"]
     for update in range(2 * args.target_update_period):
         if update % args.target_update_period == 0:  # θ_target ← θ_online: the logits the actors would store
             with torch.no_grad():
                 batch["logits"] = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"])[0]
-        for epoch in range(args.update_epochs):
-            optimizer.zero_grad(set_to_none=False)
-            stats, _, _ = vmpo_atari.minibatch_gradients(
-                agent, multipliers, batch, args, args.num_minibatches, epoch == 0
-            )
-            optimizer.step()
-            multipliers.project()
+        stats = vmpo_atari.learner_step(state, batch, args)
     kl = float(stats["stats/kl"])  # the last pass's KL, at the end of the second target period
     assert kl > args.eps_alpha / 2, (
         f"KL {kl:.2e} against ε_α {args.eps_alpha} after {args.update_epochs} step(s) a batch"
