@@ -76,17 +76,14 @@ class Args:
     num_minibatches: int = 8  # minibatches, each with its own top half and ψ: the paper's 8 replicas (App. F)
     target_update_period: int = 1000  # T_target, learning steps between target refreshes (Table 6; 100 multi-task)
     learning_rate: float = 1e-4  # Adam learning rate (Sec. 4.3)
-    max_grad_norm: float = 0.0  # global gradient-norm clipping threshold; 0: none (the paper mentions none)
     gamma: float = 0.997  # γ, agent discount (Table 6, single-task; 0.99 multi-task)
     eps_eta: float = 0.1  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 6)
     eps_alpha: float = 0.007  # ε_α, bound of KL(π_target ‖ π_online) (Table 6: the middle of [0.005, 0.01))
     init_eta: float = 1.0  # initial η, temperature (Table 1)
     init_alpha: float = 5.0  # initial α, KL multiplier (Table 1)
-    min_multiplier: float = 1e-8  # η_min = α_min, the projection after every step (Sec. 4.2.2) or softplus's floor
     multipliers: Literal["paper", "softplus"] = "paper"  # paper: projected parameters; softplus: Acme's MPO (docs)
     dual_learning_rate: float = 0.0  # learning rate of η and α; 0: the networks' Adam and learning rate (Sec. 4.3)
     update_epochs: int = 1  # gradient steps on each batch, all against its π_target (1: Algorithm 1's one step)
-    top_fraction: float = 0.5  # fraction of the batch's highest advantages in the E-step (Sec. 4.2.1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
     reward_clip: bool = False  # Atari: clip training rewards to [-1, 1] (Table 6: multi-task only)
     episodic_life: bool = False  # Atari: a lost life ends the training episode (Table 6: multi-task only)
@@ -145,8 +142,7 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
 def n_step_returns(rewards, discounts, bootstrap_value):
     """Eq. (1): G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(s_n) for every ℓ of an unroll
     of length n, with per-step discounts γ_i = γ (1 − done_i). `[T, B]` inputs, bootstrap_value `[B]`."""
-    acc = bootstrap_value
-    out = []
+    acc, out = bootstrap_value, []
     for t in reversed(range(rewards.shape[0])):
         acc = rewards[t] + discounts[t] * acc
         out.append(acc)
@@ -302,7 +298,7 @@ def learner_step(state, batch, args, diagnose=False):
     moved by each on the first pass), the multipliers kept positive. Returns the last step's stats (and diagnostics)."""
     agent, multipliers, optimizer, world = state["agent"], state["multipliers"], state["optimizer"], world_size()
     state["update"] += 1
-    chunks, max_norm = args.num_minibatches // world, args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    chunks = args.num_minibatches // world
     for epoch in range(args.update_epochs):
         optimizer.zero_grad(set_to_none=False)
         stats = {}
@@ -316,7 +312,7 @@ def learner_step(state, batch, args, diagnose=False):
             stats = {k: stats.get(k, 0) + v / chunks for k, v in mb_stats.items()}
         reduce_gradients([*agent.parameters(), *multipliers.parameters()], mean=True)
         layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # unclipped
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
+        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), float("inf"))  # the norm: the paper clips none
         named = {k.split("/")[-1]: v for k, v in stats.items()}
         check_finite(f"at update {state['update']}", gradient=grad_norm, **named)
         stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
@@ -347,7 +343,7 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
     returns_norm, n = popart.normalize(returns, task[:-1]), real.sum().clamp(min=1)
     value_loss = 0.5 * (real * (returns_norm - value_norm) ** 2).sum() / n
     advantages = returns_norm - value_norm.detach()
-    psi, eta_loss = vmpo_weights(advantages, eta, args.eps_eta, real, args.top_fraction)
+    psi, eta_loss = vmpo_weights(advantages, eta, args.eps_eta, real)  # the top half (Sec. 4.2.1)
     logp_all = F.log_softmax(logits[:-1], dim=-1)
     logp = logp_all.gather(-1, batch["action"][:-1].unsqueeze(-1)).squeeze(-1)
     policy_loss = -(psi * logp).sum()
@@ -373,7 +369,7 @@ def main(args: Args):
     net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.head_hidden, args.mlp_hidden)
     agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta, args.init)
     agent.to(device)
-    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier).to(device)
+    multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
@@ -481,7 +477,6 @@ def check_args(args):
     require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
     split = 0 < minibatches and minibatches % world == 0 and args.batch_size % minibatches == 0
     require(split, f"--num-minibatches {minibatches}: must divide --batch-size, a multiple of the learners ({world})")
-    require(0 < args.top_fraction <= 1, f"--top-fraction must be in (0, 1], got {args.top_fraction}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     positive = ("batch_size", "unroll_length", "target_update_period", "update_epochs", "eps_eta", "eps_alpha")
     for name in (*positive, "init_eta", "init_alpha", "learning_rate"):
@@ -491,10 +486,9 @@ def check_args(args):
 
 
 def make_optimizer(args, agent, multipliers):
-    """Adam (Sec. 4.3), the multipliers in a parameter group of their own at `--dual-learning-rate` (0: the same)."""
-    dual_lr = args.dual_learning_rate if args.dual_learning_rate > 0 else args.learning_rate
-    groups = [dict(params=list(agent.parameters())), dict(params=list(multipliers.parameters()), lr=dual_lr)]
-    return torch.optim.Adam(groups, lr=args.learning_rate)  # torch's ε, 1e-8, is the paper's (TensorFlow's)
+    """Adam (Sec. 4.3; torch's ε 1e-8, the paper's) for the networks and the multipliers (`--dual-learning-rate`)."""
+    dual = dict(params=list(multipliers.parameters()), lr=args.dual_learning_rate or args.learning_rate)
+    return torch.optim.Adam([dict(params=list(agent.parameters())), dual], lr=args.learning_rate)
 
 
 def saved_model(args, state, global_step):

@@ -214,7 +214,7 @@ def learner_state(args):
     """The training state `learner_step` updates, for the Breakout agent of `args` (no target network: the tests
     store π_target's logits in the batch themselves)."""
     agent = vmpo_atari.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm, init=args.init)
-    multipliers = vmpo_atari.LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers, args.min_multiplier)
+    multipliers = vmpo_atari.LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers)
     optimizer = vmpo_atari.make_optimizer(args, agent, multipliers)
     return dict(agent=agent, multipliers=multipliers, optimizer=optimizer, update=0)
 
@@ -277,7 +277,7 @@ def test_cpu_atari_defaults_reach_the_trust_region_within_two_target_periods():
 
 
 def _args(**kw):
-    base = dict(gamma=0.9, eps_eta=0.1, eps_alpha=0.01, top_fraction=0.5)
+    base = dict(gamma=0.9, eps_eta=0.1, eps_alpha=0.01)
     base.update(kw)
     return SimpleNamespace(**base)
 
