@@ -22,16 +22,12 @@ other learners stay about d_search = max(ρ·D_change, d_min) away from π_b. Wi
 | Sec. 4.2: delayed MuJoCo, rewards given every f_reward = 20 steps   | `DelayedReward`, `--reward-delay`      |
 | Sec. 4.1: every R_eval steps each learner's 10 episodes, best mean | `evaluate_learners`, `--eval-interval` |
 
-The N learners' networks are stacked (`Linears`: weights `[N, out, in]`), so one forward, backward and Adam step
-update all N, each on its own minibatch, with exactly the gradients and steps of N separate TD3 learners. One
-process runs Algorithm 1 (`main`): every time step all learners act, store, update and, every R_eval and M steps,
-are evaluated and selected, in lockstep. `--total-timesteps` counts the environment steps of all learners together
-(the paper's x axis). The defaults follow the authors' code, which made the paper's curves, where
-it departs from the text: N updates of each learner per step of its own, updates from 1000 rows of D while the
-actions stay random for 1000 steps per learner, D averaged over action dimensions and over the period's updates,
-no guidance before the first selection, Xavier weights; `--preset paper` reads the text. The learners start alike,
-as the text has it (the authors' launcher draws each anew: `--no-common-init`). docs/p3s_td3.md has both, with
-the authors' file:line, and the measurements.
+The N learners' networks are stacked (`Linears`: weights `[N, out, in]`): one forward, backward and Adam step is N
+separate TD3 updates, each on its own minibatch. One process runs Algorithm 1 (`main`), all learners in lockstep;
+`--total-timesteps` counts the environment steps of all learners together (the paper's x axis). Where the authors'
+code, which made the paper's curves, departs from the text, the defaults follow the code (N updates per learner
+step, a longer start, D averaged over action dimensions and over the period's updates, no guidance before the first
+selection, Xavier weights) and `--preset paper` reads the text; docs/p3s_td3.md has both, with the authors' file:line.
 
     python p3s_td3.py --env-id HalfCheetah-v4
     python p3s_td3.py --env-id Hopper-v4 --reward-delay 20 --num-learners 1   # TD3 on delayed Hopper
@@ -81,7 +77,6 @@ class Args:
     guide_first_period: bool = False  # guide toward the initial policy before the first selection (text: Alg. 1, l. 1)
     period_distances: Literal["updates", "end"] = "updates"  # D_spread, D_change: mean over the period, or at its end
     init: Literal["xavier", "torch"] = "xavier"  # weights: Xavier-uniform, zero biases (authors' code); torch's default
-    common_init: bool = True  # learners start alike (Alg. 1, l. 1); --no-common-init: each its own (authors' launcher)
     best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
     rho: float = 2.0  # ρ, the search radius as a multiple of D_change (Sec. 4.1)
@@ -256,9 +251,8 @@ class DelayedReward:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The networks (App. I): 400-300 ReLU, a tanh policy and two linear Q-functions of (s, a), for N learners at once:
-# `batched_mlp`'s layers (`common.networks.Linears`) hold the N learners' weights side by side, `[N, out, in]`, and
-# start alike (Algorithm 1, line 1: φ_i and θ_i the same for every learner) or, with --no-common-init, each its own.
+# The networks (App. I): 400-300 ReLU, a tanh policy and two Q-functions of (s, a), for N learners side by side
+# (`batched_mlp`: weights `[N, out, in]`), all starting alike (Algorithm 1, line 1: the same φ_i and θ_i).
 
 
 def mlp_forward(net, x, bf16, out):
@@ -275,10 +269,10 @@ class Actor(nn.Module):
     """Deterministic policies π_φi(s) in [-1, 1]^d of N learners: `[N, B, obs] -> [N, B, d]`. With N = 1 it is
     one policy (model.pt holds one per learner)."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True, bf16=False):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", bf16=False):
         super().__init__()
         self.config, self.bf16 = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden)), bf16
-        self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init, common)
+        self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init)
 
     def forward(self, obs):
         return mlp_forward(self.net, obs, self.bf16, 2)
@@ -291,10 +285,10 @@ class Actor(nn.Module):
 class TwinQ(nn.Module):
     """Q_θ1 and Q_θ2 of N learners, each an MLP of the concatenated state and action: `[N, B, ...] -> [N, B]`."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True, bf16=False):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", bf16=False):
         super().__init__()
         self.bf16, sizes = bf16, [obs_dim + action_dim, *hidden, 1]
-        self.q1, self.q2 = (batched_mlp(sizes, num_learners, init=init, common=common) for _ in ("q1", "q2"))
+        self.q1, self.q2 = (batched_mlp(sizes, num_learners, init=init) for _ in ("q1", "q2"))
 
     def forward(self, obs, actions):
         x = torch.cat([obs, actions], -1)
@@ -372,7 +366,7 @@ class Learners:
 
     def __init__(self, num_learners, obs_dim, action_dim, args: Args, device="cpu", generator=None):
         self.args, self.device, self.generator, self.num_learners = args, torch.device(device), generator, num_learners
-        nets = (args.hidden, num_learners, args.init, args.common_init, args.bf16)
+        nets = (args.hidden, num_learners, args.init, args.bf16)
         self.actor = Actor(obs_dim, action_dim, *nets).to(self.device)
         self.qf = TwinQ(obs_dim, action_dim, *nets).to(self.device)
         self.actor_target, self.qf_target = copy.deepcopy(self.actor), copy.deepcopy(self.qf)

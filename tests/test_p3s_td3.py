@@ -283,19 +283,16 @@ def test_soft_update_matches_eq_82():
     torch.testing.assert_close(a.weight.detach(), 0.9 * wa + 0.1 * wb)
 
 
-@pytest.mark.parametrize("common", [True, False])
-def test_learners_start_alike_or_each_from_its_own_weights(common):
-    """Algorithm 1, line 1: every learner starts from the same policy and Q-functions (`--common-init`, the
-    default); `--no-common-init` gives each its own draw, as the authors' launcher leaves them. Either way each
-    learner's slice is an `nn.Linear` of the chosen initialisation (Xavier: zero biases, |w| within the bound), and
-    the targets and π_b start as copies."""
+def test_learners_start_alike():
+    """Algorithm 1, line 1: every learner starts from the same policy and Q-functions, each learner's slice an
+    `nn.Linear` of Xavier's initialisation (zero biases, |w| within the bound), and the targets and π_b start as
+    copies."""
     torch.manual_seed(3)
-    learners = Learners(3, 5, 2, Args(hidden=(16, 8), common_init=common))
+    learners = Learners(3, 5, 2, Args(hidden=(16, 8)))
     for net, target in ((learners.actor, learners.actor_target), (learners.qf, learners.qf_target)):
         for p, p_target in zip(net.parameters(), target.parameters()):
             torch.testing.assert_close(p, p_target)
-            same = [torch.equal(p[0], p[i]) for i in (1, 2)]
-            assert same == ([True, True] if common else [False, False]) or (p.dim() == 2 and not p.any())
+            assert torch.equal(p[0], p[1]) and torch.equal(p[0], p[2])
             if p.dim() == 3:  # a weight [N, out, in]: Xavier-uniform's bound sqrt(6 / (in + out))
                 assert p.abs().max() <= math.sqrt(6 / (p.shape[1] + p.shape[2]))
             else:
