@@ -106,19 +106,18 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# App. I: T_initial (Sec. 4.1) and d_min per task, keyed by the task's name without its version. The authors' code
-# (github.com/wyjung0625/p3s, examples/variants_p3s.py) sets n_initial_exploration_steps, rows of the shared replay:
-# updates start once D holds that many (sampler.py:240-243), and the random actions last whole epochs of 1000 steps
-# per learner until epoch x 1000 >= n_initial // N (base.py:108-111); the text's T_initial is n_initial // 4.
+# App. I: T_initial (Sec. 4.1) and d_min per task. The authors' code (github.com/wyjung0625/p3s,
+# examples/variants_p3s.py) sets n_initial_exploration_steps: updates start once D holds that many rows
+# (sampler.py:240-243), and the actions stay random for whole epochs of 1000 steps per learner until
+# epoch x 1000 >= n_initial // N (base.py:108-111); the text's T_initial is n_initial // 4.
 N_INITIAL = {"Hopper": 1000, "Walker2d": 1000, "HalfCheetah": 10000, "Ant": 10000}
 D_MIN = {"Hopper": 0.05, "Walker2d": 0.02, "HalfCheetah": 0.05, "Ant": 0.02}
 D_MIN_DELAYED = {"Hopper": 0.02, "Walker2d": 0.02, "HalfCheetah": 0.02, "Ant": 0.05}
 
 
 def task_defaults(env_id: str, delayed: bool, num_learners: int = 4, text: bool = False) -> tuple[int, int, float]:
-    """(T_initial per learner, rows of D before the first update, d_min) for `env_id`: the authors' code's, or with
-    `text` the paper's (Sec. 4.1: T_initial 250 or 2500, no update before it, marked by 0 rows). Other tasks get
-    HalfCheetah's start and d_min 0.05 (the wider of the two radii)."""
+    """(T_initial per learner, rows of D before the first update, d_min): the authors' code's, or with `text` the
+    paper's (no update before T_initial: 0 rows). Other tasks: HalfCheetah's start, d_min 0.05 (the wider)."""
     name = env_id.split("-")[0]
     d_min = (D_MIN_DELAYED if delayed else D_MIN).get(name, 0.05)
     n_initial = N_INITIAL.get(name, 10000)
@@ -130,10 +129,7 @@ def task_defaults(env_id: str, delayed: bool, num_learners: int = 4, text: bool 
 # `--preset paper` reads the text where the authors' code (the defaults) departs from it (docs/p3s_td3.md).
 PAPER_TEXT = dict(distance="sum", guide_first_period=True, period_distances="end")
 
-
-# Defaults by task family (a flag the user gives wins): MuJoCo runs the paper's settings as its authors' code runs them
-# (Sec. 4.1, App. I); classic control, settings measured on Pendulum-v1 (docs/p3s_td3.md): a 20k-step budget needs a
-# shorter start.
+# Defaults by task family (a flag the user gives wins): MuJoCo, the paper's; classic control, measured on Pendulum-v1.
 FAMILY_DEFAULTS = {
     "mujoco": ("the paper's MuJoCo settings as its authors' code runs them (Sec. 4.1, App. I)", {}),
     "classic": (
@@ -146,17 +142,13 @@ PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code de
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args`: the task's start and d_min
-    (`task_defaults`) and N updates per learner step as the authors' code runs them, the family's settings on top; with
-    `--preset paper` the text's reading where the code departs from it (`given`: the flags on the command line)."""
+    """(task family, the defaults' source, their values) of a run of `args` (`given`: the flags on the command line):
+    the task's start and d_min, N updates of each learner per step of its own (the authors' code, p3s_td3.py:147,
+    base.py:118-123: as many updates per learner as one TD3 at equal steps; the text: one), the family's on top."""
     family, text = task_family(args.env_id), args.preset == "paper"
     source, values = (PAPER_FORCED, PAPER_TEXT) if text else FAMILY_DEFAULTS.get(family, (PAPER, {}))
     n = args.num_learners if "--num-learners" in given else values.get("num_learners", args.num_learners)
-    t_initial, learning_starts, d_min = task_defaults(
-        args.env_id, args.reward_delay > 1, max(n, 1), text
-    )  # n < 1: check_args
-    # the authors' code: N updates of each learner per step of its own (p3s_td3.py:147, base.py:118-123), so that at
-    # equal steps of all learners each learner has made as many updates as one TD3; the text (Sec. 4.1): one
+    t_initial, learning_starts, d_min = task_defaults(args.env_id, args.reward_delay > 1, max(n, 1), text)
     own = dict(t_initial=t_initial, learning_starts=learning_starts, d_min=d_min, updates_per_step=1 if text else n)
     return family, source, {**own, **values}
 
@@ -528,7 +520,7 @@ def synchronise(state, args):
 
 def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
-    _, args = check_args(args)
+    check_args(args)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     N, n, M, R, E = args.num_learners, args.num_envs, args.best_period, args.eval_interval, args.eval_episodes
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
@@ -590,10 +582,9 @@ def main(args: Args):
 
 def describe(args, device) -> str:
     """The start-up line's account of the run."""
-    N, n = args.num_learners, args.num_envs
-    text = f"P3S-TD3 with {N} learners" if N > 1 else "TD3 (one learner)"
-    text += f" x {n} env(s) on {device}; {args.updates_per_step} update(s) per learner step, "
-    text += f"T_initial {args.t_initial}, updates from {first_update_step(args)} steps, d_min {args.d_min}"
+    text = f"P3S-TD3 with {args.num_learners} learners" if args.num_learners > 1 else "TD3 (one learner)"
+    text += f" x {args.num_envs} env(s) on {device}; {args.updates_per_step} update(s) per learner step, T_initial "
+    text += f"{args.t_initial}, updates from {first_update_step(args)} steps, d_min {args.d_min}"
     return text + (f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else "")
 
 
@@ -693,41 +684,33 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
     return policy
 
 
-def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
-    spec = env_spec(args.env_id, discrete=False)
-    for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
-        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    require(args.threads >= 0, f"--threads must be 0 (chosen as the run goes) or a count, got {args.threads}")
-    require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
-    rows = args.batch_size * args.num_learners  # each learner's share of D holds a minibatch at least
-    require(args.buffer_size >= rows, f"--buffer-size {args.buffer_size}: at least --batch-size x learners, {rows}")
+def check_args(args) -> None:
+    """Bad input: one clear line before any work (UsageError)."""
+    env_spec(args.env_id, discrete=False)
+    at_least = dict(num_learners=1, num_envs=1, updates_per_step=1, best_period=1, recent_episodes=1, batch_size=1)
+    at_least.update(policy_delay=1, threads=0, t_initial=0, learning_starts=0, d_min=0, reward_delay=0)
+    at_least.update(exploration_noise=0, policy_noise=0, noise_clip=0, eval_episodes=0, eval_interval=0)
+    for name, low in at_least.items():
+        value = getattr(args, name)
+        require(value >= low, f"--{name.replace('_', '-')} must be at least {low}, got {value}")
     for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     beta_range = f"[--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
     require(args.beta_min <= args.beta_init <= args.beta_max, f"--beta-init {args.beta_init} must lie in {beta_range}")
     require(0 < args.tau <= 1, f"--tau must be in (0, 1], got {args.tau}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes", "eval_interval"):
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    for name in ("t_initial", "learning_starts", "d_min"):
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    require(args.updates_per_step >= 1, f"--updates-per-step must be 1 or more, got {args.updates_per_step}")
-    first = first_update_step(args)
-    if args.total_timesteps <= first:
-        raise UsageError(
-            f"--total-timesteps {args.total_timesteps} ends before the first update at step {first} (T_initial "
-            f"{args.t_initial} x {args.num_learners} learners x {args.num_envs} envs, --learning-starts "
-            f"{args.learning_starts}); give more, or a smaller --t-initial or --learning-starts"
-        )
+    require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
+    rows = args.batch_size * args.num_learners  # each learner's share of D holds a minibatch at least
+    require(args.buffer_size >= rows, f"--buffer-size {args.buffer_size}: at least --batch-size x learners, {rows}")
+    first, total = first_update_step(args), args.total_timesteps
+    smaller = "give more, or a smaller --t-initial or --learning-starts"
+    require(total > first, f"--total-timesteps {total} ends before the first update at step {first}: {smaller}")
     if args.capture_video:
         check_render(args.env_id)
-    return spec, args
 
 
 def first_update_step(args):
-    """The step of all learners together after which the updates start (about: envpool's reset steps store no
-    row): when D holds `learning_starts` rows, or after the random phase when it is 0."""
+    """The step of all learners after which the updates start: D holds `learning_starts` rows, or T_initial ends."""
     return args.learning_starts if args.learning_starts > 0 else args.num_learners * args.num_envs * args.t_initial
 
 

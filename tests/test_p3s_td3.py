@@ -598,7 +598,8 @@ def test_task_defaults_follow_the_authors_code_and_appendix_i():
 def resolved(argv):
     """The arguments a run takes from `argv`: family or paper defaults, then the values derived from the task."""
     args = p3s_td3.parse_args(argv)
-    return dataclasses.asdict(p3s_td3.check_args(args)[1]), args
+    p3s_td3.check_args(args)
+    return dataclasses.asdict(args), args
 
 
 def test_defaults_follow_the_authors_code_and_preset_paper_the_text():
