@@ -466,52 +466,49 @@ def to_env_action(actions, low, high):
     return np.clip(low + (actions + 1.0) * 0.5 * (high - low), low, high)
 
 
-def evaluate_learners(actor, env_id, episodes, seed, low, high):
-    """Sec. 4.1's evaluation, every R_eval steps: each learner's policy as it is now, deterministic (no noise), plays
-    `episodes` episodes in envs of its own (all learners' at once, one envpool); returns each learner's mean."""
+def greedy_policy(actor, low, high):
+    """`policy(obs, rewards, first) -> actions` (`evaluate`'s) of the N policies of `actor`, without noise: the envs
+    in N equal shares, the i-th played by learner i, the actions mapped to the env's box."""
     N, device = actor.net[0].weight.shape[0], actor.net[0].weight.device
 
-    def make_policy(num_envs):
-        @torch.no_grad()
-        def policy(obs, rewards, first):
-            a = actor(torch.from_numpy(flatten_obs(obs)).to(device).view(N, episodes, -1)).reshape(num_envs, -1)
-            return to_env_action(a.cpu().numpy(), low, high)
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        obs = torch.from_numpy(flatten_obs(obs)).to(device)
+        a = actor(obs.view(N, len(obs) // N, -1)).reshape(len(obs), -1)
+        return to_env_action(a.cpu().numpy(), low, high)
 
-        return policy
+    return policy
 
-    scores = evaluate(make_policy, env_id, N * episodes, N * episodes, seed)  # env e: learner e // episodes
+
+def evaluate_learners(actor, env_id, episodes, seed, low, high):
+    """Sec. 4.1's evaluation, every R_eval steps: each learner's policy as it is now plays `episodes` episodes in envs
+    of its own (env e: learner e // episodes; all in one envpool); returns each learner's mean."""
+    N = actor.net[0].weight.shape[0]
+    scores = evaluate(lambda num_envs: greedy_policy(actor, low, high), env_id, N * episodes, N * episodes, seed)
     return np.asarray(scores).reshape(N, episodes).mean(1).tolist()
 
 
 def synchronise(state, args):
-    """Algorithm 1, lines 24-26, on the training state: every learner's score and distances
-    (`Learners.period_distances`); D_spread and D_change over the period's non-best learners → new β (Eq. 76;
-    unchanged when the period had no policy step); the new best b; copy π_b, start π_old. Returns the selection."""
-    N, learners, recent, best, beta = (
-        args.num_learners,
-        state["learners"],
-        state["recent"],
-        state["best"],
-        state["beta"],
-    )
-    states = (
-        state["replay"].sample(args.batch_size, state["cpu_generator"])[0][0]
-        if args.period_distances == "end"
-        else None
-    )
-    distances = learners.period_distances(None if states is None else states.expand(N, -1, -1))
+    """Algorithm 1, lines 24-26, on the training state: D_spread and D_change, the means over the period's non-best
+    learners of `Learners.period_distances` → new β (Eq. 76; unchanged when the period had no policy step); the new
+    best b; copy π_b, start π_old. Returns the selection."""
+    learners, best, beta, N = state["learners"], state["best"], state["beta"], args.num_learners
+    states = None
+    if args.period_distances == "end":  # one minibatch of D's states, the same for every learner
+        states = state["replay"].sample(args.batch_size, state["cpu_generator"])[0][0].expand(N, -1, -1)
+    distances = learners.period_distances(states)
     others = [i for i in range(N) if i != best]
-    d_spread, d_change = math.nan, math.nan
+    d_spread = d_change = d_search = math.nan
     if distances is not None:
         d_spread, d_change = float(distances[0][others].mean()), float(distances[1][others].mean())
+        d_search = max(args.rho * d_change, args.d_min)
         beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min, args.beta_min, args.beta_max)
-    new_best = select_best(recent, best)
+    new_best = select_best(state["recent"], best)
     learners.adopt(new_best)
-    scores = [float(np.mean(r)) if r else math.nan for r in recent]
-    sync = dict(best=new_best, previous_best=best, beta=beta, d_spread=d_spread, d_change=d_change, scores=scores)
-    sync["d_search"] = max(args.rho * d_change, args.d_min) if distances is not None else math.nan
+    scores = [float(np.mean(r)) if r else math.nan for r in state["recent"]]
     state.update(best=new_best, beta=beta, generation=state["generation"] + 1)
-    return sync
+    sync = dict(best=new_best, previous_best=best, beta=beta, d_spread=d_spread, d_change=d_change, scores=scores)
+    return {**sync, "d_search": d_search}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -574,7 +571,7 @@ def main(args: Args):
     except NonFiniteError as e:
         fail(e, log.path)
     if args.capture_video:  # one episode of the best policy
-        model = saved_model(args, learners, best_first(state), step, low, high)
+        model = saved_model(args, state, step)
         evaluate(lambda k: make_eval_policy(model, k), args.env_id, 1, 1, args.seed + 10_000, log.path)
     log.console(step)
     log.end(step, max(state["means"], default=None), **summary(log, state))
@@ -627,20 +624,11 @@ def training_state(args, obs_dim, action_dim, device, resumed) -> dict:
     return state
 
 
-def best_first(state) -> int:
-    """The learner whose policy model.pt plays: the last evaluation's best, or before any the selected b."""
-    return int(np.argmax(state["means"])) if state["means"] else state["best"]
-
-
 def save(log, state) -> None:
     """checkpoint.pt: the training state, its networks found finite; model.pt with --save-model."""
     step, saved = state["t"] * log.args.num_learners * log.args.num_envs, state_dicts(state)
     check_finite(f"at step {step}", **{f"{n}.{k}": v for n in ("actor", "qf") for k, v in saved["learners"][n].items()})
-    box = env_spec(log.args.env_id).action_space
-    low, high = box.low.astype(np.float32), box.high.astype(np.float32)
-    model = (
-        saved_model(log.args, state["learners"], best_first(state), step, low, high) if log.args.save_model else None
-    )
+    model = saved_model(log.args, state, step) if log.args.save_model else None
     log.save(step, {**saved, "recent": [list(r) for r in state["recent"]]}, model)
 
 
@@ -670,18 +658,11 @@ def summary(log, state) -> dict:
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
-    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): the deterministic policy of
-    `checkpoint["actor"]` (the best learner's; TD3 evaluates without noise, so `greedy` changes nothing)."""
+    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): the best learner's policy,
+    `checkpoint["actor"]`, without noise (TD3 evaluates so: `greedy` changes nothing)."""
     actor = Actor(**checkpoint["actor_config"]).to(device)
     actor.load_state_dict(checkpoint["actor"])
-    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
-
-    @torch.no_grad()
-    def policy(obs, rewards, first):
-        a = actor(torch.from_numpy(flatten_obs(obs)).to(device)[None])[0]
-        return to_env_action(a.cpu().numpy(), low, high)
-
-    return policy
+    return greedy_policy(actor, np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"]))
 
 
 def check_args(args) -> None:
@@ -714,12 +695,16 @@ def first_update_step(args):
     return args.learning_starts if args.learning_starts > 0 else args.num_learners * args.num_envs * args.t_initial
 
 
-def saved_model(args, learners, best, step, low, high):
-    """What model.pt holds (evaluate.py and `make_eval_policy` play `actor`): every learner's policy, `best`'s first."""
+def saved_model(args, state, step):
+    """What model.pt holds (evaluate.py and `make_eval_policy` play `actor`): every learner's policy, first the best:
+    the last evaluation's, or before any the selected b."""
+    learners, box = state["learners"], env_spec(args.env_id).action_space
+    best = int(np.argmax(state["means"])) if state["means"] else state["best"]
     actors = [learners.actor.learner_state(i) for i in range(args.num_learners)]
     model = dict(script="p3s_td3", env_id=args.env_id, args=dataclasses.asdict(args))
     model.update(actor_config=learners.actor.config, actor=actors[best], actors=actors, best_learner=best)
-    return {**model, "global_step": step, "action_low": low.tolist(), "action_high": high.tolist()}
+    low, high = box.low.astype(np.float32).tolist(), box.high.astype(np.float32).tolist()
+    return {**model, "global_step": step, "action_low": low, "action_high": high}
 
 
 def log_selection(log, step, sync) -> None:

@@ -960,17 +960,19 @@ def test_thread_choice_keeps_the_faster_thread_count_and_tries_the_other_again()
 
 
 def test_saved_model_holds_every_learners_own_policy():
-    """model.pt (`saved_model`): `actors[i]`, read into a one-learner `Actor`, is learner i; `actor` is the best's."""
+    """model.pt (`saved_model`): `actors[i]`, read into a one-learner `Actor`, is learner i; `actor` is the best's: the
+    last evaluation's best, or before any evaluation the selected b; the actions' box is the task's."""
     torch.manual_seed(10)
-    learners = Learners(3, 4, 2, Args(hidden=(8, 8)))
+    learners = Learners(3, 4, 1, Args(hidden=(8, 8)))
     with torch.no_grad():
         for p in learners.actor.parameters():
             p.add_(torch.randn_like(p))
-    low, high = np.array([-1.0, -2.0], np.float32), np.array([1.0, 2.0], np.float32)
-    model = p3s_td3.saved_model(Args(num_learners=3, hidden=(8, 8)), learners, 2, 100, low, high)
+    args = Args(env_id="Pendulum-v1", num_learners=3, hidden=(8, 8))
+    model = p3s_td3.saved_model(args, dict(learners=learners, means=[1.0, 0.0, 5.0], best=1), 100)
     obs = torch.randn(1, 5, 4)
     for i in range(3):
         actor = p3s_td3.Actor(**model["actor_config"])
         actor.load_state_dict(model["actors"][i])
         torch.testing.assert_close(actor(obs)[0], learners.actor(obs.expand(3, -1, -1))[i])
-    assert model["actor"] is model["actors"][2] and model["best_learner"] == 2 and model["action_high"] == [1.0, 2.0]
+    assert model["actor"] is model["actors"][2] and model["best_learner"] == 2 and model["action_high"] == [2.0]
+    assert p3s_td3.saved_model(args, dict(learners=learners, means=[], best=1), 100)["best_learner"] == 1
