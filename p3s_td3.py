@@ -174,9 +174,8 @@ def adapt_beta(beta, d_spread, d_change, rho, d_min, beta_min=1e-3, beta_max=1e3
 
 
 def select_best(recent_returns, previous_best: int) -> int:
-    """Algorithm 1, line 25: the learner whose last E_r training episodes (the lists given, already the last E_r)
-    have the highest mean return; a learner with no finished episode cannot be chosen; ties go to the lower
-    index; with no scores at all, the previous best stays."""
+    """Algorithm 1, line 25: the learner whose last E_r training returns (the lists given) have the highest mean; one
+    with none cannot be chosen; ties go to the lower index; with no returns at all, the previous best stays."""
     scores = [float(np.mean(r)) if len(r) else -math.inf for r in recent_returns]
     return previous_best if all(s == -math.inf for s in scores) else int(np.argmax(scores))
 
@@ -206,9 +205,8 @@ def critic_loss(q1, q2, targets):
 
 
 def p3s_actor_loss(q1_of_policy, policy_actions, best_actions, beta, guided, reduction="mean"):
-    """Eq. (84): E_s[−Q_1(s, π_i(s))] + 1{i≠b} β E_s[½‖π_i(s) − π_b(s)‖²]. `best_actions` come from the frozen
-    copy of π_b (no gradient). The best learner (`guided` False) has the plain TD3 loss (Eq. 81); with one
-    minibatch per learner, `guided` holds 1{i≠b} per learner. Returns the loss and the distance (logged for
+    """Eq. (84): E_s[−Q_1(s, π_i(s))] + 1{i≠b} β E_s[½‖π_i(s) − π_b(s)‖²], `guided` = 1{i≠b} (per learner: the best
+    one has TD3's loss, Eq. 81), `best_actions` from the frozen π_b. Returns the loss and the distance (logged for
     every learner); `reduction` is `policy_distance`'s."""
     distance = policy_distance(policy_actions, best_actions.detach(), reduction)
     loss = -q1_of_policy.mean(-1)
@@ -232,8 +230,6 @@ class DelayedReward:
 
     def __call__(self, rewards, episode_end, real):
         """`rewards`, `episode_end` and `real` (False at envpool's reset steps, which count for nothing) per env."""
-        if self.delay <= 1:
-            return np.where(real, rewards, 0.0).astype(np.float32)
         self.acc += np.where(real, rewards, 0.0)
         self.count += real
         give = real & ((self.count >= self.delay) | episode_end)
@@ -258,8 +254,7 @@ def mlp_forward(net, x, bf16, out):
 
 
 class Actor(nn.Module):
-    """Deterministic policies π_φi(s) in [-1, 1]^d of N learners: `[N, B, obs] -> [N, B, d]`. With N = 1 it is
-    one policy (model.pt holds one per learner)."""
+    """Deterministic policies π_φi(s) in [-1, 1]^d of N learners, `[N, B, obs] -> [N, B, d]` (N = 1: model.pt's)."""
 
     def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", bf16=False):
         super().__init__()
@@ -295,18 +290,17 @@ class TwinQ(nn.Module):
 
 
 class SharedReplay:
-    """One experience replay D for all learners (on the learners' device). Learner i writes into its own part (a
-    ring of capacity // N rows, so that each learner's oldest rows go first); `sample` draws uniformly from every
-    row written by anyone. The write counts live on the CPU, so that neither writing nor sampling waits for the
-    device."""
+    """One experience replay D for all learners (on the learners' device): learner i writes into its own ring of
+    capacity // N rows (its oldest rows go first), `sample` draws uniformly from every row written by anyone. The
+    write counts live on the CPU, so that neither writing nor sampling waits for the device."""
 
     FIELDS = ("obs", "actions", "rewards", "next_obs", "terminated")  # a row, in `add`'s and `sample`'s order
 
     def __init__(self, capacity, num_learners, obs_dim, action_dim, device="cpu"):
         self.num_learners, self.part, self.device = num_learners, capacity // num_learners, torch.device(device)
         shapes = dict(obs=(obs_dim,), actions=(action_dim,), rewards=(), next_obs=(obs_dim,), terminated=())
-        for k, shape in shapes.items():
-            setattr(self, k, torch.zeros(self.part * num_learners, *shape, device=self.device))
+        for k, shape in shapes.items():  # [N, capacity // N, ...]: learner i's ring at [i]
+            setattr(self, k, torch.zeros(num_learners, self.part, *shape, device=self.device))
         self.writes = torch.zeros(num_learners, dtype=torch.int64)  # rows ever written by each learner
 
     def add(self, learners, obs, actions, rewards, next_obs, terminated):
@@ -314,9 +308,9 @@ class SharedReplay:
         the next places of its ring, in order (k may be 0)."""
         mine = nn.functional.one_hot(learners, self.num_learners)  # [k, N]
         rank = (mine.cumsum(0) - 1).gather(1, learners[:, None])[:, 0]  # earlier rows of the same learner
-        rows = (learners * self.part + (self.writes[learners] + rank) % self.part).to(self.device)
+        place = ((self.writes[learners] + rank) % self.part).to(self.device)
         for k, v in zip(self.FIELDS, (obs, actions, rewards, next_obs, terminated)):
-            getattr(self, k)[rows] = v.to(self.device)
+            getattr(self, k)[learners.to(self.device), place] = v.to(self.device)
         self.writes += mine.sum(0)
 
     def sizes(self):
@@ -330,31 +324,25 @@ class SharedReplay:
         ends = sizes.cumsum(0)
         u = torch.randint(int(ends[-1]), shape, generator=generator)
         writer = torch.searchsorted(ends, u.flatten(), right=True).view(shape)
-        rows = (writer * self.part + u - (ends[writer] - sizes[writer])).to(self.device)
-        return tuple(getattr(self, k)[rows] for k in self.FIELDS), writer
+        place = (u - (ends[writer] - sizes[writer])).to(self.device)
+        return tuple(getattr(self, k)[writer.to(self.device), place] for k in self.FIELDS), writer
 
     def state_dict(self):
-        """Every learner's part (the rows it wrote) and write count, for a checkpoint (on the CPU)."""
-        parts = []
-        for i in range(self.num_learners):
-            rows = slice(i * self.part, i * self.part + int(self.sizes()[i]))
-            parts.append({"writes": int(self.writes[i]), **{k: getattr(self, k)[rows].cpu() for k in self.FIELDS}})
-        return parts
+        """Every learner's rows and write count, for a checkpoint (on the CPU)."""
+        rows = [{k: getattr(self, k)[i, :size].cpu() for k in self.FIELDS} for i, size in enumerate(self.sizes())]
+        return [{"writes": int(writes), **part} for writes, part in zip(self.writes, rows)]
 
     def load_state_dict(self, parts):
         for i, part in enumerate(parts):
-            k = len(part["rewards"])
-            for name in self.FIELDS:
-                getattr(self, name)[i * self.part : i * self.part + k] = part[name].to(self.device)
+            for k in self.FIELDS:
+                getattr(self, k)[i, : len(part[k])] = part[k].to(self.device)
             self.writes[i] = part["writes"]
 
 
 class Learners:
-    """The N TD3 learners of the population, their parameters stacked (`Linears`): their policies and Q-functions,
-    the targets and Adam optimisers, each learner's own policy at the start of the period (π_old), and the frozen
-    copy of the best policy π_b that guides them (one network). Adam works element by element, so one Adam over the
-    stacked parameters takes each learner's own step, and the sum of the learners' losses gives each learner's
-    parameters exactly its own gradient: one update of all N is N independent TD3 updates."""
+    """The N TD3 learners, parameters stacked (`Linears`): policies, Q-functions, targets, Adam, π_old (each policy
+    at the period's start) and the frozen π_b (one network). The summed losses give each learner's parameters its own
+    gradient and Adam works element by element, so one update of all N is N independent TD3 updates."""
 
     def __init__(self, num_learners, obs_dim, action_dim, args: Args, device="cpu", generator=None):
         self.args, self.device, self.generator, self.num_learners = args, torch.device(device), generator, num_learners
@@ -394,9 +382,8 @@ class Learners:
         obs, actions, rewards, next_obs, terminated = (x.to(self.device, non_blocking=True) for x in batch)
         a = self.args
         with torch.no_grad():
-            next_actions = smoothed_target_action(
-                self.actor_target(next_obs), a.policy_noise, a.noise_clip, self.generator
-            )
+            next_pi = self.actor_target(next_obs)
+            next_actions = smoothed_target_action(next_pi, a.policy_noise, a.noise_clip, self.generator)
             y = td3_target(rewards, terminated, *self.qf_target(next_obs, next_actions), a.gamma)
         q1, q2 = self.qf(obs, actions)
         qf_loss = critic_loss(q1, q2, y)
@@ -610,9 +597,8 @@ def learn(state, args, guided, stats, threads) -> bool:
 
 
 def training_state(args, obs_dim, action_dim, device, resumed) -> dict:
-    """The training state, built here (Algorithm 1, lines 1-2) or loaded from `--resume`'s checkpoint: the N learners,
-    the shared replay D, each learner's last E_r training returns, the time step t, the best learner b, β, the
-    selections so far, the last evaluation, counters, the generators of the noise and of the random draws."""
+    """The training state, built here (Algorithm 1, lines 1-2) or loaded from `--resume`'s checkpoint: the learners,
+    D, each learner's last E_r returns, t, b, β, the selections so far, the last evaluation, counters, generators."""
     N, generator = args.num_learners, torch.Generator(device=device).manual_seed(args.seed + 1)  # acting, smoothing
     state = dict(learners=Learners(N, obs_dim, action_dim, args, device, generator))
     state.update(replay=SharedReplay(args.buffer_size, N, obs_dim, action_dim, device), recent=[[] for _ in range(N)])
@@ -648,13 +634,11 @@ def summary(log, state) -> dict:
     """summary.json's own entries: per learner, its last evaluation and training returns, its updates and samples."""
     N, counts = log.args.num_learners, state["counts"]
     last_10 = [float(np.mean(g[-10:])) if g else None for g in (log.groups.get(f"learner_{i}") for i in range(N))]
-    out = dict(
-        num_learners=N, eval_mean_return_per_learner=state["means"], mean_episodic_return_last_10_per_learner=last_10
-    )
-    out.update(best_learner=state["best"], beta=state["beta"], updates_per_learner=[state["learners"].updates] * N)
-    out.update(foreign_sample_fraction=(counts["foreign"] / counts["sampled"].clamp(min=1)).tolist())
-    stored = state["replay"].writes.clamp(min=1)  # the rows each learner stored
-    return dict(out, rewarded_fraction=(counts["rewarded"] / stored).tolist())
+    foreign, stored = counts["foreign"] / counts["sampled"].clamp(min=1), state["replay"].writes.clamp(min=1)
+    out = dict(num_learners=N, eval_mean_return_per_learner=state["means"])
+    out.update(mean_episodic_return_last_10_per_learner=last_10, best_learner=state["best"], beta=state["beta"])
+    out.update(updates_per_learner=[state["learners"].updates] * N, foreign_sample_fraction=foreign.tolist())
+    return dict(out, rewarded_fraction=(counts["rewarded"] / stored).tolist())  # of the rows each learner stored
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
