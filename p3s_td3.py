@@ -75,7 +75,6 @@ class Args:
     learning_starts: int = 10_000  # rows of D before the first update (authors' code); 0: after T_initial (text)
     distance: Literal["mean", "sum"] = "mean"  # D's ½Δa² over action dimensions: mean (authors' code), sum (text)
     guide_first_period: bool = False  # guide toward the initial policy before the first selection (text: Alg. 1, l. 1)
-    period_distances: Literal["updates", "end"] = "updates"  # D_spread, D_change: mean over the period, or at its end
     init: Literal["xavier", "torch"] = "xavier"  # weights: Xavier-uniform, zero biases (authors' code); torch's default
     best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
@@ -127,7 +126,7 @@ def task_defaults(env_id: str, delayed: bool, num_learners: int = 4, text: bool 
 
 
 # `--preset paper` reads the text where the authors' code (the defaults) departs from it (docs/p3s_td3.md).
-PAPER_TEXT = dict(distance="sum", guide_first_period=True, period_distances="end")
+PAPER_TEXT = dict(distance="sum", guide_first_period=True)
 
 # Defaults by task family (a flag the user gives wins): MuJoCo, the paper's; classic control, measured on Pendulum-v1.
 FAMILY_DEFAULTS = {
@@ -363,10 +362,6 @@ class Learners:
         self.period_sums = torch.zeros(2, num_learners, device=self.device)
         self.period_count = 0
 
-    def best_actions(self, obs):
-        """π_b(s) for every learner's states `[N, B, obs]` (one network, all states in one batch)."""
-        return self.best_actor(obs.reshape(1, -1, obs.shape[-1])).reshape(*obs.shape[:-1], -1)
-
     @torch.no_grad()
     def act(self, obs, noise_std):
         """π_i(s) + N(0, σ²), kept in [-1, 1] (Algorithm 1, line 9), for every learner's states `[N, n, obs]`."""
@@ -395,13 +390,13 @@ class Learners:
         stats = {"qf_loss": qf_loss.detach(), "q1_mean": q1.detach().mean(-1)}
         if self.updates % a.policy_delay == 0:
             pi = self.actor(obs)
-            with torch.no_grad():
-                best = self.best_actions(obs)
+            with torch.no_grad():  # π_b (one network) on every learner's states
+                best = self.best_actor(obs.reshape(1, -1, obs.shape[-1])).reshape(pi.shape)
             self.qf.q1.requires_grad_(False)  # the policy's gradient flows through Q_1, which gets none of its own
             q1_of_pi = self.qf.q1_only(obs, pi)
             self.qf.q1.requires_grad_(True)
             actor_loss, distance = p3s_actor_loss(q1_of_pi, pi, best, beta, guided, a.distance)
-            if a.period_distances == "updates" and self.num_learners > 1:  # D_spread's, D_change's terms (Sec. 3.2)
+            if self.num_learners > 1:  # the terms of D_spread and D_change (Sec. 3.2)
                 with torch.no_grad():
                     old = policy_distance(pi.detach(), self.old_actor(obs), a.distance)
                 self.period_sums += torch.stack([distance, old])
@@ -415,17 +410,11 @@ class Learners:
             stats.update(actor_loss=actor_loss.detach(), guidance_distance=distance)
         return stats
 
-    @torch.no_grad()
-    def period_distances(self, obs):
-        """(E_s D(π_i, π_b), E_s D(π_i, π_old,i)) per learner `[N]`, the learners' terms of D_spread and D_change
-        (Sec. 3.2). `--period-distances updates` (the authors' code, base.py:240-243, p3s_td3.py:341-347): the mean
-        over the period's policy steps, each on that step's minibatch (None if the period had none); "end": now, on
-        the states `obs` `[N, B, obs]`."""
-        if self.args.period_distances == "updates":
-            return self.period_sums / self.period_count if self.period_count else None
-        obs, d = obs.to(self.device), self.args.distance
-        pi = self.actor(obs)
-        return policy_distance(pi, self.best_actions(obs), d), policy_distance(pi, self.old_actor(obs), d)
+    def period_distances(self):
+        """(E_s D(π_i, π_b), E_s D(π_i, π_old,i)) per learner `[N]`, the terms of D_spread and D_change (Sec. 3.2), as
+        the authors' code has them (base.py:240-243, p3s_td3.py:341-347): the mean over the period's policy steps, each
+        on that step's minibatch; None if the period had none."""
+        return self.period_sums / self.period_count if self.period_count else None
 
     @torch.no_grad()
     def adopt(self, best):
@@ -479,12 +468,9 @@ def synchronise(state, args):
     """Algorithm 1, lines 24-26, on the training state: D_spread and D_change, the means over the period's non-best
     learners of `Learners.period_distances` → new β (Eq. 76; unchanged when the period had no policy step); the new
     best b; copy π_b, start π_old. Returns the selection."""
-    learners, best, beta, N = state["learners"], state["best"], state["beta"], args.num_learners
-    states = None
-    if args.period_distances == "end":  # one minibatch of D's states, the same for every learner
-        states = state["replay"].sample(args.batch_size, state["cpu_generator"])[0][0].expand(N, -1, -1)
-    distances = learners.period_distances(states)
-    others = [i for i in range(N) if i != best]
+    learners, best, beta = state["learners"], state["best"], state["beta"]
+    distances = learners.period_distances()
+    others = [i for i in range(args.num_learners) if i != best]
     d_spread = d_change = d_search = math.nan
     if distances is not None:
         d_spread, d_change = float(distances[0][others].mean()), float(distances[1][others].mean())
