@@ -158,12 +158,9 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
 
 
 def adapt_beta(beta, d_spread, d_change, rho, d_min, beta_min=1e-3, beta_max=1e3) -> float:
-    """Eq. (76) (= Eq. 6): with d_search = max{ρ D_change, d_min},
-
-        β ← 2β   if D_spread > 1.5 d_search     (the others drift too far from π_b: pull harder)
-        β ← β/2  if D_spread < d_search / 1.5   (they hug π_b: let them search)
-
-    and β unchanged in between; kept within [beta_min, beta_max]."""
+    """Eq. (76) (= Eq. 6), d_search = max{ρ D_change, d_min}: β ← 2β if D_spread > 1.5 d_search (the others drift too
+    far from π_b: pull harder), β ← β/2 if D_spread < d_search / 1.5 (they hug π_b: let them search), else β; kept
+    within [beta_min, beta_max]."""
     d_search = max(rho * d_change, d_min)
     if d_spread > d_search * 1.5:
         beta = beta * 2.0
@@ -220,9 +217,8 @@ def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
 
 
 class DelayedReward:
-    """Delayed MuJoCo (Zheng et al. 2018, used in Sec. 4.2): the environment's rewards are accumulated while
-    the agent gets 0, and the sum is given every `delay` steps of an episode or at its end (termination or
-    truncation), so an episode's total is unchanged. `delay` 0 or 1 passes rewards through."""
+    """Delayed MuJoCo (Zheng et al. 2018, Sec. 4.2): the agent gets 0 while the rewards add up, and their sum every
+    `delay` steps of an episode or at its end, so an episode's total is unchanged; `delay` 0 or 1 changes nothing."""
 
     def __init__(self, num_envs: int, delay: int):
         self.delay, self.acc, self.count = delay, np.zeros(num_envs, np.float64), np.zeros(num_envs, np.int64)
@@ -411,9 +407,8 @@ class Learners:
         return stats
 
     def period_distances(self):
-        """(E_s D(π_i, π_b), E_s D(π_i, π_old,i)) per learner `[N]`, the terms of D_spread and D_change (Sec. 3.2), as
-        the authors' code has them (base.py:240-243, p3s_td3.py:341-347): the mean over the period's policy steps, each
-        on that step's minibatch; None if the period had none."""
+        """E_s D(π_i, π_b) and E_s D(π_i, π_old,i) per learner (Sec. 3.2), averaged over the period's policy steps, each
+        on its own minibatch, as the authors' code does (base.py:240-243, p3s_td3.py:341-347); None before any."""
         return self.period_sums / self.period_count if self.period_count else None
 
     @torch.no_grad()
@@ -551,11 +546,10 @@ def main(args: Args):
 
 
 def describe(args, device) -> str:
-    """The start-up line's account of the run."""
-    text = f"P3S-TD3 with {args.num_learners} learners" if args.num_learners > 1 else "TD3 (one learner)"
-    text += f" x {args.num_envs} env(s) on {device}; {args.updates_per_step} update(s) per learner step, T_initial "
-    text += f"{args.t_initial}, updates from {first_update_step(args)} steps, d_min {args.d_min}"
-    return text + (f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else "")
+    """The start-up line's account of the run (its settings: the line before it, args.json)."""
+    method = f"P3S-TD3 with {args.num_learners} learners" if args.num_learners > 1 else "TD3 (one learner)"
+    delayed = f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else ""
+    return f"{method} x {args.num_envs} env(s) on {device}{delayed}"
 
 
 def guided_learners(state, args, device):
@@ -653,16 +647,11 @@ def check_args(args) -> None:
     require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
     rows = args.batch_size * args.num_learners  # each learner's share of D holds a minibatch at least
     require(args.buffer_size >= rows, f"--buffer-size {args.buffer_size}: at least --batch-size x learners, {rows}")
-    first, total = first_update_step(args), args.total_timesteps
-    smaller = "give more, or a smaller --t-initial or --learning-starts"
-    require(total > first, f"--total-timesteps {total} ends before the first update at step {first}: {smaller}")
+    first = args.learning_starts or args.num_learners * args.num_envs * args.t_initial  # the step of the first update
+    ends = f"--total-timesteps {args.total_timesteps} ends before the first update at step {first}"
+    require(args.total_timesteps > first, f"{ends}: give more, or a smaller --t-initial or --learning-starts")
     if args.capture_video:
         check_render(args.env_id)
-
-
-def first_update_step(args):
-    """The step of all learners after which the updates start: D holds `learning_starts` rows, or T_initial ends."""
-    return args.learning_starts if args.learning_starts > 0 else args.num_learners * args.num_envs * args.t_initial
 
 
 def saved_model(args, state, step):
