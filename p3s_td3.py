@@ -80,9 +80,7 @@ class Args:
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
     rho: float = 2.0  # ρ, the search radius as a multiple of D_change (Sec. 4.1)
     d_min: float = 0.05  # d_min, minimum search radius: HalfCheetah's (App. I; other tasks: `task_defaults`)
-    beta_init: float = 1.0  # β at the start (Algorithm 1, line 2)
-    beta_min: float = 1e-3  # lower bound of β
-    beta_max: float = 1e3  # upper bound of β
+    beta_init: float = 1.0  # β at the start (Algorithm 1, line 2), in [1e-3, 1e3], `adapt_beta`'s bounds
     buffer_size: int = 1_000_000  # size of the shared replay D, all learners together (App. I)
     batch_size: int = 100  # B, minibatch size (App. I)
     learning_rate: float = 1e-3  # Adam step size of the policies and the Q-functions (App. I)
@@ -141,9 +139,8 @@ PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code de
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args` (`given`: the flags on the command line):
-    the task's start and d_min, N updates of each learner per step of its own (the authors' code, p3s_td3.py:147,
-    base.py:118-123: as many updates per learner as one TD3 at equal steps; the text: one), the family's on top."""
+    """(task family, the defaults' source, their values) of a run of `args` (`given`: the flags given): the task's start
+    and d_min, N updates per learner step as the authors' code (p3s_td3.py:147; the text: one), the family's on top."""
     family, text = task_family(args.env_id), args.preset == "paper"
     source, values = (PAPER_FORCED, PAPER_TEXT) if text else FAMILY_DEFAULTS.get(family, (PAPER, {}))
     n = args.num_learners if "--num-learners" in given else values.get("num_learners", args.num_learners)
@@ -235,7 +232,7 @@ class DelayedReward:
 
 # ---------------------------------------------------------------------------------------------------------
 # The networks (App. I): 400-300 ReLU, a tanh policy and two Q-functions of (s, a), for N learners side by side
-# (`batched_mlp`: weights `[N, out, in]`), all starting alike (Algorithm 1, line 1: the same φ_i and θ_i).
+# (`batched_mlp`: weights `[N, out, in]`), all starting alike (Algorithm 1, line 1); the shared replay; the learners.
 
 
 def mlp_forward(net, x, bf16, out):
@@ -278,10 +275,6 @@ class TwinQ(nn.Module):
 
     def q1_only(self, obs, actions):
         return mlp_forward(self.q1, torch.cat([obs, actions], -1), self.bf16, 1).squeeze(-1)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The shared replay and the population of learners.
 
 
 class SharedReplay:
@@ -460,9 +453,8 @@ def evaluate_learners(actor, env_id, episodes, seed, low, high):
 
 
 def synchronise(state, args):
-    """Algorithm 1, lines 24-26, on the training state: D_spread and D_change, the means over the period's non-best
-    learners of `Learners.period_distances` → new β (Eq. 76; unchanged when the period had no policy step); the new
-    best b; copy π_b, start π_old. Returns the selection."""
+    """Algorithm 1, lines 24-26: β by Eq. (76) on D_spread and D_change, the non-best learners' mean `period_distances`
+    (kept if the period had no policy step); the new best b; π_b copied, π_old started. Returns the selection."""
     learners, best, beta = state["learners"], state["best"], state["beta"]
     distances = learners.period_distances()
     others = [i for i in range(args.num_learners) if i != best]
@@ -470,7 +462,7 @@ def synchronise(state, args):
     if distances is not None:
         d_spread, d_change = float(distances[0][others].mean()), float(distances[1][others].mean())
         d_search = max(args.rho * d_change, args.d_min)
-        beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min, args.beta_min, args.beta_max)
+        beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min)
     new_best = select_best(state["recent"], best)
     learners.adopt(new_best)
     scores = [float(np.mean(r)) if r else math.nan for r in state["recent"]]
@@ -560,9 +552,8 @@ def guided_learners(state, args, device):
 
 
 def learn(state, args, guided, stats, threads) -> bool:
-    """Algorithm 1, lines 13-22: none during the random phase (the text); the authors' code starts the updates once D
-    holds `learning_starts` rows, whatever the actions, each on a fresh minibatch (base.py:118-123). Returns whether
-    they have started; a policy step's statistics stay in `stats` till the next."""
+    """Algorithm 1, lines 13-22, each update on a fresh minibatch: once D holds `learning_starts` rows (the authors'
+    code, base.py:118-123) or, with 0, after the random phase (the text). Returns whether they have started."""
     N, replay, counts, starts = args.num_learners, state["replay"], state["counts"], args.learning_starts
     learning = int(replay.sizes().sum()) >= starts if starts > 0 else state["t"] > args.t_initial
     started = time.perf_counter()
@@ -638,10 +629,9 @@ def check_args(args) -> None:
     for name, low in at_least.items():
         value = getattr(args, name)
         require(value >= low, f"--{name.replace('_', '-')} must be at least {low}, got {value}")
-    for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
+    for name in ("learning_rate", "rho"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    beta_range = f"[--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
-    require(args.beta_min <= args.beta_init <= args.beta_max, f"--beta-init {args.beta_init} must lie in {beta_range}")
+    require(1e-3 <= args.beta_init <= 1e3, f"--beta-init {args.beta_init} must lie in β's bounds [1e-3, 1e3]")
     require(0 < args.tau <= 1, f"--tau must be in (0, 1], got {args.tau}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
@@ -678,17 +668,12 @@ def log_selection(log, step, sync) -> None:
 
 
 def log_evaluation(log, step, means) -> str:
-    """An evaluation every R_eval steps: a line of evaluations.jsonl, each learner's curve and the score (the best
-    learner's mean, Sec. 4.1) as `charts/eval_return`. Returns it for the console line."""
+    """An evaluation: evaluations.jsonl, each learner's curve, the score (the best mean) and its console text."""
     with open(os.path.join(log.path, "evaluations.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "eval_return": max(means), "per_learner": means}) + "\n")
     log.scalars({f"charts/learner_{i}/eval_return": m for i, m in enumerate(means)}, step)
     log.scalars({"charts/eval_return": max(means)}, step)
     return f"eval {max(means):.1f} at {step}"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Threads. No equation below.
 
 
 class ThreadChoice:
