@@ -22,12 +22,11 @@ other learners stay about d_search = max(ρ·D_change, d_min) away from π_b. Wi
 | Sec. 4.2: delayed MuJoCo, rewards given every f_reward = 20 steps   | `DelayedReward`, `--reward-delay`      |
 | Sec. 4.1: every R_eval steps each learner's 10 episodes, best mean | `evaluate_learners`, `--eval-interval` |
 
-The N learners' networks are stacked (`Linears`: weights `[N, out, in]`): one forward, backward and Adam step is N
-separate TD3 updates, each on its own minibatch. One process runs Algorithm 1 (`main`), all learners in lockstep;
-`--total-timesteps` counts the environment steps of all learners together (the paper's x axis). Where the authors'
-code, which made the paper's curves, departs from the text, the defaults follow the code (N updates per learner
-step, a longer start, D averaged over action dimensions and over the period's updates, no guidance before the first
-selection, Xavier weights) and `--preset paper` reads the text; docs/p3s_td3.md has both, with the authors' file:line.
+The N learners' networks are stacked (`Linears`: weights `[N, out, in]`): one update of all is N separate TD3
+updates. One process runs Algorithm 1 (`main`), the learners in lockstep; `--total-timesteps` counts the steps of
+all learners (the paper's x axis). Where the authors' code, which made the paper's curves, departs from the text,
+the defaults follow the code (N updates per learner step, a longer start, D averaged over action dimensions and over
+the period's updates, no guidance before the first selection, Xavier weights) and `--preset paper` the text.
 
     python p3s_td3.py --env-id HalfCheetah-v4
     python p3s_td3.py --env-id Hopper-v4 --reward-delay 20 --num-learners 1   # TD3 on delayed Hopper
@@ -64,7 +63,6 @@ class Args:
     preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
     exp_name: str = "p3s_td3"  # name of this experiment, part of the run folder's name
     seed: int = 1  # seed of the common initial weights, the noise and the sampling
-    torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
     cuda: bool = True  # the learners' networks and the replay on the GPU when there is one
     threads: int = 0  # torch threads of the updates on a CPU; 0: the cores or 1, the faster as the run goes (docs)
     total_timesteps: int = 1_000_000  # environment steps of all learners together (the paper's Figs. 3-4: 1M)
@@ -103,10 +101,9 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# App. I: T_initial (Sec. 4.1) and d_min per task. The authors' code (github.com/wyjung0625/p3s,
-# examples/variants_p3s.py) sets n_initial_exploration_steps: updates start once D holds that many rows
-# (sampler.py:240-243), and the actions stay random for whole epochs of 1000 steps per learner until
-# epoch x 1000 >= n_initial // N (base.py:108-111); the text's T_initial is n_initial // 4.
+# App. I: T_initial (Sec. 4.1) and d_min per task. The authors' code (github.com/wyjung0625/p3s) updates once D holds
+# n_initial rows (examples/variants_p3s.py, sampler.py:240-243), acting at random for whole 1000-step epochs per
+# learner until epoch x 1000 >= n_initial // N (base.py:108-111); the text's T_initial is n_initial // 4.
 N_INITIAL = {"Hopper": 1000, "Walker2d": 1000, "HalfCheetah": 10000, "Ant": 10000}
 D_MIN = {"Hopper": 0.05, "Walker2d": 0.02, "HalfCheetah": 0.05, "Ant": 0.02}
 D_MIN_DELAYED = {"Hopper": 0.02, "Walker2d": 0.02, "HalfCheetah": 0.02, "Ant": 0.05}
@@ -278,9 +275,8 @@ class TwinQ(nn.Module):
 
 
 class SharedReplay:
-    """One experience replay D for all learners (on the learners' device): learner i writes into its own ring of
-    capacity // N rows (its oldest rows go first), `sample` draws uniformly from every row written by anyone. The
-    write counts live on the CPU, so that neither writing nor sampling waits for the device."""
+    """One replay D for all learners: learner i writes into its own ring of capacity // N rows, `sample` draws
+    uniformly from every row written; the write counts live on the CPU, so neither waits for the device."""
 
     FIELDS = ("obs", "actions", "rewards", "next_obs", "terminated")  # a row, in `add`'s and `sample`'s order
 
@@ -360,9 +356,8 @@ class Learners:
         return a.clamp(-1.0, 1.0)
 
     def update(self, batch, beta, guided):
-        """One gradient step of every learner's Q-functions (Eq. 83) on its own minibatch (`batch` of tensors
-        `[N, B, ...]`) and, every d-th call, of the policies (Eq. 84; `guided[i]` = 1{i≠b}) and the targets
-        (Eq. 82). Returns the statistics of this step per learner (policy ones only on policy steps)."""
+        """One step of every learner's Q-functions (Eq. 83), each on its own minibatch `[N, B, ...]`, and every d-th of
+        the policies (Eq. 84, `guided` = 1{i≠b}) and the targets (Eq. 82). Returns each learner's statistics."""
         obs, actions, rewards, next_obs, terminated = (x.to(self.device, non_blocking=True) for x in batch)
         a = self.args
         with torch.no_grad():
@@ -431,8 +426,7 @@ def to_env_action(actions, low, high):
 
 
 def greedy_policy(actor, low, high):
-    """`policy(obs, rewards, first) -> actions` (`evaluate`'s) of the N policies of `actor`, without noise: the envs
-    in N equal shares, the i-th played by learner i, the actions mapped to the env's box."""
+    """`evaluate`'s `policy(obs, rewards, first)` of the N noiseless policies of `actor`: learner i plays share i."""
     N, device = actor.net[0].weight.shape[0], actor.net[0].weight.device
 
     @torch.no_grad()
@@ -445,8 +439,7 @@ def greedy_policy(actor, low, high):
 
 
 def evaluate_learners(actor, env_id, episodes, seed, low, high):
-    """Sec. 4.1's evaluation, every R_eval steps: each learner's policy as it is now plays `episodes` episodes in envs
-    of its own (env e: learner e // episodes; all in one envpool); returns each learner's mean."""
+    """Sec. 4.1's evaluation: each learner's policy now, `episodes` episodes in envs of its own; each one's mean."""
     N = actor.net[0].weight.shape[0]
     scores = evaluate(lambda num_envs: greedy_policy(actor, low, high), env_id, N * episodes, N * episodes, seed)
     return np.asarray(scores).reshape(N, episodes).mean(1).tolist()
@@ -478,10 +471,11 @@ def synchronise(state, args):
 def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     check_args(args)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
     N, n, M, R, E = args.num_learners, args.num_envs, args.best_period, args.eval_interval, args.eval_episodes
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    log, stop = RunLog(args, resumed, describe(args, device)), Stop()
+    method = f"P3S-TD3 with {N} learners" if N > 1 else "TD3 (one learner)"
+    delayed = f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else ""
+    log, stop = RunLog(args, resumed, f"{method} x {n} env(s) on {device}{delayed}"), Stop()
     cores = len(os.sched_getaffinity(0)) if device == "cpu" else 1  # a GPU's kernels need one thread to launch them
     threads = ThreadChoice([args.threads] if args.threads else [cores, 1])
     torch.set_flush_denormal(True)  # Adam's tiny second moments as 0: slow denormals on x86 (docs: "Speed on a CPU")
@@ -537,16 +531,8 @@ def main(args: Args):
     log.end(step, max(state["means"], default=None), **summary(log, state))
 
 
-def describe(args, device) -> str:
-    """The start-up line's account of the run (its settings: the line before it, args.json)."""
-    method = f"P3S-TD3 with {args.num_learners} learners" if args.num_learners > 1 else "TD3 (one learner)"
-    delayed = f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else ""
-    return f"{method} x {args.num_envs} env(s) on {device}{delayed}"
-
-
 def guided_learners(state, args, device):
-    """1{i≠b} for the policy loss. Before the first selection no learner is guided (the authors' code), or all but
-    learner 0 toward the common initial policy (the text: Algorithm 1, line 1)."""
+    """1{i≠b} of the policy loss: none before the first selection (the authors' code) but with --guide-first-period."""
     before = state["generation"] == 0 and not args.guide_first_period
     return (torch.arange(args.num_learners, device=device) != state["best"]) & (args.num_learners > 1) & (not before)
 
@@ -568,8 +554,7 @@ def learn(state, args, guided, stats, threads) -> bool:
 
 
 def training_state(args, obs_dim, action_dim, device, resumed) -> dict:
-    """The training state, built here (Algorithm 1, lines 1-2) or loaded from `--resume`'s checkpoint: the learners,
-    D, each learner's last E_r returns, t, b, β, the selections so far, the last evaluation, counters, generators."""
+    """The training state (Algorithm 1, lines 1-2), built here or loaded from `--resume`'s checkpoint."""
     N, generator = args.num_learners, torch.Generator(device=device).manual_seed(args.seed + 1)  # acting, smoothing
     state = dict(learners=Learners(N, obs_dim, action_dim, args, device, generator))
     state.update(replay=SharedReplay(args.buffer_size, N, obs_dim, action_dim, device), recent=[[] for _ in range(N)])
@@ -645,8 +630,7 @@ def check_args(args) -> None:
 
 
 def saved_model(args, state, step):
-    """What model.pt holds (evaluate.py and `make_eval_policy` play `actor`): every learner's policy, first the best:
-    the last evaluation's, or before any the selected b."""
+    """model.pt: every learner's policy and, as `actor` (played by evaluate.py), the last evaluation's best, else b."""
     learners, box = state["learners"], env_spec(args.env_id).action_space
     best = int(np.argmax(state["means"])) if state["means"] else state["best"]
     actors = [learners.actor.learner_state(i) for i in range(args.num_learners)]
