@@ -22,16 +22,11 @@ other learners stay about d_search = max(ρ·D_change, d_min) away from π_b. Wi
 | Sec. 4.2: delayed MuJoCo, rewards given every f_reward = 20 steps   | `DelayedReward`, `--reward-delay`      |
 | Sec. 4.1: every R_eval steps each learner's 10 episodes, best mean | `evaluate_learners`, `--eval-interval` |
 
-The N learners' networks are stacked (`Linears`: weights `[N, out, in]`), so one forward, backward and Adam step
-update all N, each on its own minibatch, with exactly the gradients and steps of N separate TD3 learners. One
-process runs Algorithm 1 (`main`): every time step all learners act, store, update and, every R_eval and M steps,
-are evaluated and selected, in lockstep. `--total-timesteps` counts the environment steps of all learners together
-(the paper's x axis). The defaults follow the authors' code, which made the paper's curves, where
-it departs from the text: N updates of each learner per step of its own, updates from 1000 rows of D while the
-actions stay random for 1000 steps per learner, D averaged over action dimensions and over the period's updates,
-no guidance before the first selection, Xavier weights; `--preset paper` reads the text. The learners start alike,
-as the text has it (the authors' launcher draws each anew: `--no-common-init`). docs/p3s_td3.md has both, with
-the authors' file:line, and the measurements.
+The N learners' networks are stacked (`Linears`: weights `[N, out, in]`): one update of all is N separate TD3
+updates. One process runs Algorithm 1 (`main`), the learners in lockstep; `--total-timesteps` counts the steps of
+all learners (the paper's x axis). Where the authors' code, which made the paper's curves, departs from the text,
+the defaults follow the code (N updates per learner step, a longer start, D averaged over action dimensions and over
+the period's updates, no guidance before the first selection, Xavier weights) and `--preset paper` the text.
 
     python p3s_td3.py --env-id HalfCheetah-v4
     python p3s_td3.py --env-id Hopper-v4 --reward-delay 20 --num-learners 1   # TD3 on delayed Hopper
@@ -68,7 +63,6 @@ class Args:
     preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
     exp_name: str = "p3s_td3"  # name of this experiment, part of the run folder's name
     seed: int = 1  # seed of the common initial weights, the noise and the sampling
-    torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
     cuda: bool = True  # the learners' networks and the replay on the GPU when there is one
     threads: int = 0  # torch threads of the updates on a CPU; 0: the cores or 1, the faster as the run goes (docs)
     total_timesteps: int = 1_000_000  # environment steps of all learners together (the paper's Figs. 3-4: 1M)
@@ -79,16 +73,12 @@ class Args:
     learning_starts: int = 10_000  # rows of D before the first update (authors' code); 0: after T_initial (text)
     distance: Literal["mean", "sum"] = "mean"  # D's ½Δa² over action dimensions: mean (authors' code), sum (text)
     guide_first_period: bool = False  # guide toward the initial policy before the first selection (text: Alg. 1, l. 1)
-    period_distances: Literal["updates", "end"] = "updates"  # D_spread, D_change: mean over the period, or at its end
     init: Literal["xavier", "torch"] = "xavier"  # weights: Xavier-uniform, zero biases (authors' code); torch's default
-    common_init: bool = True  # learners start alike (Alg. 1, l. 1); --no-common-init: each its own (authors' launcher)
     best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
     rho: float = 2.0  # ρ, the search radius as a multiple of D_change (Sec. 4.1)
     d_min: float = 0.05  # d_min, minimum search radius: HalfCheetah's (App. I; other tasks: `task_defaults`)
-    beta_init: float = 1.0  # β at the start (Algorithm 1, line 2)
-    beta_min: float = 1e-3  # lower bound of β
-    beta_max: float = 1e3  # upper bound of β
+    beta_init: float = 1.0  # β at the start (Algorithm 1, line 2), in [1e-3, 1e3], `adapt_beta`'s bounds
     buffer_size: int = 1_000_000  # size of the shared replay D, all learners together (App. I)
     batch_size: int = 100  # B, minibatch size (App. I)
     learning_rate: float = 1e-3  # Adam step size of the policies and the Q-functions (App. I)
@@ -111,19 +101,17 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# App. I: T_initial (Sec. 4.1) and d_min per task, keyed by the task's name without its version. The authors' code
-# (github.com/wyjung0625/p3s, examples/variants_p3s.py) sets n_initial_exploration_steps, rows of the shared replay:
-# updates start once D holds that many (sampler.py:240-243), and the random actions last whole epochs of 1000 steps
-# per learner until epoch x 1000 >= n_initial // N (base.py:108-111); the text's T_initial is n_initial // 4.
+# App. I: T_initial (Sec. 4.1) and d_min per task. The authors' code (github.com/wyjung0625/p3s) updates once D holds
+# n_initial rows (examples/variants_p3s.py, sampler.py:240-243), acting at random for whole 1000-step epochs per
+# learner until epoch x 1000 >= n_initial // N (base.py:108-111); the text's T_initial is n_initial // 4.
 N_INITIAL = {"Hopper": 1000, "Walker2d": 1000, "HalfCheetah": 10000, "Ant": 10000}
 D_MIN = {"Hopper": 0.05, "Walker2d": 0.02, "HalfCheetah": 0.05, "Ant": 0.02}
 D_MIN_DELAYED = {"Hopper": 0.02, "Walker2d": 0.02, "HalfCheetah": 0.02, "Ant": 0.05}
 
 
 def task_defaults(env_id: str, delayed: bool, num_learners: int = 4, text: bool = False) -> tuple[int, int, float]:
-    """(T_initial per learner, rows of D before the first update, d_min) for `env_id`: the authors' code's, or with
-    `text` the paper's (Sec. 4.1: T_initial 250 or 2500, no update before it, marked by 0 rows). Other tasks get
-    HalfCheetah's start and d_min 0.05 (the wider of the two radii)."""
+    """(T_initial per learner, rows of D before the first update, d_min): the authors' code's, or with `text` the
+    paper's (no update before T_initial: 0 rows). Other tasks: HalfCheetah's start, d_min 0.05 (the wider)."""
     name = env_id.split("-")[0]
     d_min = (D_MIN_DELAYED if delayed else D_MIN).get(name, 0.05)
     n_initial = N_INITIAL.get(name, 10000)
@@ -133,12 +121,9 @@ def task_defaults(env_id: str, delayed: bool, num_learners: int = 4, text: bool 
 
 
 # `--preset paper` reads the text where the authors' code (the defaults) departs from it (docs/p3s_td3.md).
-PAPER_TEXT = dict(distance="sum", guide_first_period=True, period_distances="end")
+PAPER_TEXT = dict(distance="sum", guide_first_period=True)
 
-
-# Defaults by task family (a flag the user gives wins): MuJoCo runs the paper's settings as its authors' code runs them
-# (Sec. 4.1, App. I); classic control, settings measured on Pendulum-v1 (docs/p3s_td3.md): a 20k-step budget needs a
-# shorter start.
+# Defaults by task family (a flag the user gives wins): MuJoCo, the paper's; classic control, measured on Pendulum-v1.
 FAMILY_DEFAULTS = {
     "mujoco": ("the paper's MuJoCo settings as its authors' code runs them (Sec. 4.1, App. I)", {}),
     "classic": (
@@ -151,17 +136,12 @@ PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code de
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args`: the task's start and d_min
-    (`task_defaults`) and N updates per learner step as the authors' code runs them, the family's settings on top; with
-    `--preset paper` the text's reading where the code departs from it (`given`: the flags on the command line)."""
+    """(task family, the defaults' source, their values) of a run of `args` (`given`: the flags given): the task's start
+    and d_min, N updates per learner step as the authors' code (p3s_td3.py:147; the text: one), the family's on top."""
     family, text = task_family(args.env_id), args.preset == "paper"
     source, values = (PAPER_FORCED, PAPER_TEXT) if text else FAMILY_DEFAULTS.get(family, (PAPER, {}))
     n = args.num_learners if "--num-learners" in given else values.get("num_learners", args.num_learners)
-    t_initial, learning_starts, d_min = task_defaults(
-        args.env_id, args.reward_delay > 1, max(n, 1), text
-    )  # n < 1: check_args
-    # the authors' code: N updates of each learner per step of its own (p3s_td3.py:147, base.py:118-123), so that at
-    # equal steps of all learners each learner has made as many updates as one TD3; the text (Sec. 4.1): one
+    t_initial, learning_starts, d_min = task_defaults(args.env_id, args.reward_delay > 1, max(n, 1), text)
     own = dict(t_initial=t_initial, learning_starts=learning_starts, d_min=d_min, updates_per_step=1 if text else n)
     return family, source, {**own, **values}
 
@@ -172,12 +152,9 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
 
 
 def adapt_beta(beta, d_spread, d_change, rho, d_min, beta_min=1e-3, beta_max=1e3) -> float:
-    """Eq. (76) (= Eq. 6): with d_search = max{ρ D_change, d_min},
-
-        β ← 2β   if D_spread > 1.5 d_search     (the others drift too far from π_b: pull harder)
-        β ← β/2  if D_spread < d_search / 1.5   (they hug π_b: let them search)
-
-    and β unchanged in between; kept within [beta_min, beta_max]."""
+    """Eq. (76) (= Eq. 6), d_search = max{ρ D_change, d_min}: β ← 2β if D_spread > 1.5 d_search (the others drift too
+    far from π_b: pull harder), β ← β/2 if D_spread < d_search / 1.5 (they hug π_b: let them search), else β; kept
+    within [beta_min, beta_max]."""
     d_search = max(rho * d_change, d_min)
     if d_spread > d_search * 1.5:
         beta = beta * 2.0
@@ -187,9 +164,8 @@ def adapt_beta(beta, d_spread, d_change, rho, d_min, beta_min=1e-3, beta_max=1e3
 
 
 def select_best(recent_returns, previous_best: int) -> int:
-    """Algorithm 1, line 25: the learner whose last E_r training episodes (the lists given, already the last E_r)
-    have the highest mean return; a learner with no finished episode cannot be chosen; ties go to the lower
-    index; with no scores at all, the previous best stays."""
+    """Algorithm 1, line 25: the learner whose last E_r training returns (the lists given) have the highest mean; one
+    with none cannot be chosen; ties go to the lower index; with no returns at all, the previous best stays."""
     scores = [float(np.mean(r)) if len(r) else -math.inf for r in recent_returns]
     return previous_best if all(s == -math.inf for s in scores) else int(np.argmax(scores))
 
@@ -219,9 +195,8 @@ def critic_loss(q1, q2, targets):
 
 
 def p3s_actor_loss(q1_of_policy, policy_actions, best_actions, beta, guided, reduction="mean"):
-    """Eq. (84): E_s[−Q_1(s, π_i(s))] + 1{i≠b} β E_s[½‖π_i(s) − π_b(s)‖²]. `best_actions` come from the frozen
-    copy of π_b (no gradient). The best learner (`guided` False) has the plain TD3 loss (Eq. 81); with one
-    minibatch per learner, `guided` holds 1{i≠b} per learner. Returns the loss and the distance (logged for
+    """Eq. (84): E_s[−Q_1(s, π_i(s))] + 1{i≠b} β E_s[½‖π_i(s) − π_b(s)‖²], `guided` = 1{i≠b} (per learner: the best
+    one has TD3's loss, Eq. 81), `best_actions` from the frozen π_b. Returns the loss and the distance (logged for
     every learner); `reduction` is `policy_distance`'s."""
     distance = policy_distance(policy_actions, best_actions.detach(), reduction)
     loss = -q1_of_policy.mean(-1)
@@ -236,17 +211,14 @@ def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
 
 
 class DelayedReward:
-    """Delayed MuJoCo (Zheng et al. 2018, used in Sec. 4.2): the environment's rewards are accumulated while
-    the agent gets 0, and the sum is given every `delay` steps of an episode or at its end (termination or
-    truncation), so an episode's total is unchanged. `delay` 0 or 1 passes rewards through."""
+    """Delayed MuJoCo (Zheng et al. 2018, Sec. 4.2): the agent gets 0 while the rewards add up, and their sum every
+    `delay` steps of an episode or at its end, so an episode's total is unchanged; `delay` 0 or 1 changes nothing."""
 
     def __init__(self, num_envs: int, delay: int):
         self.delay, self.acc, self.count = delay, np.zeros(num_envs, np.float64), np.zeros(num_envs, np.int64)
 
     def __call__(self, rewards, episode_end, real):
         """`rewards`, `episode_end` and `real` (False at envpool's reset steps, which count for nothing) per env."""
-        if self.delay <= 1:
-            return np.where(real, rewards, 0.0).astype(np.float32)
         self.acc += np.where(real, rewards, 0.0)
         self.count += real
         give = real & ((self.count >= self.delay) | episode_end)
@@ -256,9 +228,8 @@ class DelayedReward:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The networks (App. I): 400-300 ReLU, a tanh policy and two linear Q-functions of (s, a), for N learners at once:
-# `batched_mlp`'s layers (`common.networks.Linears`) hold the N learners' weights side by side, `[N, out, in]`, and
-# start alike (Algorithm 1, line 1: φ_i and θ_i the same for every learner) or, with --no-common-init, each its own.
+# The networks (App. I): 400-300 ReLU, a tanh policy and two Q-functions of (s, a), for N learners side by side
+# (`batched_mlp`: weights `[N, out, in]`), all starting alike (Algorithm 1, line 1); the shared replay; the learners.
 
 
 def mlp_forward(net, x, bf16, out):
@@ -272,13 +243,12 @@ def mlp_forward(net, x, bf16, out):
 
 
 class Actor(nn.Module):
-    """Deterministic policies π_φi(s) in [-1, 1]^d of N learners: `[N, B, obs] -> [N, B, d]`. With N = 1 it is
-    one policy (model.pt holds one per learner)."""
+    """Deterministic policies π_φi(s) in [-1, 1]^d of N learners, `[N, B, obs] -> [N, B, d]` (N = 1: model.pt's)."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True, bf16=False):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", bf16=False):
         super().__init__()
         self.config, self.bf16 = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden)), bf16
-        self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init, common)
+        self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init)
 
     def forward(self, obs):
         return mlp_forward(self.net, obs, self.bf16, 2)
@@ -291,10 +261,10 @@ class Actor(nn.Module):
 class TwinQ(nn.Module):
     """Q_θ1 and Q_θ2 of N learners, each an MLP of the concatenated state and action: `[N, B, ...] -> [N, B]`."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", common=True, bf16=False):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", bf16=False):
         super().__init__()
         self.bf16, sizes = bf16, [obs_dim + action_dim, *hidden, 1]
-        self.q1, self.q2 = (batched_mlp(sizes, num_learners, init=init, common=common) for _ in ("q1", "q2"))
+        self.q1, self.q2 = (batched_mlp(sizes, num_learners, init=init) for _ in ("q1", "q2"))
 
     def forward(self, obs, actions):
         x = torch.cat([obs, actions], -1)
@@ -304,23 +274,17 @@ class TwinQ(nn.Module):
         return mlp_forward(self.q1, torch.cat([obs, actions], -1), self.bf16, 1).squeeze(-1)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The shared replay and the population of learners.
-
-
 class SharedReplay:
-    """One experience replay D for all learners (on the learners' device). Learner i writes into its own part (a
-    ring of capacity // N rows, so that each learner's oldest rows go first); `sample` draws uniformly from every
-    row written by anyone. The write counts live on the CPU, so that neither writing nor sampling waits for the
-    device."""
+    """One replay D for all learners: learner i writes into its own ring of capacity // N rows, `sample` draws
+    uniformly from every row written; the write counts live on the CPU, so neither waits for the device."""
 
     FIELDS = ("obs", "actions", "rewards", "next_obs", "terminated")  # a row, in `add`'s and `sample`'s order
 
     def __init__(self, capacity, num_learners, obs_dim, action_dim, device="cpu"):
         self.num_learners, self.part, self.device = num_learners, capacity // num_learners, torch.device(device)
         shapes = dict(obs=(obs_dim,), actions=(action_dim,), rewards=(), next_obs=(obs_dim,), terminated=())
-        for k, shape in shapes.items():
-            setattr(self, k, torch.zeros(self.part * num_learners, *shape, device=self.device))
+        for k, shape in shapes.items():  # [N, capacity // N, ...]: learner i's ring at [i]
+            setattr(self, k, torch.zeros(num_learners, self.part, *shape, device=self.device))
         self.writes = torch.zeros(num_learners, dtype=torch.int64)  # rows ever written by each learner
 
     def add(self, learners, obs, actions, rewards, next_obs, terminated):
@@ -328,9 +292,9 @@ class SharedReplay:
         the next places of its ring, in order (k may be 0)."""
         mine = nn.functional.one_hot(learners, self.num_learners)  # [k, N]
         rank = (mine.cumsum(0) - 1).gather(1, learners[:, None])[:, 0]  # earlier rows of the same learner
-        rows = (learners * self.part + (self.writes[learners] + rank) % self.part).to(self.device)
+        place = ((self.writes[learners] + rank) % self.part).to(self.device)
         for k, v in zip(self.FIELDS, (obs, actions, rewards, next_obs, terminated)):
-            getattr(self, k)[rows] = v.to(self.device)
+            getattr(self, k)[learners.to(self.device), place] = v.to(self.device)
         self.writes += mine.sum(0)
 
     def sizes(self):
@@ -344,35 +308,29 @@ class SharedReplay:
         ends = sizes.cumsum(0)
         u = torch.randint(int(ends[-1]), shape, generator=generator)
         writer = torch.searchsorted(ends, u.flatten(), right=True).view(shape)
-        rows = (writer * self.part + u - (ends[writer] - sizes[writer])).to(self.device)
-        return tuple(getattr(self, k)[rows] for k in self.FIELDS), writer
+        place = (u - (ends[writer] - sizes[writer])).to(self.device)
+        return tuple(getattr(self, k)[writer.to(self.device), place] for k in self.FIELDS), writer
 
     def state_dict(self):
-        """Every learner's part (the rows it wrote) and write count, for a checkpoint (on the CPU)."""
-        parts = []
-        for i in range(self.num_learners):
-            rows = slice(i * self.part, i * self.part + int(self.sizes()[i]))
-            parts.append({"writes": int(self.writes[i]), **{k: getattr(self, k)[rows].cpu() for k in self.FIELDS}})
-        return parts
+        """Every learner's rows and write count, for a checkpoint (on the CPU)."""
+        rows = [{k: getattr(self, k)[i, :size].cpu() for k in self.FIELDS} for i, size in enumerate(self.sizes())]
+        return [{"writes": int(writes), **part} for writes, part in zip(self.writes, rows)]
 
     def load_state_dict(self, parts):
         for i, part in enumerate(parts):
-            k = len(part["rewards"])
-            for name in self.FIELDS:
-                getattr(self, name)[i * self.part : i * self.part + k] = part[name].to(self.device)
+            for k in self.FIELDS:
+                getattr(self, k)[i, : len(part[k])] = part[k].to(self.device)
             self.writes[i] = part["writes"]
 
 
 class Learners:
-    """The N TD3 learners of the population, their parameters stacked (`Linears`): their policies and Q-functions,
-    the targets and Adam optimisers, each learner's own policy at the start of the period (π_old), and the frozen
-    copy of the best policy π_b that guides them (one network). Adam works element by element, so one Adam over the
-    stacked parameters takes each learner's own step, and the sum of the learners' losses gives each learner's
-    parameters exactly its own gradient: one update of all N is N independent TD3 updates."""
+    """The N TD3 learners, parameters stacked (`Linears`): policies, Q-functions, targets, Adam, π_old (each policy
+    at the period's start) and the frozen π_b (one network). The summed losses give each learner's parameters its own
+    gradient and Adam works element by element, so one update of all N is N independent TD3 updates."""
 
     def __init__(self, num_learners, obs_dim, action_dim, args: Args, device="cpu", generator=None):
         self.args, self.device, self.generator, self.num_learners = args, torch.device(device), generator, num_learners
-        nets = (args.hidden, num_learners, args.init, args.common_init, args.bf16)
+        nets = (args.hidden, num_learners, args.init, args.bf16)
         self.actor = Actor(obs_dim, action_dim, *nets).to(self.device)
         self.qf = TwinQ(obs_dim, action_dim, *nets).to(self.device)
         self.actor_target, self.qf_target = copy.deepcopy(self.actor), copy.deepcopy(self.qf)
@@ -389,10 +347,6 @@ class Learners:
         self.period_sums = torch.zeros(2, num_learners, device=self.device)
         self.period_count = 0
 
-    def best_actions(self, obs):
-        """π_b(s) for every learner's states `[N, B, obs]` (one network, all states in one batch)."""
-        return self.best_actor(obs.reshape(1, -1, obs.shape[-1])).reshape(*obs.shape[:-1], -1)
-
     @torch.no_grad()
     def act(self, obs, noise_std):
         """π_i(s) + N(0, σ²), kept in [-1, 1] (Algorithm 1, line 9), for every learner's states `[N, n, obs]`."""
@@ -402,15 +356,13 @@ class Learners:
         return a.clamp(-1.0, 1.0)
 
     def update(self, batch, beta, guided):
-        """One gradient step of every learner's Q-functions (Eq. 83) on its own minibatch (`batch` of tensors
-        `[N, B, ...]`) and, every d-th call, of the policies (Eq. 84; `guided[i]` = 1{i≠b}) and the targets
-        (Eq. 82). Returns the statistics of this step per learner (policy ones only on policy steps)."""
+        """One step of every learner's Q-functions (Eq. 83), each on its own minibatch `[N, B, ...]`, and every d-th of
+        the policies (Eq. 84, `guided` = 1{i≠b}) and the targets (Eq. 82). Returns each learner's statistics."""
         obs, actions, rewards, next_obs, terminated = (x.to(self.device, non_blocking=True) for x in batch)
         a = self.args
         with torch.no_grad():
-            next_actions = smoothed_target_action(
-                self.actor_target(next_obs), a.policy_noise, a.noise_clip, self.generator
-            )
+            next_pi = self.actor_target(next_obs)
+            next_actions = smoothed_target_action(next_pi, a.policy_noise, a.noise_clip, self.generator)
             y = td3_target(rewards, terminated, *self.qf_target(next_obs, next_actions), a.gamma)
         q1, q2 = self.qf(obs, actions)
         qf_loss = critic_loss(q1, q2, y)
@@ -422,13 +374,13 @@ class Learners:
         stats = {"qf_loss": qf_loss.detach(), "q1_mean": q1.detach().mean(-1)}
         if self.updates % a.policy_delay == 0:
             pi = self.actor(obs)
-            with torch.no_grad():
-                best = self.best_actions(obs)
+            with torch.no_grad():  # π_b (one network) on every learner's states
+                best = self.best_actor(obs.reshape(1, -1, obs.shape[-1])).reshape(pi.shape)
             self.qf.q1.requires_grad_(False)  # the policy's gradient flows through Q_1, which gets none of its own
             q1_of_pi = self.qf.q1_only(obs, pi)
             self.qf.q1.requires_grad_(True)
             actor_loss, distance = p3s_actor_loss(q1_of_pi, pi, best, beta, guided, a.distance)
-            if a.period_distances == "updates" and self.num_learners > 1:  # D_spread's, D_change's terms (Sec. 3.2)
+            if self.num_learners > 1:  # the terms of D_spread and D_change (Sec. 3.2)
                 with torch.no_grad():
                     old = policy_distance(pi.detach(), self.old_actor(obs), a.distance)
                 self.period_sums += torch.stack([distance, old])
@@ -442,17 +394,10 @@ class Learners:
             stats.update(actor_loss=actor_loss.detach(), guidance_distance=distance)
         return stats
 
-    @torch.no_grad()
-    def period_distances(self, obs):
-        """(E_s D(π_i, π_b), E_s D(π_i, π_old,i)) per learner `[N]`, the learners' terms of D_spread and D_change
-        (Sec. 3.2). `--period-distances updates` (the authors' code, base.py:240-243, p3s_td3.py:341-347): the mean
-        over the period's policy steps, each on that step's minibatch (None if the period had none); "end": now, on
-        the states `obs` `[N, B, obs]`."""
-        if self.args.period_distances == "updates":
-            return self.period_sums / self.period_count if self.period_count else None
-        obs, d = obs.to(self.device), self.args.distance
-        pi = self.actor(obs)
-        return policy_distance(pi, self.best_actions(obs), d), policy_distance(pi, self.old_actor(obs), d)
+    def period_distances(self):
+        """E_s D(π_i, π_b) and E_s D(π_i, π_old,i) per learner (Sec. 3.2), averaged over the period's policy steps, each
+        on its own minibatch, as the authors' code does (base.py:240-243, p3s_td3.py:341-347); None before any."""
+        return self.period_sums / self.period_count if self.period_count else None
 
     @torch.no_grad()
     def adopt(self, best):
@@ -480,52 +425,43 @@ def to_env_action(actions, low, high):
     return np.clip(low + (actions + 1.0) * 0.5 * (high - low), low, high)
 
 
-def evaluate_learners(actor, env_id, episodes, seed, low, high):
-    """Sec. 4.1's evaluation, every R_eval steps: each learner's policy as it is now, deterministic (no noise), plays
-    `episodes` episodes in envs of its own (all learners' at once, one envpool); returns each learner's mean."""
+def greedy_policy(actor, low, high):
+    """`evaluate`'s `policy(obs, rewards, first)` of the N noiseless policies of `actor`: learner i plays share i."""
     N, device = actor.net[0].weight.shape[0], actor.net[0].weight.device
 
-    def make_policy(num_envs):
-        @torch.no_grad()
-        def policy(obs, rewards, first):
-            a = actor(torch.from_numpy(flatten_obs(obs)).to(device).view(N, episodes, -1)).reshape(num_envs, -1)
-            return to_env_action(a.cpu().numpy(), low, high)
+    @torch.no_grad()
+    def policy(obs, rewards, first):
+        obs = torch.from_numpy(flatten_obs(obs)).to(device)
+        a = actor(obs.view(N, len(obs) // N, -1)).reshape(len(obs), -1)
+        return to_env_action(a.cpu().numpy(), low, high)
 
-        return policy
+    return policy
 
-    scores = evaluate(make_policy, env_id, N * episodes, N * episodes, seed)  # env e: learner e // episodes
+
+def evaluate_learners(actor, env_id, episodes, seed, low, high):
+    """Sec. 4.1's evaluation: each learner's policy now, `episodes` episodes in envs of its own; each one's mean."""
+    N = actor.net[0].weight.shape[0]
+    scores = evaluate(lambda num_envs: greedy_policy(actor, low, high), env_id, N * episodes, N * episodes, seed)
     return np.asarray(scores).reshape(N, episodes).mean(1).tolist()
 
 
 def synchronise(state, args):
-    """Algorithm 1, lines 24-26, on the training state: every learner's score and distances
-    (`Learners.period_distances`); D_spread and D_change over the period's non-best learners → new β (Eq. 76;
-    unchanged when the period had no policy step); the new best b; copy π_b, start π_old. Returns the selection."""
-    N, learners, recent, best, beta = (
-        args.num_learners,
-        state["learners"],
-        state["recent"],
-        state["best"],
-        state["beta"],
-    )
-    states = (
-        state["replay"].sample(args.batch_size, state["cpu_generator"])[0][0]
-        if args.period_distances == "end"
-        else None
-    )
-    distances = learners.period_distances(None if states is None else states.expand(N, -1, -1))
-    others = [i for i in range(N) if i != best]
-    d_spread, d_change = math.nan, math.nan
+    """Algorithm 1, lines 24-26: β by Eq. (76) on D_spread and D_change, the non-best learners' mean `period_distances`
+    (kept if the period had no policy step); the new best b; π_b copied, π_old started. Returns the selection."""
+    learners, best, beta = state["learners"], state["best"], state["beta"]
+    distances = learners.period_distances()
+    others = [i for i in range(args.num_learners) if i != best]
+    d_spread = d_change = d_search = math.nan
     if distances is not None:
         d_spread, d_change = float(distances[0][others].mean()), float(distances[1][others].mean())
-        beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min, args.beta_min, args.beta_max)
-    new_best = select_best(recent, best)
+        d_search = max(args.rho * d_change, args.d_min)
+        beta = adapt_beta(beta, d_spread, d_change, args.rho, args.d_min)
+    new_best = select_best(state["recent"], best)
     learners.adopt(new_best)
-    scores = [float(np.mean(r)) if r else math.nan for r in recent]
-    sync = dict(best=new_best, previous_best=best, beta=beta, d_spread=d_spread, d_change=d_change, scores=scores)
-    sync["d_search"] = max(args.rho * d_change, args.d_min) if distances is not None else math.nan
+    scores = [float(np.mean(r)) if r else math.nan for r in state["recent"]]
     state.update(best=new_best, beta=beta, generation=state["generation"] + 1)
-    return sync
+    sync = dict(best=new_best, previous_best=best, beta=beta, d_spread=d_spread, d_change=d_change, scores=scores)
+    return {**sync, "d_search": d_search}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -534,11 +470,12 @@ def synchronise(state, args):
 
 def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
-    _, args = check_args(args)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
+    check_args(args)
     N, n, M, R, E = args.num_learners, args.num_envs, args.best_period, args.eval_interval, args.eval_episodes
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    log, stop = RunLog(args, resumed, describe(args, device)), Stop()
+    method = f"P3S-TD3 with {N} learners" if N > 1 else "TD3 (one learner)"
+    delayed = f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else ""
+    log, stop = RunLog(args, resumed, f"{method} x {n} env(s) on {device}{delayed}"), Stop()
     cores = len(os.sched_getaffinity(0)) if device == "cpu" else 1  # a GPU's kernels need one thread to launch them
     threads = ThreadChoice([args.threads] if args.threads else [cores, 1])
     torch.set_flush_denormal(True)  # Adam's tiny second moments as 0: slow denormals on x86 (docs: "Speed on a CPU")
@@ -588,32 +525,21 @@ def main(args: Args):
     except NonFiniteError as e:
         fail(e, log.path)
     if args.capture_video:  # one episode of the best policy
-        model = saved_model(args, learners, best_first(state), step, low, high)
+        model = saved_model(args, state, step)
         evaluate(lambda k: make_eval_policy(model, k), args.env_id, 1, 1, args.seed + 10_000, log.path)
     log.console(step)
     log.end(step, max(state["means"], default=None), **summary(log, state))
 
 
-def describe(args, device) -> str:
-    """The start-up line's account of the run."""
-    N, n = args.num_learners, args.num_envs
-    text = f"P3S-TD3 with {N} learners" if N > 1 else "TD3 (one learner)"
-    text += f" x {n} env(s) on {device}; {args.updates_per_step} update(s) per learner step, "
-    text += f"T_initial {args.t_initial}, updates from {first_update_step(args)} steps, d_min {args.d_min}"
-    return text + (f", rewards delayed by {args.reward_delay}" if args.reward_delay > 1 else "")
-
-
 def guided_learners(state, args, device):
-    """1{i≠b} for the policy loss. Before the first selection no learner is guided (the authors' code), or all but
-    learner 0 toward the common initial policy (the text: Algorithm 1, line 1)."""
+    """1{i≠b} of the policy loss: none before the first selection (the authors' code) but with --guide-first-period."""
     before = state["generation"] == 0 and not args.guide_first_period
     return (torch.arange(args.num_learners, device=device) != state["best"]) & (args.num_learners > 1) & (not before)
 
 
 def learn(state, args, guided, stats, threads) -> bool:
-    """Algorithm 1, lines 13-22: none during the random phase (the text); the authors' code starts the updates once D
-    holds `learning_starts` rows, whatever the actions, each on a fresh minibatch (base.py:118-123). Returns whether
-    they have started; a policy step's statistics stay in `stats` till the next."""
+    """Algorithm 1, lines 13-22, each update on a fresh minibatch: once D holds `learning_starts` rows (the authors'
+    code, base.py:118-123) or, with 0, after the random phase (the text). Returns whether they have started."""
     N, replay, counts, starts = args.num_learners, state["replay"], state["counts"], args.learning_starts
     learning = int(replay.sizes().sum()) >= starts if starts > 0 else state["t"] > args.t_initial
     started = time.perf_counter()
@@ -628,9 +554,7 @@ def learn(state, args, guided, stats, threads) -> bool:
 
 
 def training_state(args, obs_dim, action_dim, device, resumed) -> dict:
-    """The training state, built here (Algorithm 1, lines 1-2) or loaded from `--resume`'s checkpoint: the N learners,
-    the shared replay D, each learner's last E_r training returns, the time step t, the best learner b, β, the
-    selections so far, the last evaluation, counters, the generators of the noise and of the random draws."""
+    """The training state (Algorithm 1, lines 1-2), built here or loaded from `--resume`'s checkpoint."""
     N, generator = args.num_learners, torch.Generator(device=device).manual_seed(args.seed + 1)  # acting, smoothing
     state = dict(learners=Learners(N, obs_dim, action_dim, args, device, generator))
     state.update(replay=SharedReplay(args.buffer_size, N, obs_dim, action_dim, device), recent=[[] for _ in range(N)])
@@ -642,20 +566,11 @@ def training_state(args, obs_dim, action_dim, device, resumed) -> dict:
     return state
 
 
-def best_first(state) -> int:
-    """The learner whose policy model.pt plays: the last evaluation's best, or before any the selected b."""
-    return int(np.argmax(state["means"])) if state["means"] else state["best"]
-
-
 def save(log, state) -> None:
     """checkpoint.pt: the training state, its networks found finite; model.pt with --save-model."""
     step, saved = state["t"] * log.args.num_learners * log.args.num_envs, state_dicts(state)
     check_finite(f"at step {step}", **{f"{n}.{k}": v for n in ("actor", "qf") for k, v in saved["learners"][n].items()})
-    box = env_spec(log.args.env_id).action_space
-    low, high = box.low.astype(np.float32), box.high.astype(np.float32)
-    model = (
-        saved_model(log.args, state["learners"], best_first(state), step, low, high) if log.args.save_model else None
-    )
+    model = saved_model(log.args, state, step) if log.args.save_model else None
     log.save(step, {**saved, "recent": [list(r) for r in state["recent"]]}, model)
 
 
@@ -675,74 +590,54 @@ def summary(log, state) -> dict:
     """summary.json's own entries: per learner, its last evaluation and training returns, its updates and samples."""
     N, counts = log.args.num_learners, state["counts"]
     last_10 = [float(np.mean(g[-10:])) if g else None for g in (log.groups.get(f"learner_{i}") for i in range(N))]
-    out = dict(
-        num_learners=N, eval_mean_return_per_learner=state["means"], mean_episodic_return_last_10_per_learner=last_10
-    )
-    out.update(best_learner=state["best"], beta=state["beta"], updates_per_learner=[state["learners"].updates] * N)
-    out.update(foreign_sample_fraction=(counts["foreign"] / counts["sampled"].clamp(min=1)).tolist())
-    stored = state["replay"].writes.clamp(min=1)  # the rows each learner stored
-    return dict(out, rewarded_fraction=(counts["rewarded"] / stored).tolist())
+    foreign, stored = counts["foreign"] / counts["sampled"].clamp(min=1), state["replay"].writes.clamp(min=1)
+    out = dict(num_learners=N, eval_mean_return_per_learner=state["means"])
+    out.update(mean_episodic_return_last_10_per_learner=last_10, best_learner=state["best"], beta=state["beta"])
+    out.update(updates_per_learner=[state["learners"].updates] * N, foreign_sample_fraction=foreign.tolist())
+    return dict(out, rewarded_fraction=(counts["rewarded"] / stored).tolist())  # of the rows each learner stored
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
-    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): the deterministic policy of
-    `checkpoint["actor"]` (the best learner's; TD3 evaluates without noise, so `greedy` changes nothing)."""
+    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): the best learner's policy,
+    `checkpoint["actor"]`, without noise (TD3 evaluates so: `greedy` changes nothing)."""
     actor = Actor(**checkpoint["actor_config"]).to(device)
     actor.load_state_dict(checkpoint["actor"])
-    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
-
-    @torch.no_grad()
-    def policy(obs, rewards, first):
-        a = actor(torch.from_numpy(flatten_obs(obs)).to(device)[None])[0]
-        return to_env_action(a.cpu().numpy(), low, high)
-
-    return policy
+    return greedy_policy(actor, np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"]))
 
 
-def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
-    spec = env_spec(args.env_id, discrete=False)
-    for name in ("num_learners", "num_envs", "best_period", "recent_episodes", "batch_size", "policy_delay"):
-        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    require(args.threads >= 0, f"--threads must be 0 (chosen as the run goes) or a count, got {args.threads}")
+def check_args(args) -> None:
+    """Bad input: one clear line before any work (UsageError)."""
+    env_spec(args.env_id, discrete=False)
+    at_least = dict(num_learners=1, num_envs=1, updates_per_step=1, best_period=1, recent_episodes=1, batch_size=1)
+    at_least.update(policy_delay=1, threads=0, t_initial=0, learning_starts=0, d_min=0, reward_delay=0)
+    at_least.update(exploration_noise=0, policy_noise=0, noise_clip=0, eval_episodes=0, eval_interval=0)
+    for name, low in at_least.items():
+        value = getattr(args, name)
+        require(value >= low, f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    for name in ("learning_rate", "rho"):
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    require(1e-3 <= args.beta_init <= 1e3, f"--beta-init {args.beta_init} must lie in β's bounds [1e-3, 1e3]")
+    require(0 < args.tau <= 1, f"--tau must be in (0, 1], got {args.tau}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
     rows = args.batch_size * args.num_learners  # each learner's share of D holds a minibatch at least
     require(args.buffer_size >= rows, f"--buffer-size {args.buffer_size}: at least --batch-size x learners, {rows}")
-    for name in ("learning_rate", "rho", "beta_init", "beta_min", "beta_max"):
-        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    beta_range = f"[--beta-min, --beta-max] = [{args.beta_min}, {args.beta_max}]"
-    require(args.beta_min <= args.beta_init <= args.beta_max, f"--beta-init {args.beta_init} must lie in {beta_range}")
-    require(0 < args.tau <= 1, f"--tau must be in (0, 1], got {args.tau}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    for name in ("exploration_noise", "policy_noise", "noise_clip", "reward_delay", "eval_episodes", "eval_interval"):
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    for name in ("t_initial", "learning_starts", "d_min"):
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    require(args.updates_per_step >= 1, f"--updates-per-step must be 1 or more, got {args.updates_per_step}")
-    first = first_update_step(args)
-    if args.total_timesteps <= first:
-        raise UsageError(
-            f"--total-timesteps {args.total_timesteps} ends before the first update at step {first} (T_initial "
-            f"{args.t_initial} x {args.num_learners} learners x {args.num_envs} envs, --learning-starts "
-            f"{args.learning_starts}); give more, or a smaller --t-initial or --learning-starts"
-        )
+    first = args.learning_starts or args.num_learners * args.num_envs * args.t_initial  # the step of the first update
+    ends = f"--total-timesteps {args.total_timesteps} ends before the first update at step {first}"
+    require(args.total_timesteps > first, f"{ends}: give more, or a smaller --t-initial or --learning-starts")
     if args.capture_video:
         check_render(args.env_id)
-    return spec, args
 
 
-def first_update_step(args):
-    """The step of all learners together after which the updates start (about: envpool's reset steps store no
-    row): when D holds `learning_starts` rows, or after the random phase when it is 0."""
-    return args.learning_starts if args.learning_starts > 0 else args.num_learners * args.num_envs * args.t_initial
-
-
-def saved_model(args, learners, best, step, low, high):
-    """What model.pt holds (evaluate.py and `make_eval_policy` play `actor`): every learner's policy, `best`'s first."""
+def saved_model(args, state, step):
+    """model.pt: every learner's policy and, as `actor` (played by evaluate.py), the last evaluation's best, else b."""
+    learners, box = state["learners"], env_spec(args.env_id).action_space
+    best = int(np.argmax(state["means"])) if state["means"] else state["best"]
     actors = [learners.actor.learner_state(i) for i in range(args.num_learners)]
     model = dict(script="p3s_td3", env_id=args.env_id, args=dataclasses.asdict(args))
     model.update(actor_config=learners.actor.config, actor=actors[best], actors=actors, best_learner=best)
-    return {**model, "global_step": step, "action_low": low.tolist(), "action_high": high.tolist()}
+    low, high = box.low.astype(np.float32).tolist(), box.high.astype(np.float32).tolist()
+    return {**model, "global_step": step, "action_low": low, "action_high": high}
 
 
 def log_selection(log, step, sync) -> None:
@@ -757,17 +652,12 @@ def log_selection(log, step, sync) -> None:
 
 
 def log_evaluation(log, step, means) -> str:
-    """An evaluation every R_eval steps: a line of evaluations.jsonl, each learner's curve and the score (the best
-    learner's mean, Sec. 4.1) as `charts/eval_return`. Returns it for the console line."""
+    """An evaluation: evaluations.jsonl, each learner's curve, the score (the best mean) and its console text."""
     with open(os.path.join(log.path, "evaluations.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "eval_return": max(means), "per_learner": means}) + "\n")
     log.scalars({f"charts/learner_{i}/eval_return": m for i, m in enumerate(means)}, step)
     log.scalars({"charts/eval_return": max(means)}, step)
     return f"eval {max(means):.1f} at {step}"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Threads. No equation below.
 
 
 class ThreadChoice:

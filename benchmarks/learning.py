@@ -212,7 +212,6 @@ PRESETS = {
             ("start", ("--t-initial", "1000", "--learning-starts", "1000")),
             ("mean", ("--distance", "mean")),
             ("nofirst", ("--no-guide-first-period",)),
-            ("periodD", ("--period-distances", "updates")),
         )
     ]
     + [Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper"), label="xavier")],

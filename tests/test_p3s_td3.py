@@ -173,7 +173,7 @@ def test_actor_loss_gradient_matches_eq_84(guided, reduction):
     obs = torch.randn(1, 6, 5)
     beta = 0.7
     pi = learner.actor(obs)
-    loss, distance = p3s_actor_loss(learner.qf.q1_only(obs, pi), pi, learner.best_actions(obs), beta, guided, reduction)
+    loss, distance = p3s_actor_loss(learner.qf.q1_only(obs, pi), pi, learner.best_actor(obs), beta, guided, reduction)
     grads = torch.autograd.grad(loss[0], list(learner.actor.parameters()))
     ref_loss = 0.0
     for i in range(6):  # a plain loop over the minibatch
@@ -283,19 +283,16 @@ def test_soft_update_matches_eq_82():
     torch.testing.assert_close(a.weight.detach(), 0.9 * wa + 0.1 * wb)
 
 
-@pytest.mark.parametrize("common", [True, False])
-def test_learners_start_alike_or_each_from_its_own_weights(common):
-    """Algorithm 1, line 1: every learner starts from the same policy and Q-functions (`--common-init`, the
-    default); `--no-common-init` gives each its own draw, as the authors' launcher leaves them. Either way each
-    learner's slice is an `nn.Linear` of the chosen initialisation (Xavier: zero biases, |w| within the bound), and
-    the targets and π_b start as copies."""
+def test_learners_start_alike():
+    """Algorithm 1, line 1: every learner starts from the same policy and Q-functions, each learner's slice an
+    `nn.Linear` of Xavier's initialisation (zero biases, |w| within the bound), and the targets and π_b start as
+    copies."""
     torch.manual_seed(3)
-    learners = Learners(3, 5, 2, Args(hidden=(16, 8), common_init=common))
+    learners = Learners(3, 5, 2, Args(hidden=(16, 8)))
     for net, target in ((learners.actor, learners.actor_target), (learners.qf, learners.qf_target)):
         for p, p_target in zip(net.parameters(), target.parameters()):
             torch.testing.assert_close(p, p_target)
-            same = [torch.equal(p[0], p[i]) for i in (1, 2)]
-            assert same == ([True, True] if common else [False, False]) or (p.dim() == 2 and not p.any())
+            assert torch.equal(p[0], p[1]) and torch.equal(p[0], p[2])
             if p.dim() == 3:  # a weight [N, out, in]: Xavier-uniform's bound sqrt(6 / (in + out))
                 assert p.abs().max() <= math.sqrt(6 / (p.shape[1] + p.shape[2]))
             else:
@@ -311,7 +308,7 @@ def test_adopt_makes_a_frozen_copy_of_the_best_policy():
     """π_b is copied at selection time: later updates of the best learner do not move it; π_old is the learner's
     own policy at that time."""
     torch.manual_seed(6)
-    args = Args(hidden=(8,), period_distances="end")
+    args = Args(hidden=(8,))
     learners = Learners(2, 3, 1, args)  # learner 0 will be the best, learner 1 the other
 
     with torch.no_grad():
@@ -322,32 +319,27 @@ def test_adopt_makes_a_frozen_copy_of_the_best_policy():
         for p in learners.actor.parameters():  # the other learner has moved since it was built
             p[1].mul_(0.5)
     learners.adopt(0)
+    old = policy_params(learners.actor, 1).clone()
     torch.testing.assert_close(policy_params(learners.best_actor, 0), vector)
-    torch.testing.assert_close(policy_params(learners.old_actor, 1), policy_params(learners.actor, 1))
+    torch.testing.assert_close(policy_params(learners.old_actor, 1), old)
     with torch.no_grad():
-        for p in learners.actor.parameters():  # the best learner keeps learning
-            p[0].add_(5.0)
+        for p in learners.actor.parameters():  # both learners keep learning
+            p.add_(5.0)
     torch.testing.assert_close(policy_params(learners.best_actor, 0), vector)
-    obs = torch.randn(10, 3).expand(2, -1, -1)
-    d_spread, d_change = learners.period_distances(obs)
-    assert d_change[1] == 0.0 and d_spread[1] > 0  # π_new = π_old right after adopting
-    with torch.no_grad():
-        for p in learners.actor.parameters():
-            p[1].add_(0.1)
-    assert learners.period_distances(obs)[1][1] > 0  # π_old stays where the period started
+    torch.testing.assert_close(policy_params(learners.old_actor, 1), old)  # π_old stays where the period started
     assert not any(p.requires_grad for p in learners.best_actor.parameters())
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_period_distances_average_the_periods_policy_steps(reduction):
-    """`--period-distances updates` (the authors' code): each learner's D(π_i, π_b) and D(π_i, π_old,i) on every
-    policy step's own minibatch, with the policy as that step found it, averaged over the period; a selection
+    """D_spread's and D_change's terms as the authors' code has them: each learner's D(π_i, π_b) and D(π_i, π_old,i)
+    on every policy step's own minibatch, with the policy as that step found it, averaged over the period; a selection
     (`adopt`) starts a new period; a period without a policy step has none."""
     torch.manual_seed(10)
     N, B, args = 3, 6, Args(hidden=(8,), distance=reduction)
     learners = Learners(N, 4, 2, args)
     learners.adopt(0)
-    assert learners.period_distances(None) is None
+    assert learners.period_distances() is None
     spread, change = [], []
     for k in range(6):
         obs = torch.randn(N, B, 4)
@@ -366,12 +358,12 @@ def test_period_distances_average_the_periods_policy_steps(reduction):
             change.append([d[1] for d in per_learner])
         learners.update(batch, 0.5, torch.tensor([False, True, True]))
     assert len(spread) == 3
-    got = learners.period_distances(None)
+    got = learners.period_distances()
     torch.testing.assert_close(got[0], torch.tensor(spread).mean(0), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got[1], torch.tensor(change).mean(0), rtol=1e-5, atol=1e-7)
     assert float(got[1].sum()) > 0  # the policies moved during the period
     learners.adopt(1)
-    assert learners.period_distances(None) is None
+    assert learners.period_distances() is None
 
 
 def learner_slice(module, i):
@@ -555,8 +547,8 @@ def test_replay_rows_of_several_learners_in_one_add_go_to_each_learners_ring_in_
     for _ in range(2):  # the second add wraps learner 0's ring (4 rows) after 6 of its rows
         replay.add(writers, rewards[:, None], torch.zeros(6, 1), rewards, rewards[:, None], torch.zeros(6))
     assert replay.writes.tolist() == [6, 2, 4]
-    assert replay.rewards[0:4].tolist() == [2.0, 5.0, 5.0, 0.0]  # rows 0, 2, 5, then 0, 2, 5 into a ring of 4
-    assert replay.rewards[4:6].tolist() == [3.0, 3.0] and replay.rewards[8:12].tolist() == [1.0, 4.0, 1.0, 4.0]
+    assert replay.rewards[0].tolist() == [2.0, 5.0, 5.0, 0.0]  # rows 0, 2, 5, then 0, 2, 5 into a ring of 4
+    assert replay.rewards[1, :2].tolist() == [3.0, 3.0] and replay.rewards[2].tolist() == [1.0, 4.0, 1.0, 4.0]
 
 
 def test_delayed_reward_gives_the_sum_every_f_steps_or_at_the_end():
@@ -601,29 +593,25 @@ def test_task_defaults_follow_the_authors_code_and_appendix_i():
 def resolved(argv):
     """The arguments a run takes from `argv`: family or paper defaults, then the values derived from the task."""
     args = p3s_td3.parse_args(argv)
-    return dataclasses.asdict(p3s_td3.check_args(args)[1]), args
+    p3s_td3.check_args(args)
+    return dataclasses.asdict(args), args
 
 
 def test_defaults_follow_the_authors_code_and_preset_paper_the_text():
     """`--env-id` alone: N updates of each learner per step of its own, updates from 1000 rows of D, random
     actions for 1000 steps per learner, D averaged over action dimensions and over the period's updates, no
     guidance before the first selection, Xavier weights. `--preset paper`: one update per step, T_initial 250 with
-    no update before it, the squared norm measured at the period's end, guidance from the start. A flag wins."""
+    no update before it, the squared norm, guidance from the start. A flag wins."""
     derived, args = resolved(["--env-id", "Hopper-v4"])
     assert (derived["updates_per_step"], derived["t_initial"], derived["learning_starts"]) == (4, 1000, 1000)
-    assert (args.distance, args.period_distances, args.guide_first_period, args.init) == (
-        "mean",
-        "updates",
-        False,
-        "xavier",
-    )
+    assert (args.distance, args.guide_first_period, args.init) == ("mean", False, "xavier")
     derived, _ = resolved(["--env-id", "Hopper-v4", "--num-learners", "2"])
     assert derived["updates_per_step"] == 2
     derived, args = resolved(["--env-id", "Hopper-v4", "--preset", "paper"])
     assert (derived["updates_per_step"], derived["t_initial"], derived["learning_starts"]) == (1, 250, 0)
-    assert (args.distance, args.period_distances, args.guide_first_period) == ("sum", "end", True)
+    assert (args.distance, args.guide_first_period) == ("sum", True)
     derived, args = resolved(["--env-id", "Hopper-v4", "--preset", "paper", "--distance", "mean"])
-    assert args.distance == "mean" and args.period_distances == "end"
+    assert args.distance == "mean" and args.guide_first_period
     derived, _ = resolved(["--env-id", "Hopper-v4", "--updates-per-step", "1", "--t-initial", "250"])
     assert (derived["updates_per_step"], derived["t_initial"], derived["learning_starts"]) == (1, 250, 1000)
 
@@ -962,17 +950,19 @@ def test_thread_choice_keeps_the_faster_thread_count_and_tries_the_other_again()
 
 
 def test_saved_model_holds_every_learners_own_policy():
-    """model.pt (`saved_model`): `actors[i]`, read into a one-learner `Actor`, is learner i; `actor` is the best's."""
+    """model.pt (`saved_model`): `actors[i]`, read into a one-learner `Actor`, is learner i; `actor` is the best's: the
+    last evaluation's best, or before any evaluation the selected b; the actions' box is the task's."""
     torch.manual_seed(10)
-    learners = Learners(3, 4, 2, Args(hidden=(8, 8)))
+    learners = Learners(3, 4, 1, Args(hidden=(8, 8)))
     with torch.no_grad():
         for p in learners.actor.parameters():
             p.add_(torch.randn_like(p))
-    low, high = np.array([-1.0, -2.0], np.float32), np.array([1.0, 2.0], np.float32)
-    model = p3s_td3.saved_model(Args(num_learners=3, hidden=(8, 8)), learners, 2, 100, low, high)
+    args = Args(env_id="Pendulum-v1", num_learners=3, hidden=(8, 8))
+    model = p3s_td3.saved_model(args, dict(learners=learners, means=[1.0, 0.0, 5.0], best=1), 100)
     obs = torch.randn(1, 5, 4)
     for i in range(3):
         actor = p3s_td3.Actor(**model["actor_config"])
         actor.load_state_dict(model["actors"][i])
         torch.testing.assert_close(actor(obs)[0], learners.actor(obs.expand(3, -1, -1))[i])
-    assert model["actor"] is model["actors"][2] and model["best_learner"] == 2 and model["action_high"] == [1.0, 2.0]
+    assert model["actor"] is model["actors"][2] and model["best_learner"] == 2 and model["action_high"] == [2.0]
+    assert p3s_td3.saved_model(args, dict(learners=learners, means=[], best=1), 100)["best_learner"] == 1
