@@ -63,6 +63,7 @@ class Args:
     preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
     exp_name: str = "p3s_td3"  # name of this experiment, part of the run folder's name
     seed: int = 1  # seed of the common initial weights, the noise and the sampling
+    torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
     cuda: bool = True  # the learners' networks and the replay on the GPU when there is one
     threads: int = 0  # torch threads of the updates on a CPU; 0: the cores or 1, the faster as the run goes (docs)
     total_timesteps: int = 1_000_000  # environment steps of all learners together (the paper's Figs. 3-4: 1M)
@@ -479,7 +480,6 @@ def main(args: Args):
     cores = len(os.sched_getaffinity(0)) if device == "cpu" else 1  # a GPU's kernels need one thread to launch them
     threads = ThreadChoice([args.threads] if args.threads else [cores, 1])
     torch.set_flush_denormal(True)  # Adam's tiny second moments as 0: slow denormals on x86 (docs: "Speed on a CPU")
-    torch.manual_seed(args.seed)  # the same initial weights for every learner (Algorithm 1, line 1)
     envs = make_env(args.env_id, N * n, args.seed, num_threads=min(N * n, len(os.sched_getaffinity(0))))
     obs_dim, action_dim = flat_obs_dim(envs.spec), int(envs.action_space.shape[0])
     low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
@@ -555,6 +555,8 @@ def learn(state, args, guided, stats, threads) -> bool:
 
 def training_state(args, obs_dim, action_dim, device, resumed) -> dict:
     """The training state (Algorithm 1, lines 1-2), built here or loaded from `--resume`'s checkpoint."""
+    torch.manual_seed(args.seed)  # the same initial weights for every learner (Algorithm 1, line 1)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
     N, generator = args.num_learners, torch.Generator(device=device).manual_seed(args.seed + 1)  # acting, smoothing
     state = dict(learners=Learners(N, obs_dim, action_dim, args, device, generator))
     state.update(replay=SharedReplay(args.buffer_size, N, obs_dim, action_dim, device), recent=[[] for _ in range(N)])
