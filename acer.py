@@ -16,17 +16,15 @@ correction that uses Q for the actions the data does not cover; an efficient tru
 | Eq. (6) critic update (Q^ret − Q)∇Q                             | `acer_loss`                            |
 | Eqs. (11)-(12) trust region with the average policy network     | `trust_region_step`, `kl_gradient`     |
 | Sec. 3.3 θ_a ← α θ_a + (1 − α) θ                                | `update_average`                       |
-| Algorithm 1: on-policy step, then Poisson(r) replay steps       | `train_worker`, `Replay`               |
+| Algorithm 1: on-policy step, then Poisson(r) replay steps       | `train_worker`                         |
 | Sec. 4: Atari network, k, c, δ, α, β, γ, replay size            | `Agent`, `Args` defaults               |
 | Eq. (13) stochastic dueling network Q̃ = V + A − mean_i A(x, u_i) | `ContinuousAgent.q_tilde`              |
 | Eq. (16) Gaussian ĝ^acer with Q^opc (App. B), Eq. (14) V update | `gaussian_policy_gradient`             |
 | Algorithm 3: c_i = min(1, ρ^(1/d)) traces, replay-only learning | `acer_loss_continuous`, `train_worker` |
 | Sec. 6: σ = 0.3, n = 5, k = 50, replay 5,000, α = 0.995         | `ContinuousAgent`, `Args` defaults     |
 
-The policy's statistics φ are its probabilities: the trust region acts on them per state (Eq. 12). envpool's reset
-step (after an episode ends) gets no loss and a truncated weight of 0 in Retrace, so a time-limit truncation
-bootstraps. What the paper leaves open (the optimiser's settings, the initialisation, replay storage, the
-continuous truncation c, the continuous network's details) and the measurements behind the defaults: docs/acer.md.
+What the paper leaves open (the optimiser, the initialisation, replay storage, the continuous truncation c and
+network) and the measurements behind the defaults: docs/acer.md.
 
     python acer.py --env-id Breakout-v5
     python acer.py --env-id CartPole-v1 --num-workers 2 --num-envs 4
@@ -34,6 +32,7 @@ continuous truncation c, the continuous network's details) and the measurements 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -171,12 +170,10 @@ def acer_policy_gradient(probs, actions, behaviour_probs, q, q_ret, c, ent_coef=
         ρ̄_t ∇_φ log φ(a_t) (Q^ret − V) + Σ_a [1 − c/ρ(a)]_+ φ(a) ∇_φ log φ(a) (Q(a) − V)  (+ β ∇_φ H(φ))
 
     with ρ(a) = φ(a)/μ(a), ρ̄_t = min(c, ρ(a_t)), V = Σ_a φ(a) Q(a); ∇_φ log φ(a) = e_a / φ(a), so the correction
-    term is [1 − c/ρ(a)]_+ (Q(a) − V) for every a. All inputs are constants here (`[N, A]` probabilities and Q,
-    `[N]` actions and Q^ret). Returns (g, truncated ρ̄_t, ρ_t)."""
+    term is [1 − c/ρ(a)]_+ (Q(a) − V) for every a. Inputs are constants. Returns (g, truncated ρ̄_t, ρ_t)."""
     probs, q = probs.detach().clamp(min=PROB_FLOOR), q.detach()
-    behaviour_probs = behaviour_probs.detach().clamp(min=PROB_FLOOR)
     v = (probs * q).sum(-1, keepdim=True)
-    rho_all = probs / behaviour_probs
+    rho_all = probs / behaviour_probs.detach().clamp(min=PROB_FLOOR)
     rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     rho_bar = rho.clamp(max=c)
     g = (1 - c / rho_all).clamp(min=0) * (q - v)
@@ -206,14 +203,14 @@ def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behavi
               delta=1.0, ent_coef=1e-3, value_coef=0.5, trust_region=True) -> AcerLoss:  # fmt: skip
     """Algorithm 2 on a segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the ACER update.
 
-    `logits`, `q` `[k+1, B, A]` from the local network θ', `avg_logits` from the average network θ_a; `actions`,
-    `rewards`, `terminated`, `ended` (obs_t ended an episode: step t is envpool's reset step) `[k+1, B]` and the
-    behaviour probabilities μ `[k+1, B, A]`. The policy part back-propagates −z (Eq. 12, or −ĝ without the trust
+    `logits`, `q`, `avg_logits` (of θ' and θ_a) and μ `[k+1, B, A]`; `actions`, `rewards`, `terminated`, `ended`
+    (step t is envpool's reset step) `[k+1, B]`. The policy part back-propagates −z (Eq. 12; −ĝ without the trust
     region) through the softmax; the critic part is value_coef · Σ (Q^ret − Q(x, a))²."""
     probs = F.softmax(logits, dim=-1)
     T, B, A = probs[:-1].shape
     actions, ended = actions[:-1].long(), ended[:-1]
     mask = (~ended).float()
+    q_sa = q[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         p = probs.detach().clamp(min=PROB_FLOOR)
         values = (probs.detach() * q.detach()).sum(-1)
@@ -221,19 +218,16 @@ def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behavi
         rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         truncated = torch.where(ended, 0.0, rho.clamp(max=1.0))  # ρ̄ = min(1, ρ); 0 cuts the trace at a reset step
         discounts = gamma * (~terminated[:-1]).float()
-        q_taken = q.detach()[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        q_ret = retrace(rewards[:-1], discounts, q_taken, values[:-1], truncated, values[-1])
+        q_ret = retrace(rewards[:-1], discounts, q_sa.detach(), values[:-1], truncated, values[-1])
         per_state = [x.flatten(0, 1) for x in (p[:-1], actions, behaviour_probs[:-1], q.detach()[:-1], q_ret)]
         g, rho_bar, _ = acer_policy_gradient(*per_state, c, ent_coef)
         avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A).clamp(min=PROB_FLOOR)
         k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
         z = trust_region_step(g, k, delta) if trust_region else g
-        z = z.view(T, B, A) * mask[..., None]
-        g = g.view(T, B, A) * mask[..., None]
+        z, g = (x.view(T, B, A) * mask[..., None] for x in (z, g))
         n = mask.sum().clamp(min=1)
         kl = (avg_probs * (avg_probs.log() - p[:-1].reshape(-1, A).log())).sum(-1).view(T, B)
     policy_loss = -(z * probs[:-1]).sum() / B  # ∂/∂φ = −z/B: ascent along z
-    q_sa = q[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     value_loss = (mask * (q_ret - q_sa) ** 2).sum() / B
     return AcerLoss(
         loss=policy_loss + value_coef * value_loss,
@@ -276,12 +270,10 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
                          trust_region=True) -> AcerLoss:  # fmt: skip
     """Algorithm 3 on a replayed segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the update.
 
-    `mean [k+1, B, d]` and `values [k+1, B]` from the local network; `q_taken = Q̃(x_i, a_i)` `[k, B]` from the
-    stochastic dueling network (Eq. 13, differentiable), `q_sampled = Q̃(x_i, a'_i)` for fresh samples a'_i ~ π
-    (constants), `avg_mean` the average network's mean; `actions` and the behaviour means `[k+1, B, d]`,
-    `rewards`, `terminated`, `ended` `[k+1, B]`; σ the policy's fixed std. Q^ret uses the traces c_i = min(1,
-    ρ_i^(1/d)) (Sec. 5.1), Q^opc traces of 1 (App. B); the critic gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V
-    (Algorithm 3), scaled by 2 value_coef; `entropy` is NaN (σ is fixed)."""
+    `mean`, `avg_mean` (of θ' and θ_a), `actions`, the behaviour means `[k+1, B, d]`; `values`, `rewards`,
+    `terminated`, `ended` `[k+1, B]`; `q_taken` Q̃(x_i, a_i) (Eq. 13, differentiable), `q_sampled` Q̃(x_i, a'_i) for
+    fresh a'_i ~ π `[k, B]`. Q^ret's traces are c_i = min(1, ρ_i^(1/d)) (Sec. 5.1), Q^opc's 1 (App. B); the critic
+    gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V (Algorithm 3) times 2 value_coef; `entropy` is NaN (σ is fixed)."""
     T, B, d = mean[:-1].shape
     actions, ended = actions[:-1], ended[:-1]
     mask = (~ended).float()
@@ -296,8 +288,7 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
         g, rho_bar, _ = gaussian_policy_gradient(*[x.flatten(0, 1) for x in per_state], std, c)
         k = (m[:-1] - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
         z = trust_region_step(g, k, delta) if trust_region else g
-        z = z.view(T, B, d) * mask[..., None]
-        g = g.view(T, B, d) * mask[..., None]
+        z, g = (x.view(T, B, d) * mask[..., None] for x in (z, g))
         n = mask.sum().clamp(min=1)
         kl = 0.5 * ((m[:-1] - avg_mean[:-1]) ** 2).sum(-1) / (std * std)
     policy_loss = -(z * mean[:-1]).sum() / B
@@ -431,22 +422,6 @@ class ContinuousAgent(nn.Module):
 # Replay and the workers: Algorithm 1.
 
 
-class Replay:
-    """A worker's memory of whole segments `[k+1, num_envs, ...]` (obs, action, reward, terminated, ended, μ): a ring
-    of the last `capacity` segments (a new one takes the oldest one's place), sampled uniformly."""
-
-    def __init__(self, capacity):
-        self.capacity, self.segments, self.added = capacity, [], 0
-
-    def add(self, segment):
-        slot = self.added % self.capacity  # the next free place, or once full the oldest segment's
-        self.segments[slot : slot + 1] = [segment]
-        self.added += 1
-
-    def sample(self, generator):
-        return self.segments[int(torch.randint(len(self.segments), (1,), generator=generator))]
-
-
 def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt):
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions:
     acted and stored only, Sec. 6), then Poisson(r) segments replayed from this worker's memory; each update is
@@ -463,7 +438,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
         low = envs.action_space.low.astype(np.float32)
         high = envs.action_space.high.astype(np.float32)
     pixels = len(local.config["obs_shape"]) == 3
-    replay = Replay(max(1, args.replay_size // (k * n)))
+    replay = collections.deque(maxlen=max(1, args.replay_size // (k * n)))  # whole segments, the oldest leaves first
     tracker = EpisodeTracker(n)
     obs = obs_tensor(envs.reset()[0], pixels)
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
@@ -536,15 +511,15 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             if return_norm is not None:
                 return_norm.update(torch.stack(returns_seen))
             copy_statistics(avg_agent, shared)  # θ_a normalises as θ from the next update on (lock held)
-        replay.add(segment)
+        replay.append(segment)
         replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
         for _ in range(replays):
-            replay_stats = learn(replay.sample(generator))
+            replay_stats = learn(replay[int(torch.randint(len(replay), (1,), generator=generator))])  # uniform
         now, last = time.time(), counter.value >= args.total_timesteps or halt.is_set()  # the last update reported
         if (stats or replays) and ((worker_id == 0 and now - last_report >= 1.0) or last):
             report = {key.replace("stats/", "on_policy/", 1): v for key, v in stats.items()}  # the on-policy update's
             report.update({**(replay_stats if replays else {}), "charts/learning_rate": args.learning_rate})
-            report.update({"stats/replay_updates": replays, "stats/replay_segments": len(replay.segments)})
+            report.update({"stats/replay_updates": replays, "stats/replay_segments": len(replay)})
             msg_q.put(("stats", step + k * n, {key: float(v) for key, v in report.items()}))
             last_report = now
     msg_q.put(("done", counter.value, worker_id))

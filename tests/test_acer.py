@@ -460,15 +460,6 @@ def test_average_network_moves():
         assert not torch.allclose(pa, p0)
 
 
-def test_replay_ring_and_sampling():
-    replay = acer.Replay(3)
-    for i in range(5):
-        replay.add({"i": i})
-    assert len(replay.segments) == 3 and sorted(s["i"] for s in replay.segments) == [2, 3, 4]
-    gen = torch.Generator().manual_seed(0)
-    assert {replay.sample(gen)["i"] for _ in range(100)} == {2, 3, 4}
-
-
 def test_nature_network():
     agent = acer.Agent((4, 84, 84), 6)
     convs = [m for m in agent.modules() if isinstance(m, torch.nn.Conv2d)]
