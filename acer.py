@@ -308,20 +308,11 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
 
 
 @torch.no_grad()
-def update_average(avg_agent, agent, decay, obs_lock=None):
-    """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ, after every update of θ. The observation statistics (buffers) are
-    copied whole, not averaged, under `obs_lock` where given: the average network normalises as θ does."""
+def update_average(avg_agent, agent, decay):
+    """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ, after every update of θ (the workers copy the observation statistics
+    whole, where they change)."""
     for pa, p in zip(avg_agent.parameters(), agent.parameters()):
         pa.mul_(decay).add_(p, alpha=1 - decay)
-    with obs_lock or contextlib.nullcontext():
-        copy_statistics(avg_agent, agent)
-
-
-@torch.no_grad()
-def copy_statistics(dst, src):
-    """dst's observation statistics (its buffers) ← src's, whole (the caller holds the lock where there is one)."""
-    for d, s in zip(dst.buffers(), src.buffers()):
-        d.copy_(s)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -464,7 +455,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             for p, local_p, g in zip(shared.parameters(), local.parameters(), square_avg):
                 g.mul_(alpha).addcmul_(local_p.grad, local_p.grad, value=1 - alpha)
                 p.addcdiv_(local_p.grad, (g + eps).sqrt_(), value=-args.learning_rate)
-        update_average(avg_agent, shared, args.avg_decay, obs_lock)
+        update_average(avg_agent, shared, args.avg_decay)
         return {**{k: v for k, v in loss_stats(out).items() if not v.isnan()}, "stats/grad_norm": grad_norm}
 
     while counter.value < args.total_timesteps and not halt.is_set():
@@ -510,7 +501,8 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
                 obs_norm.update(segment["obs"][:-1])
             if return_norm is not None:
                 return_norm.update(torch.stack(returns_seen))
-            copy_statistics(avg_agent, shared)  # θ_a normalises as θ from the next update on (lock held)
+            for avg_buffer, buffer in zip(avg_agent.buffers(), shared.buffers()):  # θ_a normalises as θ from now on
+                avg_buffer.copy_(buffer)
         replay.append(segment)
         replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
         for _ in range(replays):
