@@ -104,9 +104,8 @@ class Args:
 FAMILY_DEFAULTS = {
     "atari": ("the paper's Atari settings (Sec. 4) with RMSProp ε 1e-5, as a3c.py", dict(rmsprop_eps=1e-5)),
     "mujoco": (
-        "the paper's continuous-control settings (Sec. 6) with the top of its learning-rate range, the critic's "
-        "loss weighted 0.01, rewards scaled by the return's std, RMSProp ε 1e-5 and δ 0.3, measured on "
-        "InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4",
+        "the paper's continuous-control settings (Sec. 6) with five values measured on InvertedPendulum-v4, "
+        "Hopper-v4 and HalfCheetah-v4",
         dict(learning_rate=5e-4, value_coef=0.01, scale_rewards=True, rmsprop_eps=1e-5, delta=0.3),
     ),
     "classic": ("settings measured on CartPole-v1", dict(total_timesteps=300_000, num_envs=4)),
@@ -343,13 +342,11 @@ class Agent(nn.Module):
     def __init__(self, obs_shape, num_actions, hidden=200):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, hidden=hidden)
-        if len(obs_shape) == 3:
-            self.torso = NatureTorso(obs_shape)
-        else:
-            self.torso = MLPTorso(int(math.prod(obs_shape)), (hidden,), activation=nn.ReLU)
+        pixels = len(obs_shape) == 3
+        self.torso = NatureTorso(obs_shape) if pixels else MLPTorso(int(math.prod(obs_shape)), (hidden,), nn.ReLU)
         self.policy = nn.Linear(self.torso.out_features, num_actions)
         self.q = nn.Linear(self.torso.out_features, num_actions)
-        if len(obs_shape) == 3:  # with PyTorch's default init the torso starts nearly state-blind on Atari frames
+        if pixels:  # with PyTorch's default init the torso starts nearly state-blind on Atari frames
             init_weights_(self.torso, "orthogonal")  # CleanRL's: gain √2, zero biases; readouts 0.01 and 1
             init_output_(self.policy, 0.01)
             init_output_(self.q, 1.0)
@@ -361,13 +358,10 @@ class Agent(nn.Module):
 
 
 class ContinuousAgent(nn.Module):
-    """Sec. 5-6: a Gaussian policy N(φ(x), σ²I) with a fixed σ, and a stochastic dueling network (Eq. 13): V(x)
-    and a small separate network A(x, a). `forward(obs)` takes `[T, B, D]` and returns the mean `[T, B, d]` and V
-    `[T, B]`; `q_tilde` gives Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i).
-
-    `separate_value`: the policy's θ and the critic's θ_v (V and A) apart, as in Algorithm 3; `obs_norm` and
-    `scale_rewards`: running statistics of the observations and of the discounted return, which the workers update
-    (not the paper's). The mean layer starts at weights ×0.01 (pfrl's)."""
+    """Sec. 5-6: a Gaussian policy N(φ(x), σ²I) with a fixed σ, and a stochastic dueling network (Eq. 13): V(x) and a
+    small separate network A(x, a). `forward(obs)` `[T, B, D]` gives the mean `[T, B, d]` and V `[T, B]`.
+    `separate_value`: the policy's θ and the critic's θ_v (V and A) apart (Algorithm 3); `obs_norm`, `scale_rewards`:
+    running statistics of the observations and of the discounted return, which the workers update (not the paper's)."""
 
     def __init__(
         self, obs_shape, action_dim, hidden=200, policy_std=0.3, separate_value=True, obs_norm=True, scale_rewards=False
@@ -398,8 +392,8 @@ class ContinuousAgent(nn.Module):
         return self.mean(h).view(T, B, -1), self.value(hv).view(T, B)
 
     def q_tilde(self, obs, actions, mean, values, n, generator=None):
-        """Eq. (13) for `[..., D]` observations (raw: normalised here as in `forward`) and `[..., d]` actions, with
-        n samples u_i ~ π(·|x) (no gradient through the samples)."""
+        """Eq. (13): Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i), u_i ~ π(·|x) (no gradient through them), for
+        `[..., D]` raw observations (normalised here as in `forward`) and `[..., d]` actions."""
         noise = torch.randn(*mean.shape[:-1], n, self.action_dim, generator=generator)
         u = mean.detach().unsqueeze(-2) + self.std * noise
         a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
@@ -414,10 +408,9 @@ class ContinuousAgent(nn.Module):
 
 
 def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt):
-    """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions:
-    acted and stored only, Sec. 6), then Poisson(r) segments replayed from this worker's memory; each update is
-    Algorithm 2 (or 3) followed by θ_a's soft update. Replay keeps raw observations and rewards, normalised by the
-    statistics of the update that replays them. Once `halt` is set, it returns after its segment's updates."""
+    """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions: not
+    learned from, Sec. 6), then Poisson(r) segments replayed from its memory, which keeps raw observations and rewards
+    (normalised by the statistics of the update). Once `halt` is set, it returns after its segment's updates."""
     n, k = args.num_envs, args.k
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
@@ -425,9 +418,8 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
     local = copy.deepcopy(shared)  # θ', in this process's memory (channels-last with --bf16, as θ)
     continuous = isinstance(local, ContinuousAgent)
-    if continuous:
-        low = envs.action_space.low.astype(np.float32)
-        high = envs.action_space.high.astype(np.float32)
+    if continuous:  # the env's box, as float32
+        low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
     pixels = len(local.config["obs_shape"]) == 3
     replay = collections.deque(maxlen=max(1, args.replay_size // (k * n)))  # whole segments, the oldest leaves first
     tracker = EpisodeTracker(n)
@@ -583,9 +575,8 @@ def main(args: Args):
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
 
     def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
-        check_finite(
-            f"at step {step}", **{f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
-        )
+        weights = {f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
+        check_finite(f"at step {step}", **weights)
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
 
     shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt)
