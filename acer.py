@@ -544,14 +544,13 @@ def main(args: Args):
     obs_shape = tuple(spec.observation_space.shape) if is_atari(args.env_id) else (flat_obs_dim(spec),)
     discrete = hasattr(spec.action_space, "n")
     if resumed is not None:
-        config = resumed["agent_config"]  # the run's own network (`agent_from_config` reads older configs too)
+        agent = agent_from_config(resumed["agent_config"])  # the run's own network (older configs too)
     elif discrete:
-        config = dict(obs_shape=obs_shape, num_actions=int(spec.action_space.n), hidden=args.hidden)
+        agent = Agent(obs_shape, int(spec.action_space.n), args.hidden)
     else:
-        config = dict(obs_shape=obs_shape, action_dim=int(spec.action_space.shape[0]), hidden=args.hidden)
-        config.update(policy_std=args.policy_std, separate_value=True, obs_norm=True, scale_rewards=args.scale_rewards)
-    agent, avg_agent = agent_from_config(config), agent_from_config(config)
-    avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ (and its observation statistics at θ's)
+        action_dim = int(spec.action_space.shape[0])
+        agent = ContinuousAgent(obs_shape, action_dim, args.hidden, args.policy_std, scale_rewards=args.scale_rewards)
+    avg_agent = copy.deepcopy(agent)  # θ_a starts at θ (and its observation statistics at θ's)
     for net in (agent, avg_agent):  # --bf16: convolutions in channels-last layout, as oneDNN's bfloat16 kernels prefer
         net.to(memory_format=torch.channels_last if args.bf16 else torch.contiguous_format).share_memory()
     square_avg = [torch.zeros_like(p).share_memory_() for p in agent.parameters()]  # RMSProp's g, shared
@@ -652,10 +651,9 @@ def check_args(args):
     for name in ("avg_decay", "rmsprop_alpha"):
         value = getattr(args, name)
         require(0 <= value < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+    for name in ("value_coef", "ent_coef", "max_grad_norm"):
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    require(
-        min(args.value_coef, args.ent_coef, args.max_grad_norm) >= 0, "--value-coef, --ent-coef, --max-grad-norm: 0+"
-    )
     segment = args.k * args.num_envs
     require(args.total_timesteps >= segment, f"--total-timesteps must be at least one segment ({segment} steps)")
     require(args.replay_size >= segment or not args.replay_ratio, f"--replay-size is below one segment ({segment})")
