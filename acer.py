@@ -2,12 +2,11 @@
 Wang, Bapst, Heess, Mnih, Munos, Kavukcuoglu, de Freitas (2017), "Sample Efficient Actor-Critic with Experience
 Replay".
 
-The off-policy counterpart of A3C. Asynchronous workers (processes sharing one network and shared RMSProp
-statistics) act for k steps, learn from that segment on-policy, store it with the behaviour policy μ(·|x) in their
-own replay memory, and then learn from Poisson(r) segments sampled from it. The critic Q learns from Retrace
-targets with traces cut by min(1, π/μ); the policy gradient truncates its importance weight at c and adds a bias
-correction that uses Q for the actions the data does not cover; an efficient trust region keeps the policy close
-(linearised KL ≤ δ) to a running average of past policies.
+The off-policy counterpart of A3C. Hogwild workers (processes sharing one network and RMSProp's statistics) act for
+k steps, learn from that segment, store it with the behaviour policy μ(·|x) in their own replay memory, then learn
+from Poisson(r) segments sampled from it. The critic Q learns from Retrace targets (traces min(1, π/μ)); the policy
+gradient truncates its importance weight at c and corrects the bias with Q; an efficient trust region keeps the
+policy within a linearised KL δ of a running average of past policies.
 
 | paper                                                           | here                                   |
 |-----------------------------------------------------------------|----------------------------------------|
@@ -99,8 +98,7 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family, the same on every device (a flag given wins; `--preset paper` runs Sec. 4 and 6 everywhere;
-# the measurements: docs/acer.md).
+# Defaults by task family, the same on every device (a flag given wins; the measurements: docs/acer.md).
 FAMILY_DEFAULTS = {
     "atari": ("the paper's Atari settings (Sec. 4) with RMSProp ε 1e-5, as a3c.py", dict(rmsprop_eps=1e-5)),
     "mujoco": (
@@ -477,10 +475,8 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
                     discounted_return[term | trunc] = 0.0
                 ended = torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
-        # row k: the bootstrap observation (its other fields are never used)
-        rows["obs"].append(obs)
-        for key in ("action", "reward", "terminated", "ended", "mu"):
-            rows[key].append(torch.zeros_like(rows[key][-1]))
+        for key, column in rows.items():  # row k: the bootstrap observation (its other fields are never used)
+            column.append(obs if key == "obs" else torch.zeros_like(column[-1]))
         segment = {key: torch.stack(v) for key, v in rows.items()}
         segment["reward"] = segment["reward"].float()
         with counter.get_lock():
@@ -620,7 +616,6 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """A callable `policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it)."""
     agent = agent_from_config(checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])  # with the observation statistics it was trained with
-    agent.eval()
     pixels = len(agent.config["obs_shape"]) == 3
 
     @torch.no_grad()
