@@ -137,8 +137,7 @@ def retrace(rewards, discounts, q_taken, values, truncated_rhos, bootstrap_value
 
     with per-step discounts γ_t = γ (1 − done_t) and ρ̄_t = min(1, ρ_t) given by the caller. `[T, B]` inputs,
     bootstrap_value `[B]`; returns Q^ret `[T, B]`."""
-    carry = bootstrap_value
-    out = []
+    carry, out = bootstrap_value, []
     for t in reversed(range(rewards.shape[0])):
         q_ret = rewards[t] + discounts[t] * carry
         out.append(q_ret)
@@ -507,11 +506,11 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
 
 def segment_loss(local, avg_agent, segment, args, generator=None):
     """Runs the local and average networks over a segment and returns the ACER loss (Algorithm 2 or 3)."""
-    data = [segment[key] for key in ("action", "reward", "terminated", "ended", "mu")]
     hyper = {k: getattr(args, k) for k in ("gamma", "c", "delta", "value_coef", "trust_region")}
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)  # --bf16: the networks' passes only
     with torch.no_grad(), amp:
         avg_out = avg_agent(segment["obs"])[0].float()
+    data = [avg_out, *(segment[key] for key in ("action", "reward", "terminated", "ended", "mu"))]  # θ_a, then data
     if isinstance(local, ContinuousAgent):
         mean, values = local(segment["obs"])
         obs = segment["obs"][:-1].float()
@@ -519,12 +518,10 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
         with torch.no_grad():
             sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape, generator=generator)
             q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples, generator)
-        return acer_loss_continuous(
-            mean, values, q_taken, q_sampled, sampled, avg_out, *data, std=args.policy_std, **hyper
-        )
+        return acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, *data, std=args.policy_std, **hyper)
     with amp:
         logits, q = local(segment["obs"])
-    return acer_loss(logits.float(), q.float(), avg_out, *data, ent_coef=args.ent_coef, **hyper)
+    return acer_loss(logits.float(), q.float(), *data, ent_coef=args.ent_coef, **hyper)
 
 
 # ---------------------------------------------------------------------------------------------------------
