@@ -368,7 +368,7 @@ class ContinuousAgent(nn.Module):
         self.config.update(separate_value=separate_value, obs_norm=obs_norm, scale_rewards=scale_rewards)
         self.action_dim, self.std = action_dim, policy_std
         obs_dim = int(math.prod(obs_shape))
-        self.obs_norm = RunningNorm(obs_dim) if obs_norm else None
+        self.obs_norm = RunningNorm(obs_dim) if obs_norm else nn.Identity()
         self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
         self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # the mean's (and V's, without separate_value)
         self.mean = nn.Linear(hidden, action_dim)
@@ -377,13 +377,9 @@ class ContinuousAgent(nn.Module):
         self.value_torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU) if separate_value else None
         init_output_(self.mean, 0.01)  # pfrl's train_acer_mujoco.py
 
-    def normalise(self, obs):
-        """The observations as the networks see them: through the running statistics, or as they are."""
-        return self.obs_norm(obs) if self.obs_norm is not None else obs
-
     def forward(self, obs):
         T, B = obs.shape[:2]
-        x = self.normalise(obs.reshape(T * B, -1))
+        x = self.obs_norm(obs.reshape(T * B, -1))
         h = self.torso(x)
         hv = self.value_torso(x) if self.value_torso is not None else h
         return self.mean(h).view(T, B, -1), self.value(hv).view(T, B)
@@ -394,7 +390,7 @@ class ContinuousAgent(nn.Module):
         noise = torch.randn(*mean.shape[:-1], n, self.action_dim, generator=generator)
         u = mean.detach().unsqueeze(-2) + self.std * noise
         a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
-        obs = self.normalise(obs)
+        obs = self.obs_norm(obs)
         obs_all = obs.unsqueeze(-2).expand(*obs.shape[:-1], n + 1, obs.shape[-1])
         adv = self.advantage(torch.cat([obs_all.float(), a_all], dim=-1)).squeeze(-1)
         return values + adv[..., 0] - adv[..., 1:].mean(-1)
@@ -482,9 +478,8 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             step = counter.value
             counter.value += k * n
         stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
-        # the shared statistics take the segment's on-policy observations (the bootstrap one is the next segment's)
-        with obs_lock:
-            if obs_norm is not None:
+        with obs_lock:  # the shared statistics take the on-policy observations (the bootstrap one is the next's)
+            if isinstance(obs_norm, RunningNorm):  # not in the discrete network or an older continuous one
                 obs_norm.update(segment["obs"][:-1])
             if return_norm is not None:
                 return_norm.update(torch.stack(returns_seen))

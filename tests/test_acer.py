@@ -404,7 +404,8 @@ def test_continuous_old_config_loads():
     config = {k: v for k, v in old.config.items() if k not in ("separate_value", "obs_norm")}
     model = dict(agent_config=config, agent=old.state_dict(), action_low=[-1.0, -1.0], action_high=[1.0, 1.0])
     rebuilt = acer.agent_from_config(config)
-    assert rebuilt.value_torso is None and rebuilt.obs_norm is None and "separate_value" not in config
+    assert rebuilt.value_torso is None and isinstance(rebuilt.obs_norm, torch.nn.Identity)
+    assert "separate_value" not in config
     policy = acer.make_eval_policy(model, 3, greedy=True)
     obs = np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
     expected = old(torch.from_numpy(obs)[None])[0][0].detach().numpy()
