@@ -2,12 +2,11 @@
 Wang, Bapst, Heess, Mnih, Munos, Kavukcuoglu, de Freitas (2017), "Sample Efficient Actor-Critic with Experience
 Replay".
 
-The off-policy counterpart of A3C. Asynchronous workers (processes sharing one network and shared RMSProp
-statistics) act for k steps, learn from that segment on-policy, store it with the behaviour policy μ(·|x) in their
-own replay memory, and then learn from Poisson(r) segments sampled from it. The critic Q learns from Retrace
-targets with traces cut by min(1, π/μ); the policy gradient truncates its importance weight at c and adds a bias
-correction that uses Q for the actions the data does not cover; an efficient trust region keeps the policy close
-(linearised KL ≤ δ) to a running average of past policies.
+The off-policy counterpart of A3C. Hogwild workers (processes sharing one network and RMSProp's statistics) act for
+k steps, learn from that segment, store it with the behaviour policy μ(·|x) in their own replay memory, then learn
+from Poisson(r) segments sampled from it. The critic Q learns from Retrace targets (traces min(1, π/μ)); the policy
+gradient truncates its importance weight at c and corrects the bias with Q; an efficient trust region keeps the
+policy within a linearised KL δ of a running average of past policies.
 
 | paper                                                           | here                                   |
 |-----------------------------------------------------------------|----------------------------------------|
@@ -16,17 +15,15 @@ correction that uses Q for the actions the data does not cover; an efficient tru
 | Eq. (6) critic update (Q^ret − Q)∇Q                             | `acer_loss`                            |
 | Eqs. (11)-(12) trust region with the average policy network     | `trust_region_step`, `kl_gradient`     |
 | Sec. 3.3 θ_a ← α θ_a + (1 − α) θ                                | `update_average`                       |
-| Algorithm 1: on-policy step, then Poisson(r) replay steps       | `train_worker`, `Replay`               |
+| Algorithm 1: on-policy step, then Poisson(r) replay steps       | `train_worker`                         |
 | Sec. 4: Atari network, k, c, δ, α, β, γ, replay size            | `Agent`, `Args` defaults               |
 | Eq. (13) stochastic dueling network Q̃ = V + A − mean_i A(x, u_i) | `ContinuousAgent.q_tilde`              |
 | Eq. (16) Gaussian ĝ^acer with Q^opc (App. B), Eq. (14) V update | `gaussian_policy_gradient`             |
 | Algorithm 3: c_i = min(1, ρ^(1/d)) traces, replay-only learning | `acer_loss_continuous`, `train_worker` |
 | Sec. 6: σ = 0.3, n = 5, k = 50, replay 5,000, α = 0.995         | `ContinuousAgent`, `Args` defaults     |
 
-The policy's statistics φ are its probabilities: the trust region acts on them per state (Eq. 12). envpool's reset
-step (after an episode ends) gets no loss and a truncated weight of 0 in Retrace, so a time-limit truncation
-bootstraps. What the paper leaves open (the optimiser's settings, the initialisation, replay storage, the
-continuous truncation c, the continuous network's details) and the measurements behind the defaults: docs/acer.md.
+What the paper leaves open (the optimiser, the initialisation, replay storage, the continuous truncation c and
+network) and the measurements behind the defaults: docs/acer.md.
 
     python acer.py --env-id Breakout-v5
     python acer.py --env-id CartPole-v1 --num-workers 2 --num-envs 4
@@ -34,6 +31,7 @@ continuous truncation c, the continuous network's details) and the measurements 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -100,14 +98,12 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family, the same on every device (a flag given wins; `--preset paper` runs Sec. 4 and 6 everywhere;
-# the measurements: docs/acer.md).
+# Defaults by task family, the same on every device (a flag given wins; the measurements: docs/acer.md).
 FAMILY_DEFAULTS = {
     "atari": ("the paper's Atari settings (Sec. 4) with RMSProp ε 1e-5, as a3c.py", dict(rmsprop_eps=1e-5)),
     "mujoco": (
-        "the paper's continuous-control settings (Sec. 6) with the top of its learning-rate range, the critic's "
-        "loss weighted 0.01, rewards scaled by the return's std, RMSProp ε 1e-5 and δ 0.3, measured on "
-        "InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4",
+        "the paper's continuous-control settings (Sec. 6) with five values measured on InvertedPendulum-v4, "
+        "Hopper-v4 and HalfCheetah-v4",
         dict(learning_rate=5e-4, value_coef=0.01, scale_rewards=True, rmsprop_eps=1e-5, delta=0.3),
     ),
     "classic": ("settings measured on CartPole-v1", dict(total_timesteps=300_000, num_envs=4)),
@@ -141,8 +137,7 @@ def retrace(rewards, discounts, q_taken, values, truncated_rhos, bootstrap_value
 
     with per-step discounts γ_t = γ (1 − done_t) and ρ̄_t = min(1, ρ_t) given by the caller. `[T, B]` inputs,
     bootstrap_value `[B]`; returns Q^ret `[T, B]`."""
-    carry = bootstrap_value
-    out = []
+    carry, out = bootstrap_value, []
     for t in reversed(range(rewards.shape[0])):
         q_ret = rewards[t] + discounts[t] * carry
         out.append(q_ret)
@@ -171,12 +166,10 @@ def acer_policy_gradient(probs, actions, behaviour_probs, q, q_ret, c, ent_coef=
         ρ̄_t ∇_φ log φ(a_t) (Q^ret − V) + Σ_a [1 − c/ρ(a)]_+ φ(a) ∇_φ log φ(a) (Q(a) − V)  (+ β ∇_φ H(φ))
 
     with ρ(a) = φ(a)/μ(a), ρ̄_t = min(c, ρ(a_t)), V = Σ_a φ(a) Q(a); ∇_φ log φ(a) = e_a / φ(a), so the correction
-    term is [1 − c/ρ(a)]_+ (Q(a) − V) for every a. All inputs are constants here (`[N, A]` probabilities and Q,
-    `[N]` actions and Q^ret). Returns (g, truncated ρ̄_t, ρ_t)."""
+    term is [1 − c/ρ(a)]_+ (Q(a) − V) for every a. Inputs are constants. Returns (g, truncated ρ̄_t, ρ_t)."""
     probs, q = probs.detach().clamp(min=PROB_FLOOR), q.detach()
-    behaviour_probs = behaviour_probs.detach().clamp(min=PROB_FLOOR)
     v = (probs * q).sum(-1, keepdim=True)
-    rho_all = probs / behaviour_probs
+    rho_all = probs / behaviour_probs.detach().clamp(min=PROB_FLOOR)
     rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     rho_bar = rho.clamp(max=c)
     g = (1 - c / rho_all).clamp(min=0) * (q - v)
@@ -206,14 +199,14 @@ def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behavi
               delta=1.0, ent_coef=1e-3, value_coef=0.5, trust_region=True) -> AcerLoss:  # fmt: skip
     """Algorithm 2 on a segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the ACER update.
 
-    `logits`, `q` `[k+1, B, A]` from the local network θ', `avg_logits` from the average network θ_a; `actions`,
-    `rewards`, `terminated`, `ended` (obs_t ended an episode: step t is envpool's reset step) `[k+1, B]` and the
-    behaviour probabilities μ `[k+1, B, A]`. The policy part back-propagates −z (Eq. 12, or −ĝ without the trust
+    `logits`, `q`, `avg_logits` (of θ' and θ_a) and μ `[k+1, B, A]`; `actions`, `rewards`, `terminated`, `ended`
+    (step t is envpool's reset step) `[k+1, B]`. The policy part back-propagates −z (Eq. 12; −ĝ without the trust
     region) through the softmax; the critic part is value_coef · Σ (Q^ret − Q(x, a))²."""
     probs = F.softmax(logits, dim=-1)
     T, B, A = probs[:-1].shape
     actions, ended = actions[:-1].long(), ended[:-1]
     mask = (~ended).float()
+    q_sa = q[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         p = probs.detach().clamp(min=PROB_FLOOR)
         values = (probs.detach() * q.detach()).sum(-1)
@@ -221,19 +214,16 @@ def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behavi
         rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         truncated = torch.where(ended, 0.0, rho.clamp(max=1.0))  # ρ̄ = min(1, ρ); 0 cuts the trace at a reset step
         discounts = gamma * (~terminated[:-1]).float()
-        q_taken = q.detach()[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-        q_ret = retrace(rewards[:-1], discounts, q_taken, values[:-1], truncated, values[-1])
+        q_ret = retrace(rewards[:-1], discounts, q_sa.detach(), values[:-1], truncated, values[-1])
         per_state = [x.flatten(0, 1) for x in (p[:-1], actions, behaviour_probs[:-1], q.detach()[:-1], q_ret)]
         g, rho_bar, _ = acer_policy_gradient(*per_state, c, ent_coef)
         avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A).clamp(min=PROB_FLOOR)
         k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
         z = trust_region_step(g, k, delta) if trust_region else g
-        z = z.view(T, B, A) * mask[..., None]
-        g = g.view(T, B, A) * mask[..., None]
+        z, g = (x.view(T, B, A) * mask[..., None] for x in (z, g))
         n = mask.sum().clamp(min=1)
         kl = (avg_probs * (avg_probs.log() - p[:-1].reshape(-1, A).log())).sum(-1).view(T, B)
     policy_loss = -(z * probs[:-1]).sum() / B  # ∂/∂φ = −z/B: ascent along z
-    q_sa = q[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     value_loss = (mask * (q_ret - q_sa) ** 2).sum() / B
     return AcerLoss(
         loss=policy_loss + value_coef * value_loss,
@@ -276,12 +266,10 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
                          trust_region=True) -> AcerLoss:  # fmt: skip
     """Algorithm 3 on a replayed segment `[k+1, B]` (row k only bootstraps): a loss whose gradient is the update.
 
-    `mean [k+1, B, d]` and `values [k+1, B]` from the local network; `q_taken = Q̃(x_i, a_i)` `[k, B]` from the
-    stochastic dueling network (Eq. 13, differentiable), `q_sampled = Q̃(x_i, a'_i)` for fresh samples a'_i ~ π
-    (constants), `avg_mean` the average network's mean; `actions` and the behaviour means `[k+1, B, d]`,
-    `rewards`, `terminated`, `ended` `[k+1, B]`; σ the policy's fixed std. Q^ret uses the traces c_i = min(1,
-    ρ_i^(1/d)) (Sec. 5.1), Q^opc traces of 1 (App. B); the critic gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V
-    (Algorithm 3), scaled by 2 value_coef; `entropy` is NaN (σ is fixed)."""
+    `mean`, `avg_mean` (of θ' and θ_a), `actions`, the behaviour means `[k+1, B, d]`; `values`, `rewards`,
+    `terminated`, `ended` `[k+1, B]`; `q_taken` Q̃(x_i, a_i) (Eq. 13, differentiable), `q_sampled` Q̃(x_i, a'_i) for
+    fresh a'_i ~ π `[k, B]`. Q^ret's traces are c_i = min(1, ρ_i^(1/d)) (Sec. 5.1), Q^opc's 1 (App. B); the critic
+    gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V (Algorithm 3) times 2 value_coef; `entropy` is NaN (σ is fixed)."""
     T, B, d = mean[:-1].shape
     actions, ended = actions[:-1], ended[:-1]
     mask = (~ended).float()
@@ -296,8 +284,7 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
         g, rho_bar, _ = gaussian_policy_gradient(*[x.flatten(0, 1) for x in per_state], std, c)
         k = (m[:-1] - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
         z = trust_region_step(g, k, delta) if trust_region else g
-        z = z.view(T, B, d) * mask[..., None]
-        g = g.view(T, B, d) * mask[..., None]
+        z, g = (x.view(T, B, d) * mask[..., None] for x in (z, g))
         n = mask.sum().clamp(min=1)
         kl = 0.5 * ((m[:-1] - avg_mean[:-1]) ** 2).sum(-1) / (std * std)
     policy_loss = -(z * mean[:-1]).sum() / B
@@ -317,20 +304,11 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
 
 
 @torch.no_grad()
-def update_average(avg_agent, agent, decay, obs_lock=None):
-    """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ, after every update of θ. The observation statistics (buffers) are
-    copied whole, not averaged, under `obs_lock` where given: the average network normalises as θ does."""
+def update_average(avg_agent, agent, decay):
+    """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ, after every update of θ (the workers copy the observation statistics
+    whole, where they change)."""
     for pa, p in zip(avg_agent.parameters(), agent.parameters()):
         pa.mul_(decay).add_(p, alpha=1 - decay)
-    with obs_lock or contextlib.nullcontext():
-        copy_statistics(avg_agent, agent)
-
-
-@torch.no_grad()
-def copy_statistics(dst, src):
-    """dst's observation statistics (its buffers) ← src's, whole (the caller holds the lock where there is one)."""
-    for d, s in zip(dst.buffers(), src.buffers()):
-        d.copy_(s)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -361,13 +339,11 @@ class Agent(nn.Module):
     def __init__(self, obs_shape, num_actions, hidden=200):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, hidden=hidden)
-        if len(obs_shape) == 3:
-            self.torso = NatureTorso(obs_shape)
-        else:
-            self.torso = MLPTorso(int(math.prod(obs_shape)), (hidden,), activation=nn.ReLU)
+        pixels = len(obs_shape) == 3
+        self.torso = NatureTorso(obs_shape) if pixels else MLPTorso(int(math.prod(obs_shape)), (hidden,), nn.ReLU)
         self.policy = nn.Linear(self.torso.out_features, num_actions)
         self.q = nn.Linear(self.torso.out_features, num_actions)
-        if len(obs_shape) == 3:  # with PyTorch's default init the torso starts nearly state-blind on Atari frames
+        if pixels:  # with PyTorch's default init the torso starts nearly state-blind on Atari frames
             init_weights_(self.torso, "orthogonal")  # CleanRL's: gain √2, zero biases; readouts 0.01 and 1
             init_output_(self.policy, 0.01)
             init_output_(self.q, 1.0)
@@ -379,13 +355,10 @@ class Agent(nn.Module):
 
 
 class ContinuousAgent(nn.Module):
-    """Sec. 5-6: a Gaussian policy N(φ(x), σ²I) with a fixed σ, and a stochastic dueling network (Eq. 13): V(x)
-    and a small separate network A(x, a). `forward(obs)` takes `[T, B, D]` and returns the mean `[T, B, d]` and V
-    `[T, B]`; `q_tilde` gives Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i).
-
-    `separate_value`: the policy's θ and the critic's θ_v (V and A) apart, as in Algorithm 3; `obs_norm` and
-    `scale_rewards`: running statistics of the observations and of the discounted return, which the workers update
-    (not the paper's). The mean layer starts at weights ×0.01 (pfrl's)."""
+    """Sec. 5-6: a Gaussian policy N(φ(x), σ²I) with a fixed σ, and a stochastic dueling network (Eq. 13): V(x) and a
+    small separate network A(x, a). `forward(obs)` `[T, B, D]` gives the mean `[T, B, d]` and V `[T, B]`.
+    `separate_value`: the policy's θ and the critic's θ_v (V and A) apart (Algorithm 3); `obs_norm`, `scale_rewards`:
+    running statistics of the observations and of the discounted return, which the workers update (not the paper's)."""
 
     def __init__(
         self, obs_shape, action_dim, hidden=200, policy_std=0.3, separate_value=True, obs_norm=True, scale_rewards=False
@@ -395,7 +368,7 @@ class ContinuousAgent(nn.Module):
         self.config.update(separate_value=separate_value, obs_norm=obs_norm, scale_rewards=scale_rewards)
         self.action_dim, self.std = action_dim, policy_std
         obs_dim = int(math.prod(obs_shape))
-        self.obs_norm = RunningNorm(obs_dim) if obs_norm else None
+        self.obs_norm = RunningNorm(obs_dim) if obs_norm else nn.Identity()
         self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
         self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # the mean's (and V's, without separate_value)
         self.mean = nn.Linear(hidden, action_dim)
@@ -404,24 +377,20 @@ class ContinuousAgent(nn.Module):
         self.value_torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU) if separate_value else None
         init_output_(self.mean, 0.01)  # pfrl's train_acer_mujoco.py
 
-    def normalise(self, obs):
-        """The observations as the networks see them: through the running statistics, or as they are."""
-        return self.obs_norm(obs) if self.obs_norm is not None else obs
-
     def forward(self, obs):
         T, B = obs.shape[:2]
-        x = self.normalise(obs.reshape(T * B, -1))
+        x = self.obs_norm(obs.reshape(T * B, -1))
         h = self.torso(x)
         hv = self.value_torso(x) if self.value_torso is not None else h
         return self.mean(h).view(T, B, -1), self.value(hv).view(T, B)
 
     def q_tilde(self, obs, actions, mean, values, n, generator=None):
-        """Eq. (13) for `[..., D]` observations (raw: normalised here as in `forward`) and `[..., d]` actions, with
-        n samples u_i ~ π(·|x) (no gradient through the samples)."""
+        """Eq. (13): Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i), u_i ~ π(·|x) (no gradient through them), for
+        `[..., D]` raw observations (normalised here as in `forward`) and `[..., d]` actions."""
         noise = torch.randn(*mean.shape[:-1], n, self.action_dim, generator=generator)
         u = mean.detach().unsqueeze(-2) + self.std * noise
         a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
-        obs = self.normalise(obs)
+        obs = self.obs_norm(obs)
         obs_all = obs.unsqueeze(-2).expand(*obs.shape[:-1], n + 1, obs.shape[-1])
         adv = self.advantage(torch.cat([obs_all.float(), a_all], dim=-1)).squeeze(-1)
         return values + adv[..., 0] - adv[..., 1:].mean(-1)
@@ -431,27 +400,10 @@ class ContinuousAgent(nn.Module):
 # Replay and the workers: Algorithm 1.
 
 
-class Replay:
-    """A worker's memory of whole segments `[k+1, num_envs, ...]` (obs, action, reward, terminated, ended, μ): a ring
-    of the last `capacity` segments (a new one takes the oldest one's place), sampled uniformly."""
-
-    def __init__(self, capacity):
-        self.capacity, self.segments, self.added = capacity, [], 0
-
-    def add(self, segment):
-        slot = self.added % self.capacity  # the next free place, or once full the oldest segment's
-        self.segments[slot : slot + 1] = [segment]
-        self.added += 1
-
-    def sample(self, generator):
-        return self.segments[int(torch.randint(len(self.segments), (1,), generator=generator))]
-
-
 def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt):
-    """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions:
-    acted and stored only, Sec. 6), then Poisson(r) segments replayed from this worker's memory; each update is
-    Algorithm 2 (or 3) followed by θ_a's soft update. Replay keeps raw observations and rewards, normalised by the
-    statistics of the update that replays them. Once `halt` is set, it returns after its segment's updates."""
+    """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions: not
+    learned from, Sec. 6), then Poisson(r) segments replayed from its memory, which keeps raw observations and rewards
+    (normalised by the statistics of the update). Once `halt` is set, it returns after its segment's updates."""
     n, k = args.num_envs, args.k
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
@@ -459,11 +411,10 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
     local = copy.deepcopy(shared)  # θ', in this process's memory (channels-last with --bf16, as θ)
     continuous = isinstance(local, ContinuousAgent)
-    if continuous:
-        low = envs.action_space.low.astype(np.float32)
-        high = envs.action_space.high.astype(np.float32)
+    if continuous:  # the env's box, as float32
+        low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
     pixels = len(local.config["obs_shape"]) == 3
-    replay = Replay(max(1, args.replay_size // (k * n)))
+    replay = collections.deque(maxlen=max(1, args.replay_size // (k * n)))  # whole segments, the oldest leaves first
     tracker = EpisodeTracker(n)
     obs = obs_tensor(envs.reset()[0], pixels)
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
@@ -489,7 +440,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             for p, local_p, g in zip(shared.parameters(), local.parameters(), square_avg):
                 g.mul_(alpha).addcmul_(local_p.grad, local_p.grad, value=1 - alpha)
                 p.addcdiv_(local_p.grad, (g + eps).sqrt_(), value=-args.learning_rate)
-        update_average(avg_agent, shared, args.avg_decay, obs_lock)
+        update_average(avg_agent, shared, args.avg_decay)
         return {**{k: v for k, v in loss_stats(out).items() if not v.isnan()}, "stats/grad_norm": grad_norm}
 
     while counter.value < args.total_timesteps and not halt.is_set():
@@ -519,32 +470,30 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
                     discounted_return[term | trunc] = 0.0
                 ended = torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
-        # row k: the bootstrap observation (its other fields are never used)
-        rows["obs"].append(obs)
-        for key in ("action", "reward", "terminated", "ended", "mu"):
-            rows[key].append(torch.zeros_like(rows[key][-1]))
+        for key, column in rows.items():  # row k: the bootstrap observation (its other fields are never used)
+            column.append(obs if key == "obs" else torch.zeros_like(column[-1]))
         segment = {key: torch.stack(v) for key, v in rows.items()}
         segment["reward"] = segment["reward"].float()
         with counter.get_lock():
             step = counter.value
             counter.value += k * n
         stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
-        # the shared statistics take the segment's on-policy observations (the bootstrap one is the next segment's)
-        with obs_lock:
-            if obs_norm is not None:
+        with obs_lock:  # the shared statistics take the on-policy observations (the bootstrap one is the next's)
+            if isinstance(obs_norm, RunningNorm):  # not in the discrete network or an older continuous one
                 obs_norm.update(segment["obs"][:-1])
             if return_norm is not None:
                 return_norm.update(torch.stack(returns_seen))
-            copy_statistics(avg_agent, shared)  # θ_a normalises as θ from the next update on (lock held)
-        replay.add(segment)
+            for avg_buffer, buffer in zip(avg_agent.buffers(), shared.buffers()):  # θ_a normalises as θ from now on
+                avg_buffer.copy_(buffer)
+        replay.append(segment)
         replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
         for _ in range(replays):
-            replay_stats = learn(replay.sample(generator))
+            replay_stats = learn(replay[int(torch.randint(len(replay), (1,), generator=generator))])  # uniform
         now, last = time.time(), counter.value >= args.total_timesteps or halt.is_set()  # the last update reported
         if (stats or replays) and ((worker_id == 0 and now - last_report >= 1.0) or last):
             report = {key.replace("stats/", "on_policy/", 1): v for key, v in stats.items()}  # the on-policy update's
             report.update({**(replay_stats if replays else {}), "charts/learning_rate": args.learning_rate})
-            report.update({"stats/replay_updates": replays, "stats/replay_segments": len(replay.segments)})
+            report.update({"stats/replay_updates": replays, "stats/replay_segments": len(replay)})
             msg_q.put(("stats", step + k * n, {key: float(v) for key, v in report.items()}))
             last_report = now
     msg_q.put(("done", counter.value, worker_id))
@@ -552,11 +501,11 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
 
 def segment_loss(local, avg_agent, segment, args, generator=None):
     """Runs the local and average networks over a segment and returns the ACER loss (Algorithm 2 or 3)."""
-    data = [segment[key] for key in ("action", "reward", "terminated", "ended", "mu")]
     hyper = {k: getattr(args, k) for k in ("gamma", "c", "delta", "value_coef", "trust_region")}
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)  # --bf16: the networks' passes only
     with torch.no_grad(), amp:
         avg_out = avg_agent(segment["obs"])[0].float()
+    data = [avg_out, *(segment[key] for key in ("action", "reward", "terminated", "ended", "mu"))]  # θ_a, then data
     if isinstance(local, ContinuousAgent):
         mean, values = local(segment["obs"])
         obs = segment["obs"][:-1].float()
@@ -564,12 +513,10 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
         with torch.no_grad():
             sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape, generator=generator)
             q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples, generator)
-        return acer_loss_continuous(
-            mean, values, q_taken, q_sampled, sampled, avg_out, *data, std=args.policy_std, **hyper
-        )
+        return acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, *data, std=args.policy_std, **hyper)
     with amp:
         logits, q = local(segment["obs"])
-    return acer_loss(logits.float(), q.float(), avg_out, *data, ent_coef=args.ent_coef, **hyper)
+    return acer_loss(logits.float(), q.float(), *data, ent_coef=args.ent_coef, **hyper)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -585,14 +532,13 @@ def main(args: Args):
     obs_shape = tuple(spec.observation_space.shape) if is_atari(args.env_id) else (flat_obs_dim(spec),)
     discrete = hasattr(spec.action_space, "n")
     if resumed is not None:
-        config = resumed["agent_config"]  # the run's own network (`agent_from_config` reads older configs too)
+        agent = agent_from_config(resumed["agent_config"])  # the run's own network (older configs too)
     elif discrete:
-        config = dict(obs_shape=obs_shape, num_actions=int(spec.action_space.n), hidden=args.hidden)
+        agent = Agent(obs_shape, int(spec.action_space.n), args.hidden)
     else:
-        config = dict(obs_shape=obs_shape, action_dim=int(spec.action_space.shape[0]), hidden=args.hidden)
-        config.update(policy_std=args.policy_std, separate_value=True, obs_norm=True, scale_rewards=args.scale_rewards)
-    agent, avg_agent = agent_from_config(config), agent_from_config(config)
-    avg_agent.load_state_dict(agent.state_dict())  # θ_a starts at θ (and its observation statistics at θ's)
+        action_dim = int(spec.action_space.shape[0])
+        agent = ContinuousAgent(obs_shape, action_dim, args.hidden, args.policy_std, scale_rewards=args.scale_rewards)
+    avg_agent = copy.deepcopy(agent)  # θ_a starts at θ (and its observation statistics at θ's)
     for net in (agent, avg_agent):  # --bf16: convolutions in channels-last layout, as oneDNN's bfloat16 kernels prefer
         net.to(memory_format=torch.channels_last if args.bf16 else torch.contiguous_format).share_memory()
     square_avg = [torch.zeros_like(p).share_memory_() for p in agent.parameters()]  # RMSProp's g, shared
@@ -616,9 +562,8 @@ def main(args: Args):
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
 
     def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
-        check_finite(
-            f"at step {step}", **{f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
-        )
+        weights = {f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
+        check_finite(f"at step {step}", **weights)
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
 
     shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt)
@@ -663,7 +608,6 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """A callable `policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it)."""
     agent = agent_from_config(checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])  # with the observation statistics it was trained with
-    agent.eval()
     pixels = len(agent.config["obs_shape"]) == 3
 
     @torch.no_grad()
@@ -694,10 +638,9 @@ def check_args(args):
     for name in ("avg_decay", "rmsprop_alpha"):
         value = getattr(args, name)
         require(0 <= value < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+    for name in ("value_coef", "ent_coef", "max_grad_norm"):
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    require(
-        min(args.value_coef, args.ent_coef, args.max_grad_norm) >= 0, "--value-coef, --ent-coef, --max-grad-norm: 0+"
-    )
     segment = args.k * args.num_envs
     require(args.total_timesteps >= segment, f"--total-timesteps must be at least one segment ({segment} steps)")
     require(args.replay_size >= segment or not args.replay_ratio, f"--replay-size is below one segment ({segment})")
