@@ -78,7 +78,6 @@ class Args:
     learning_rate: float = 6e-4  # learning rate (Table G.1)
     anneal_lr: bool = True  # anneal the learning rate linearly to 0 (Table G.1)
     lr_anneal_steps: int = 50_000_000  # steps to anneal over: 200M frames (Table G.1); 0: the run's length
-    optimizer: Literal["rmsprop_torch", "rmsprop_tf"] = "rmsprop_torch"  # PyTorch's or TensorFlow's RMSProp (docs)
     rmsprop_decay: float = 0.99  # RMSProp decay (the paper's code default)
     rmsprop_eps: float = 0.01  # RMSProp ε (Table G.1)
     rmsprop_momentum: float = 0.0  # RMSProp momentum (Table G.1)
@@ -225,33 +224,6 @@ def learner_loss(
     )
 
 
-class RMSpropTF(torch.optim.Optimizer):
-    """RMSProp as TensorFlow computes it, which the paper's code used (Table G.1's decay, ε and momentum):
-
-        ms  ← ρ ms + (1 − ρ) g²          ms starts at `initial_scale` (TensorFlow: 1; optax: 0)
-        mom ← μ mom + lr g / √(ms + ε)   ε inside the square root
-        θ   ← θ − mom
-
-    torch.optim.RMSprop starts ms at 0 and adds ε outside the root: its first steps are about 10·lr on every weight.
-    """
-
-    def __init__(self, params, lr=6e-4, alpha=0.99, eps=0.01, momentum=0.0, initial_scale=1.0):
-        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, momentum=momentum, initial_scale=initial_scale))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if not state:
-                    state["square_avg"] = torch.full_like(p, group["initial_scale"])
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                ms, mom = state["square_avg"], state["momentum_buffer"]
-                ms.mul_(group["alpha"]).addcmul_(p.grad, p.grad, value=1 - group["alpha"])
-                mom.mul_(group["momentum"]).addcdiv_(p.grad, (ms + group["eps"]).sqrt_(), value=group["lr"])
-                p.sub_(mom)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The agent (Fig. 3).
 
@@ -383,7 +355,8 @@ def main(args: Args):
     net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.mlp_hidden, max(1, len(games)))
     agent = Agent(spec.observation_space.shape, num_actions, *net, use_popart, args.popart_beta, args.init).to(device)
     same_start(agent)
-    optimizer = make_optimizer(args, agent.parameters())
+    rmsprop = dict(alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # PyTorch's (docs)
+    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, **rmsprop)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     anneal_steps = args.lr_anneal_steps or args.total_timesteps
@@ -471,13 +444,6 @@ def saved_model(args, agent, global_step):
     model = dict(script="impala_vtrace", env_id=games[0] if games else args.env_id, env_ids=list(games))
     model.update(full_action_space=bool(games), args=dataclasses.asdict(args), agent_config=agent.config)
     return dict(model, agent=weights, reward_clip=bool(games) or is_atari(args.env_id), global_step=global_step)
-
-
-def make_optimizer(args, params):
-    """PyTorch's RMSProp (`rmsprop_torch`) or TensorFlow's (ε inside the square root, the mean square starting at 1:
-    `rmsprop_tf`, as the paper's code ran it)."""
-    kwargs = dict(lr=args.learning_rate, alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
-    return (RMSpropTF if args.optimizer == "rmsprop_tf" else torch.optim.RMSprop)(params, **kwargs)
 
 
 def buffer_specs(observation_space, num_actions, args) -> dict:
