@@ -16,8 +16,6 @@ truncated importance weights ρ_t = min(ρ̄, π/μ) and c_t = λ min(c̄, π/μ
 | Table G.1 Atari hyperparameters                                | `Args` defaults                         |
 | Sec. 5.3 multi-task Atari; PopArt-IMPALA (Hessel et al. 2019)  | `--env-ids`, `--popart`                 |
 
-envpool resets an env on the step after an episode ends (action ignored, reward 0): that step is no transition,
-gets no gradient, and V-trace gets discount 0 and reward V(x_k) there, so nothing crosses between episodes.
 Departures from the paper (orthogonal initialisation, PyTorch's RMSProp, the CPU learning rate, the annealing
 horizon) and their measurements: docs/impala_vtrace.md.
 
@@ -105,9 +103,7 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family, the same on every device (a flag the user gives wins; `--preset paper`: Table G.1 as it is):
-# Atari runs Table G.1 with 4x its learning rate, measured on Breakout-v5; classic control settings measured on
-# CartPole-v1 (docs/impala_vtrace.md).
+# Defaults by task family, the same on every device (a flag the user gives wins; `--preset paper`: Table G.1 as it is).
 FAMILY_DEFAULTS = {
     "atari": ("Table G.1 with 4x its learning rate, measured on Breakout-v5 (docs)", dict(learning_rate=2.4e-3)),
     "classic": (
@@ -144,11 +140,11 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
     ρ_s (r_s + γ_s v_{s+1} − V(x_s)) (Sec. 4.2).
 
     log_rhos = log π(a_t|x_t) − log μ(a_t|x_t), discounts = γ (1 − done_t), rewards and values `[T, B]`;
-    bootstrap_value = V(x_T) `[B]`. A threshold of None means no truncation. Returns (vs, pg_advantages).
+    bootstrap_value = V(x_T) `[B]`. Returns (vs, pg_advantages).
     """
     rhos = torch.exp(log_rhos)
-    clipped_rhos = rhos if clip_rho_threshold is None else rhos.clamp(max=clip_rho_threshold)
-    cs = lambda_ * (rhos if clip_c_threshold is None else rhos.clamp(max=clip_c_threshold))
+    clipped_rhos = rhos.clamp(max=clip_rho_threshold)
+    cs = lambda_ * rhos.clamp(max=clip_c_threshold)
     values_tp1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)])
     deltas = clipped_rhos * (rewards + discounts * values_tp1 - values)
     acc = torch.zeros_like(bootstrap_value)
@@ -158,8 +154,7 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
         vs_minus_v.append(acc)
     vs = values + torch.stack(vs_minus_v[::-1])
     vs_tp1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)])
-    pg_rhos = rhos if clip_pg_rho_threshold is None else rhos.clamp(max=clip_pg_rho_threshold)
-    return vs, pg_rhos * (rewards + discounts * vs_tp1 - values)
+    return vs, rhos.clamp(max=clip_pg_rho_threshold) * (rewards + discounts * vs_tp1 - values)
 
 
 class VtraceLoss(NamedTuple):
@@ -296,11 +291,9 @@ def act(cfg, link: ActorLink) -> None:
         row = dict(obs=obs_t, reward=reward_t, ended=torch.from_numpy(done), terminated=torch.from_numpy(term))
         row.update(first=first, action=action, prev_action=prev, logits=logits[0].cpu())
         row.update(version=torch.full((len(ids),), version), task=torch.full((len(ids),), cfg.task))
-        core = None
-        if agent.core is not None:
-            core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))
-            for s, s_new in zip(state, state_after):
-                s[ids_dev] = s_new
+        core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))  # empty without an LSTM
+        for s, s_new in zip(state, state_after):
+            s[ids_dev] = s_new
         unrolls.write(ids, row, core)
         prev_action[ids_t], ended[ids] = action, done
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
@@ -312,10 +305,8 @@ def act(cfg, link: ActorLink) -> None:
 
 
 def learner_step(state, batch, args, diagnose=False):
-    """One update on a batch of unrolls (Sec. 3, 4.2), the training state's `update`-th: the agent's outputs, the
-    V-trace loss, its gradient (summed over the learner processes) clipped to --max-grad-norm, the optimiser's step
-    and the learning rate's, PopArt moved toward the batch's targets (per game; outputs preserved). Returns the logits
-    and the stats (`diagnose`: the per-layer gradient norms too)."""
+    """One update on a batch of unrolls (Sec. 3, 4.2), the training state's `update`-th; PopArt's statistics move
+    after the gradient step. Returns the logits and the stats (`diagnose`: the per-layer gradient norms too)."""
     agent, optimizer = state["agent"], state["optimizer"]
     state["update"] += 1
     core = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
@@ -359,8 +350,7 @@ def main(args: Args):
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, **rmsprop)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
-    anneal_steps = args.lr_anneal_steps or args.total_timesteps
-    anneal_updates = max(num_updates, anneal_steps // steps_per_update)  # the learning rate to 0 linearly (Table G.1)
+    anneal_updates = max(num_updates, args.lr_anneal_steps // steps_per_update)  # to 0 linearly (Table G.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates if args.anneal_lr else 1)
     # The training state: the weights (with PopArt's statistics), RMSProp, the learning rate's schedule, updates.
     state = load_state(dict(agent=agent, optimizer=optimizer, schedule=schedule, update=0), resumed)
@@ -420,9 +410,7 @@ def log_update(log, pool, agent, step, stats, logits, batch) -> None:
         stats["stats/dead_units"] = dead_units(agent.torso(batch["obs"][:-1].flatten(0, 1)))
     stats.update({"stats/logits_std_across_states": logits_std_across_states(logits[:-1]), "stats/policy_lag": lag})
     for k, game in enumerate(games if agent.popart is not None else ()):
-        stats.update(
-            {f"stats/popart_sigma/{game}": agent.popart.sigma[k], f"stats/popart_mu/{game}": agent.popart.mu[k]}
-        )
+        stats |= {f"stats/popart_sigma/{game}": agent.popart.sigma[k], f"stats/popart_mu/{game}": agent.popart.mu[k]}
     hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in games if log.groups.get(g)]
     if len(games) > 1 and len(hns) == len(games):
         stats["charts/median_human_normalized"] = float(np.median(hns))
