@@ -16,11 +16,9 @@ truncated importance weights ρ_t = min(ρ̄, π/μ) and c_t = λ min(c̄, π/μ
 | Table G.1 Atari hyperparameters                                | `Args` defaults                         |
 | Sec. 5.3 multi-task Atari; PopArt-IMPALA (Hessel et al. 2019)  | `--env-ids`, `--popart`                 |
 
-Departures from the paper (orthogonal initialisation, PyTorch's RMSProp, the CPU learning rate, the annealing
-horizon) and their measurements: docs/impala_vtrace.md.
-
-Processes: each learner (one, or K under torchrun, gradients summed in one all-reduce) starts `--num-actors` actor
-processes that write unrolls into shared-memory slots; the learner publishes its weights after every update.
+Each learner (one, or K under torchrun, gradients summed in one all-reduce) starts `--num-actors` actor processes
+that write unrolls into shared-memory slots, and publishes its weights after every update. Departures from the
+paper (initialisation, optimiser, learning rate and its horizon) and their measurements: docs/impala_vtrace.md.
 
     python impala_vtrace.py --env-id Breakout-v5
     torchrun --nproc_per_node 2 impala_vtrace.py --env-id Pong-v5 --network deep --use-lstm
@@ -51,8 +49,8 @@ import torch.nn.functional as F
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, require, task_family
 from common.evaluation import evaluate, evaluate_games, expand_env_ids, human_normalized_score, recurrent_policy
 from common.evaluation import resume_checkpoint
-from common.networks import LSTMCore, PolicyValueHeads, check_channels, dead_units, grad_norms_by_layer, init_output_
-from common.networks import init_weights_, logits_std_across_states, make_torso
+from common.networks import LSTMCore, check_channels, dead_units, grad_norms_by_layer, init_output_, init_weights_
+from common.networks import logits_std_across_states, make_torso
 from common.popart import PopArt
 
 
@@ -147,19 +145,16 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
     cs = lambda_ * rhos.clamp(max=clip_c_threshold)
     values_tp1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)])
     deltas = clipped_rhos * (rewards + discounts * values_tp1 - values)
-    acc = torch.zeros_like(bootstrap_value)
-    vs_minus_v = []
+    vs, acc = values.clone(), torch.zeros_like(bootstrap_value)
     for t in reversed(range(values.shape[0])):  # v_s − V(x_s) = δ_s + γ_s c_s (v_{s+1} − V(x_{s+1}))
         acc = deltas[t] + discounts[t] * cs[t] * acc
-        vs_minus_v.append(acc)
-    vs = values + torch.stack(vs_minus_v[::-1])
+        vs[t] += acc
     vs_tp1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)])
     return vs, rhos.clamp(max=clip_pg_rho_threshold) * (rewards + discounts * vs_tp1 - values)
 
 
 class VtraceLoss(NamedTuple):
-    """learner_loss's result: the loss and its parts (sums over time and batch), diagnostics (means over the real
-    steps) and the unnormalised V-trace targets v_s `[T, B]` (PopArt's update takes them)."""
+    """learner_loss's result: the loss, its parts, diagnostics and the unnormalised V-trace targets v_s `[T, B]`."""
 
     loss: torch.Tensor
     policy_loss: torch.Tensor
@@ -175,14 +170,13 @@ class VtraceLoss(NamedTuple):
 def learner_loss(
     logits, values, batch, gamma, baseline_cost, entropy_cost, clips=(1.0, 1.0, 1.0), lambda_=1.0, popart=None
 ):
-    """The V-trace actor-critic loss (Sec. 4.2), summed over time and batch.
+    """The V-trace actor-critic loss (Sec. 4.2), summed over time and batch; diagnostics are means over real steps.
 
-    Rows 0..T of a batch of unrolls `[T+1, B]`: `logits` `[T+1, B, A]`, `values`, and from `batch` the `action`
-    taken at x_k, the behaviour policy's `logits` there, and the `reward`, `terminated` and `ended` flags that came
-    with x_k (`ended`: x_k ended an episode, so step k is envpool's reset step: no transition). Row T only
-    bootstraps. `clips` = (ρ̄, ρ̄ of the policy gradient, c̄). With `popart` (a PopArt layer), `values` are its
-    normalised outputs `[T+1, B, tasks]`: each row reads its task's output n (`batch["task"]`), V = σ n + μ enters
-    V-trace, the value loss is ½((v_s − μ)/σ − n)² and the policy-gradient advantage is divided by σ.
+    Rows 0..T of a batch of unrolls (row T only bootstraps): `logits` `[T+1, B, A]`, `values` `[T+1, B]`, and from
+    `batch` the `action` taken at x_k, μ's `logits` there, and the `reward`, `terminated` and `ended` flags that came
+    with x_k (`ended`: step k is envpool's reset step, no transition). `clips` = (ρ̄, ρ̄ of the policy gradient, c̄).
+    With `popart`, `values` are its normalised outputs `[T+1, B, tasks]`: each row reads its task's output n, V =
+    σ n + μ enters V-trace, the value loss is ½((v_s − μ)/σ − n)² and the policy-gradient advantage is divided by σ.
     """
     if popart is not None:
         task = batch["task"]
@@ -224,8 +218,7 @@ def learner_loss(
 
 
 class Agent(nn.Module):
-    """Torso, optional LSTM, a softmax policy and a value: one linear value, or with `popart` a PopArt layer with
-    one normalised output per task (`num_tasks`)."""
+    """Torso, optional LSTM, linear policy logits and a linear value (with `popart`: PopArt's, one per task)."""
 
     def __init__(self, obs_shape, num_actions, network="shallow", channels=(), use_lstm=False, lstm_size=256,
                  mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4, init="orthogonal"):  # fmt: skip
@@ -234,13 +227,13 @@ class Agent(nn.Module):
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
         features = self.core.out_features if use_lstm else self.torso.out_features
-        self.policy = nn.Linear(features, num_actions) if popart else None
+        self.policy = nn.Linear(features, num_actions)
         self.popart = PopArt(features, num_tasks, popart_beta) if popart else None
-        self.heads = None if popart else PolicyValueHeads(features, num_actions)
+        self.value = None if popart else nn.Linear(features, 1)
         init_weights_(self, init)
         if init == "orthogonal":
-            init_output_(self.heads.policy if self.popart is None else self.policy, 0.01)
-            init_output_(self.heads.value if self.popart is None else self.popart.linear, 1.0)
+            init_output_(self.policy, 0.01)
+            init_output_(self.popart.linear if popart else self.value, 1.0)
 
     def initial_state(self, batch_size, device=None):
         return self.core.initial_state(batch_size, device) if self.core is not None else ()
@@ -252,10 +245,8 @@ class Agent(nn.Module):
         x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
         if self.core is not None:
             x, state = self.core(x.view(T, B, -1), prev_action, prev_reward, first, state)
-        if self.popart is not None:
-            return self.policy(x).view(T, B, -1), self.popart(x).view(T, B, -1), state
-        logits, values = self.heads(x)
-        return logits.view(T, B, -1), values.view(T, B), state
+        values = self.value(x).view(T, B) if self.popart is None else self.popart(x).view(T, B, -1)
+        return self.policy(x).view(T, B, -1), values, state
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -264,8 +255,7 @@ class Agent(nn.Module):
 
 
 def act(cfg, link: ActorLink) -> None:
-    """An actor: for each batch of envs that envpool returns, the latest published policy μ samples actions, the
-    envs step while the row is written, and every full unroll goes to the learner."""
+    """An actor: the latest published policy μ acts in each batch of envs envpool returns; full unrolls go out."""
     n, device = cfg.num_envs, torch.device(cfg.device)
     envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
     agent = link.local_agent(device)
@@ -352,7 +342,6 @@ def main(args: Args):
     num_updates = args.total_timesteps // steps_per_update
     anneal_updates = max(num_updates, args.lr_anneal_steps // steps_per_update)  # to 0 linearly (Table G.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates if args.anneal_lr else 1)
-    # The training state: the weights (with PopArt's statistics), RMSProp, the learning rate's schedule, updates.
     state = load_state(dict(agent=agent, optimizer=optimizer, schedule=schedule, update=0), resumed)
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
     describe += f"{args.num_envs * world} envs" + (f", {len(games)} games" if games else "") + ", PopArt" * use_popart
@@ -395,8 +384,7 @@ def save(log, state) -> None:
 
 def log_update(log, pool, agent, step, stats, logits, batch) -> None:
     """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
-    learner's diagnostics (the policy's lag, whether the policy depends on the state yet, the torso's dead units,
-    PopArt's statistics per game, several games' median human-normalised score) and the console line."""
+    learner's diagnostics (docs/impala_vtrace.md, "Logged metrics") and the console line."""
     episodes = pool.take_episodes()
     if log.writer is None:
         return
@@ -419,8 +407,7 @@ def log_update(log, pool, agent, step, stats, logits, batch) -> None:
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """`policy(obs, rewards, first) -> actions` of a saved model (it keeps the LSTM state and the previous action
-    itself); rewards are clipped as in training."""
+    """`policy(obs, rewards, first) -> actions` of a saved model (LSTM state kept, rewards clipped as in training)."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
     return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
@@ -440,14 +427,12 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
     specs = dict(obs=((T + 1, *observation_space.shape), obs_dtype), logits=((T + 1, num_actions), torch.float32))
     specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated", "first")}, reward=((T + 1,), torch.float))
     specs.update({k: ((T + 1,), torch.long) for k in ("action", "prev_action", "version", "task")})
-    if args.use_lstm:
-        specs.update(core_h=((args.lstm_size,), torch.float32), core_c=((args.lstm_size,), torch.float32))
+    specs.update({k: ((args.lstm_size,), torch.float32) for k in ("core_h", "core_c") if args.use_lstm})
     return specs
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
-    of a multi-task run (presets expanded; empty for one game)."""
+    """Bad input: one clear line before any work (UsageError). Returns the (first) game's spec and the games."""
     games, world, steps = expand_env_ids(args.env_ids), world_size(), args.batch_size * args.unroll_length
     for game in games:  # known to envpool (a line naming an unknown one), and Atari
         env_spec(game, discrete=True)
