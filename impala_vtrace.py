@@ -90,7 +90,6 @@ class Args:
     use_lstm: bool = False  # LSTM core fed the previous action and reward (Fig. 3)
     lstm_size: int = 256  # LSTM hidden units (Fig. 3)
     mlp_hidden: tuple[int, ...] = (64, 64)  # hidden layers of the MLP torso for vector observations
-    init: Literal["orthogonal", "sonnet", "torch"] = "orthogonal"  # weight initialisation (docs/impala_vtrace.md)
     save_model: bool = False  # write model.pt (weights and what evaluation needs) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training (0: none)
@@ -221,7 +220,7 @@ class Agent(nn.Module):
     """Torso, optional LSTM, linear policy logits and a linear value (with `popart`: PopArt's, one per task)."""
 
     def __init__(self, obs_shape, num_actions, network="shallow", channels=(), use_lstm=False, lstm_size=256,
-                 mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4, init="orthogonal"):  # fmt: skip
+                 mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4):  # fmt: skip
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
@@ -230,10 +229,9 @@ class Agent(nn.Module):
         self.policy = nn.Linear(features, num_actions)
         self.popart = PopArt(features, num_tasks, popart_beta) if popart else None
         self.value = None if popart else nn.Linear(features, 1)
-        init_weights_(self, init)
-        if init == "orthogonal":
-            init_output_(self.policy, 0.01)
-            init_output_(self.popart.linear if popart else self.value, 1.0)
+        init_weights_(self, "orthogonal")  # PyTorch's default leaves the torso state-blind on Atari (docs)
+        init_output_(self.policy, 0.01)
+        init_output_(self.popart.linear if popart else self.value, 1.0)
 
     def initial_state(self, batch_size, device=None):
         return self.core.initial_state(batch_size, device) if self.core is not None else ()
@@ -255,22 +253,21 @@ class Agent(nn.Module):
 
 
 def act(cfg, link: ActorLink) -> None:
-    """An actor: the latest published policy μ acts in each batch of envs envpool returns; full unrolls go out."""
+    """An actor: the latest published policy μ acts in each batch of envs envpool returns and sends full unrolls."""
     n, device = cfg.num_envs, torch.device(cfg.device)
     envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
     agent = link.local_agent(device)
     unrolls = UnrollWriter(link, n, cfg.unroll_length)
-    ended, prev_action = np.zeros(n, bool), torch.zeros(n, dtype=torch.long)
+    ended, prev_action = np.zeros(n, bool), np.zeros(n, np.int64)
     state, tracker = agent.initial_state(n, device), EpisodeTracker(n)
     envs.async_reset()
     while True:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
         version = link.refresh(agent)
-        ids_t = torch.from_numpy(ids).long()
-        ids_dev, first = ids_t.to(device), torch.from_numpy(ended[ids])
+        ids_dev, first = torch.from_numpy(ids).long().to(device), torch.from_numpy(ended[ids])
         obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
-        prev = torch.where(first, 0, prev_action[ids_t])
+        prev = torch.from_numpy(np.where(ended[ids], 0, prev_action[ids]))
         state_before = tuple(s[ids_dev] for s in state)
         with torch.no_grad():
             inputs = (x.to(device)[None] for x in (obs_t, prev, reward_t, first))
@@ -285,7 +282,7 @@ def act(cfg, link: ActorLink) -> None:
         for s, s_new in zip(state, state_after):
             s[ids_dev] = s_new
         unrolls.write(ids, row, core)
-        prev_action[ids_t], ended[ids] = action, done
+        prev_action[ids], ended[ids] = action.numpy(), done
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
             link.episode_q.put((score, length, cfg.task))
 
@@ -295,8 +292,8 @@ def act(cfg, link: ActorLink) -> None:
 
 
 def learner_step(state, batch, args, diagnose=False):
-    """One update on a batch of unrolls (Sec. 3, 4.2), the training state's `update`-th; PopArt's statistics move
-    after the gradient step. Returns the logits and the stats (`diagnose`: the per-layer gradient norms too)."""
+    """One update on a batch of unrolls (Sec. 3, 4.2), the training state's `update`-th. Returns the logits and the
+    stats (`diagnose`: each layer's gradient norm too, before clipping)."""
     agent, optimizer = state["agent"], state["optimizer"]
     state["update"] += 1
     core = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
@@ -305,11 +302,10 @@ def learner_step(state, batch, args, diagnose=False):
     optimizer.zero_grad(set_to_none=False)
     out.loss.backward()
     reduce_gradients(agent.parameters(), mean=False)  # the loss sums over the batch: the global batch's sum
-    layers = grad_norms_by_layer(agent) if diagnose else {}  # before clipping
+    layers = {f"grad_norm/{name}": v for name, v in grad_norms_by_layer(agent).items()} if diagnose else {}
     grad_norm, stats = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm), loss_stats(out)
     check_finite("in an update", loss=out.loss, gradient=grad_norm, **{k.split("/")[1]: v for k, v in stats.items()})
-    stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
-    stats["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
+    stats |= {"stats/grad_norm": grad_norm, "charts/learning_rate": optimizer.param_groups[0]["lr"], **layers}
     optimizer.step()
     state["schedule"].step()
     if agent.popart is not None:
@@ -334,7 +330,7 @@ def main(args: Args):
     rank, world, device = learner_process(args)
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
     net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.mlp_hidden, max(1, len(games)))
-    agent = Agent(spec.observation_space.shape, num_actions, *net, use_popart, args.popart_beta, args.init).to(device)
+    agent = Agent(spec.observation_space.shape, num_actions, *net, use_popart, args.popart_beta).to(device)
     same_start(agent)
     rmsprop = dict(alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # PyTorch's (docs)
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, **rmsprop)
