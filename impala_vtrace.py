@@ -16,13 +16,9 @@ truncated importance weights ρ_t = min(ρ̄, π/μ) and c_t = λ min(c̄, π/μ
 | Table G.1 Atari hyperparameters                                | `Args` defaults                         |
 | Sec. 5.3 multi-task Atari; PopArt-IMPALA (Hessel et al. 2019)  | `--env-ids`, `--popart`                 |
 
-envpool resets an env on the step after an episode ends (action ignored, reward 0): that step is no transition,
-gets no gradient, and V-trace gets discount 0 and reward V(x_k) there, so nothing crosses between episodes.
-Departures from the paper (orthogonal initialisation, PyTorch's RMSProp, the CPU learning rate, the annealing
-horizon) and their measurements: docs/impala_vtrace.md.
-
-Processes: each learner (one, or K under torchrun, gradients summed in one all-reduce) starts `--num-actors` actor
-processes that write unrolls into shared-memory slots; the learner publishes its weights after every update.
+Each learner (one, or K under torchrun, gradients summed in one all-reduce) starts `--num-actors` actor processes
+that write unrolls into shared-memory slots, and publishes its weights after every update. Departures from the
+paper (initialisation, optimiser, learning rate and its horizon) and their measurements: docs/impala_vtrace.md.
 
     python impala_vtrace.py --env-id Breakout-v5
     torchrun --nproc_per_node 2 impala_vtrace.py --env-id Pong-v5 --network deep --use-lstm
@@ -53,8 +49,8 @@ import torch.nn.functional as F
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, require, task_family
 from common.evaluation import evaluate, evaluate_games, expand_env_ids, human_normalized_score, recurrent_policy
 from common.evaluation import resume_checkpoint
-from common.networks import LSTMCore, PolicyValueHeads, check_channels, dead_units, grad_norms_by_layer, init_output_
-from common.networks import init_weights_, logits_std_across_states, make_torso
+from common.networks import LSTMCore, check_channels, dead_units, grad_norms_by_layer, init_output_, init_weights_
+from common.networks import logits_std_across_states, make_torso
 from common.popart import PopArt
 
 
@@ -78,7 +74,6 @@ class Args:
     learning_rate: float = 6e-4  # learning rate (Table G.1)
     anneal_lr: bool = True  # anneal the learning rate linearly to 0 (Table G.1)
     lr_anneal_steps: int = 50_000_000  # steps to anneal over: 200M frames (Table G.1); 0: the run's length
-    optimizer: Literal["rmsprop_torch", "rmsprop_tf"] = "rmsprop_torch"  # PyTorch's or TensorFlow's RMSProp (docs)
     rmsprop_decay: float = 0.99  # RMSProp decay (the paper's code default)
     rmsprop_eps: float = 0.01  # RMSProp ε (Table G.1)
     rmsprop_momentum: float = 0.0  # RMSProp momentum (Table G.1)
@@ -95,7 +90,6 @@ class Args:
     use_lstm: bool = False  # LSTM core fed the previous action and reward (Fig. 3)
     lstm_size: int = 256  # LSTM hidden units (Fig. 3)
     mlp_hidden: tuple[int, ...] = (64, 64)  # hidden layers of the MLP torso for vector observations
-    init: Literal["orthogonal", "sonnet", "torch"] = "orthogonal"  # weight initialisation (docs/impala_vtrace.md)
     save_model: bool = False  # write model.pt (weights and what evaluation needs) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training (0: none)
@@ -106,9 +100,7 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family, the same on every device (a flag the user gives wins; `--preset paper`: Table G.1 as it is):
-# Atari runs Table G.1 with 4x its learning rate, measured on Breakout-v5; classic control settings measured on
-# CartPole-v1 (docs/impala_vtrace.md).
+# Defaults by task family, the same on every device (a flag the user gives wins; `--preset paper`: Table G.1 as it is).
 FAMILY_DEFAULTS = {
     "atari": ("Table G.1 with 4x its learning rate, measured on Breakout-v5 (docs)", dict(learning_rate=2.4e-3)),
     "classic": (
@@ -145,27 +137,23 @@ def vtrace(log_rhos, discounts, rewards, values, bootstrap_value, clip_rho_thres
     ρ_s (r_s + γ_s v_{s+1} − V(x_s)) (Sec. 4.2).
 
     log_rhos = log π(a_t|x_t) − log μ(a_t|x_t), discounts = γ (1 − done_t), rewards and values `[T, B]`;
-    bootstrap_value = V(x_T) `[B]`. A threshold of None means no truncation. Returns (vs, pg_advantages).
+    bootstrap_value = V(x_T) `[B]`. Returns (vs, pg_advantages).
     """
     rhos = torch.exp(log_rhos)
-    clipped_rhos = rhos if clip_rho_threshold is None else rhos.clamp(max=clip_rho_threshold)
-    cs = lambda_ * (rhos if clip_c_threshold is None else rhos.clamp(max=clip_c_threshold))
+    clipped_rhos = rhos.clamp(max=clip_rho_threshold)
+    cs = lambda_ * rhos.clamp(max=clip_c_threshold)
     values_tp1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)])
     deltas = clipped_rhos * (rewards + discounts * values_tp1 - values)
-    acc = torch.zeros_like(bootstrap_value)
-    vs_minus_v = []
+    vs, acc = values.clone(), torch.zeros_like(bootstrap_value)
     for t in reversed(range(values.shape[0])):  # v_s − V(x_s) = δ_s + γ_s c_s (v_{s+1} − V(x_{s+1}))
         acc = deltas[t] + discounts[t] * cs[t] * acc
-        vs_minus_v.append(acc)
-    vs = values + torch.stack(vs_minus_v[::-1])
+        vs[t] += acc
     vs_tp1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)])
-    pg_rhos = rhos if clip_pg_rho_threshold is None else rhos.clamp(max=clip_pg_rho_threshold)
-    return vs, pg_rhos * (rewards + discounts * vs_tp1 - values)
+    return vs, rhos.clamp(max=clip_pg_rho_threshold) * (rewards + discounts * vs_tp1 - values)
 
 
 class VtraceLoss(NamedTuple):
-    """learner_loss's result: the loss and its parts (sums over time and batch), diagnostics (means over the real
-    steps) and the unnormalised V-trace targets v_s `[T, B]` (PopArt's update takes them)."""
+    """learner_loss's result: the loss, its parts, diagnostics and the unnormalised V-trace targets v_s `[T, B]`."""
 
     loss: torch.Tensor
     policy_loss: torch.Tensor
@@ -181,14 +169,13 @@ class VtraceLoss(NamedTuple):
 def learner_loss(
     logits, values, batch, gamma, baseline_cost, entropy_cost, clips=(1.0, 1.0, 1.0), lambda_=1.0, popart=None
 ):
-    """The V-trace actor-critic loss (Sec. 4.2), summed over time and batch.
+    """The V-trace actor-critic loss (Sec. 4.2), summed over time and batch; diagnostics are means over real steps.
 
-    Rows 0..T of a batch of unrolls `[T+1, B]`: `logits` `[T+1, B, A]`, `values`, and from `batch` the `action`
-    taken at x_k, the behaviour policy's `logits` there, and the `reward`, `terminated` and `ended` flags that came
-    with x_k (`ended`: x_k ended an episode, so step k is envpool's reset step: no transition). Row T only
-    bootstraps. `clips` = (ρ̄, ρ̄ of the policy gradient, c̄). With `popart` (a PopArt layer), `values` are its
-    normalised outputs `[T+1, B, tasks]`: each row reads its task's output n (`batch["task"]`), V = σ n + μ enters
-    V-trace, the value loss is ½((v_s − μ)/σ − n)² and the policy-gradient advantage is divided by σ.
+    Rows 0..T of a batch of unrolls (row T only bootstraps): `logits` `[T+1, B, A]`, `values` `[T+1, B]`, and from
+    `batch` the `action` taken at x_k, μ's `logits` there, and the `reward`, `terminated` and `ended` flags that came
+    with x_k (`ended`: step k is envpool's reset step, no transition). `clips` = (ρ̄, ρ̄ of the policy gradient, c̄).
+    With `popart`, `values` are its normalised outputs `[T+1, B, tasks]`: each row reads its task's output n, V =
+    σ n + μ enters V-trace, the value loss is ½((v_s − μ)/σ − n)² and the policy-gradient advantage is divided by σ.
     """
     if popart is not None:
         task = batch["task"]
@@ -225,55 +212,26 @@ def learner_loss(
     )
 
 
-class RMSpropTF(torch.optim.Optimizer):
-    """RMSProp as TensorFlow computes it, which the paper's code used (Table G.1's decay, ε and momentum):
-
-        ms  ← ρ ms + (1 − ρ) g²          ms starts at `initial_scale` (TensorFlow: 1; optax: 0)
-        mom ← μ mom + lr g / √(ms + ε)   ε inside the square root
-        θ   ← θ − mom
-
-    torch.optim.RMSprop starts ms at 0 and adds ε outside the root: its first steps are about 10·lr on every weight.
-    """
-
-    def __init__(self, params, lr=6e-4, alpha=0.99, eps=0.01, momentum=0.0, initial_scale=1.0):
-        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, momentum=momentum, initial_scale=initial_scale))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if not state:
-                    state["square_avg"] = torch.full_like(p, group["initial_scale"])
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                ms, mom = state["square_avg"], state["momentum_buffer"]
-                ms.mul_(group["alpha"]).addcmul_(p.grad, p.grad, value=1 - group["alpha"])
-                mom.mul_(group["momentum"]).addcdiv_(p.grad, (ms + group["eps"]).sqrt_(), value=group["lr"])
-                p.sub_(mom)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The agent (Fig. 3).
 
 
 class Agent(nn.Module):
-    """Torso, optional LSTM, a softmax policy and a value: one linear value, or with `popart` a PopArt layer with
-    one normalised output per task (`num_tasks`)."""
+    """Torso, optional LSTM, linear policy logits and a linear value (with `popart`: PopArt's, one per task)."""
 
     def __init__(self, obs_shape, num_actions, network="shallow", channels=(), use_lstm=False, lstm_size=256,
-                 mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4, init="orthogonal"):  # fmt: skip
+                 mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4):  # fmt: skip
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
         features = self.core.out_features if use_lstm else self.torso.out_features
-        self.policy = nn.Linear(features, num_actions) if popart else None
+        self.policy = nn.Linear(features, num_actions)
         self.popart = PopArt(features, num_tasks, popart_beta) if popart else None
-        self.heads = None if popart else PolicyValueHeads(features, num_actions)
-        init_weights_(self, init)
-        if init == "orthogonal":
-            init_output_(self.heads.policy if self.popart is None else self.policy, 0.01)
-            init_output_(self.heads.value if self.popart is None else self.popart.linear, 1.0)
+        self.value = None if popart else nn.Linear(features, 1)
+        init_weights_(self, "orthogonal")  # PyTorch's default leaves the torso state-blind on Atari (docs)
+        init_output_(self.policy, 0.01)
+        init_output_(self.popart.linear if popart else self.value, 1.0)
 
     def initial_state(self, batch_size, device=None):
         return self.core.initial_state(batch_size, device) if self.core is not None else ()
@@ -285,10 +243,8 @@ class Agent(nn.Module):
         x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
         if self.core is not None:
             x, state = self.core(x.view(T, B, -1), prev_action, prev_reward, first, state)
-        if self.popart is not None:
-            return self.policy(x).view(T, B, -1), self.popart(x).view(T, B, -1), state
-        logits, values = self.heads(x)
-        return logits.view(T, B, -1), values.view(T, B), state
+        values = self.value(x).view(T, B) if self.popart is None else self.popart(x).view(T, B, -1)
+        return self.policy(x).view(T, B, -1), values, state
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -297,22 +253,20 @@ class Agent(nn.Module):
 
 
 def act(cfg, link: ActorLink) -> None:
-    """An actor: for each batch of envs that envpool returns, the latest published policy μ samples actions, the
-    envs step while the row is written, and every full unroll goes to the learner."""
+    """An actor: the latest published policy μ acts in each batch of envs envpool returns and sends full unrolls."""
     n, device = cfg.num_envs, torch.device(cfg.device)
     envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
     agent = link.local_agent(n, cfg.unroll_length, device)
-    ended, prev_action = np.zeros(n, bool), torch.zeros(n, dtype=torch.long)
+    ended, prev_action = np.zeros(n, bool), np.zeros(n, np.int64)
     state, tracker = agent.initial_state(n, device), EpisodeTracker(n)
     envs.async_reset()
     while True:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
         version = link.refresh(agent)
-        ids_t = torch.from_numpy(ids).long()
-        ids_dev, first = ids_t.to(device), torch.from_numpy(ended[ids])
+        ids_dev, first = torch.from_numpy(ids).long().to(device), torch.from_numpy(ended[ids])
         obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
-        prev = torch.where(first, 0, prev_action[ids_t])
+        prev = torch.from_numpy(np.where(ended[ids], 0, prev_action[ids]))
         state_before = tuple(s[ids_dev] for s in state)
         with torch.no_grad():
             inputs = (x.to(device)[None] for x in (obs_t, prev, reward_t, first))
@@ -323,13 +277,11 @@ def act(cfg, link: ActorLink) -> None:
         row = dict(obs=obs_t, reward=reward_t, ended=torch.from_numpy(done), terminated=torch.from_numpy(term))
         row.update(first=first, action=action, prev_action=prev, logits=logits[0].cpu())
         row.update(version=torch.full((len(ids),), version), task=torch.full((len(ids),), cfg.task))
-        core = None
-        if agent.core is not None:
-            core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))
-            for s, s_new in zip(state, state_after):
-                s[ids_dev] = s_new
+        core = dict(zip(("core_h", "core_c"), (s.cpu() for s in state_before)))  # empty without an LSTM
+        for s, s_new in zip(state, state_after):
+            s[ids_dev] = s_new
         link.write(ids, row, core)
-        prev_action[ids_t], ended[ids] = action, done
+        prev_action[ids], ended[ids] = action.numpy(), done
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
             link.episode_q.put((score, length, cfg.task))
 
@@ -339,10 +291,8 @@ def act(cfg, link: ActorLink) -> None:
 
 
 def learner_step(state, batch, args, diagnose=False):
-    """One update on a batch of unrolls (Sec. 3, 4.2), the training state's `update`-th: the agent's outputs, the
-    V-trace loss, its gradient (summed over the learner processes) clipped to --max-grad-norm, the optimiser's step
-    and the learning rate's, PopArt moved toward the batch's targets (per game; outputs preserved). Returns the logits
-    and the stats (`diagnose`: the per-layer gradient norms too)."""
+    """One update on a batch of unrolls (Sec. 3, 4.2), the training state's `update`-th. Returns the logits and the
+    stats (`diagnose`: each layer's gradient norm too, before clipping)."""
     agent, optimizer = state["agent"], state["optimizer"]
     state["update"] += 1
     core = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
@@ -351,11 +301,10 @@ def learner_step(state, batch, args, diagnose=False):
     optimizer.zero_grad(set_to_none=False)
     out.loss.backward()
     reduce_gradients(agent.parameters(), mean=False)  # the loss sums over the batch: the global batch's sum
-    layers = grad_norms_by_layer(agent) if diagnose else {}  # before clipping
+    layers = {f"grad_norm/{name}": v for name, v in grad_norms_by_layer(agent).items()} if diagnose else {}
     grad_norm, stats = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm), loss_stats(out)
     check_finite("in an update", loss=out.loss, gradient=grad_norm, **{k.split("/")[1]: v for k, v in stats.items()})
-    stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
-    stats["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
+    stats |= {"stats/grad_norm": grad_norm, "charts/learning_rate": optimizer.param_groups[0]["lr"], **layers}
     optimizer.step()
     state["schedule"].step()
     if agent.popart is not None:
@@ -380,15 +329,14 @@ def main(args: Args):
     rank, world, device = learner_process(args)
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
     net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.mlp_hidden, max(1, len(games)))
-    agent = Agent(spec.observation_space.shape, num_actions, *net, use_popart, args.popart_beta, args.init).to(device)
+    agent = Agent(spec.observation_space.shape, num_actions, *net, use_popart, args.popart_beta).to(device)
     same_start(agent)
-    optimizer = make_optimizer(args, agent.parameters())
+    rmsprop = dict(alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # PyTorch's (docs)
+    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, **rmsprop)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
-    anneal_steps = args.lr_anneal_steps or args.total_timesteps
-    anneal_updates = max(num_updates, anneal_steps // steps_per_update)  # the learning rate to 0 linearly (Table G.1)
+    anneal_updates = max(num_updates, args.lr_anneal_steps // steps_per_update)  # to 0 linearly (Table G.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates if args.anneal_lr else 1)
-    # The training state: the weights (with PopArt's statistics), RMSProp, the learning rate's schedule, updates.
     state = load_state(dict(agent=agent, optimizer=optimizer, schedule=schedule, update=0), resumed)
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
     describe += f"{args.num_envs * world} envs" + (f", {len(games)} games" if games else "") + ", PopArt" * use_popart
@@ -431,8 +379,7 @@ def save(log, state) -> None:
 
 def log_update(log, pool, agent, step, stats, logits, batch) -> None:
     """Rank 0, after each update: the episodes the actors finished; with `stats` (every --log-interval seconds), the
-    learner's diagnostics (the policy's lag, whether the policy depends on the state yet, the torso's dead units,
-    PopArt's statistics per game, several games' median human-normalised score) and the console line."""
+    learner's diagnostics (docs/impala_vtrace.md, "Logged metrics") and the console line."""
     episodes = pool.take_episodes()
     if log.writer is None:
         return
@@ -446,9 +393,7 @@ def log_update(log, pool, agent, step, stats, logits, batch) -> None:
         stats["stats/dead_units"] = dead_units(agent.torso(batch["obs"][:-1].flatten(0, 1)))
     stats.update({"stats/logits_std_across_states": logits_std_across_states(logits[:-1]), "stats/policy_lag": lag})
     for k, game in enumerate(games if agent.popart is not None else ()):
-        stats.update(
-            {f"stats/popart_sigma/{game}": agent.popart.sigma[k], f"stats/popart_mu/{game}": agent.popart.mu[k]}
-        )
+        stats |= {f"stats/popart_sigma/{game}": agent.popart.sigma[k], f"stats/popart_mu/{game}": agent.popart.mu[k]}
     hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in games if log.groups.get(g)]
     if len(games) > 1 and len(hns) == len(games):
         stats["charts/median_human_normalized"] = float(np.median(hns))
@@ -457,8 +402,7 @@ def log_update(log, pool, agent, step, stats, logits, batch) -> None:
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """`policy(obs, rewards, first) -> actions` of a saved model (it keeps the LSTM state and the previous action
-    itself); rewards are clipped as in training."""
+    """`policy(obs, rewards, first) -> actions` of a saved model (LSTM state kept, rewards clipped as in training)."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
     return recurrent_policy(agent, num_envs, device, greedy, checkpoint["reward_clip"])
@@ -472,27 +416,18 @@ def saved_model(args, agent, global_step):
     return dict(model, agent=weights, reward_clip=bool(games) or is_atari(args.env_id), global_step=global_step)
 
 
-def make_optimizer(args, params):
-    """PyTorch's RMSProp (`rmsprop_torch`) or TensorFlow's (ε inside the square root, the mean square starting at 1:
-    `rmsprop_tf`, as the paper's code ran it)."""
-    kwargs = dict(lr=args.learning_rate, alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)
-    return (RMSpropTF if args.optimizer == "rmsprop_tf" else torch.optim.RMSprop)(params, **kwargs)
-
-
 def buffer_specs(observation_space, num_actions, args) -> dict:
     """The unroll buffers `act` fills: name → (shape of one slot, dtype); with an LSTM its state before each slot."""
     T, obs_dtype = args.unroll_length, torch.uint8 if observation_space.dtype == np.uint8 else torch.float32
     specs = dict(obs=((T + 1, *observation_space.shape), obs_dtype), logits=((T + 1, num_actions), torch.float32))
     specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated", "first")}, reward=((T + 1,), torch.float))
     specs.update({k: ((T + 1,), torch.long) for k in ("action", "prev_action", "version", "task")})
-    if args.use_lstm:
-        specs.update(core_h=((args.lstm_size,), torch.float32), core_c=((args.lstm_size,), torch.float32))
+    specs.update({k: ((args.lstm_size,), torch.float32) for k in ("core_h", "core_c") if args.use_lstm})
     return specs
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the spec of the (first) game and the games
-    of a multi-task run (presets expanded; empty for one game)."""
+    """Bad input: one clear line before any work (UsageError). Returns the (first) game's spec and the games."""
     games, world, steps = expand_env_ids(args.env_ids), world_size(), args.batch_size * args.unroll_length
     for game in games:  # known to envpool (a line naming an unknown one), and Atari
         env_spec(game, discrete=True)
