@@ -92,7 +92,6 @@ class Args:
     use_lstm: bool = True  # LSTM core fed the previous action and reward (Fig. 1b)
     lstm_size: int = 256  # LSTM hidden units (App. F)
     head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
-    init: Literal["orthogonal", "sonnet", "torch"] = "orthogonal"  # weight initialisation (docs/vmpo_atari.md)
     mlp_hidden: tuple[int, ...] = (64, 64)  # hidden layers of the MLP torso for vector observations
     save_model: bool = False  # write model.pt (weights, PopArt statistics, what evaluation needs) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
@@ -196,34 +195,30 @@ class VmpoLoss(NamedTuple):
 
 
 class LagrangeMultipliers(nn.Module):
-    """η (Eq. 13) and α (Eq. 14) as `values()`, from the parameters `eta`, `alpha`: form "paper", η and α themselves,
-    projected to at least η_min after every step (Sec. 4.2.2); "softplus" (Acme's MPO), softplus(eta) + η_min."""
+    """η (Eq. 13) and α (Eq. 14) as `values()`: form "paper", the parameters themselves, projected to at least η_min
+    after every step (Sec. 4.2.2); "softplus" (Acme's MPO), softplus(parameter) + η_min, which needs no projection."""
 
     def __init__(self, eta=1.0, alpha=5.0, form="paper", minimum=1e-8):
         super().__init__()
         self.form, self.minimum = form, minimum
-        if form == "softplus":  # the parameters whose images are η and α
-            eta, alpha = (math.log(math.expm1(max(float(v) - minimum, 1e-12))) for v in (eta, alpha))
-        self.eta, self.alpha = nn.Parameter(torch.tensor(float(eta))), nn.Parameter(torch.tensor(float(alpha)))
+        inverse = (lambda v: math.log(math.expm1(max(v - minimum, 1e-12)))) if form == "softplus" else float
+        self.eta, self.alpha = (nn.Parameter(torch.tensor(inverse(float(v)))) for v in (eta, alpha))
 
     def values(self):
-        if self.form == "paper":
-            return self.eta, self.alpha
-        return F.softplus(self.eta) + self.minimum, F.softplus(self.alpha) + self.minimum
+        raw = (self.eta, self.alpha)
+        return raw if self.form == "paper" else tuple(F.softplus(p) + self.minimum for p in raw)
 
     @torch.no_grad()
     def project(self):
-        """Sec. 4.2.2 (form "paper"): η ← max(η, η_min), α ← max(α, α_min); the softplus form needs none."""
-        if self.form == "paper":
-            self.eta.clamp_(min=self.minimum)
-            self.alpha.clamp_(min=self.minimum)
+        for p in self.parameters() if self.form == "paper" else ():
+            p.clamp_(min=self.minimum)
 
 
 class Agent(nn.Module):
     """Fig. 1b: a torso (ResNet for pixels, MLP for vectors), an LSTM fed the previous action and reward, MLP heads."""
 
     def __init__(self, obs_shape, num_actions, network="deep", channels=(), use_lstm=True, lstm_size=256,
-                 head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4, init="orthogonal"):  # fmt: skip
+                 head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4):  # fmt: skip
         super().__init__()
         channels = tuple(channels) or ((64, 128, 128) if network == "deep" else ())  # deep: 4x IMPALA's (App. F)
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
@@ -234,9 +229,8 @@ class Agent(nn.Module):
         self.policy = nn.Linear(head_hidden, num_actions)
         self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
         self.popart = PopArt(head_hidden, num_tasks, popart_beta)  # σ in [1e-2, 1e6] (Sec. 4.1)
-        init_weights_(self, init)
-        if init == "orthogonal":
-            init_output_(self.popart.linear, 1.0)
+        init_weights_(self, "orthogonal")  # orthogonal, gain √2, zero biases (not in the paper; docs)
+        init_output_(self.popart.linear, 1.0)
         init_output_(self.policy, 0.0)  # a uniform policy at the start (App. F)
 
     def initial_state(self, batch_size, device=None):
@@ -367,7 +361,7 @@ def main(args: Args):
     rank, world, device = learner_process(args)
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
     net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.head_hidden, args.mlp_hidden)
-    agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta, args.init)
+    agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta)
     agent.to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers).to(device)
     same_start(agent, multipliers)
@@ -432,9 +426,8 @@ def log_update(log, pool, agent, update, stats, batch) -> None:
     target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
     stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
     stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
-    for k, game in enumerate(games):  # PopArt's statistics per game (one game: stats/popart_mu, stats/popart_sigma)
-        stats[f"stats/popart_sigma/{game}"] = agent.popart.sigma[k]
-        stats[f"stats/popart_mu/{game}"] = agent.popart.mu[k]
+    popart = agent.popart  # its statistics per game (one game: stats/popart_mu, stats/popart_sigma)
+    stats |= {f"stats/popart_{x}/{g}": getattr(popart, x)[k] for k, g in enumerate(games) for x in ("mu", "sigma")}
     hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in games if log.groups.get(g)]
     if len(games) > 1 and len(hns) == len(games):
         stats["charts/median_human_normalized"] = float(np.median(hns))

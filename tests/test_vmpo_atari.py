@@ -213,7 +213,7 @@ def breakout_unrolls(num_envs=8, unroll_length=20, seed=0):
 def learner_state(args):
     """The training state `learner_step` updates, for the Breakout agent of `args` (no target network: the tests
     store π_target's logits in the batch themselves)."""
-    agent = vmpo_atari.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm, init=args.init)
+    agent = vmpo_atari.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm)
     multipliers = vmpo_atari.LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers)
     optimizer = vmpo_atari.make_optimizer(args, agent, multipliers)
     return dict(agent=agent, multipliers=multipliers, optimizer=optimizer, update=0)
