@@ -90,9 +90,7 @@ class Args:
     lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
     lstm_size: int = 256  # LSTM cells with --lstm (Sec. 5.1)
     hidden: int = 200  # ReLU units of the hidden layer for vector observations (Supp. 9)
-    # continuous policy: paper: μ linear, σ² = softplus(linear) of the state, one for all dimensions (Supp. 9);
-    # tanh: μ = tanh(linear) within the action box, σ a learned vector independent of the state
-    gaussian: Literal["paper", "tanh"] = "paper"
+    gaussian: Literal["paper", "tanh"] = "paper"  # paper: linear μ, σ² of the state (Supp. 9); tanh: tanh μ, σ learned
     scale_rewards: bool = False  # A3C: r / std of the running discounted return, clipped to ±10 (SB3's VecNormalize)
     save_model: bool = False  # write model.pt (weights, observation statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
@@ -103,8 +101,7 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family (measurements in docs/a3c.md): with ε 0.1 RMSProp is plain SGD on Breakout's small gradients;
-# the paper's linear μ drifts outside MuJoCo's action box and its σ collapses ("Locomotion").
+# Defaults by task family, measured in docs/a3c.md (with ε 0.1 RMSProp is plain SGD on Breakout's small gradients).
 FAMILY_DEFAULTS = {
     "atari": (
         "the paper's Atari settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5",
@@ -146,9 +143,8 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
 
 @torch.no_grad()
 def n_step_returns(rewards, discounts, bootstrap_value):
-    """Algorithm S3: R ← V(s_t) (the bootstrap), then R ← r_i + γ_i R for i = t−1 down to t_start. Every step
-    gets the longest return the rollout allows: a one-step return for the last, a t_max-step one for the first.
-    `[T, B]` rewards and per-step discounts γ_i = γ (1 − done_i), bootstrap_value `[B]`."""
+    """Algorithm S3: R ← V(s_t), then R ← r_i + γ_i R for i = t−1 down to t_start, γ_i = γ (1 − done_i): every step
+    gets the longest return the rollout allows. `[T, B]` rewards and discounts, bootstrap_value `[B]`."""
     acc = bootstrap_value
     out = []
     for t in reversed(range(rewards.shape[0])):
@@ -158,13 +154,12 @@ def n_step_returns(rewards, discounts, bootstrap_value):
 
 
 def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap_value, gamma, ent_coef, value_coef):
-    """Algorithm S3's accumulated gradients as one loss on a rollout `[T, B]`:
+    """Algorithm S3's accumulated gradients as one loss on a rollout `[T, B]`, averaged over the B environments:
 
         L = Σ_t [ −log π(a_t|s_t) (R_t − V(s_t)) − β H(π(·|s_t)) + value_coef (R_t − V(s_t))² ]
 
-    summed over time and averaged over the B environments; the advantage carries no gradient. `ended[t]`: obs_t
-    ended an episode, so step t is envpool's reset step: no loss there, and R_t = V(s_t), so a truncated
-    episode bootstraps from its last observation. Returns (loss, stats)."""
+    `ended[t]`: obs_t ended an episode, so step t is envpool's reset step: no loss there, and R_t = V(s_t), so a
+    truncated episode bootstraps from its last observation. Returns (loss, stats)."""
     values_sg = values.detach()
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
     rewards = torch.where(ended, values_sg, rewards)
@@ -189,9 +184,8 @@ def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap
 
 @torch.no_grad()
 def one_step_targets(rewards, discounts, next_q_target, next_actions=None):
-    """Algorithm 1's one-step Q-learning target y = r + γ max_a' Q(s', a'; θ⁻), or with `next_actions` one-step
-    Sarsa's y = r + γ Q(s', a'; θ⁻), a' the action taken at s' (Sec. 4). `[T, B]` rewards and per-step discounts
-    γ_t = γ (1 − terminated_t); `next_q_target` `[T, B, A]`: θ⁻'s values at s_{t+1}."""
+    """Algorithm 1's y = r + γ max_a' Q(s', a'; θ⁻), or with `next_actions` (a' taken at s') one-step Sarsa's
+    y = r + γ Q(s', a'; θ⁻) (Sec. 4). `next_q_target` `[T, B, A]`: θ⁻'s values at s_{t+1}."""
     if next_actions is None:
         return rewards + discounts * next_q_target.max(-1).values
     return rewards + discounts * next_q_target.gather(-1, next_actions.long().unsqueeze(-1)).squeeze(-1)
@@ -199,11 +193,9 @@ def one_step_targets(rewards, discounts, next_q_target, next_actions=None):
 
 @torch.no_grad()
 def value_targets(method, rewards, terminated, ended, q_target, next_actions, gamma):
-    """A value-based method's targets on a rollout `[T, B]`, from θ⁻'s values `q_target` `[T+1, B, A]` at
-    s_0..s_T: the one-step methods' `one_step_targets` at s_1..s_T; n-step Q-learning's (Algorithm S2) returns
-    R ← r_i + γ R backwards from R = max_a Q(s_T, a; θ⁻), the longest each step's rollout allows. `ended[t]`: obs_t
-    ended an episode, step t is envpool's reset step (no loss there), and n-step's R_t = max_a Q(s_t, a; θ⁻), so a
-    truncated episode bootstraps from its last observation, as in `a3c_loss`."""
+    """A value-based method's targets on a rollout `[T, B]` from θ⁻'s values `q_target` `[T+1, B, A]` at s_0..s_T:
+    `one_step_targets`, or n-step Q-learning's R ← r_i + γ R backwards from R = max_a Q(s_T, a; θ⁻) (Algorithm S2).
+    Episode ends as in `a3c_loss`: at a reset step (`ended`) n-step's R_t = max_a Q(s_t, a; θ⁻)."""
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
     if method == "n-step-q":
         v = q_target.max(-1).values
@@ -212,9 +204,8 @@ def value_targets(method, rewards, terminated, ended, q_target, next_actions, ga
 
 
 def q_loss(q_taken, targets, ended):
-    """Algorithm 1's and S2's accumulated gradients dθ ← dθ + ∂(y − Q(s, a; θ'))²/∂θ' as one loss on a rollout:
-    Σ_t (y_t − Q(s_t, a_t))² summed over time and averaged over the B environments, none at envpool's reset
-    steps (`ended`). Returns (loss, stats)."""
+    """Algorithm 1's and S2's accumulated dθ ← dθ + ∂(y − Q(s, a; θ'))²/∂θ' as one loss, Σ_t (y_t − Q(s_t, a_t))²
+    averaged over the B environments, none at envpool's reset steps (`ended`). Returns (loss, stats)."""
     mask = (~ended).float()
     loss = (mask * (targets - q_taken) ** 2).sum() / q_taken.shape[1]
     q_mean = (mask * q_taken.detach()).sum() / mask.sum().clamp(min=1)
@@ -243,14 +234,8 @@ def epsilon_greedy(q, epsilon, generator=None):
 
 
 class SharedRMSprop(torch.optim.Optimizer):
-    """Non-centred RMSProp of Eqs. (S2)-(S3), elementwise and without locks:
-
-        g ← α g + (1 − α) Δθ²,      θ ← θ − η Δθ / √(g + ε)
-
-    The statistics g are created here, not lazily at the first step, so that `share_memory()` can put them in
-    shared memory before the workers start: every worker that receives this optimiser then reads and updates
-    the same g ("Shared RMSProp", Sec. 4). Without `share_memory()` each process has its own g (the paper's
-    per-thread "RMSProp")."""
+    """Eqs. (S2)-(S3), elementwise and without locks: g ← α g + (1 − α) Δθ², θ ← θ − η Δθ / √(g + ε). g is made
+    here, not at the first step, so that `share_memory()` shares it with every worker ("Shared RMSProp", Sec. 4)."""
 
     def __init__(self, params, lr=1e-3, alpha=0.99, eps=0.1):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
@@ -276,9 +261,8 @@ class SharedRMSprop(torch.optim.Optimizer):
 
 
 def scale_rewards(rewards, return_var, clip=10.0):
-    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's
-    episode so far (VecNormalize's reward scaling in SB3, used by CleanRL's PPO on MuJoCo; not in the paper). The
-    value then learns returns of unit scale whatever the task's reward scale."""
+    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the episode so far (SB3's
+    VecNormalize, not in the paper): the value learns returns of unit scale whatever the task's reward scale."""
     return np.clip(rewards / math.sqrt(float(return_var[0]) + 1e-8), -clip, clip)
 
 
@@ -302,13 +286,9 @@ def copy_network(dst, src, obs_lock):
 
 
 def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
-    """Algorithm S3, 'perform asynchronous update of θ using dθ': dθ is the gradient of *this rollout's* loss at
-    the local copy θ', clipped, handed to the shared parameters and applied by the (shared) optimiser.
-
-    The shared parameters' `.grad` is assigned afresh at every update. (Pointing it once at the local
-    gradients, a common pattern, goes stale on PyTorch 2: `zero_grad()` sets gradients to None, so the shared
-    `.grad` keeps the first rollout's tensor, or sums every rollout when nothing is zeroed.) Returns the norm of
-    the gradient before clipping."""
+    """Algorithm S3, 'perform asynchronous update of θ using dθ': dθ, this rollout's gradient at θ', clipped, is
+    applied to the shared θ. `.grad` is assigned afresh each time (pointed at once, as is common, it goes stale on
+    PyTorch 2, whose `zero_grad()` sets it to None). Returns the gradient's norm before clipping."""
     local.zero_grad(set_to_none=True)
     loss.backward()
     norm = nn.utils.clip_grad_norm_(local.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
@@ -345,17 +325,11 @@ class Body(nn.Module):
 
 
 class Agent(nn.Module):
-    """Discrete actions (`num_actions`): a softmax policy and a linear value (Supp. 8). Continuous actions
-    (`action_dim`), `gaussian="paper"`: a linear mean μ and a spherical variance σ² = softplus(linear) + 1e-5 of
-    the state (Supp. 9); "tanh": μ = tanh(linear), inside the [-1, 1] action box, its layer initialised ×0.01, and a
-    learned log σ per action dimension that does not depend on the state (PPO's and A2C's σ in CleanRL and SB3;
-    docs/a3c.md: a linear μ drifts outside the box, where clipped actions no longer explore). Pixels: the
-    policy and the value share one body (Supp. 8); vector observations: separate policy and value bodies (Supp. 9),
-    for discrete actions too (`separate_value`; docs/a3c.md has the measurements). Vector observations are
-    normalised by running statistics first.
-
-    `forward(obs, first, state)` takes time-major `[T, B, ...]` and returns the policy's parameters `pi`
-    (`[T, B, A]` logits, or `[T, B, 2d]`: μ then σ per dimension), the values `[T, B]` and the recurrent state."""
+    """A softmax policy (`num_actions`, Supp. 8) or a Gaussian (`action_dim`): `gaussian="paper"`, a linear μ and a
+    spherical σ² = softplus(linear) + 1e-5 of the state (Supp. 9); "tanh", μ = tanh(linear) inside the action box
+    and a learned log σ per dimension (CleanRL's and SB3's; docs/a3c.md: a linear μ drifts outside the box). Pixels:
+    one body for the policy and the value (Supp. 8); vector observations, normalised first: separate bodies (Supp. 9).
+    `forward` maps `[T, B, ...]` to `pi` (`[T, B, A]` logits, or μ then σ: `[T, B, 2d]`), the values and the state."""
 
     MIN_VAR = 1e-5
     LOG_STD_INIT = -0.5  # σ ≈ 0.6 at the start with gaussian="tanh" (Tianshou's MuJoCo A2C and PPO)
@@ -392,20 +366,15 @@ class Agent(nn.Module):
     def forward(self, obs, first, state=()):
         if self.obs_norm is not None:
             obs = self.obs_norm(obs)
-        recurrent = bool(state)
-        x, s = self.body(obs, first, state[0] if recurrent else None)
-        new_state = (s,)
-        xv = x
-        if self.value_body is not None:
-            xv, sv = self.value_body(obs, first, state[1] if recurrent else None)
-            new_state = (s, sv)
-        pi = self.policy(x)
+        bodies = [b for b in (self.body, self.value_body) if b is not None]  # the policy's, then the value's
+        features = [body(obs, first, state[i] if state else None) for i, body in enumerate(bodies)]
+        pi = self.policy(features[0][0])
         if self.log_std is not None:
             pi = torch.cat([torch.tanh(pi), self.log_std.exp().expand_as(pi)], dim=-1)
         elif self.action_dim:
             mean, raw_var = pi.split(self.action_dim, dim=-1)
             pi = torch.cat([mean, (F.softplus(raw_var) + self.MIN_VAR).sqrt().expand_as(mean)], dim=-1)
-        return pi, self.value(xv).squeeze(-1), new_state if recurrent else ()
+        return pi, self.value(features[-1][0]).squeeze(-1), tuple(s for _, s in features) if state else ()
 
     def log_prob_entropy(self, pi, actions):
         """log π(a|s) and the entropy H(π(·|s)), both `[...]`; the Gaussian's entropy is Σ_i ½ (log(2πσ_i²) + 1),
@@ -430,10 +399,8 @@ class Agent(nn.Module):
 
 
 class QAgent(nn.Module):
-    """The value-based methods' Q-network (Supp. 8): A3C's body (no LSTM) and one linear output per action,
-    Q(s, ·; θ); vector observations normalised by running statistics first. `forward(obs, first, state=())` takes
-    time-major `[T, B, ...]` and returns, as `Agent` does, the outputs `[T, B, A]` (the Q-values), the values
-    `[T, B]` (max_a Q) and the (empty) recurrent state."""
+    """The value-based methods' Q(s, ·; θ) (Supp. 8): A3C's body (no LSTM), one linear output per action; `forward`
+    returns, as `Agent`'s, the outputs `[T, B, A]` (the Q-values), the values `[T, B]` (max_a Q) and the state ()."""
 
     def __init__(self, obs_shape, num_actions, hidden=200):
         super().__init__()
