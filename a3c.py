@@ -530,8 +530,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
 
 def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
-    spec, derived = check_args(args)
-    args = dataclasses.replace(args, **derived)
+    args, spec = check_args(args)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     pixels, discrete = is_atari(args.env_id), hasattr(spec.action_space, "n")
@@ -627,33 +626,27 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
+    """Bad input: one clear line before any work (UsageError). Returns the arguments (--num-workers 0: one per core)
+    and the env spec."""
     spec = env_spec(args.env_id)
-    value_based, t_max = args.method != "a3c", args.t_max
     require(not args.cuda, "--cuda is not available in a3c.py: its Hogwild workers share parameters in CPU memory")
-    require(args.num_workers >= 0, f"--num-workers must be at least 1, or 0 for one per core; got {args.num_workers}")
-    require(args.num_envs >= 1, f"--num-envs must be at least 1, got {args.num_envs}")
-    require(args.t_max >= 1, f"--t-max must be at least 1, got {args.t_max}")
-    rollout = f"one rollout (t-max x num-envs = {t_max * args.num_envs} steps)"
-    require(args.total_timesteps >= t_max * args.num_envs, f"--total-timesteps is less than {rollout}")
-    require(args.learning_rate > 0, f"--learning-rate must be positive, got {args.learning_rate}")
-    require(args.rmsprop_eps > 0, f"--rmsprop-eps must be positive, got {args.rmsprop_eps}")
+    if args.capture_video:
+        check_render(args.env_id)
+    for name in ("num_envs", "t_max", "hidden", "lstm_size", "target_update_period", "epsilon_steps"):
+        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("learning_rate", "rmsprop_eps"):
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("num_workers", "value_coef", "ent_coef", "max_grad_norm"):
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     require(0 <= args.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    require(args.value_coef >= 0, f"--value-coef must not be negative, got {args.value_coef}")
-    require(args.lstm_size >= 1, f"--lstm-size must be at least 1, got {args.lstm_size}")
-    require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
-    require(args.target_update_period >= 1, f"--target-update-period must be at least 1: {args.target_update_period}")
-    require(args.epsilon_steps >= 1, f"--epsilon-steps must be at least 1, got {args.epsilon_steps}")
-    require(args.max_grad_norm >= 0, f"--max-grad-norm must be 0 (none) or more, got {args.max_grad_norm}")
-    what = f"--method {args.method}"
+    rollout = f"one rollout (t-max x num-envs = {args.t_max * args.num_envs} steps)"
+    require(args.total_timesteps >= args.t_max * args.num_envs, f"--total-timesteps is less than {rollout}")
+    what, value_based = f"--method {args.method}", args.method != "a3c"
     discrete = hasattr(spec.action_space, "n")
     require(discrete or not value_based, f"{what} takes discrete actions, {args.env_id} has continuous ones")
     require(not (value_based and args.lstm), f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
-    if args.capture_video:
-        check_render(args.env_id)
-    require(args.ent_coef >= 0, f"--ent-coef must not be negative, got {args.ent_coef}")
-    return spec, dict(num_workers=args.num_workers or os.cpu_count() or 1)
+    return dataclasses.replace(args, num_workers=args.num_workers or os.cpu_count() or 1), spec
 
 
 # ---------------------------------------------------------------------------------------------------------
