@@ -25,10 +25,8 @@ the running average of squared gradients is itself in shared memory.
 | Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V    | `Agent`, vector observations  |
 | Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0              | `Args` defaults               |
 
-Losses are summed over the t_max steps of a rollout, as Algorithm S3 accumulates its gradients. envpool's reset
-step (after an episode ends) gets no gradient and its return is V(x_k), so a time-limit truncation bootstraps.
-What the paper leaves open (RMSProp's ε, gradient clipping, the initialisation, observation normalisation) and
-the measurements behind the defaults: docs/a3c.md. A3C is a CPU algorithm: `--cuda` is refused.
+Losses are summed over a rollout's t_max steps, as Algorithm S3 accumulates its gradients. What the paper leaves
+open (RMSProp's ε, gradient clipping, the initialisation) and the measurements behind the defaults: docs/a3c.md.
 
     python a3c.py --env-id Breakout-v5
     python a3c.py --env-id Breakout-v5 --method n-step-q
@@ -82,7 +80,6 @@ class Args:
     anneal_lr: bool = True  # anneal η linearly to 0 over the run (Supp. 8)
     rmsprop_alpha: float = 0.99  # α, RMSProp decay of the squared-gradient average g (Supp. 8)
     rmsprop_eps: float = 0.1  # ε of RMSProp, inside the square root (Eq. S3; not given in the paper)
-    shared_statistics: bool = True  # shared RMSProp: one g for all workers (Sec. 4); off: each worker its own
     gamma: float = 0.99  # γ, discount (Supp. 8)
     ent_coef: float = 0.01  # β, entropy regularisation (Supp. 8)
     value_coef: float = 0.5  # weight of the value loss Σ (R − V)²
@@ -129,9 +126,9 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
     source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
     if args.preset == "paper":
         source, values = PAPER + ", forced by --preset paper", {}
-    total = (
-        args.total_timesteps if "--total-timesteps" in given else values.get("total_timesteps", args.total_timesteps)
-    )
+    total = values.get("total_timesteps", args.total_timesteps)
+    if "--total-timesteps" in given:
+        total = args.total_timesteps
     own = {} if is_atari(args.env_id) else dict(VECTORS, epsilon_steps=max(1, total // 3))
     own.update({} if hasattr(env_spec(args.env_id).action_space, "n") else CONTINUOUS)
     return family, source, {**own, **(dict(t_max=20) if args.lstm else {}), **values}
@@ -145,12 +142,10 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
 def n_step_returns(rewards, discounts, bootstrap_value):
     """Algorithm S3: R ← V(s_t), then R ← r_i + γ_i R for i = t−1 down to t_start, γ_i = γ (1 − done_i): every step
     gets the longest return the rollout allows. `[T, B]` rewards and discounts, bootstrap_value `[B]`."""
-    acc = bootstrap_value
-    out = []
+    returns = [bootstrap_value]
     for t in reversed(range(rewards.shape[0])):
-        acc = rewards[t] + discounts[t] * acc
-        out.append(acc)
-    return torch.stack(out[::-1])
+        returns.insert(0, rewards[t] + discounts[t] * returns[0])
+    return torch.stack(returns[:-1])
 
 
 def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap_value, gamma, ent_coef, value_coef):
@@ -162,8 +157,7 @@ def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap
     truncated episode bootstraps from its last observation. Returns (loss, stats)."""
     values_sg = values.detach()
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
-    rewards = torch.where(ended, values_sg, rewards)
-    returns = n_step_returns(rewards, discounts, bootstrap_value)
+    returns = n_step_returns(torch.where(ended, values_sg, rewards), discounts, bootstrap_value)
     mask = (~ended).float()
     advantages = returns - values_sg
     B = values.shape[1]
@@ -172,14 +166,13 @@ def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap
     value_loss = (mask * (returns - values) ** 2).sum() / B
     loss = policy_loss - ent_coef * entropy + value_coef * value_loss
     n = mask.sum().clamp(min=1)
-    stats = {
+    return loss, {
         "losses/policy_loss": policy_loss.detach(),
         "losses/value_loss": value_loss.detach(),
         "losses/entropy": (entropy * B / n).detach(),
         "stats/advantage_mean": (mask * advantages).sum() / n,
         "stats/value_mean": (mask * values_sg).sum() / n,
     }
-    return loss, stats
 
 
 @torch.no_grad()
@@ -212,14 +205,12 @@ def q_loss(q_taken, targets, ended):
     return loss, {"losses/td_loss": loss.detach(), "stats/q_mean": q_mean}
 
 
-# Supp. 8: each worker's ε anneals from 1 to a final value drawn once per worker from three, with these probabilities
-FINAL_EPSILONS, FINAL_EPSILON_PROBS = (0.1, 0.01, 0.5), (0.4, 0.3, 0.3)
 EVAL_EPSILON = 0.05  # the value-based methods' evaluation policy: ε-greedy, DQN's ε (greedy with evaluate.py --greedy)
 
 
 def final_epsilon(generator=None) -> float:
     """A worker's final ε: 0.1, 0.01 or 0.5 with probabilities 0.4, 0.3, 0.3 (Supp. 8)."""
-    return FINAL_EPSILONS[int(torch.multinomial(torch.tensor(FINAL_EPSILON_PROBS), 1, generator=generator))]
+    return (0.1, 0.01, 0.5)[int(torch.multinomial(torch.tensor((0.4, 0.3, 0.3)), 1, generator=generator))]
 
 
 def epsilon_at(step, final, anneal_steps) -> float:
@@ -435,8 +426,6 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     np.random.seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
     local = (QAgent if value_based else Agent)(**shared.config)
-    if optimizer is None:  # --no-shared-statistics: this worker's own g, on the shared parameters
-        optimizer = SharedRMSprop(shared.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     continuous = local.action_dim > 0
     pixels = len(local.config["obs_shape"]) == 3
     if continuous:
@@ -511,9 +500,8 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                 shared.return_norm.update(torch.stack(returns_seen)[..., None])
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
             copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
-        if worker_id == 0 and (
-            time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps
-        ):  # or the last
+        report = time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps  # every second, the last
+        if worker_id == 0 and report:
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
             stats["stats/active_units"] = active_fraction(local, all_obs[:-1].flatten(0, 1))
@@ -543,25 +531,22 @@ def main(args: Args):
     else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
         agent = QAgent(obs_shape, num_actions, args.hidden)
         target = copy.deepcopy(agent).requires_grad_(False)
-    optimizer = None  # --no-shared-statistics: each worker makes its own statistics g
-    if args.shared_statistics:
-        optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
+    optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     parts = dict(agent=agent, target=target, optimizer=optimizer)  # θ (and the observation statistics), θ⁻, g
     for name, part in ((k, v) for k, v in parts.items() if v is not None):
         if resumed is not None:
             part.load_state_dict(resumed[name])
         part.share_memory()  # read and written by every worker
-    # The training state: views of the shared tensors, so a save writes them as the workers left them (Hogwild:
-    # read without locks, as the workers read them). model.pt: what evaluate.py and `make_eval_policy` play.
+    # The training state: views of the shared tensors; model.pt: what evaluate.py and `make_eval_policy` play.
     state = {name: None if part is None else part.state_dict() for name, part in parts.items()}
     model = dict(script="a3c", env_id=args.env_id, args=dataclasses.asdict(args), agent_config=agent.config)
     model["agent"] = state["agent"]
     if not discrete:
         box = spec.action_space
         model.update(action_low=box.low.astype(np.float32).tolist(), action_high=box.high.astype(np.float32).tolist())
-    describe = f"{args.method}, {args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
-    describe += f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
-    describe += "RMSProp statistics" + (f", θ⁻ every {args.target_update_period} steps" if target is not None else "")
+    network = "LSTM" if args.lstm else "feed-forward"
+    describe = f"{args.method}, {args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, {network}"
+    describe += f", θ⁻ every {args.target_update_period} steps" if target is not None else ""
     log = RunLog(args, resumed, describe)
 
     ctx = torch.multiprocessing.get_context("spawn")
