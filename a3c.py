@@ -100,10 +100,7 @@ class Args:
 
 # Defaults by task family, measured in docs/a3c.md (with ε 0.1 RMSProp is plain SGD on Breakout's small gradients).
 FAMILY_DEFAULTS = {
-    "atari": (
-        "the paper's Atari settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5",
-        dict(rmsprop_eps=1e-5),
-    ),
+    "atari": ("the paper's settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5", dict(rmsprop_eps=1e-5)),
     "mujoco": (
         "the paper's settings (Supp. 9) with 4 envs per worker, a tanh-bounded mean and a learned σ per dimension, "
         "rewards scaled by the return's std and RMSProp ε 1e-5, measured on Hopper-v4 and HalfCheetah-v4",
@@ -112,11 +109,9 @@ FAMILY_DEFAULTS = {
     "classic": ("the paper's settings, with a budget measured on CartPole-v1", dict(total_timesteps=300_000)),
 }
 PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
-# The Args defaults are the paper's for Atari (Supp. 8). Vector observations take Supp. 9's LSTM, no gradient clipping,
-# θ⁻ every 500 steps and ε annealed over a third of the run (measured on CartPole-v1); continuous actions Supp. 9's β;
-# --lstm a t_max of 20 (Supp. 9). These hold with --preset paper too.
+# The Args defaults are the paper's for Atari (Supp. 8). Vector observations take Supp. 9's LSTM, no clipping, θ⁻
+# every 500 steps, ε over a third of the run (measured on CartPole-v1); --lstm t_max 20. --preset paper keeps these.
 VECTORS = dict(lstm_size=128, max_grad_norm=0.0, target_update_period=500)
-CONTINUOUS = dict(ent_coef=1e-4)
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
@@ -130,7 +125,7 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
     if "--total-timesteps" in given:
         total = args.total_timesteps
     own = {} if is_atari(args.env_id) else dict(VECTORS, epsilon_steps=max(1, total // 3))
-    own.update({} if hasattr(env_spec(args.env_id).action_space, "n") else CONTINUOUS)
+    own.update({} if hasattr(env_spec(args.env_id).action_space, "n") else dict(ent_coef=1e-4))  # Supp. 9's β
     return family, source, {**own, **(dict(t_max=20) if args.lstm else {}), **values}
 
 
@@ -322,9 +317,6 @@ class Agent(nn.Module):
     one body for the policy and the value (Supp. 8); vector observations, normalised first: separate bodies (Supp. 9).
     `forward` maps `[T, B, ...]` to `pi` (`[T, B, A]` logits, or μ then σ: `[T, B, 2d]`), the values and the state."""
 
-    MIN_VAR = 1e-5
-    LOG_STD_INIT = -0.5  # σ ≈ 0.6 at the start with gaussian="tanh" (Tianshou's MuJoCo A2C and PPO)
-
     def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, separate_value=None,
                  gaussian="paper", scale_rewards=False):  # fmt: skip
         super().__init__()
@@ -343,7 +335,7 @@ class Agent(nn.Module):
         self.policy = nn.Linear(n, action_dim + 1 if state_std else action_dim or num_actions)
         self.log_std = None
         if action_dim and gaussian == "tanh":
-            self.log_std = nn.Parameter(torch.full((action_dim,), self.LOG_STD_INIT))
+            self.log_std = nn.Parameter(torch.full((action_dim,), -0.5))  # σ ≈ 0.6 at first (Tianshou's A2C, PPO)
             init_output_(self.policy, 0.01)  # μ ≈ 0 at the start, whatever the observation
         self.value = nn.Linear(n, 1)
         if len(obs_shape) == 3:  # pixels: CleanRL's readouts (near-uniform first policy); vectors keep PyTorch's
@@ -364,18 +356,15 @@ class Agent(nn.Module):
             pi = torch.cat([torch.tanh(pi), self.log_std.exp().expand_as(pi)], dim=-1)
         elif self.action_dim:
             mean, raw_var = pi.split(self.action_dim, dim=-1)
-            pi = torch.cat([mean, (F.softplus(raw_var) + self.MIN_VAR).sqrt().expand_as(mean)], dim=-1)
+            pi = torch.cat([mean, (F.softplus(raw_var) + 1e-5).sqrt().expand_as(mean)], dim=-1)
         return pi, self.value(features[-1][0]).squeeze(-1), tuple(s for _, s in features) if state else ()
 
     def log_prob_entropy(self, pi, actions):
         """log π(a|s) and the entropy H(π(·|s)), both `[...]`; the Gaussian's entropy is Σ_i ½ (log(2πσ_i²) + 1),
         for the paper's spherical one d · ½ (log(2πσ²) + 1) (Supp. 9)."""
         if self.action_dim:
-            mean, std = pi[..., : self.action_dim], pi[..., self.action_dim :]
-            z = (actions - mean) / std
-            log_prob = (-0.5 * z * z - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
-            entropy = (0.5 * (math.log(2 * math.pi) + 1.0) + std.log()).sum(-1)
-            return log_prob, entropy
+            gaussian = torch.distributions.Normal(*pi.chunk(2, dim=-1), validate_args=False)
+            return gaussian.log_prob(actions).sum(-1), gaussian.entropy().sum(-1)
         log_p = F.log_softmax(pi, dim=-1)
         return log_p.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
@@ -418,19 +407,16 @@ class QAgent(nn.Module):
 
 
 def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q, halt=None):
-    """One actor-learner thread, here a process: sync θ' ← θ, act t_max steps, update the shared θ: A3C (Algorithm
-    S3), or a value-based method (Algorithm 1, Sec. 4's Sarsa, Algorithm S2; `target`: the shared θ⁻). Its episodes
-    and (worker 0) its statistics go to `msg_q`; it stops between two updates once `halt` is set."""
+    """One actor-learner thread, a process here: sync θ' ← θ, act t_max steps, update the shared θ (Algorithm S3; with
+    the shared θ⁻ `target`, Algorithm 1, Sec. 4's Sarsa or S2). Episodes go to `msg_q`; it stops once `halt` is set."""
     n, T, value_based = args.num_envs, args.t_max, target is not None
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
     local = (QAgent if value_based else Agent)(**shared.config)
-    continuous = local.action_dim > 0
-    pixels = len(local.config["obs_shape"]) == 3
+    continuous, pixels = local.action_dim > 0, len(local.config["obs_shape"]) == 3
     if continuous:
-        low = envs.action_space.low.astype(np.float32)
-        high = envs.action_space.high.astype(np.float32)
+        low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
     final = final_epsilon() if value_based else None  # this worker's final ε (Supp. 8)
     sarsa_action = None  # one-step Sarsa: a', chosen at the last rollout's s_T, is the next rollout's first action
     tracker = EpisodeTracker(n)
@@ -584,9 +570,8 @@ def obs_tensor(obs, pixels):
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): it keeps the LSTM state
-    itself; the saved observation statistics normalise; actions are sampled (or the most probable / the mean); a
-    value-based method's are ε-greedy with ε = EVAL_EPSILON (or greedy)."""
+    """`policy(obs, rewards, first) -> actions` of a saved model for evaluate.py, keeping its LSTM state: sampled (or
+    the most probable / the mean), or for the value-based methods ε-greedy with ε = EVAL_EPSILON (or greedy)."""
     config, value_based = dict(checkpoint["agent_config"]), checkpoint.get("args", {}).get("method", "a3c") != "a3c"
     if not value_based:
         config.setdefault("separate_value", bool(config["action_dim"]))  # a model.pt from before vectors separated
@@ -627,10 +612,10 @@ def check_args(args):
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     rollout = f"one rollout (t-max x num-envs = {args.t_max * args.num_envs} steps)"
     require(args.total_timesteps >= args.t_max * args.num_envs, f"--total-timesteps is less than {rollout}")
-    what, value_based = f"--method {args.method}", args.method != "a3c"
-    discrete = hasattr(spec.action_space, "n")
-    require(discrete or not value_based, f"{what} takes discrete actions, {args.env_id} has continuous ones")
-    require(not (value_based and args.lstm), f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
+    if args.method != "a3c":  # the value-based methods
+        what = f"--method {args.method}"
+        require(hasattr(spec.action_space, "n"), f"{what} takes discrete actions, {args.env_id} has continuous ones")
+        require(not args.lstm, f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
     return dataclasses.replace(args, num_workers=args.num_workers or os.cpu_count() or 1), spec
 
 
