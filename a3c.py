@@ -3,11 +3,10 @@
 (Atari, any envpool discrete task) and continuous actions, and the three value-based methods of Sec. 4 (one-step
 Q-learning, one-step Sarsa, n-step Q-learning) for discrete actions: `--method`.
 
-Several actor-learner processes share one network in shared memory. Each copies the shared weights, acts t_max
-steps in its own environments, computes its targets (A3C: n-step returns bootstrapped from its value estimate; the
-value-based methods: from a shared target network θ⁻ refreshed every I_target steps), and applies the gradient of
-its loss straight to the shared weights, without locks (Hogwild). The optimiser is the paper's *shared* RMSProp:
-the running average of squared gradients is itself in shared memory.
+Actor-learner processes share one network in shared memory. Each copies it, acts t_max steps in its own envs,
+computes its targets (A3C: n-step returns bootstrapped from its value; the value-based methods: from a shared target
+network θ⁻ refreshed every I_target steps) and applies its gradient to the shared weights without locks (Hogwild),
+by the paper's *shared* RMSProp, whose running average of squared gradients is in shared memory too.
 
 | paper                                                               | here                          |
 |---------------------------------------------------------------------|-------------------------------|
@@ -28,7 +27,6 @@ the running average of squared gradients is itself in shared memory.
 Losses are summed over a rollout's t_max steps, as Algorithm S3 accumulates its gradients. What the paper leaves
 open (RMSProp's ε, gradient clipping, the initialisation) and the measurements behind the defaults: docs/a3c.md.
 
-    python a3c.py --env-id Breakout-v5
     python a3c.py --env-id Breakout-v5 --method n-step-q
     python a3c.py --env-id HalfCheetah-v4 --num-workers 8 --lstm
 """
@@ -181,9 +179,8 @@ def one_step_targets(rewards, discounts, next_q_target, next_actions=None):
 
 @torch.no_grad()
 def value_targets(method, rewards, terminated, ended, q_target, next_actions, gamma):
-    """A value-based method's targets on a rollout `[T, B]` from θ⁻'s values `q_target` `[T+1, B, A]` at s_0..s_T:
-    `one_step_targets`, or n-step Q-learning's R ← r_i + γ R backwards from R = max_a Q(s_T, a; θ⁻) (Algorithm S2).
-    Episode ends as in `a3c_loss`: at a reset step (`ended`) n-step's R_t = max_a Q(s_t, a; θ⁻)."""
+    """Targets from θ⁻'s values `q_target` `[T+1, B, A]` at s_0..s_T: `one_step_targets`, or n-step Q-learning's
+    R ← r_i + γ R from R = max_a Q(s_T, a; θ⁻) (Algorithm S2), R_t = max_a Q(s_t, a; θ⁻) at reset steps (`ended`)."""
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
     if method == "n-step-q":
         v = q_target.max(-1).values
@@ -256,8 +253,7 @@ def scale_rewards(rewards, return_var, clip=10.0):
 def active_fraction(agent, obs):
     """The fraction of the body's last hidden ReLU units positive on at least one of `obs` `[N, ...]`: 0 when
     the layer has died (then no gradient reaches the torso, and the policy no longer sees the state)."""
-    if agent.obs_norm is not None:
-        obs = agent.obs_norm(obs)
+    obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
     return (agent.body.torso(obs) > 0).any(0).float().mean()
 
 
@@ -311,10 +307,9 @@ class Body(nn.Module):
 
 
 class Agent(nn.Module):
-    """A softmax policy (`num_actions`, Supp. 8) or a Gaussian (`action_dim`): `gaussian="paper"`, a linear μ and a
-    spherical σ² = softplus(linear) + 1e-5 of the state (Supp. 9); "tanh", μ = tanh(linear) inside the action box
-    and a learned log σ per dimension (CleanRL's and SB3's; docs/a3c.md: a linear μ drifts outside the box). Pixels:
-    one body for the policy and the value (Supp. 8); vector observations, normalised first: separate bodies (Supp. 9).
+    """A softmax policy (Supp. 8) or a Gaussian: "paper", a linear μ and a spherical σ² = softplus(linear) + 1e-5 of
+    the state (Supp. 9); "tanh", μ = tanh(linear) in the action box, a learned log σ per dimension (docs/a3c.md: a
+    linear μ drifts outside the box). Pixels: one body (Supp. 8); vector observations, normalised: two (Supp. 9).
     `forward` maps `[T, B, ...]` to `pi` (`[T, B, A]` logits, or μ then σ: `[T, B, 2d]`), the values and the state."""
 
     def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, separate_value=None,
@@ -347,8 +342,7 @@ class Agent(nn.Module):
         return tuple(b.core.initial_state(batch_size) for b in bodies if b is not None and b.core is not None)
 
     def forward(self, obs, first, state=()):
-        if self.obs_norm is not None:
-            obs = self.obs_norm(obs)
+        obs = self.obs_norm(obs) if self.obs_norm is not None else obs
         bodies = [b for b in (self.body, self.value_body) if b is not None]  # the policy's, then the value's
         features = [body(obs, first, state[i] if state else None) for i, body in enumerate(bodies)]
         pi = self.policy(features[0][0])
@@ -460,8 +454,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         actions, rewards = torch.stack(rows["action"]), torch.stack(rows["reward"]).float()
         terminated, ends = torch.stack(rows["terminated"]), torch.stack(rows["ended"])
         if value_based:
-            with torch.no_grad():  # θ⁻'s values at s_0..s_T
-                q_target = target(all_obs, all_first)[0]
+            q_target = target(all_obs, all_first)[0].detach()  # θ⁻'s values at s_0..s_T
             if args.method == "one-step-sarsa":  # a' at s_T, ε-greedy on θ' (taken first in the next rollout)
                 sarsa_action = epsilon_greedy(out[-1].detach(), epsilon)
             next_actions = torch.cat([actions[1:], sarsa_action[None]]) if sarsa_action is not None else None
@@ -513,10 +506,9 @@ def main(args: Args):
     if args.method == "a3c":
         heads = dict(gaussian=args.gaussian, scale_rewards=args.scale_rewards)
         agent = Agent(obs_shape, num_actions, int(action_dim), args.hidden, args.lstm_size if args.lstm else 0, **heads)
-        target = None
-    else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
+    else:  # the value-based methods' Q-network
         agent = QAgent(obs_shape, num_actions, args.hidden)
-        target = copy.deepcopy(agent).requires_grad_(False)
+    target = None if args.method == "a3c" else copy.deepcopy(agent).requires_grad_(False)  # θ⁻ ← θ (Algorithm 1)
     optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     parts = dict(agent=agent, target=target, optimizer=optimizer)  # θ (and the observation statistics), θ⁻, g
     for name, part in ((k, v) for k, v in parts.items() if v is not None):
@@ -575,9 +567,8 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     config, value_based = dict(checkpoint["agent_config"]), checkpoint.get("args", {}).get("method", "a3c") != "a3c"
     if not value_based:
         config.setdefault("separate_value", bool(config["action_dim"]))  # a model.pt from before vectors separated
-    agent = (QAgent if value_based else Agent)(**config).to(device)
+    agent = (QAgent if value_based else Agent)(**config).to(device).eval()
     agent.load_state_dict(checkpoint["agent"])
-    agent.eval()
     pixels = len(agent.config["obs_shape"]) == 3
     state = tuple((h.to(device), c.to(device)) for h, c in agent.initial_state(num_envs))
     low, high = checkpoint.get("action_low"), checkpoint.get("action_high")
