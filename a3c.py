@@ -268,9 +268,8 @@ def copy_network(dst, src, obs_lock):
 
 
 def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
-    """Algorithm S3, 'perform asynchronous update of θ using dθ': dθ, this rollout's gradient at θ', clipped, is
-    applied to the shared θ. `.grad` is assigned afresh each time (pointed at once, as is common, it goes stale on
-    PyTorch 2, whose `zero_grad()` sets it to None). Returns the gradient's norm before clipping."""
+    """Algorithm S3's 'asynchronous update of θ using dθ': this rollout's gradient at θ', clipped, on the shared θ;
+    `.grad` is set anew each time (set once, `zero_grad()` makes it stale). Returns the norm before clipping."""
     local.zero_grad(set_to_none=True)
     loss.backward()
     norm = nn.utils.clip_grad_norm_(local.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
@@ -425,7 +424,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         synced_at = counter.value
         epsilon = epsilon_at(synced_at, final, args.epsilon_steps) if value_based else None
         start_state = state  # (acting runs without gradients: the state carries none)
-        rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "ended")}
+        rollout = []  # rows 0..T-1: obs, first, action, reward, terminated, ended
         returns_seen = []
         with torch.no_grad():  # act; the loss takes one batched pass over the rollout afterwards
             for t in range(T):
@@ -444,27 +443,25 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                     returns_seen.append(torch.as_tensor(discounted_return))
                     reward = scale_rewards(reward, local.return_norm.var)
                     discounted_return[term | trunc] = 0.0
-                for k, v in zip(rows, (obs, first, action, reward, term, ended)):
-                    rows[k].append(torch.as_tensor(v))
+                rollout.append([torch.as_tensor(v) for v in (obs, first, action, reward, term, ended)])
                 first, ended = ended, torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
-        # rows 0..T-1 of the rollout and the bootstrap observation s_T, through θ' from the rollout's first state
-        all_obs, all_first = torch.stack(rows["obs"] + [obs]), torch.stack(rows["first"] + [first])
+        rows_obs, rows_first, actions, rewards, terminated, ends = (torch.stack(column) for column in zip(*rollout))
+        # the rollout's rows and the bootstrap observation s_T, through θ' from the rollout's first state
+        all_obs, all_first = torch.cat([rows_obs, obs[None]]), torch.cat([rows_first, first[None]])
         out, values, _ = local(all_obs, all_first, start_state)
-        actions, rewards = torch.stack(rows["action"]), torch.stack(rows["reward"]).float()
-        terminated, ends = torch.stack(rows["terminated"]), torch.stack(rows["ended"])
         if value_based:
             q_target = target(all_obs, all_first)[0].detach()  # θ⁻'s values at s_0..s_T
             if args.method == "one-step-sarsa":  # a' at s_T, ε-greedy on θ' (taken first in the next rollout)
                 sarsa_action = epsilon_greedy(out[-1].detach(), epsilon)
             next_actions = torch.cat([actions[1:], sarsa_action[None]]) if sarsa_action is not None else None
-            targets = value_targets(args.method, rewards, terminated, ends, q_target, next_actions, args.gamma)
+            targets = value_targets(args.method, rewards.float(), terminated, ends, q_target, next_actions, args.gamma)
             loss, stats = q_loss(out[:-1].gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), targets, ends)
             stats["stats/epsilon"] = epsilon
         else:
             log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
             hyper = (values[-1].detach(), args.gamma, args.ent_coef, args.value_coef)
-            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards, terminated, ends, *hyper)
+            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards.float(), terminated, ends, *hyper)
         with counter.get_lock():
             step = counter.value
             counter.value += T * n
@@ -474,7 +471,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
         with obs_lock:  # the shared statistics take this rollout's observations (and returns)
             if shared.obs_norm is not None:
-                shared.obs_norm.update(torch.stack(rows["obs"]))
+                shared.obs_norm.update(rows_obs)
             if shared.return_norm is not None:
                 shared.return_norm.update(torch.stack(returns_seen)[..., None])
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
@@ -483,7 +480,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         if worker_id == 0 and report:
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
-            stats["stats/active_units"] = active_fraction(local, all_obs[:-1].flatten(0, 1))
+            stats["stats/active_units"] = active_fraction(local, rows_obs.flatten(0, 1))
             if continuous:
                 stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
             msg_q.put(("stats", step + T * n, {k: float(v) for k, v in stats.items()}))
