@@ -24,8 +24,7 @@ by the paper's *shared* RMSProp, whose running average of squared gradients is i
 | Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V    | `Agent`, vector observations  |
 | Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0              | `Args` defaults               |
 
-Losses are summed over a rollout's t_max steps, as Algorithm S3 accumulates its gradients. What the paper leaves
-open (RMSProp's ε, gradient clipping, the initialisation) and the measurements behind the defaults: docs/a3c.md.
+What the paper leaves open (RMSProp's ε, gradient clipping, initialisation) and the defaults' measurements: docs/a3c.md.
 
     python a3c.py --env-id Breakout-v5 --method n-step-q
     python a3c.py --env-id HalfCheetah-v4 --num-workers 8 --lstm
@@ -146,8 +145,7 @@ def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap
 
         L = Σ_t [ −log π(a_t|s_t) (R_t − V(s_t)) − β H(π(·|s_t)) + value_coef (R_t − V(s_t))² ]
 
-    `ended[t]`: obs_t ended an episode, so step t is envpool's reset step: no loss there, and R_t = V(s_t), so a
-    truncated episode bootstraps from its last observation. Returns (loss, stats)."""
+    At envpool's reset steps (`ended`) no loss, and R_t = V(s_t): a truncation bootstraps. Returns (loss, stats)."""
     values_sg = values.detach()
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
     returns = n_step_returns(torch.where(ended, values_sg, rewards), discounts, bootstrap_value)
@@ -404,7 +402,6 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     the shared θ⁻ `target`, Algorithm 1, Sec. 4's Sarsa or S2). Episodes go to `msg_q`; it stops once `halt` is set."""
     n, T, value_based = args.num_envs, args.t_max, target is not None
     torch.manual_seed(args.seed + worker_id)
-    np.random.seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
     local = (QAgent if value_based else Agent)(**shared.config)
     continuous, pixels = local.action_dim > 0, len(local.config["obs_shape"]) == 3
