@@ -306,7 +306,7 @@ class Body(nn.Module):
 class Agent(nn.Module):
     """A softmax policy (Supp. 8) or a Gaussian: "paper", a linear μ and a spherical σ² = softplus(linear) + 1e-5 of
     the state (Supp. 9); "tanh", μ = tanh(linear) in the action box, a learned log σ per dimension (docs/a3c.md: a
-    linear μ drifts outside the box). Pixels: one body (Supp. 8); vector observations, normalised: two (Supp. 9).
+    linear μ drifts outside the box). One body for π and V on pixels (Supp. 8), two on normalised vectors (Supp. 9).
     `forward` maps `[T, B, ...]` to `pi` (`[T, B, A]` logits, or μ then σ: `[T, B, 2d]`), the values and the state."""
 
     def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, separate_value=None,
