@@ -3,11 +3,10 @@
 (Atari, any envpool discrete task) and continuous actions, and the three value-based methods of Sec. 4 (one-step
 Q-learning, one-step Sarsa, n-step Q-learning) for discrete actions: `--method`.
 
-Several actor-learner processes share one network in shared memory. Each copies the shared weights, acts t_max
-steps in its own environments, computes its targets (A3C: n-step returns bootstrapped from its value estimate; the
-value-based methods: from a shared target network θ⁻ refreshed every I_target steps), and applies the gradient of
-its loss straight to the shared weights, without locks (Hogwild). The optimiser is the paper's *shared* RMSProp:
-the running average of squared gradients is itself in shared memory.
+Actor-learner processes share one network in shared memory. Each copies it, acts t_max steps in its own envs,
+computes its targets (A3C: n-step returns bootstrapped from its value; the value-based methods: from a shared target
+network θ⁻ refreshed every I_target steps) and applies its gradient to the shared weights without locks (Hogwild),
+by the paper's *shared* RMSProp, whose running average of squared gradients is in shared memory too.
 
 | paper                                                               | here                          |
 |---------------------------------------------------------------------|-------------------------------|
@@ -25,12 +24,8 @@ the running average of squared gradients is itself in shared memory.
 | Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V    | `Agent`, vector observations  |
 | Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0              | `Args` defaults               |
 
-Losses are summed over the t_max steps of a rollout, as Algorithm S3 accumulates its gradients. envpool's reset
-step (after an episode ends) gets no gradient and its return is V(x_k), so a time-limit truncation bootstraps.
-What the paper leaves open (RMSProp's ε, gradient clipping, the initialisation, observation normalisation) and
-the measurements behind the defaults: docs/a3c.md. A3C is a CPU algorithm: `--cuda` is refused.
+What the paper leaves open (RMSProp's ε, gradient clipping, initialisation) and the defaults' measurements: docs/a3c.md.
 
-    python a3c.py --env-id Breakout-v5
     python a3c.py --env-id Breakout-v5 --method n-step-q
     python a3c.py --env-id HalfCheetah-v4 --num-workers 8 --lstm
 """
@@ -82,7 +77,6 @@ class Args:
     anneal_lr: bool = True  # anneal η linearly to 0 over the run (Supp. 8)
     rmsprop_alpha: float = 0.99  # α, RMSProp decay of the squared-gradient average g (Supp. 8)
     rmsprop_eps: float = 0.1  # ε of RMSProp, inside the square root (Eq. S3; not given in the paper)
-    shared_statistics: bool = True  # shared RMSProp: one g for all workers (Sec. 4); off: each worker its own
     gamma: float = 0.99  # γ, discount (Supp. 8)
     ent_coef: float = 0.01  # β, entropy regularisation (Supp. 8)
     value_coef: float = 0.5  # weight of the value loss Σ (R − V)²
@@ -90,9 +84,7 @@ class Args:
     lstm: bool = False  # recurrent agent: an LSTM after the last hidden layer (Sec. 5.1; Supp. 9)
     lstm_size: int = 256  # LSTM cells with --lstm (Sec. 5.1)
     hidden: int = 200  # ReLU units of the hidden layer for vector observations (Supp. 9)
-    # continuous policy: paper: μ linear, σ² = softplus(linear) of the state, one for all dimensions (Supp. 9);
-    # tanh: μ = tanh(linear) within the action box, σ a learned vector independent of the state
-    gaussian: Literal["paper", "tanh"] = "paper"
+    gaussian: Literal["paper", "tanh"] = "paper"  # paper: linear μ, σ² of the state (Supp. 9); tanh: tanh μ, σ learned
     scale_rewards: bool = False  # A3C: r / std of the running discounted return, clipped to ±10 (SB3's VecNormalize)
     save_model: bool = False  # write model.pt (weights, observation statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
@@ -103,13 +95,9 @@ class Args:
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
 
-# Defaults by task family (measurements in docs/a3c.md): with ε 0.1 RMSProp is plain SGD on Breakout's small gradients;
-# the paper's linear μ drifts outside MuJoCo's action box and its σ collapses ("Locomotion").
+# Defaults by task family, measured in docs/a3c.md (with ε 0.1 RMSProp is plain SGD on Breakout's small gradients).
 FAMILY_DEFAULTS = {
-    "atari": (
-        "the paper's Atari settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5",
-        dict(rmsprop_eps=1e-5),
-    ),
+    "atari": ("the paper's settings (Supp. 8) with RMSProp ε 1e-5, measured on Breakout-v5", dict(rmsprop_eps=1e-5)),
     "mujoco": (
         "the paper's settings (Supp. 9) with 4 envs per worker, a tanh-bounded mean and a learned σ per dimension, "
         "rewards scaled by the return's std and RMSProp ε 1e-5, measured on Hopper-v4 and HalfCheetah-v4",
@@ -118,11 +106,9 @@ FAMILY_DEFAULTS = {
     "classic": ("the paper's settings, with a budget measured on CartPole-v1", dict(total_timesteps=300_000)),
 }
 PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
-# The Args defaults are the paper's for Atari (Supp. 8). Vector observations take Supp. 9's LSTM, no gradient clipping,
-# θ⁻ every 500 steps and ε annealed over a third of the run (measured on CartPole-v1); continuous actions Supp. 9's β;
-# --lstm a t_max of 20 (Supp. 9). These hold with --preset paper too.
+# The Args defaults are the paper's for Atari (Supp. 8). Vector observations take Supp. 9's LSTM, no clipping, θ⁻
+# every 500 steps, ε over a third of the run (measured on CartPole-v1); --lstm t_max 20. --preset paper keeps these.
 VECTORS = dict(lstm_size=128, max_grad_norm=0.0, target_update_period=500)
-CONTINUOUS = dict(ent_coef=1e-4)
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
@@ -132,11 +118,11 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
     source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
     if args.preset == "paper":
         source, values = PAPER + ", forced by --preset paper", {}
-    total = (
-        args.total_timesteps if "--total-timesteps" in given else values.get("total_timesteps", args.total_timesteps)
-    )
+    total = values.get("total_timesteps", args.total_timesteps)
+    if "--total-timesteps" in given:
+        total = args.total_timesteps
     own = {} if is_atari(args.env_id) else dict(VECTORS, epsilon_steps=max(1, total // 3))
-    own.update({} if hasattr(env_spec(args.env_id).action_space, "n") else CONTINUOUS)
+    own.update({} if hasattr(env_spec(args.env_id).action_space, "n") else dict(ent_coef=1e-4))  # Supp. 9's β
     return family, source, {**own, **(dict(t_max=20) if args.lstm else {}), **values}
 
 
@@ -146,29 +132,23 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
 
 @torch.no_grad()
 def n_step_returns(rewards, discounts, bootstrap_value):
-    """Algorithm S3: R ← V(s_t) (the bootstrap), then R ← r_i + γ_i R for i = t−1 down to t_start. Every step
-    gets the longest return the rollout allows: a one-step return for the last, a t_max-step one for the first.
-    `[T, B]` rewards and per-step discounts γ_i = γ (1 − done_i), bootstrap_value `[B]`."""
-    acc = bootstrap_value
-    out = []
+    """Algorithm S3: R ← V(s_t), then R ← r_i + γ_i R for i = t−1 down to t_start, γ_i = γ (1 − done_i): every step
+    gets the longest return the rollout allows. `[T, B]` rewards and discounts, bootstrap_value `[B]`."""
+    returns = [bootstrap_value]
     for t in reversed(range(rewards.shape[0])):
-        acc = rewards[t] + discounts[t] * acc
-        out.append(acc)
-    return torch.stack(out[::-1])
+        returns.insert(0, rewards[t] + discounts[t] * returns[0])
+    return torch.stack(returns[:-1])
 
 
 def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap_value, gamma, ent_coef, value_coef):
-    """Algorithm S3's accumulated gradients as one loss on a rollout `[T, B]`:
+    """Algorithm S3's accumulated gradients as one loss on a rollout `[T, B]`, averaged over the B environments:
 
         L = Σ_t [ −log π(a_t|s_t) (R_t − V(s_t)) − β H(π(·|s_t)) + value_coef (R_t − V(s_t))² ]
 
-    summed over time and averaged over the B environments; the advantage carries no gradient. `ended[t]`: obs_t
-    ended an episode, so step t is envpool's reset step: no loss there, and R_t = V(s_t), so a truncated
-    episode bootstraps from its last observation. Returns (loss, stats)."""
+    At envpool's reset steps (`ended`) no loss, and R_t = V(s_t): a truncation bootstraps. Returns (loss, stats)."""
     values_sg = values.detach()
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
-    rewards = torch.where(ended, values_sg, rewards)
-    returns = n_step_returns(rewards, discounts, bootstrap_value)
+    returns = n_step_returns(torch.where(ended, values_sg, rewards), discounts, bootstrap_value)
     mask = (~ended).float()
     advantages = returns - values_sg
     B = values.shape[1]
@@ -177,21 +157,19 @@ def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap
     value_loss = (mask * (returns - values) ** 2).sum() / B
     loss = policy_loss - ent_coef * entropy + value_coef * value_loss
     n = mask.sum().clamp(min=1)
-    stats = {
+    return loss, {
         "losses/policy_loss": policy_loss.detach(),
         "losses/value_loss": value_loss.detach(),
         "losses/entropy": (entropy * B / n).detach(),
         "stats/advantage_mean": (mask * advantages).sum() / n,
         "stats/value_mean": (mask * values_sg).sum() / n,
     }
-    return loss, stats
 
 
 @torch.no_grad()
 def one_step_targets(rewards, discounts, next_q_target, next_actions=None):
-    """Algorithm 1's one-step Q-learning target y = r + γ max_a' Q(s', a'; θ⁻), or with `next_actions` one-step
-    Sarsa's y = r + γ Q(s', a'; θ⁻), a' the action taken at s' (Sec. 4). `[T, B]` rewards and per-step discounts
-    γ_t = γ (1 − terminated_t); `next_q_target` `[T, B, A]`: θ⁻'s values at s_{t+1}."""
+    """Algorithm 1's y = r + γ max_a' Q(s', a'; θ⁻), or with `next_actions` (a' taken at s') one-step Sarsa's
+    y = r + γ Q(s', a'; θ⁻) (Sec. 4). `next_q_target` `[T, B, A]`: θ⁻'s values at s_{t+1}."""
     if next_actions is None:
         return rewards + discounts * next_q_target.max(-1).values
     return rewards + discounts * next_q_target.gather(-1, next_actions.long().unsqueeze(-1)).squeeze(-1)
@@ -199,11 +177,8 @@ def one_step_targets(rewards, discounts, next_q_target, next_actions=None):
 
 @torch.no_grad()
 def value_targets(method, rewards, terminated, ended, q_target, next_actions, gamma):
-    """A value-based method's targets on a rollout `[T, B]`, from θ⁻'s values `q_target` `[T+1, B, A]` at
-    s_0..s_T: the one-step methods' `one_step_targets` at s_1..s_T; n-step Q-learning's (Algorithm S2) returns
-    R ← r_i + γ R backwards from R = max_a Q(s_T, a; θ⁻), the longest each step's rollout allows. `ended[t]`: obs_t
-    ended an episode, step t is envpool's reset step (no loss there), and n-step's R_t = max_a Q(s_t, a; θ⁻), so a
-    truncated episode bootstraps from its last observation, as in `a3c_loss`."""
+    """Targets from θ⁻'s values `q_target` `[T+1, B, A]` at s_0..s_T: `one_step_targets`, or n-step Q-learning's
+    R ← r_i + γ R from R = max_a Q(s_T, a; θ⁻) (Algorithm S2), R_t = max_a Q(s_t, a; θ⁻) at reset steps (`ended`)."""
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
     if method == "n-step-q":
         v = q_target.max(-1).values
@@ -212,23 +187,20 @@ def value_targets(method, rewards, terminated, ended, q_target, next_actions, ga
 
 
 def q_loss(q_taken, targets, ended):
-    """Algorithm 1's and S2's accumulated gradients dθ ← dθ + ∂(y − Q(s, a; θ'))²/∂θ' as one loss on a rollout:
-    Σ_t (y_t − Q(s_t, a_t))² summed over time and averaged over the B environments, none at envpool's reset
-    steps (`ended`). Returns (loss, stats)."""
+    """Algorithm 1's and S2's accumulated dθ ← dθ + ∂(y − Q(s, a; θ'))²/∂θ' as one loss, Σ_t (y_t − Q(s_t, a_t))²
+    averaged over the B environments, none at envpool's reset steps (`ended`). Returns (loss, stats)."""
     mask = (~ended).float()
     loss = (mask * (targets - q_taken) ** 2).sum() / q_taken.shape[1]
     q_mean = (mask * q_taken.detach()).sum() / mask.sum().clamp(min=1)
     return loss, {"losses/td_loss": loss.detach(), "stats/q_mean": q_mean}
 
 
-# Supp. 8: each worker's ε anneals from 1 to a final value drawn once per worker from three, with these probabilities
-FINAL_EPSILONS, FINAL_EPSILON_PROBS = (0.1, 0.01, 0.5), (0.4, 0.3, 0.3)
 EVAL_EPSILON = 0.05  # the value-based methods' evaluation policy: ε-greedy, DQN's ε (greedy with evaluate.py --greedy)
 
 
 def final_epsilon(generator=None) -> float:
     """A worker's final ε: 0.1, 0.01 or 0.5 with probabilities 0.4, 0.3, 0.3 (Supp. 8)."""
-    return FINAL_EPSILONS[int(torch.multinomial(torch.tensor(FINAL_EPSILON_PROBS), 1, generator=generator))]
+    return (0.1, 0.01, 0.5)[int(torch.multinomial(torch.tensor((0.4, 0.3, 0.3)), 1, generator=generator))]
 
 
 def epsilon_at(step, final, anneal_steps) -> float:
@@ -243,14 +215,8 @@ def epsilon_greedy(q, epsilon, generator=None):
 
 
 class SharedRMSprop(torch.optim.Optimizer):
-    """Non-centred RMSProp of Eqs. (S2)-(S3), elementwise and without locks:
-
-        g ← α g + (1 − α) Δθ²,      θ ← θ − η Δθ / √(g + ε)
-
-    The statistics g are created here, not lazily at the first step, so that `share_memory()` can put them in
-    shared memory before the workers start: every worker that receives this optimiser then reads and updates
-    the same g ("Shared RMSProp", Sec. 4). Without `share_memory()` each process has its own g (the paper's
-    per-thread "RMSProp")."""
+    """Eqs. (S2)-(S3), elementwise and without locks: g ← α g + (1 − α) Δθ², θ ← θ − η Δθ / √(g + ε). g is made
+    here, not at the first step, so that `share_memory()` shares it with every worker ("Shared RMSProp", Sec. 4)."""
 
     def __init__(self, params, lr=1e-3, alpha=0.99, eps=0.1):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
@@ -276,9 +242,8 @@ class SharedRMSprop(torch.optim.Optimizer):
 
 
 def scale_rewards(rewards, return_var, clip=10.0):
-    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's
-    episode so far (VecNormalize's reward scaling in SB3, used by CleanRL's PPO on MuJoCo; not in the paper). The
-    value then learns returns of unit scale whatever the task's reward scale."""
+    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the episode so far (SB3's
+    VecNormalize, not in the paper): the value learns returns of unit scale whatever the task's reward scale."""
     return np.clip(rewards / math.sqrt(float(return_var[0]) + 1e-8), -clip, clip)
 
 
@@ -286,8 +251,7 @@ def scale_rewards(rewards, return_var, clip=10.0):
 def active_fraction(agent, obs):
     """The fraction of the body's last hidden ReLU units positive on at least one of `obs` `[N, ...]`: 0 when
     the layer has died (then no gradient reaches the torso, and the policy no longer sees the state)."""
-    if agent.obs_norm is not None:
-        obs = agent.obs_norm(obs)
+    obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
     return (agent.body.torso(obs) > 0).any(0).float().mean()
 
 
@@ -302,13 +266,8 @@ def copy_network(dst, src, obs_lock):
 
 
 def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
-    """Algorithm S3, 'perform asynchronous update of θ using dθ': dθ is the gradient of *this rollout's* loss at
-    the local copy θ', clipped, handed to the shared parameters and applied by the (shared) optimiser.
-
-    The shared parameters' `.grad` is assigned afresh at every update. (Pointing it once at the local
-    gradients, a common pattern, goes stale on PyTorch 2: `zero_grad()` sets gradients to None, so the shared
-    `.grad` keeps the first rollout's tensor, or sums every rollout when nothing is zeroed.) Returns the norm of
-    the gradient before clipping."""
+    """Algorithm S3's 'asynchronous update of θ using dθ': this rollout's gradient at θ', clipped, on the shared θ;
+    `.grad` is set anew each time (set once, `zero_grad()` makes it stale). Returns the norm before clipping."""
     local.zero_grad(set_to_none=True)
     loss.backward()
     norm = nn.utils.clip_grad_norm_(local.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
@@ -345,20 +304,10 @@ class Body(nn.Module):
 
 
 class Agent(nn.Module):
-    """Discrete actions (`num_actions`): a softmax policy and a linear value (Supp. 8). Continuous actions
-    (`action_dim`), `gaussian="paper"`: a linear mean μ and a spherical variance σ² = softplus(linear) + 1e-5 of
-    the state (Supp. 9); "tanh": μ = tanh(linear), inside the [-1, 1] action box, its layer initialised ×0.01, and a
-    learned log σ per action dimension that does not depend on the state (PPO's and A2C's σ in CleanRL and SB3;
-    docs/a3c.md: a linear μ drifts outside the box, where clipped actions no longer explore). Pixels: the
-    policy and the value share one body (Supp. 8); vector observations: separate policy and value bodies (Supp. 9),
-    for discrete actions too (`separate_value`; docs/a3c.md has the measurements). Vector observations are
-    normalised by running statistics first.
-
-    `forward(obs, first, state)` takes time-major `[T, B, ...]` and returns the policy's parameters `pi`
-    (`[T, B, A]` logits, or `[T, B, 2d]`: μ then σ per dimension), the values `[T, B]` and the recurrent state."""
-
-    MIN_VAR = 1e-5
-    LOG_STD_INIT = -0.5  # σ ≈ 0.6 at the start with gaussian="tanh" (Tianshou's MuJoCo A2C and PPO)
+    """A softmax policy (Supp. 8) or a Gaussian: "paper", a linear μ and a spherical σ² = softplus(linear) + 1e-5 of
+    the state (Supp. 9); "tanh", μ = tanh(linear) in the action box, a learned log σ per dimension (docs/a3c.md: a
+    linear μ drifts outside the box). One body for π and V on pixels (Supp. 8), two on normalised vectors (Supp. 9).
+    `forward` maps `[T, B, ...]` to `pi` (`[T, B, A]` logits, or μ then σ: `[T, B, 2d]`), the values and the state."""
 
     def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, separate_value=None,
                  gaussian="paper", scale_rewards=False):  # fmt: skip
@@ -378,7 +327,7 @@ class Agent(nn.Module):
         self.policy = nn.Linear(n, action_dim + 1 if state_std else action_dim or num_actions)
         self.log_std = None
         if action_dim and gaussian == "tanh":
-            self.log_std = nn.Parameter(torch.full((action_dim,), self.LOG_STD_INIT))
+            self.log_std = nn.Parameter(torch.full((action_dim,), -0.5))  # σ ≈ 0.6 at first (Tianshou's A2C, PPO)
             init_output_(self.policy, 0.01)  # μ ≈ 0 at the start, whatever the observation
         self.value = nn.Linear(n, 1)
         if len(obs_shape) == 3:  # pixels: CleanRL's readouts (near-uniform first policy); vectors keep PyTorch's
@@ -390,32 +339,23 @@ class Agent(nn.Module):
         return tuple(b.core.initial_state(batch_size) for b in bodies if b is not None and b.core is not None)
 
     def forward(self, obs, first, state=()):
-        if self.obs_norm is not None:
-            obs = self.obs_norm(obs)
-        recurrent = bool(state)
-        x, s = self.body(obs, first, state[0] if recurrent else None)
-        new_state = (s,)
-        xv = x
-        if self.value_body is not None:
-            xv, sv = self.value_body(obs, first, state[1] if recurrent else None)
-            new_state = (s, sv)
-        pi = self.policy(x)
+        obs = self.obs_norm(obs) if self.obs_norm is not None else obs
+        bodies = [b for b in (self.body, self.value_body) if b is not None]  # the policy's, then the value's
+        features = [body(obs, first, state[i] if state else None) for i, body in enumerate(bodies)]
+        pi = self.policy(features[0][0])
         if self.log_std is not None:
             pi = torch.cat([torch.tanh(pi), self.log_std.exp().expand_as(pi)], dim=-1)
         elif self.action_dim:
             mean, raw_var = pi.split(self.action_dim, dim=-1)
-            pi = torch.cat([mean, (F.softplus(raw_var) + self.MIN_VAR).sqrt().expand_as(mean)], dim=-1)
-        return pi, self.value(xv).squeeze(-1), new_state if recurrent else ()
+            pi = torch.cat([mean, (F.softplus(raw_var) + 1e-5).sqrt().expand_as(mean)], dim=-1)
+        return pi, self.value(features[-1][0]).squeeze(-1), tuple(s for _, s in features) if state else ()
 
     def log_prob_entropy(self, pi, actions):
         """log π(a|s) and the entropy H(π(·|s)), both `[...]`; the Gaussian's entropy is Σ_i ½ (log(2πσ_i²) + 1),
         for the paper's spherical one d · ½ (log(2πσ²) + 1) (Supp. 9)."""
         if self.action_dim:
-            mean, std = pi[..., : self.action_dim], pi[..., self.action_dim :]
-            z = (actions - mean) / std
-            log_prob = (-0.5 * z * z - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
-            entropy = (0.5 * (math.log(2 * math.pi) + 1.0) + std.log()).sum(-1)
-            return log_prob, entropy
+            gaussian = torch.distributions.Normal(*pi.chunk(2, dim=-1), validate_args=False)
+            return gaussian.log_prob(actions).sum(-1), gaussian.entropy().sum(-1)
         log_p = F.log_softmax(pi, dim=-1)
         return log_p.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
@@ -430,10 +370,8 @@ class Agent(nn.Module):
 
 
 class QAgent(nn.Module):
-    """The value-based methods' Q-network (Supp. 8): A3C's body (no LSTM) and one linear output per action,
-    Q(s, ·; θ); vector observations normalised by running statistics first. `forward(obs, first, state=())` takes
-    time-major `[T, B, ...]` and returns, as `Agent` does, the outputs `[T, B, A]` (the Q-values), the values
-    `[T, B]` (max_a Q) and the (empty) recurrent state."""
+    """The value-based methods' Q(s, ·; θ) (Supp. 8): A3C's body (no LSTM), one linear output per action; `forward`
+    returns, as `Agent`'s, the outputs `[T, B, A]` (the Q-values), the values `[T, B]` (max_a Q) and the state ()."""
 
     def __init__(self, obs_shape, num_actions, hidden=200):
         super().__init__()
@@ -460,21 +398,15 @@ class QAgent(nn.Module):
 
 
 def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q, halt=None):
-    """One actor-learner thread, here a process: sync θ' ← θ, act t_max steps, update the shared θ: A3C (Algorithm
-    S3), or a value-based method (Algorithm 1, Sec. 4's Sarsa, Algorithm S2; `target`: the shared θ⁻). Its episodes
-    and (worker 0) its statistics go to `msg_q`; it stops between two updates once `halt` is set."""
+    """One actor-learner thread, a process here: sync θ' ← θ, act t_max steps, update the shared θ (Algorithm S3; with
+    the shared θ⁻ `target`, Algorithm 1, Sec. 4's Sarsa or S2). Episodes go to `msg_q`; it stops once `halt` is set."""
     n, T, value_based = args.num_envs, args.t_max, target is not None
     torch.manual_seed(args.seed + worker_id)
-    np.random.seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
     local = (QAgent if value_based else Agent)(**shared.config)
-    if optimizer is None:  # --no-shared-statistics: this worker's own g, on the shared parameters
-        optimizer = SharedRMSprop(shared.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
-    continuous = local.action_dim > 0
-    pixels = len(local.config["obs_shape"]) == 3
+    continuous, pixels = local.action_dim > 0, len(local.config["obs_shape"]) == 3
     if continuous:
-        low = envs.action_space.low.astype(np.float32)
-        high = envs.action_space.high.astype(np.float32)
+        low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
     final = final_epsilon() if value_based else None  # this worker's final ε (Supp. 8)
     sarsa_action = None  # one-step Sarsa: a', chosen at the last rollout's s_T, is the next rollout's first action
     tracker = EpisodeTracker(n)
@@ -489,7 +421,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         synced_at = counter.value
         epsilon = epsilon_at(synced_at, final, args.epsilon_steps) if value_based else None
         start_state = state  # (acting runs without gradients: the state carries none)
-        rows = {k: [] for k in ("obs", "first", "action", "reward", "terminated", "ended")}
+        rollout = []  # rows 0..T-1: obs, first, action, reward, terminated, ended
         returns_seen = []
         with torch.no_grad():  # act; the loss takes one batched pass over the rollout afterwards
             for t in range(T):
@@ -508,28 +440,25 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                     returns_seen.append(torch.as_tensor(discounted_return))
                     reward = scale_rewards(reward, local.return_norm.var)
                     discounted_return[term | trunc] = 0.0
-                for k, v in zip(rows, (obs, first, action, reward, term, ended)):
-                    rows[k].append(torch.as_tensor(v))
+                rollout.append([torch.as_tensor(v) for v in (obs, first, action, reward, term, ended)])
                 first, ended = ended, torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs, pixels)
-        # rows 0..T-1 of the rollout and the bootstrap observation s_T, through θ' from the rollout's first state
-        all_obs, all_first = torch.stack(rows["obs"] + [obs]), torch.stack(rows["first"] + [first])
+        rows_obs, rows_first, actions, rewards, terminated, ends = (torch.stack(column) for column in zip(*rollout))
+        # the rollout's rows and the bootstrap observation s_T, through θ' from the rollout's first state
+        all_obs, all_first = torch.cat([rows_obs, obs[None]]), torch.cat([rows_first, first[None]])
         out, values, _ = local(all_obs, all_first, start_state)
-        actions, rewards = torch.stack(rows["action"]), torch.stack(rows["reward"]).float()
-        terminated, ends = torch.stack(rows["terminated"]), torch.stack(rows["ended"])
         if value_based:
-            with torch.no_grad():  # θ⁻'s values at s_0..s_T
-                q_target = target(all_obs, all_first)[0]
+            q_target = target(all_obs, all_first)[0].detach()  # θ⁻'s values at s_0..s_T
             if args.method == "one-step-sarsa":  # a' at s_T, ε-greedy on θ' (taken first in the next rollout)
                 sarsa_action = epsilon_greedy(out[-1].detach(), epsilon)
             next_actions = torch.cat([actions[1:], sarsa_action[None]]) if sarsa_action is not None else None
-            targets = value_targets(args.method, rewards, terminated, ends, q_target, next_actions, args.gamma)
+            targets = value_targets(args.method, rewards.float(), terminated, ends, q_target, next_actions, args.gamma)
             loss, stats = q_loss(out[:-1].gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), targets, ends)
             stats["stats/epsilon"] = epsilon
         else:
             log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
             hyper = (values[-1].detach(), args.gamma, args.ent_coef, args.value_coef)
-            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards, terminated, ends, *hyper)
+            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards.float(), terminated, ends, *hyper)
         with counter.get_lock():
             step = counter.value
             counter.value += T * n
@@ -539,17 +468,16 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
         with obs_lock:  # the shared statistics take this rollout's observations (and returns)
             if shared.obs_norm is not None:
-                shared.obs_norm.update(torch.stack(rows["obs"]))
+                shared.obs_norm.update(rows_obs)
             if shared.return_norm is not None:
                 shared.return_norm.update(torch.stack(returns_seen)[..., None])
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
             copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
-        if worker_id == 0 and (
-            time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps
-        ):  # or the last
+        report = time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps  # every second, the last
+        if worker_id == 0 and report:
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
-            stats["stats/active_units"] = active_fraction(local, all_obs[:-1].flatten(0, 1))
+            stats["stats/active_units"] = active_fraction(local, rows_obs.flatten(0, 1))
             if continuous:
                 stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
             msg_q.put(("stats", step + T * n, {k: float(v) for k, v in stats.items()}))
@@ -563,8 +491,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
 
 def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
-    spec, derived = check_args(args)
-    args = dataclasses.replace(args, **derived)
+    args, spec = check_args(args)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     pixels, discrete = is_atari(args.env_id), hasattr(spec.action_space, "n")
@@ -573,29 +500,25 @@ def main(args: Args):
     if args.method == "a3c":
         heads = dict(gaussian=args.gaussian, scale_rewards=args.scale_rewards)
         agent = Agent(obs_shape, num_actions, int(action_dim), args.hidden, args.lstm_size if args.lstm else 0, **heads)
-        target = None
-    else:  # the value-based methods' Q-network and its target network θ⁻ (Algorithm 1: θ⁻ ← θ at the start)
+    else:  # the value-based methods' Q-network
         agent = QAgent(obs_shape, num_actions, args.hidden)
-        target = copy.deepcopy(agent).requires_grad_(False)
-    optimizer = None  # --no-shared-statistics: each worker makes its own statistics g
-    if args.shared_statistics:
-        optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
+    target = None if args.method == "a3c" else copy.deepcopy(agent).requires_grad_(False)  # θ⁻ ← θ (Algorithm 1)
+    optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     parts = dict(agent=agent, target=target, optimizer=optimizer)  # θ (and the observation statistics), θ⁻, g
     for name, part in ((k, v) for k, v in parts.items() if v is not None):
         if resumed is not None:
             part.load_state_dict(resumed[name])
         part.share_memory()  # read and written by every worker
-    # The training state: views of the shared tensors, so a save writes them as the workers left them (Hogwild:
-    # read without locks, as the workers read them). model.pt: what evaluate.py and `make_eval_policy` play.
+    # The training state: views of the shared tensors; model.pt: what evaluate.py and `make_eval_policy` play.
     state = {name: None if part is None else part.state_dict() for name, part in parts.items()}
     model = dict(script="a3c", env_id=args.env_id, args=dataclasses.asdict(args), agent_config=agent.config)
     model["agent"] = state["agent"]
     if not discrete:
         box = spec.action_space
         model.update(action_low=box.low.astype(np.float32).tolist(), action_high=box.high.astype(np.float32).tolist())
-    describe = f"{args.method}, {args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, "
-    describe += f"{'LSTM' if args.lstm else 'feed-forward'}, {'shared' if args.shared_statistics else 'per-worker'} "
-    describe += "RMSProp statistics" + (f", θ⁻ every {args.target_update_period} steps" if target is not None else "")
+    network = "LSTM" if args.lstm else "feed-forward"
+    describe = f"{args.method}, {args.num_workers} workers x {args.num_envs} env(s), t_max {args.t_max}, {network}"
+    describe += f", θ⁻ every {args.target_update_period} steps" if target is not None else ""
     log = RunLog(args, resumed, describe)
 
     ctx = torch.multiprocessing.get_context("spawn")
@@ -633,15 +556,13 @@ def obs_tensor(obs, pixels):
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
-    """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it): it keeps the LSTM state
-    itself; the saved observation statistics normalise; actions are sampled (or the most probable / the mean); a
-    value-based method's are ε-greedy with ε = EVAL_EPSILON (or greedy)."""
+    """`policy(obs, rewards, first) -> actions` of a saved model for evaluate.py, keeping its LSTM state: sampled (or
+    the most probable / the mean), or for the value-based methods ε-greedy with ε = EVAL_EPSILON (or greedy)."""
     config, value_based = dict(checkpoint["agent_config"]), checkpoint.get("args", {}).get("method", "a3c") != "a3c"
     if not value_based:
         config.setdefault("separate_value", bool(config["action_dim"]))  # a model.pt from before vectors separated
-    agent = (QAgent if value_based else Agent)(**config).to(device)
+    agent = (QAgent if value_based else Agent)(**config).to(device).eval()
     agent.load_state_dict(checkpoint["agent"])
-    agent.eval()
     pixels = len(agent.config["obs_shape"]) == 3
     state = tuple((h.to(device), c.to(device)) for h, c in agent.initial_state(num_envs))
     low, high = checkpoint.get("action_low"), checkpoint.get("action_high")
@@ -660,33 +581,27 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the env spec and the settings derived."""
+    """Bad input: one clear line before any work (UsageError). Returns the arguments (--num-workers 0: one per core)
+    and the env spec."""
     spec = env_spec(args.env_id)
-    value_based, t_max = args.method != "a3c", args.t_max
     require(not args.cuda, "--cuda is not available in a3c.py: its Hogwild workers share parameters in CPU memory")
-    require(args.num_workers >= 0, f"--num-workers must be at least 1, or 0 for one per core; got {args.num_workers}")
-    require(args.num_envs >= 1, f"--num-envs must be at least 1, got {args.num_envs}")
-    require(args.t_max >= 1, f"--t-max must be at least 1, got {args.t_max}")
-    rollout = f"one rollout (t-max x num-envs = {t_max * args.num_envs} steps)"
-    require(args.total_timesteps >= t_max * args.num_envs, f"--total-timesteps is less than {rollout}")
-    require(args.learning_rate > 0, f"--learning-rate must be positive, got {args.learning_rate}")
-    require(args.rmsprop_eps > 0, f"--rmsprop-eps must be positive, got {args.rmsprop_eps}")
-    require(0 <= args.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    require(args.value_coef >= 0, f"--value-coef must not be negative, got {args.value_coef}")
-    require(args.lstm_size >= 1, f"--lstm-size must be at least 1, got {args.lstm_size}")
-    require(args.hidden >= 1, f"--hidden must be at least 1, got {args.hidden}")
-    require(args.target_update_period >= 1, f"--target-update-period must be at least 1: {args.target_update_period}")
-    require(args.epsilon_steps >= 1, f"--epsilon-steps must be at least 1, got {args.epsilon_steps}")
-    require(args.max_grad_norm >= 0, f"--max-grad-norm must be 0 (none) or more, got {args.max_grad_norm}")
-    what = f"--method {args.method}"
-    discrete = hasattr(spec.action_space, "n")
-    require(discrete or not value_based, f"{what} takes discrete actions, {args.env_id} has continuous ones")
-    require(not (value_based and args.lstm), f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
     if args.capture_video:
         check_render(args.env_id)
-    require(args.ent_coef >= 0, f"--ent-coef must not be negative, got {args.ent_coef}")
-    return spec, dict(num_workers=args.num_workers or os.cpu_count() or 1)
+    for name in ("num_envs", "t_max", "hidden", "lstm_size", "target_update_period", "epsilon_steps"):
+        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("learning_rate", "rmsprop_eps"):
+        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("num_workers", "value_coef", "ent_coef", "max_grad_norm"):
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    require(0 <= args.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    rollout = f"one rollout (t-max x num-envs = {args.t_max * args.num_envs} steps)"
+    require(args.total_timesteps >= args.t_max * args.num_envs, f"--total-timesteps is less than {rollout}")
+    if args.method != "a3c":  # the value-based methods
+        what = f"--method {args.method}"
+        require(hasattr(spec.action_space, "n"), f"{what} takes discrete actions, {args.env_id} has continuous ones")
+        require(not args.lstm, f"{what} is feed-forward, as in the paper; --lstm is A3C's (Sec. 5.1)")
+    return dataclasses.replace(args, num_workers=args.num_workers or os.cpu_count() or 1), spec
 
 
 # ---------------------------------------------------------------------------------------------------------

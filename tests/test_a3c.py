@@ -223,8 +223,7 @@ def test_target_network_follows_the_shared_weights_every_i_target_steps():
 
     argv = ["--env-id", "CartPole-v1", "--method", "one-step-q", "--target-update-period", "10", "--num-workers", "1"]
     args = a3c.parse_args([*argv, "--total-timesteps", "10"])
-    _, derived = a3c.check_args(args)
-    args = dataclasses.replace(args, **{k: v for k, v in derived.items() if k not in ("discrete", "obs_shape")})
+    args, _ = a3c.check_args(args)
     agent = a3c.QAgent((4,), 2, args.hidden)
     target = copy.deepcopy(agent)
     initial = copy.deepcopy(agent.state_dict())
