@@ -53,7 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
-from common.envs import make_env, require, task_family
+from common.envs import make_env, require, task_family, to_env_action
 from common.evaluation import evaluate, resume_checkpoint
 from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, init_output_, init_weights_
 
@@ -543,11 +543,6 @@ def main(args: Args):
         stopped(log, step)
     log.console(step)
     log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
-
-
-def to_env_action(action, low, high):
-    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the action learned from stays as sampled)."""
-    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
 
 
 def obs_tensor(obs, pixels):

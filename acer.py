@@ -53,7 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
-from common.envs import make_env, require, task_family
+from common.envs import make_env, require, task_family, to_env_action
 from common.evaluation import evaluate, resume_checkpoint
 from common.networks import MLPTorso, RunningNorm, init_output_, init_weights_
 
@@ -401,9 +401,8 @@ class ContinuousAgent(nn.Module):
 
 
 def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt):
-    """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from, stored; continuous actions: not
-    learned from, Sec. 6), then Poisson(r) segments replayed from its memory, which keeps raw observations and rewards
-    (normalised by the statistics of the update). Once `halt` is set, it returns after its segment's updates."""
+    """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from but for continuous actions, Sec. 6,
+    stored raw), then Poisson(r) segments replayed from its memory. Once `halt` is set, it ends after its updates."""
     n, k = args.num_envs, args.k
     torch.manual_seed(args.seed + worker_id)
     np.random.seed(args.seed + worker_id)
@@ -519,10 +518,6 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
     return acer_loss(logits.float(), q.float(), *data, ent_coef=args.ent_coef, **hyper)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The run: setup, the workers, the end.
-
-
 def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     args, spec = check_args(args)
@@ -554,9 +549,8 @@ def main(args: Args):
     if not discrete:  # evaluation maps the policy's [-1, 1] actions to the env's box
         low, high = spec.action_space.low, spec.action_space.high
         model.update(action_low=low.astype(np.float32).tolist(), action_high=high.astype(np.float32).tolist())
-    describe = f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}"
-    log = RunLog(args, resumed, describe + (", trust region" if args.trust_region else ", no trust region"))
-    stop = Stop()
+    describe = f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}, "
+    log, stop = RunLog(args, resumed, describe + ("" if args.trust_region else "no ") + "trust region"), Stop()
     ctx = torch.multiprocessing.get_context("spawn")
     counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
@@ -579,11 +573,6 @@ def main(args: Args):
     if stop.requested:
         stopped(log, step)
     log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
-
-
-def to_env_action(action, low, high):
-    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
-    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
 
 
 def scale_rewards(rewards, return_var, clip=10.0):
@@ -624,8 +613,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the arguments (--num-workers 0: one per core)
-    and the env spec."""
+    """Bad input: one clear line before any work (UsageError). Returns the arguments (workers resolved) and the spec."""
     spec = env_spec(args.env_id)
     discrete, pixels = hasattr(spec.action_space, "n"), is_atari(args.env_id)
     require(not args.cuda, "--cuda: acer.py's workers share their parameters in CPU memory (as the paper's threads)")

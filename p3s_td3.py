@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, make_env
-from common.envs import require, task_family
+from common.envs import require, task_family, to_env_action
 from common.evaluation import evaluate, resume_checkpoint
 from common.networks import batched_mlp
 
@@ -419,11 +419,6 @@ class Learners:
             getattr(self, k).load_state_dict(state[k])
         self.period_sums.copy_(state["period_sums"])
         self.updates, self.period_count = state["updates"], state["period_count"]
-
-
-def to_env_action(actions, low, high):
-    """Actions in [-1, 1]^d (the tanh policy, the noises, the distance) mapped to the env's box [low, high]."""
-    return np.clip(low + (actions + 1.0) * 0.5 * (high - low), low, high)
 
 
 def greedy_policy(actor, low, high):

@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, make_env, require
-from common.envs import task_family
+from common.envs import task_family, to_env_action
 from common.evaluation import evaluate, resume_checkpoint
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
@@ -425,11 +425,6 @@ def log_update(log, pool, update, batch, stats) -> None:
     log.scalars(stats, step)
     eta, alpha_mu, alpha_sigma, std = (stats[f"stats/{k}"] for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std"))
     log.console(step, f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f}")
-
-
-def to_env_action(action, low, high):
-    """[-1, 1]^d policy actions -> the env's box, clipped (only here: the stored action stays as sampled)."""
-    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):

@@ -50,16 +50,11 @@ def env_spec(env_id: str, discrete: bool | None = None):
         raise UsageError(f"unknown env id {env_id!r}: envpool has no such environment{hint}")
     spec = envpool.make_spec(env_id)
     is_discrete = hasattr(spec.action_space, "n")
-    if discrete is True and not is_discrete:
-        raise UsageError(
-            f"{env_id} has continuous actions {spec.action_space}; this script needs a discrete-action "
-            "env (e.g. Breakout-v5, CartPole-v1)"
-        )
-    if discrete is False and is_discrete:
-        raise UsageError(
-            f"{env_id} has discrete actions; this script needs a continuous-action env "
-            "(e.g. HalfCheetah-v4, Pendulum-v1)"
-        )
+    if discrete is not None and discrete != is_discrete:
+        kind, need = "discrete", "continuous-action env (e.g. HalfCheetah-v4, Pendulum-v1)"
+        if discrete:
+            kind, need = "continuous", "discrete-action env (e.g. Breakout-v5, CartPole-v1)"
+        raise UsageError(f"{env_id} has {kind} actions; this script needs a {need}")
     if not is_discrete and len(spec.action_space.shape) != 1:
         raise UsageError(f"{env_id} has actions of shape {spec.action_space.shape}; the scripts need a vector")
     if not is_discrete and not (np.isfinite(spec.action_space.low).all() and np.isfinite(spec.action_space.high).all()):
@@ -82,6 +77,11 @@ def flatten_obs(obs) -> np.ndarray:
         return np.concatenate([np.asarray(obs[k], np.float32).reshape(n, -1) for k in sorted(obs)], axis=1)
     obs = np.asarray(obs, np.float32)
     return obs.reshape(obs.shape[0], -1)
+
+
+def to_env_action(action, low, high):
+    """Policy actions in [-1, 1]^d mapped to the env's box [low, high], clipped (what is learned from stays as is)."""
+    return np.clip(low + (action + 1.0) * 0.5 * (high - low), low, high)
 
 
 def is_atari(env_id: str) -> bool:

@@ -456,12 +456,6 @@ def test_lstm_rollout_pass_equals_step_by_step_acting(action_dim):
     torch.testing.assert_close(pi_all[3:, 1], pi_restart[:, 1])
 
 
-def test_to_env_action_maps_and_clips():
-    low, high = np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32)
-    out = a3c.to_env_action(np.array([[0.0, 1.0], [-3.0, 0.5]], np.float32), low, high)
-    np.testing.assert_allclose(out, [[0.0, 1.0], [-2.0, 0.75]])
-
-
 def test_import_runs_nothing():
     assert imported_envpool_modules("a3c") == "[]"
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env  # noqa: E402
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env, to_env_action  # noqa: E402
 from common.evaluation import resume_checkpoint, write_apng  # noqa: E402
 from common.networks import (
     LSTMCore,
@@ -253,6 +253,12 @@ def test_running_norm_equals_the_statistics_of_everything_seen():
         and abs(float(z[0, 0]) - (1.0 - float(norm.mean[0])) / math.sqrt(float(norm.var[0]))) < 1e-3
     )
     assert {"mean", "var", "count"} <= set(norm.state_dict())
+
+
+def test_to_env_action_maps_into_the_box_and_clips():
+    low, high = np.array([-2.0, 0.0, -1.0], np.float32), np.array([2.0, 1.0, 1.0], np.float32)
+    out = to_env_action(np.array([[0.0, -1.0, 3.0], [-5.0, 0.5, 1.0], [0.0, 1.0, 0.5]], np.float32), low, high)
+    np.testing.assert_allclose(out, [[0.0, 0.0, 1.0], [-2.0, 0.75, 1.0], [0.0, 1.0, 0.5]])
 
 
 def test_flatten_obs_of_a_dm_control_dict():
