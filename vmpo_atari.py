@@ -257,17 +257,16 @@ def act(cfg, link: ActorLink) -> None:
     n, device = cfg.num_envs, torch.device(cfg.device)
     envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
     agent = link.local_agent(n, cfg.unroll_length, device)
-    ended, prev_action = np.zeros(n, bool), torch.zeros(n, dtype=torch.long)
+    ended, prev_action = np.zeros(n, bool), np.zeros(n, np.int64)
     state, tracker = agent.initial_state(n, device), EpisodeTracker(n)
     envs.async_reset()
     while True:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
         version = link.refresh(agent)
-        ids_t = torch.from_numpy(ids).long()
-        ids_dev, first = ids_t.to(device), torch.from_numpy(ended[ids])
+        ids_dev, first = torch.from_numpy(ids).long().to(device), torch.from_numpy(ended[ids])
         obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
-        prev = torch.where(first, 0, prev_action[ids_t])
+        prev = torch.from_numpy(np.where(ended[ids], 0, prev_action[ids]))
         state_before = tuple(s[ids_dev] for s in state)
         with torch.no_grad():
             inputs = (x.to(device)[None] for x in (obs_t, prev, reward_t, first))
@@ -282,7 +281,7 @@ def act(cfg, link: ActorLink) -> None:
         for s, s_new in zip(state, state_after):
             s[ids_dev] = s_new
         link.write(ids, row, core)
-        prev_action[ids_t], ended[ids] = action, done
+        prev_action[ids], ended[ids] = action.numpy(), done
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
             link.episode_q.put((score, length, cfg.task))
 
