@@ -289,7 +289,7 @@ class Body(nn.Module):
     def __init__(self, obs_shape, hidden=200, lstm_size=0):
         super().__init__()
         if len(obs_shape) == 3:  # orthogonal init: with PyTorch's default the torso starts nearly state-blind on Atari
-            self.torso = init_weights_(ShallowTorso(obs_shape), "orthogonal")
+            self.torso = init_weights_(ShallowTorso(obs_shape))
         else:
             self.torso = MLPTorso(int(math.prod(obs_shape)), (hidden,), activation=nn.ReLU)
         self.core = LSTMCore(self.torso.out_features, 0, lstm_size, action_reward_inputs=False) if lstm_size else None

@@ -344,7 +344,7 @@ class Agent(nn.Module):
         self.policy = nn.Linear(self.torso.out_features, num_actions)
         self.q = nn.Linear(self.torso.out_features, num_actions)
         if pixels:  # with PyTorch's default init the torso starts nearly state-blind on Atari frames
-            init_weights_(self.torso, "orthogonal")  # CleanRL's: gain √2, zero biases; readouts 0.01 and 1
+            init_weights_(self.torso)  # CleanRL's: gain √2, zero biases; readouts 0.01 and 1
             init_output_(self.policy, 0.01)
             init_output_(self.q, 1.0)
 

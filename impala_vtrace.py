@@ -47,8 +47,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, require, task_family
-from common.evaluation import evaluate, evaluate_games, expand_env_ids, human_normalized_score, recurrent_policy
-from common.evaluation import resume_checkpoint
+from common.evaluation import atari_games, evaluate, evaluate_games, expand_env_ids, median_human_normalized
+from common.evaluation import recurrent_policy, resume_checkpoint
 from common.networks import LSTMCore, check_channels, dead_units, grad_norms_by_layer, init_output_, init_weights_
 from common.networks import logits_std_across_states, make_torso
 from common.popart import PopArt
@@ -229,7 +229,7 @@ class Agent(nn.Module):
         self.policy = nn.Linear(features, num_actions)
         self.popart = PopArt(features, num_tasks, popart_beta) if popart else None
         self.value = None if popart else nn.Linear(features, 1)
-        init_weights_(self, "orthogonal")  # PyTorch's default leaves the torso state-blind on Atari (docs)
+        init_weights_(self)  # PyTorch's default leaves the torso state-blind on Atari (docs)
         init_output_(self.policy, 0.01)
         init_output_(self.popart.linear if popart else self.value, 1.0)
 
@@ -394,9 +394,7 @@ def log_update(log, pool, agent, step, stats, logits, batch) -> None:
     stats.update({"stats/logits_std_across_states": logits_std_across_states(logits[:-1]), "stats/policy_lag": lag})
     for k, game in enumerate(games if agent.popart is not None else ()):
         stats |= {f"stats/popart_sigma/{game}": agent.popart.sigma[k], f"stats/popart_mu/{game}": agent.popart.mu[k]}
-    hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in games if log.groups.get(g)]
-    if len(games) > 1 and len(hns) == len(games):
-        stats["charts/median_human_normalized"] = float(np.median(hns))
+    stats.update(median_human_normalized(log.groups, games))
     log.scalars(stats, step)
     log.console(step, f"entropy {stats['stats/entropy']:.2f} | lag {lag:.1f}")
 
@@ -428,11 +426,7 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
 
 def check_args(args):
     """Bad input: one clear line before any work (UsageError). Returns the (first) game's spec and the games."""
-    games, world, steps = expand_env_ids(args.env_ids), world_size(), args.batch_size * args.unroll_length
-    for game in games:  # known to envpool (a line naming an unknown one), and Atari
-        env_spec(game, discrete=True)
-        require(is_atari(game), f"--env-ids takes Atari games (Pong-v5 Breakout-v5, or atari57, atari5), not {game}")
-    require(not games or is_atari(args.env_id), "--env-ids: an --env-id, if given, must be an Atari game too")
+    games, world, steps = atari_games(args.env_ids, args.env_id), world_size(), args.batch_size * args.unroll_length
     spec = env_spec(games[0] if games else args.env_id, discrete=True)
     per_actor = args.num_envs // max(args.num_actors, 1)
     actors = f"--num-actors {args.num_actors}" + " (with --env-ids: one per game unless given)" * bool(games)

@@ -51,8 +51,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, require, task_family
-from common.evaluation import evaluate, evaluate_games, expand_env_ids, human_normalized_score, recurrent_policy
-from common.evaluation import resume_checkpoint
+from common.evaluation import atari_games, evaluate, evaluate_games, expand_env_ids, median_human_normalized
+from common.evaluation import recurrent_policy, resume_checkpoint
 from common.networks import LSTMCore, check_channels, dead_units, grad_norms_by_layer, init_output_, init_weights_
 from common.networks import logits_std_across_states, make_torso
 from common.popart import PopArt
@@ -229,7 +229,7 @@ class Agent(nn.Module):
         self.policy = nn.Linear(head_hidden, num_actions)
         self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
         self.popart = PopArt(head_hidden, num_tasks, popart_beta)  # σ in [1e-2, 1e6] (Sec. 4.1)
-        init_weights_(self, "orthogonal")  # orthogonal, gain √2, zero biases (not in the paper; docs)
+        init_weights_(self)  # orthogonal, gain √2, zero biases (not in the paper; docs)
         init_output_(self.popart.linear, 1.0)
         init_output_(self.policy, 0.0)  # a uniform policy at the start (App. F)
 
@@ -427,9 +427,7 @@ def log_update(log, pool, agent, update, stats, batch) -> None:
     stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
     popart = agent.popart  # its statistics per game (one game: stats/popart_mu, stats/popart_sigma)
     stats |= {f"stats/popart_{x}/{g}": getattr(popart, x)[k] for k, g in enumerate(games) for x in ("mu", "sigma")}
-    hns = [human_normalized_score(g, np.mean(log.groups[g][-10:])) for g in games if log.groups.get(g)]
-    if len(games) > 1 and len(hns) == len(games):
-        stats["charts/median_human_normalized"] = float(np.median(hns))
+    stats.update(median_human_normalized(log.groups, games))
     log.scalars(stats, step)
     eta, alpha, kl = (float(stats[f"stats/{k}"]) for k in ("eta", "alpha", "kl"))
     log.console(step, f"entropy {float(stats['stats/entropy']):.2f} | η {eta:.3f} α {alpha:.3f} KL {kl:.4f}")
@@ -454,12 +452,9 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
 
 
 def check_args(args):
-    """Bad input: one clear line before any work (UsageError). Returns the spec of the (last) game and the games."""
-    games, world, steps = expand_env_ids(args.env_ids), world_size(), args.batch_size * args.unroll_length
-    for game in games or [args.env_id]:  # known to envpool (a line naming an unknown one); several: Atari
-        spec = env_spec(game, discrete=True)
-        require(not games or is_atari(game), f"--env-ids takes Atari games (Pong-v5, atari57, ...), not {game}")
-    require(not games or is_atari(args.env_id), "--env-ids: an --env-id, if given, must be an Atari game too")
+    """Bad input: one clear line before any work (UsageError). Returns the (first) game's spec and the games."""
+    games, world, steps = atari_games(args.env_ids, args.env_id), world_size(), args.batch_size * args.unroll_length
+    spec = env_spec(games[0] if games else args.env_id, discrete=True)
     per_actor, minibatches = args.num_envs // max(args.num_actors, 1), args.num_minibatches
     actors = f"--num-actors {args.num_actors}" + " (with --env-ids: one per game unless given)" * bool(games)
     require(not games or args.num_actors % len(games) == 0, f"{actors} must be a multiple of the number of games")

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from common.envs import EpisodeTracker, UsageError, make_env
+from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, require
 
 
 def load_run_file(path: str, kind: str, keys: tuple = (), mmap: bool = False) -> dict:
@@ -101,11 +101,28 @@ def expand_env_ids(env_ids) -> list[str]:
     return out
 
 
+def atari_games(env_ids, env_id) -> list[str]:
+    """`--env-ids` expanded: Atari games that envpool knows, `env_id` one too, or a UsageError (one line)."""
+    games = expand_env_ids(env_ids)
+    for game in games:
+        env_spec(game, discrete=True)  # a line naming an unknown one
+        require(is_atari(game), f"--env-ids takes Atari games (Pong-v5 Breakout-v5, or atari57, atari5), not {game}")
+    require(not games or is_atari(env_id), "--env-ids: an --env-id, if given, must be an Atari game too")
+    return games
+
+
 def human_normalized_score(env_id: str, score: float) -> float:
     """100 · (score − random) / (human − random) for an Atari game (`Breakout-v5` or `Breakout`); NaN for a game
     without reference scores."""
     random, human = ATARI_SCORES.get(env_id.split("-")[0], (math.nan, math.nan))
     return 100.0 * (score - random) / (human - random)
+
+
+def median_human_normalized(returns: dict, games) -> dict:
+    """`charts/median_human_normalized` of several games' last 10 training returns each (`returns`: by game), once
+    every game has some; else nothing."""
+    scores = [human_normalized_score(g, np.mean(returns[g][-10:])) for g in games if returns.get(g)]
+    return {"charts/median_human_normalized": float(np.median(scores))} if 1 < len(scores) == len(games) else {}
 
 
 def score_table(scores_by_env: dict) -> dict:

@@ -165,39 +165,15 @@ class RunningNorm(nn.Module):
         return z.clamp(-self.clip, self.clip)
 
 
-class PolicyValueHeads(nn.Module):
-    """Linear policy logits and a linear state value on top of a core's features."""
-
-    def __init__(self, in_features, num_actions, num_values=1):
-        super().__init__()
-        self.policy = nn.Linear(in_features, num_actions)
-        self.value = nn.Linear(in_features, num_values)
-
-    def forward(self, x):
-        return self.policy(x), self.value(x).squeeze(-1)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Initialisation. None of the papers states one; it decides whether a pixel network starts state-blind.
 
 
-INIT_SCHEMES = ("sonnet", "orthogonal", "torch")
-
-
-def init_weights_(module: nn.Module, scheme: str = "orthogonal") -> nn.Module:
-    """Re-initialise every Linear, Conv2d and LSTMCell weight of `module` in place, biases to zero.
-
-    - `sonnet`: truncated normal (cut at 2σ) with σ = 1/√fan_in, the Sonnet/TensorFlow default that the IMPALA
-      and V-MPO reference code ran with.
-    - `orthogonal`: orthogonal with gain √2 (CleanRL, Cleanba).
-    - `torch`: leave PyTorch's defaults (uniform ±1/√fan_in weights and biases): on 84x84 Atari frames this
-      leaves the shallow network nearly state-blind, every layer shrinking the signal by about √6.
-    A script re-initialises its output layers afterwards where it wants them small or zero.
-    """
-    if scheme not in INIT_SCHEMES:
-        raise ValueError(f"unknown initialisation {scheme!r}: expected one of {INIT_SCHEMES}")
-    if scheme == "torch":
-        return module
+def init_weights_(module: nn.Module) -> nn.Module:
+    """Every Linear, Conv2d and LSTMCell weight of `module` orthogonal with gain √2 (CleanRL, Cleanba), biases zero,
+    in place; a script re-initialises its output layers afterwards. PyTorch's defaults (uniform ±1/√fan_in weights
+    and biases) leave the shallow network nearly state-blind on 84x84 Atari frames, each layer shrinking the signal
+    by about √6; the Sonnet default the IMPALA and V-MPO code ran with was measured here to stall as well (docs)."""
     for m in module.modules():
         weights, biases = [], []
         if isinstance(m, (nn.Linear, nn.Conv2d)):
@@ -205,11 +181,7 @@ def init_weights_(module: nn.Module, scheme: str = "orthogonal") -> nn.Module:
         elif isinstance(m, nn.LSTMCell):
             weights, biases = [m.weight_ih, m.weight_hh], [m.bias_ih, m.bias_hh]
         for w in weights:
-            if scheme == "orthogonal":
-                nn.init.orthogonal_(w, math.sqrt(2))
-            else:
-                std = 1.0 / math.sqrt(nn.init._calculate_correct_fan(w, "fan_in"))
-                nn.init.trunc_normal_(w, 0.0, std, -2 * std, 2 * std)
+            nn.init.orthogonal_(w, math.sqrt(2))
         for b in biases:
             if b is not None:
                 nn.init.zeros_(b)
@@ -234,21 +206,18 @@ def init_output_(layer: nn.Linear, std: float) -> nn.Linear:
 class Linears(nn.Module):
     """N linear layers side by side, one per learner: `[N, B, in] -> [N, B, out]` as one batched matmul, so that the
     whole population's forward and backward passes are one set of kernels. Slice i of `weight` `[N, out, in]` and
-    `bias` `[N, out]` is learner i's `nn.Linear`. With `common` all N start as the same `nn.Linear`; without, each
-    draws its own. `init` "xavier": Xavier-uniform weights, zero biases (the P3S authors' td3/misc/mlp.py);
-    "torch": PyTorch's default, as TD3's own code has it."""
+    `bias` `[N, out]` is learner i's `nn.Linear`; all N start as the same one (P3S's Algorithm 1, line 1). `init`
+    "xavier": Xavier-uniform weights, zero biases (the P3S authors' td3/misc/mlp.py); "torch": PyTorch's default,
+    as TD3's own code has it."""
 
-    def __init__(self, num_learners, in_features, out_features, init="xavier", common=True):
+    def __init__(self, num_learners, in_features, out_features, init="xavier"):
         super().__init__()
-        layers = [nn.Linear(in_features, out_features) for _ in range(1 if common else num_learners)]
+        layer = nn.Linear(in_features, out_features)
         if init == "xavier":
-            for layer in layers:
-                nn.init.xavier_uniform_(layer.weight)
-                nn.init.zeros_(layer.bias)
-        weight = torch.stack([layer.weight.detach() for layer in layers])
-        bias = torch.stack([layer.bias.detach() for layer in layers])
-        self.weight = nn.Parameter(weight.expand(num_learners, -1, -1).clone())
-        self.bias = nn.Parameter(bias.expand(num_learners, -1).clone())
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
+        self.weight = nn.Parameter(layer.weight.detach().expand(num_learners, -1, -1).clone())
+        self.bias = nn.Parameter(layer.bias.detach().expand(num_learners, -1).clone())
 
     def forward(self, x):
         # y^T = W x^T + b, computed feature-major ([N, out, B]) and returned as its transposed view: the gradient of
@@ -257,11 +226,11 @@ class Linears(nn.Module):
         return torch.baddbmm(self.bias.unsqueeze(2), self.weight, x.transpose(1, 2)).transpose(1, 2)
 
 
-def batched_mlp(sizes, num_learners, out_activation=None, init="xavier", common=True):
+def batched_mlp(sizes, num_learners, out_activation=None, init="xavier"):
     """N ReLU MLPs of layer sizes `sizes`, side by side (`Linears`): `[N, B, sizes[0]] -> [N, B, sizes[-1]]`."""
     layers = []
     for n_in, n_out in zip(sizes[:-1], sizes[1:]):
-        layers += [Linears(num_learners, n_in, n_out, init, common), nn.ReLU()]
+        layers += [Linears(num_learners, n_in, n_out, init), nn.ReLU()]
     return nn.Sequential(*layers[:-1], *([out_activation] if out_activation is not None else []))
 
 

@@ -17,7 +17,6 @@ from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flat
 from common.evaluation import resume_checkpoint, write_apng  # noqa: E402
 from common.networks import (
     LSTMCore,
-    PolicyValueHeads,
     ResNetTorso,
     RunningNorm,
     ShallowTorso,  # noqa: E402
@@ -68,11 +67,6 @@ def test_lstm_core_resets_state_at_episode_start():
     # the previous action and reward are inputs
     out2, _ = core(feats, (act + 1) % 3, rew, first, state)
     assert not torch.allclose(out, out2)
-
-
-def test_heads():
-    logits, value = PolicyValueHeads(10, 4)(torch.randn(7, 10))
-    assert logits.shape == (7, 4) and value.shape == (7,)
 
 
 def test_episode_tracker_sums_raw_reward_over_lives_and_resets_on_truncation():
@@ -315,6 +309,28 @@ def test_atari_presets():
     assert expand_env_ids(["Pong-v5", "atari5", "Qbert-v5"]) == ["Pong-v5", *PRESETS["atari5"]]
 
 
+def test_atari_games_and_their_median_human_normalized_score():
+    from common.evaluation import atari_games, human_normalized_score, median_human_normalized
+
+    assert atari_games(["atari5", "Pong-v5"], "Breakout-v5")[-1] == "Pong-v5" and atari_games([], "CartPole-v1") == []
+    for env_ids, env_id, says in (
+        (["Pong-v5", "CartPole-v1"], "Pong-v5", "takes Atari games"),
+        (["Pong-v5"], "CartPole-v1", "must be an Atari game too"),
+        (["Pongg-v5"], "Pong-v5", "did you mean"),
+    ):
+        with pytest.raises(UsageError, match=says):
+            atari_games(env_ids, env_id)
+    returns = {"Pong-v5": [-21.0] * 5 + [0.0] * 10, "Breakout-v5": [30.0], "Qbert-v5": [1000.0, 2000.0]}
+    games = ["Pong-v5", "Breakout-v5", "Qbert-v5"]
+    scores = [human_normalized_score("Pong-v5", 0.0), human_normalized_score("Breakout-v5", 30.0)]
+    scores.append(human_normalized_score("Qbert-v5", 1500.0))
+    assert median_human_normalized(returns, games) == {
+        "charts/median_human_normalized": pytest.approx(sorted(scores)[1])
+    }
+    assert median_human_normalized(returns, [*games, "Seaquest-v5"]) == {}  # a game without an episode yet
+    assert median_human_normalized(returns, ["Pong-v5"]) == {}  # one game: no median
+
+
 @pytest.mark.e2e
 def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     """A policy over the 18 actions evaluated on two games: per-game table on the console and in JSON/CSV, with
@@ -385,23 +401,10 @@ def test_check_finite_names_the_first_non_finite_quantity(where):
 # Initialisation and the learning diagnostics.
 
 
-def test_sonnet_init_is_a_truncated_normal_of_std_one_over_root_fan_in():
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(4, 64, 8, stride=4), torch.nn.Linear(2000, 300))
-    init_weights_(net, "sonnet")
-    for layer, fan_in in ((net[0], 4 * 8 * 8), (net[1], 2000)):
-        w, sigma = layer.weight.detach().flatten().double(), 1 / math.sqrt(fan_in)
-        assert w.abs().max() <= 2 * sigma + 1e-7  # truncated at 2σ
-        # the standard deviation of N(0, σ²) cut at ±2σ is 0.8796 σ
-        assert abs(w.std().item() / sigma - 0.8796) < 0.03
-        assert abs(w.mean().item()) < 0.05 * sigma
-        assert torch.all(layer.bias == 0)
-
-
 def test_orthogonal_init_and_output_layers():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.LSTMCell(200, 50))
-    init_weights_(net, "orthogonal")
+    init_weights_(net)
     w = net[0].weight.detach().double()
     assert torch.allclose(w @ w.T, 2 * torch.eye(200, dtype=torch.float64), atol=1e-5)  # gain √2
     assert torch.all(net[0].bias == 0) and torch.all(net[1].bias_ih == 0) and torch.all(net[1].bias_hh == 0)
@@ -409,11 +412,6 @@ def test_orthogonal_init_and_output_layers():
     h = head.weight.detach().double()
     assert torch.allclose(h @ h.T, 1e-4 * torch.eye(6, dtype=torch.float64), atol=1e-9)
     assert torch.all(init_output_(torch.nn.Linear(8, 3), 0.0).weight == 0)
-    before = torch.nn.Linear(5, 5)
-    kept = before.weight.detach().clone()
-    assert torch.equal(init_weights_(before, "torch").weight, kept)
-    with pytest.raises(ValueError):
-        init_weights_(before, "xavier")
 
 
 def test_logits_std_across_states_and_dead_units_against_loops():
