@@ -294,7 +294,9 @@ def learner_step(state, batch, args, diagnose=False):
     state["update"] += 1
     core = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
     logits, values, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], core)
-    out = batch_loss(logits, values, batch, args, agent.popart)
+    clips = (args.clip_rho_threshold, args.clip_pg_rho_threshold, args.clip_c_threshold)
+    hyper = (args.gamma, args.baseline_cost, args.entropy_cost, clips, args.vtrace_lambda)
+    out = learner_loss(logits, values, batch, *hyper, agent.popart)
     optimizer.zero_grad(set_to_none=False)
     out.loss.backward()
     reduce_gradients(agent.parameters(), mean=False)  # the loss sums over the batch: the global batch's sum
@@ -308,14 +310,6 @@ def learner_step(state, batch, args, diagnose=False):
         real = ~batch["ended"][:-1]
         agent.popart.update(out.vs[real], batch["task"][:-1][real])
     return logits, stats
-
-
-def batch_loss(logits, values, batch, args, popart=None) -> VtraceLoss:
-    """learner_loss with the run's hyperparameters."""
-    clips = (args.clip_rho_threshold, args.clip_pg_rho_threshold, args.clip_c_threshold)
-    return learner_loss(
-        logits, values, batch, args.gamma, args.baseline_cost, args.entropy_cost, clips, args.vtrace_lambda, popart
-    )
 
 
 def main(args: Args):
