@@ -60,7 +60,6 @@ class Args:
     env_ids: tuple[str, ...] = ()  # several Atari games, one agent (Sec. 5.3), or a preset (atari57, atari5)
     preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: Table G.1 everywhere
     popart: Literal["auto", "on", "off"] = "auto"  # PopArt per game (Hessel et al. 2019); auto: on with --env-ids
-    popart_beta: float = 3e-4  # PopArt statistics step size (Hessel et al. 2019)
     exp_name: str = "impala_vtrace"  # name of this experiment, part of the run folder's name
     seed: int = 1  # seed of torch, numpy and the envs (actor a of learner r: seed + 1000 r + a)
     torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
@@ -72,7 +71,6 @@ class Args:
     unroll_length: int = 20  # n, unroll length (Table G.1)
     batch_size: int = 32  # unrolls per learner batch, over all learner processes (Table G.1)
     learning_rate: float = 6e-4  # learning rate (Table G.1)
-    anneal_lr: bool = True  # anneal the learning rate linearly to 0 (Table G.1)
     lr_anneal_steps: int = 50_000_000  # steps to anneal over: 200M frames (Table G.1); 0: the run's length
     rmsprop_decay: float = 0.99  # RMSProp decay (the paper's code default)
     rmsprop_eps: float = 0.01  # RMSProp ε (Table G.1)
@@ -89,7 +87,6 @@ class Args:
     channels: tuple[int, ...] = ()  # conv channels; empty: (16, 32) shallow, (16, 32, 32) deep (Fig. 3)
     use_lstm: bool = False  # LSTM core fed the previous action and reward (Fig. 3)
     lstm_size: int = 256  # LSTM hidden units (Fig. 3)
-    mlp_hidden: tuple[int, ...] = (64, 64)  # hidden layers of the MLP torso for vector observations
     save_model: bool = False  # write model.pt (weights and what evaluation needs) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training (0: none)
@@ -220,14 +217,14 @@ class Agent(nn.Module):
     """Torso, optional LSTM, linear policy logits and a linear value (with `popart`: PopArt's, one per task)."""
 
     def __init__(self, obs_shape, num_actions, network="shallow", channels=(), use_lstm=False, lstm_size=256,
-                 mlp_hidden=(64, 64), num_tasks=1, popart=False, popart_beta=3e-4):  # fmt: skip
+                 num_tasks=1, popart=False):  # fmt: skip
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
-        self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
+        self.torso = make_torso(obs_shape, network, channels or None)  # vectors: an MLP of 64, 64
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
         features = self.core.out_features if use_lstm else self.torso.out_features
         self.policy = nn.Linear(features, num_actions)
-        self.popart = PopArt(features, num_tasks, popart_beta) if popart else None
+        self.popart = PopArt(features, num_tasks, beta=3e-4) if popart else None  # β of Hessel et al. 2019
         self.value = None if popart else nn.Linear(features, 1)
         init_weights_(self)  # PyTorch's default leaves the torso state-blind on Atari (docs)
         init_output_(self.policy, 0.01)
@@ -297,7 +294,9 @@ def learner_step(state, batch, args, diagnose=False):
     state["update"] += 1
     core = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
     logits, values, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], core)
-    out = batch_loss(logits, values, batch, args, agent.popart)
+    clips = (args.clip_rho_threshold, args.clip_pg_rho_threshold, args.clip_c_threshold)
+    hyper = (args.gamma, args.baseline_cost, args.entropy_cost, clips, args.vtrace_lambda)
+    out = learner_loss(logits, values, batch, *hyper, agent.popart)
     optimizer.zero_grad(set_to_none=False)
     out.loss.backward()
     reduce_gradients(agent.parameters(), mean=False)  # the loss sums over the batch: the global batch's sum
@@ -313,14 +312,6 @@ def learner_step(state, batch, args, diagnose=False):
     return logits, stats
 
 
-def batch_loss(logits, values, batch, args, popart=None) -> VtraceLoss:
-    """learner_loss with the run's hyperparameters."""
-    clips = (args.clip_rho_threshold, args.clip_pg_rho_threshold, args.clip_c_threshold)
-    return learner_loss(
-        logits, values, batch, args.gamma, args.baseline_cost, args.entropy_cost, clips, args.vtrace_lambda, popart
-    )
-
-
 def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     spec, games = check_args(args)
@@ -328,15 +319,15 @@ def main(args: Args):
     args = dataclasses.replace(args, env_ids=tuple(games), popart="on" if use_popart else "off")
     rank, world, device = learner_process(args)
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
-    net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.mlp_hidden, max(1, len(games)))
-    agent = Agent(spec.observation_space.shape, num_actions, *net, use_popart, args.popart_beta).to(device)
+    net = (args.network, args.channels, args.use_lstm, args.lstm_size, max(1, len(games)), use_popart)
+    agent = Agent(spec.observation_space.shape, num_actions, *net).to(device)
     same_start(agent)
     rmsprop = dict(alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # PyTorch's (docs)
     optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, **rmsprop)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     anneal_updates = max(num_updates, args.lr_anneal_steps // steps_per_update)  # to 0 linearly (Table G.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates if args.anneal_lr else 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates)
     state = load_state(dict(agent=agent, optimizer=optimizer, schedule=schedule, update=0), resumed)
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
     describe += f"{args.num_envs * world} envs" + (f", {len(games)} games" if games else "") + ", PopArt" * use_popart
@@ -438,7 +429,6 @@ def check_args(args):
     require(0 <= args.env_batch_size <= per_actor, f"--env-batch-size: 0 (half) to the envs per actor ({per_actor})")
     require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
     require(args.lr_anneal_steps >= 0, f"--lr-anneal-steps must be steps, or 0 (the run's), not {args.lr_anneal_steps}")
-    require(0 < args.popart_beta <= 1, f"--popart-beta must be in (0, 1], got {args.popart_beta}")
     check_channels(args.network, args.channels)
     return spec, games
 

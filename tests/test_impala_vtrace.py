@@ -158,7 +158,7 @@ def test_learner_loss_handles_envpool_reset_steps():
     args = impala_vtrace.Args(gamma=0.9)
     logits = batch["logits"].clone().requires_grad_(True)  # on-policy: ρ = 1
     values = torch.randn(T + 1, B).requires_grad_(True)
-    loss = impala_vtrace.batch_loss(logits, values, batch, args).loss
+    loss = impala_vtrace.learner_loss(logits, values, batch, args.gamma, args.baseline_cost, args.entropy_cost).loss
     loss.backward()
     # reset steps (transition 2 of env 0, transition 4 of env 1) get no policy or value gradient
     assert logits.grad[2, 0].abs().max() == 0 and logits.grad[4, 1].abs().max() == 0
@@ -183,20 +183,21 @@ def test_popart_learner_loss_is_the_plain_loss_in_normalised_units():
     batch = make_batch(T, B, A)
     batch["task"] = torch.tensor([0, 1, 1, 0]).repeat(T + 1, 1)
     args = impala_vtrace.Args(gamma=0.9, entropy_cost=0.0)
+    costs = (args.gamma, args.baseline_cost, args.entropy_cost)
     popart = PopArt(8, num_tasks=2)
     popart.mu.copy_(torch.tensor([1.0, -2.0]))
     popart.sigma.copy_(torch.tensor([2.0, 0.5]))
     g = torch.Generator().manual_seed(3)
     norm = torch.randn(T + 1, B, 2, generator=g).requires_grad_(True)
     logits = (batch["logits"] + 0.3 * torch.randn(T + 1, B, A, generator=g)).requires_grad_(True)
-    out = impala_vtrace.batch_loss(logits, norm, batch, args, popart)
+    out = impala_vtrace.learner_loss(logits, norm, batch, *costs, popart=popart)
     loss, vs = out.loss, out.vs
     loss.backward()
     sigma, mu = popart.sigma[batch["task"]], popart.mu[batch["task"]]
     n_own = norm.detach().gather(-1, batch["task"].unsqueeze(-1)).squeeze(-1)
     plain_values = (n_own * sigma + mu).requires_grad_(True)
     plain_logits = logits.detach().clone().requires_grad_(True)
-    plain = impala_vtrace.batch_loss(plain_logits, plain_values, batch, args)
+    plain = impala_vtrace.learner_loss(plain_logits, plain_values, batch, *costs)
     plain_loss, plain_vs = plain.loss, plain.vs
     plain_loss.backward()
     torch.testing.assert_close(vs, plain_vs)
