@@ -74,7 +74,6 @@ class Args:
     learning_starts: int = 10_000  # rows of D before the first update (authors' code); 0: after T_initial (text)
     distance: Literal["mean", "sum"] = "mean"  # D's ½Δa² over action dimensions: mean (authors' code), sum (text)
     guide_first_period: bool = False  # guide toward the initial policy before the first selection (text: Alg. 1, l. 1)
-    init: Literal["xavier", "torch"] = "xavier"  # weights: Xavier-uniform, zero biases (authors' code); torch's default
     best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
     rho: float = 2.0  # ρ, the search radius as a multiple of D_change (Sec. 4.1)
@@ -246,10 +245,10 @@ def mlp_forward(net, x, bf16, out):
 class Actor(nn.Module):
     """Deterministic policies π_φi(s) in [-1, 1]^d of N learners, `[N, B, obs] -> [N, B, d]` (N = 1: model.pt's)."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", bf16=False):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, bf16=False):
         super().__init__()
         self.config, self.bf16 = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden)), bf16
-        self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init)
+        self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh())
 
     def forward(self, obs):
         return mlp_forward(self.net, obs, self.bf16, 2)
@@ -262,10 +261,10 @@ class Actor(nn.Module):
 class TwinQ(nn.Module):
     """Q_θ1 and Q_θ2 of N learners, each an MLP of the concatenated state and action: `[N, B, ...] -> [N, B]`."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", bf16=False):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, bf16=False):
         super().__init__()
         self.bf16, sizes = bf16, [obs_dim + action_dim, *hidden, 1]
-        self.q1, self.q2 = (batched_mlp(sizes, num_learners, init=init) for _ in ("q1", "q2"))
+        self.q1, self.q2 = (batched_mlp(sizes, num_learners) for _ in ("q1", "q2"))
 
     def forward(self, obs, actions):
         x = torch.cat([obs, actions], -1)
@@ -331,7 +330,7 @@ class Learners:
 
     def __init__(self, num_learners, obs_dim, action_dim, args: Args, device="cpu", generator=None):
         self.args, self.device, self.generator, self.num_learners = args, torch.device(device), generator, num_learners
-        nets = (args.hidden, num_learners, args.init, args.bf16)
+        nets = (args.hidden, num_learners, args.bf16)
         self.actor = Actor(obs_dim, action_dim, *nets).to(self.device)
         self.qf = TwinQ(obs_dim, action_dim, *nets).to(self.device)
         self.actor_target, self.qf_target = copy.deepcopy(self.actor), copy.deepcopy(self.qf)

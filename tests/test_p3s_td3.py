@@ -604,7 +604,7 @@ def test_defaults_follow_the_authors_code_and_preset_paper_the_text():
     no update before it, the squared norm, guidance from the start. A flag wins."""
     derived, args = resolved(["--env-id", "Hopper-v4"])
     assert (derived["updates_per_step"], derived["t_initial"], derived["learning_starts"]) == (4, 1000, 1000)
-    assert (args.distance, args.guide_first_period, args.init) == ("mean", False, "xavier")
+    assert (args.distance, args.guide_first_period) == ("mean", False)
     derived, _ = resolved(["--env-id", "Hopper-v4", "--num-learners", "2"])
     assert derived["updates_per_step"] == 2
     derived, args = resolved(["--env-id", "Hopper-v4", "--preset", "paper"])
