@@ -70,15 +70,14 @@ class Args:
     num_learners: int = 4  # N, learners (Sec. 4.1), updated together as one batch; 1 is plain TD3
     num_envs: int = 1  # environment copies per learner (1 in the paper)
     updates_per_step: int = 4  # updates of a learner per interaction of its own: N (authors' code; the text: 1)
-    t_initial: int = 3000  # T_initial, random-action steps per learner: HalfCheetah's of N = 4 (`task_defaults`)
+    t_initial: int = 3000  # T_initial, random-action steps per learner: HalfCheetah's of N = 4 (`defaults_for`)
     learning_starts: int = 10_000  # rows of D before the first update (authors' code); 0: after T_initial (text)
     distance: Literal["mean", "sum"] = "mean"  # D's ½Δa² over action dimensions: mean (authors' code), sum (text)
     guide_first_period: bool = False  # guide toward the initial policy before the first selection (text: Alg. 1, l. 1)
-    init: Literal["xavier", "torch"] = "xavier"  # weights: Xavier-uniform, zero biases (authors' code); torch's default
     best_period: int = 250  # M, time steps between selections of the best learner and updates of β (Sec. 4.1)
     recent_episodes: int = 10  # E_r, recent training episodes whose mean return ranks a learner (Sec. 4.1)
     rho: float = 2.0  # ρ, the search radius as a multiple of D_change (Sec. 4.1)
-    d_min: float = 0.05  # d_min, minimum search radius: HalfCheetah's (App. I; other tasks: `task_defaults`)
+    d_min: float = 0.05  # d_min, minimum search radius: HalfCheetah's (App. I; other tasks: `defaults_for`)
     beta_init: float = 1.0  # β at the start (Algorithm 1, line 2), in [1e-3, 1e3], `adapt_beta`'s bounds
     buffer_size: int = 1_000_000  # size of the shared replay D, all learners together (App. I)
     batch_size: int = 100  # B, minibatch size (App. I)
@@ -110,17 +109,6 @@ D_MIN = {"Hopper": 0.05, "Walker2d": 0.02, "HalfCheetah": 0.05, "Ant": 0.02}
 D_MIN_DELAYED = {"Hopper": 0.02, "Walker2d": 0.02, "HalfCheetah": 0.02, "Ant": 0.05}
 
 
-def task_defaults(env_id: str, delayed: bool, num_learners: int = 4, text: bool = False) -> tuple[int, int, float]:
-    """(T_initial per learner, rows of D before the first update, d_min): the authors' code's, or with `text` the
-    paper's (no update before T_initial: 0 rows). Other tasks: HalfCheetah's start, d_min 0.05 (the wider)."""
-    name = env_id.split("-")[0]
-    d_min = (D_MIN_DELAYED if delayed else D_MIN).get(name, 0.05)
-    n_initial = N_INITIAL.get(name, 10000)
-    if text:
-        return n_initial // 4, 0, d_min
-    return 1000 * math.ceil(n_initial // num_learners / 1000), n_initial, d_min
-
-
 # `--preset paper` reads the text where the authors' code (the defaults) departs from it (docs/p3s_td3.md).
 PAPER_TEXT = dict(distance="sum", guide_first_period=True)
 
@@ -137,13 +125,17 @@ PAPER_FORCED = "the paper's text (Sec. 4.1, App. H-I) where the authors' code de
 
 
 def defaults_for(args, given=()) -> tuple[str, str, dict]:
-    """(task family, the defaults' source, their values) of a run of `args` (`given`: the flags given): the task's start
-    and d_min, N updates per learner step as the authors' code (p3s_td3.py:147; the text: one), the family's on top."""
+    """(task family, the defaults' source, their values) of a run of `args` (`given`: the flags given): the task's d_min
+    and start, the authors' code's (N updates per learner step, p3s_td3.py:147) or under --preset paper the text's (one
+    update per step, none before T_initial), the family's on top. Other tasks: HalfCheetah's start, d_min 0.05."""
     family, text = task_family(args.env_id), args.preset == "paper"
     source, values = (PAPER_FORCED, PAPER_TEXT) if text else FAMILY_DEFAULTS.get(family, (PAPER, {}))
     n = args.num_learners if "--num-learners" in given else values.get("num_learners", args.num_learners)
-    t_initial, learning_starts, d_min = task_defaults(args.env_id, args.reward_delay > 1, max(n, 1), text)
-    own = dict(t_initial=t_initial, learning_starts=learning_starts, d_min=d_min, updates_per_step=1 if text else n)
+    name = args.env_id.split("-")[0]
+    d_min = (D_MIN_DELAYED if args.reward_delay > 1 else D_MIN).get(name, 0.05)
+    n_initial = N_INITIAL.get(name, 10000)
+    t_initial, starts = (n_initial // 4, 0) if text else (1000 * math.ceil(n_initial // max(n, 1) / 1000), n_initial)
+    own = dict(t_initial=t_initial, learning_starts=starts, d_min=d_min, updates_per_step=1 if text else n)
     return family, source, {**own, **values}
 
 
@@ -246,10 +238,10 @@ def mlp_forward(net, x, bf16, out):
 class Actor(nn.Module):
     """Deterministic policies π_φi(s) in [-1, 1]^d of N learners, `[N, B, obs] -> [N, B, d]` (N = 1: model.pt's)."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", bf16=False):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, bf16=False):
         super().__init__()
         self.config, self.bf16 = dict(obs_dim=obs_dim, action_dim=action_dim, hidden=tuple(hidden)), bf16
-        self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh(), init)
+        self.net = batched_mlp([obs_dim, *hidden, action_dim], num_learners, nn.Tanh())
 
     def forward(self, obs):
         return mlp_forward(self.net, obs, self.bf16, 2)
@@ -262,10 +254,10 @@ class Actor(nn.Module):
 class TwinQ(nn.Module):
     """Q_θ1 and Q_θ2 of N learners, each an MLP of the concatenated state and action: `[N, B, ...] -> [N, B]`."""
 
-    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, init="xavier", bf16=False):
+    def __init__(self, obs_dim, action_dim, hidden=(400, 300), num_learners=1, bf16=False):
         super().__init__()
         self.bf16, sizes = bf16, [obs_dim + action_dim, *hidden, 1]
-        self.q1, self.q2 = (batched_mlp(sizes, num_learners, init=init) for _ in ("q1", "q2"))
+        self.q1, self.q2 = (batched_mlp(sizes, num_learners) for _ in ("q1", "q2"))
 
     def forward(self, obs, actions):
         x = torch.cat([obs, actions], -1)
@@ -301,10 +293,9 @@ class SharedReplay:
     def sizes(self):
         return self.writes.clamp(max=self.part)
 
-    def sample(self, batch_size, generator=None):
-        """A uniform minibatch over all rows written so far: (obs, actions, rewards, next_obs, terminated) and
-        the index of the learner that wrote each row (on the CPU). `batch_size` may be a shape, e.g. (N, B)."""
-        shape = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+    def sample(self, shape, generator=None):
+        """A uniform minibatch of `shape` (e.g. (N, B)) over all rows written so far: (obs, actions, rewards, next_obs,
+        terminated) and the index of the learner that wrote each row (on the CPU)."""
         sizes = self.sizes()
         ends = sizes.cumsum(0)
         u = torch.randint(int(ends[-1]), shape, generator=generator)
@@ -331,7 +322,7 @@ class Learners:
 
     def __init__(self, num_learners, obs_dim, action_dim, args: Args, device="cpu", generator=None):
         self.args, self.device, self.generator, self.num_learners = args, torch.device(device), generator, num_learners
-        nets = (args.hidden, num_learners, args.init, args.bf16)
+        nets = (args.hidden, num_learners, args.bf16)
         self.actor = Actor(obs_dim, action_dim, *nets).to(self.device)
         self.qf = TwinQ(obs_dim, action_dim, *nets).to(self.device)
         self.actor_target, self.qf_target = copy.deepcopy(self.actor), copy.deepcopy(self.qf)
@@ -441,9 +432,10 @@ def evaluate_learners(actor, env_id, episodes, seed, low, high):
     return np.asarray(scores).reshape(N, episodes).mean(1).tolist()
 
 
-def synchronise(state, args):
+def synchronise(state, args, log, step) -> None:
     """Algorithm 1, lines 24-26: β by Eq. (76) on D_spread and D_change, the non-best learners' mean `period_distances`
-    (kept if the period had no policy step); the new best b; π_b copied, π_old started. Returns the selection."""
+    (kept if the period had no policy step); the new best b; π_b copied, π_old started. The selection is a line of
+    population.jsonl and its curves."""
     learners, best, beta = state["learners"], state["best"], state["beta"]
     distances = learners.period_distances()
     others = [i for i in range(args.num_learners) if i != best]
@@ -457,7 +449,12 @@ def synchronise(state, args):
     scores = [float(np.mean(r)) if r else math.nan for r in state["recent"]]
     state.update(best=new_best, beta=beta, generation=state["generation"] + 1)
     sync = dict(best=new_best, previous_best=best, beta=beta, d_spread=d_spread, d_change=d_change, scores=scores)
-    return {**sync, "d_search": d_search}
+    with open(os.path.join(log.path, "population.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, **sync, "d_search": d_search}) + "\n")
+    curves = dict(beta=beta, d_spread=d_spread, d_change=d_change, d_search=d_search, best_learner=new_best)
+    log.scalars({f"stats/{k}": v for k, v in curves.items()}, step)
+    if any(state["recent"]):
+        log.scalars({"charts/best_recent_return": max(s for s in scores if not math.isnan(s))}, step)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -509,7 +506,7 @@ def main(args: Args):
                 state["means"] = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
                 last_eval = log_evaluation(log, step, state["means"])
             if t % M == 0 and N > 1 and learning:  # lines 24-26: every M steps
-                log_selection(log, step, synchronise(state, args))
+                synchronise(state, args, log, step)
                 guided = guided_learners(state, args, device)
             if stop.requested or log.save_due() or t == T:
                 save(log, state)
@@ -541,7 +538,6 @@ def learn(state, args, guided, stats, threads) -> bool:
     for _ in range(args.num_envs * args.updates_per_step if learning else 0):
         batch, writers = replay.sample((N, args.batch_size), state["cpu_generator"])
         counts["foreign"] += (writers != torch.arange(N)[:, None]).sum(1)
-        counts["sampled"] += args.batch_size
         stats.update(state["learners"].update(batch, state["beta"], guided))
     if learning:
         threads.record(time.perf_counter() - started, started)
@@ -556,7 +552,7 @@ def training_state(args, obs_dim, action_dim, device, resumed) -> dict:
     state = dict(learners=Learners(N, obs_dim, action_dim, args, device, generator))
     state.update(replay=SharedReplay(args.buffer_size, N, obs_dim, action_dim, device), recent=[[] for _ in range(N)])
     state.update(t=0, best=0, beta=args.beta_init, generation=0, means=[], generator=generator)
-    state["counts"] = {k: torch.zeros(N, dtype=torch.float64) for k in ("sampled", "foreign", "rewarded")}
+    state["counts"] = {k: torch.zeros(N, dtype=torch.float64) for k in ("foreign", "rewarded")}  # rows per learner
     state["cpu_generator"] = torch.Generator().manual_seed(args.seed + 1)  # random actions, minibatches
     load_state(state, {"means": [], **resumed} if resumed else None)  # older checkpoints: no evaluation kept
     state["recent"] = [deque(r, maxlen=args.recent_episodes) for r in state["recent"]]
@@ -576,7 +572,7 @@ def log_learners(log, step, state, stats, guided, last_eval) -> None:
     N, counts = log.args.num_learners, state["counts"]
     selected = f"best {state['best']} | beta {state['beta']:.3g}" if N > 1 else ""
     log.console(step, " | ".join(filter(None, (selected, last_eval))))
-    foreign = counts["foreign"] / counts["sampled"].clamp(min=1)
+    foreign = counts["foreign"] / max(state["learners"].updates * log.args.batch_size, 1)  # of the rows it sampled
     extra = dict(beta=torch.full((N,), state["beta"]), guided=guided.float(), foreign_sample_fraction=foreign)
     for k, values in {**stats, **extra}.items():  # a value per learner
         group = "losses" if k.endswith("loss") else "stats"
@@ -587,11 +583,11 @@ def summary(log, state) -> dict:
     """summary.json's own entries: per learner, its last evaluation and training returns, its updates and samples."""
     N, counts = log.args.num_learners, state["counts"]
     last_10 = [float(np.mean(g[-10:])) if g else None for g in (log.groups.get(f"learner_{i}") for i in range(N))]
-    foreign, stored = counts["foreign"] / counts["sampled"].clamp(min=1), state["replay"].writes.clamp(min=1)
+    foreign = counts["foreign"] / max(state["learners"].updates * log.args.batch_size, 1)
     out = dict(num_learners=N, eval_mean_return_per_learner=state["means"])
     out.update(mean_episodic_return_last_10_per_learner=last_10, best_learner=state["best"], beta=state["beta"])
     out.update(updates_per_learner=[state["learners"].updates] * N, foreign_sample_fraction=foreign.tolist())
-    return dict(out, rewarded_fraction=(counts["rewarded"] / stored).tolist())  # of the rows each learner stored
+    return dict(out, rewarded_fraction=(counts["rewarded"] / state["replay"].writes.clamp(min=1)).tolist())
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
@@ -635,17 +631,6 @@ def saved_model(args, state, step):
     model.update(actor_config=learners.actor.config, actor=actors[best], actors=actors, best_learner=best)
     low, high = box.low.astype(np.float32).tolist(), box.high.astype(np.float32).tolist()
     return {**model, "global_step": step, "action_low": low, "action_high": high}
-
-
-def log_selection(log, step, sync) -> None:
-    """A selection of the best learner (Algorithm 1): a line of population.jsonl and its curves."""
-    with open(os.path.join(log.path, "population.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, **sync}) + "\n")
-    log.scalars({f"stats/{k}": sync[k] for k in ("beta", "d_spread", "d_change", "d_search")}, step)
-    log.scalars({"stats/best_learner": sync["best"]}, step)
-    scores = [s for s in sync["scores"] if not math.isnan(s)]
-    if scores:
-        log.scalars({"charts/best_recent_return": max(scores)}, step)
 
 
 def log_evaluation(log, step, means) -> str:

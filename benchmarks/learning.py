@@ -203,9 +203,10 @@ PRESETS = {
         for env, steps in (("Walker2d-v4", 1_000_000), ("Ant-v4", 1_000_000), ("Hopper-v4", 500_000))
         for label, flags in (("delayed", ()), ("delayed-td3", ("--num-learners", "1")))
     ],
-    # each difference between the authors' code and the text on its own, from the text's reading (Hopper, 100k)
+    # each difference between the authors' code and the text on its own, from the text's reading (Hopper, 100k; the
+    # text's PyTorch initialisation against Xavier's, `--init torch`, until df79bc6)
     "p3s-changes": [
-        Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper", "--init", "torch", *flags), label=label)
+        Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper", *flags), label=label)
         for label, flags in (
             ("text", ()),
             ("updates", ("--updates-per-step", "4")),
@@ -213,8 +214,7 @@ PRESETS = {
             ("mean", ("--distance", "mean")),
             ("nofirst", ("--no-guide-first-period",)),
         )
-    ]
-    + [Entry("p3s_td3", "Hopper-v4", 100_000, ("--preset", "paper"), label="xavier")],
+    ],
     # the papers' kind of task, at their settings, for a GPU machine with 16 cores (use --time-limit)
     "gpu": [
         Entry("impala_vtrace", "Pong-v5", 20_000_000, ("--num-actors", "2", "--num-envs", "64")),

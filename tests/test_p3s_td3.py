@@ -519,7 +519,7 @@ def test_shared_replay_samples_uniformly_over_every_learners_rows():
         obs = torch.full((k, 1), float(learner))
         replay.add(torch.full((k,), learner), obs, torch.zeros(k, 1), torch.arange(k).float(), obs, torch.zeros(k))
     g = torch.Generator().manual_seed(7)
-    (obs, _, rewards, _, _), writers = replay.sample(32000, g)
+    (obs, _, rewards, _, _), writers = replay.sample((32000,), g)
     assert torch.equal(obs[:, 0].long(), writers)  # each row comes from the part its writer owns
     counts = torch.bincount(writers, minlength=3).float() / 32000
     torch.testing.assert_close(counts, torch.tensor([100, 50, 10]) / 160.0, atol=0.01, rtol=0)  # ∝ rows written
@@ -534,7 +534,7 @@ def test_shared_replay_samples_uniformly_over_every_learners_rows():
         torch.zeros(120),
     )
     assert int(replay.sizes()[2]) == 100
-    (_, _, rewards, _, _), writers = replay.sample(20000, g)
+    (_, _, rewards, _, _), writers = replay.sample((20000,), g)
     assert rewards[writers == 2].min() >= 30  # rows 10..29 of the second batch overwrote everything older
 
 
@@ -574,20 +574,28 @@ def authors_random_steps(n_initial, num_learners, epoch_length=1000):
     return epoch * epoch_length
 
 
+def task_defaults(env_id, delayed, num_learners=4, text=False):
+    """`defaults_for`'s (T_initial per learner, rows of D before the first update, d_min) of a run of these flags."""
+    preset = "paper" if text else "family"
+    args = p3s_td3.Args(env_id=env_id, num_learners=num_learners, reward_delay=20 if delayed else 0, preset=preset)
+    values = p3s_td3.defaults_for(args, {"--num-learners"})[2]
+    return values["t_initial"], values["learning_starts"], values["d_min"]
+
+
 def test_task_defaults_follow_the_authors_code_and_appendix_i():
     """Defaults: the random phase and the learning start of the authors' code (n_initial_exploration_steps 1000 or
     10000 rows, examples/variants_p3s.py), d_min of App. I; `text`: Sec. 4.1's T_initial, no update before it."""
     for env_id, n_initial in (("Hopper-v4", 1000), ("Walker2d-v4", 1000), ("HalfCheetah-v4", 10000), ("Ant-v4", 10000)):
         for N in (1, 2, 4, 8):
-            t_initial, starts, _ = p3s_td3.task_defaults(env_id, delayed=False, num_learners=N)
+            t_initial, starts, _ = task_defaults(env_id, delayed=False, num_learners=N)
             assert (t_initial, starts) == (authors_random_steps(n_initial, N), n_initial)
-    assert p3s_td3.task_defaults("Hopper-v4", False, 4) == (1000, 1000, 0.05)
-    assert p3s_td3.task_defaults("HalfCheetah-v4", False, 4) == (3000, 10000, 0.05)
-    assert p3s_td3.task_defaults("Walker2d-v4", delayed=False) == (1000, 1000, 0.02)
-    assert p3s_td3.task_defaults("HalfCheetah-v4", delayed=True) == (3000, 10000, 0.02)
-    assert p3s_td3.task_defaults("Ant-v4", delayed=True, num_learners=1) == (10000, 10000, 0.05)
-    assert p3s_td3.task_defaults("Hopper-v4", False, 4, text=True) == (250, 0, 0.05)
-    assert p3s_td3.task_defaults("Ant-v4", False, 4, text=True) == (2500, 0, 0.02)
+    assert task_defaults("Hopper-v4", False, 4) == (1000, 1000, 0.05)
+    assert task_defaults("HalfCheetah-v4", False, 4) == (3000, 10000, 0.05)
+    assert task_defaults("Walker2d-v4", delayed=False) == (1000, 1000, 0.02)
+    assert task_defaults("HalfCheetah-v4", delayed=True) == (3000, 10000, 0.02)
+    assert task_defaults("Ant-v4", delayed=True, num_learners=1) == (10000, 10000, 0.05)
+    assert task_defaults("Hopper-v4", False, 4, text=True) == (250, 0, 0.05)
+    assert task_defaults("Ant-v4", False, 4, text=True) == (2500, 0, 0.02)
 
 
 def resolved(argv):
@@ -604,7 +612,7 @@ def test_defaults_follow_the_authors_code_and_preset_paper_the_text():
     no update before it, the squared norm, guidance from the start. A flag wins."""
     derived, args = resolved(["--env-id", "Hopper-v4"])
     assert (derived["updates_per_step"], derived["t_initial"], derived["learning_starts"]) == (4, 1000, 1000)
-    assert (args.distance, args.guide_first_period, args.init) == ("mean", False, "xavier")
+    assert (args.distance, args.guide_first_period) == ("mean", False)
     derived, _ = resolved(["--env-id", "Hopper-v4", "--num-learners", "2"])
     assert derived["updates_per_step"] == 2
     derived, args = resolved(["--env-id", "Hopper-v4", "--preset", "paper"])
