@@ -12,7 +12,7 @@ covariance shrinks slowly and keeps exploring. PopArt keeps the value loss on on
 | paper                                                                | here                                    |
 |----------------------------------------------------------------------|-----------------------------------------|
 | Algorithm 1: target network, refreshed every T_target steps          | `act`, `pool.publish` in `main`         |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_returns`, `n_step_targets`      |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_targets`                        |
 | Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt                   | `vmpo_loss`, `batch_loss`               |
 | Eqs. (12)-(13) ψ on the top half of the advantages, L_π; L_η         | `vmpo_weights`, `vmpo_loss`             |
 | Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                     |
@@ -120,17 +120,6 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
 # The paper's math: pure functions of time-major [T, B] tensors.
 
 
-@torch.no_grad()
-def n_step_returns(rewards, discounts, bootstrap_value):
-    """Eq. (1): G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(s_n) for every ℓ of an unroll
-    of length n, with per-step discounts γ_i = γ (1 − done_i). `[T, B]` inputs, bootstrap_value `[B]`."""
-    acc, out = bootstrap_value, []
-    for t in reversed(range(rewards.shape[0])):
-        acc = rewards[t] + discounts[t] * acc
-        out.append(acc)
-    return torch.stack(out[::-1])
-
-
 def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
     """The E-step, Eqs. (12)-(13), on the k = max(1, ⌊top_fraction · |D|⌋) highest advantages D̃ (by `topk`: ties
     cannot let more in): ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) there and 0 elsewhere, with no gradient; L_η =
@@ -170,14 +159,20 @@ def kl_constraint_loss(kl, alpha, eps_alpha, mask):
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
+@torch.no_grad()
 def n_step_targets(values, rewards, terminated, ended, gamma):
-    """The value targets G_k of rows 0..T-1 of unrolls `[T+1, B]` (row k: x_k and the reward and end flags that came
-    with it): Eq. (1)'s n-step returns from V(x_T) (`values` unnormalised), γ_k = 0 after a termination. Where x_k
-    ended an episode, step k is envpool's reset step: G_k = V(x_k), so a truncation bootstraps from its last x."""
+    """Eq. (1)'s n-step returns G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(x_n) for rows
+    0..T-1 of unrolls `[T+1, B]` (row k: x_k and the reward and end flags that came with it), `values` unnormalised,
+    γ_i = 0 after a termination. Where x_k ended an episode, step k is envpool's reset step: G_k = V(x_k), so a
+    truncation bootstraps from its last x."""
     reset_step = ended[:-1]
     discounts = torch.where(reset_step, 0.0, gamma * (~terminated[1:]).float())
     rewards = torch.where(reset_step, values[:-1], rewards[1:])
-    return n_step_returns(rewards, discounts, values[-1])
+    acc, out = values[-1], []
+    for t in reversed(range(rewards.shape[0])):
+        acc = rewards[t] + discounts[t] * acc
+        out.append(acc)
+    return torch.stack(out[::-1])
 
 
 class VmpoLoss(NamedTuple):

@@ -18,7 +18,7 @@ from vmpo_mujoco import (
     gaussian_kl_parts,
     gaussian_log_prob,
     kl_constraint_loss,
-    n_step_returns,  # noqa: E402
+    n_step_targets,  # noqa: E402
     vmpo_weights,
 )
 from tests.helpers import (
@@ -40,21 +40,27 @@ from tests.test_vmpo_atari import weights_reference  # noqa: E402
 # Math, each against a plain computation written from the paper.
 
 
-def test_n_step_returns_match_eq1_plain_loop():
+def test_n_step_targets_match_eq1_plain_loop():
+    """Eq. (1) on unrolls `[T+1, B]`: a termination cuts the return, a reset step k (x_k ended an episode) takes
+    G_k = V(x_k), so the step before a truncation bootstraps from its last observation."""
     g = torch.Generator().manual_seed(1)
-    T, B, gamma = 7, 4, 0.9
-    rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
-    done = torch.zeros(T, B, dtype=torch.bool)
-    done[1, 0] = done[4, 0] = done[6, 2] = True
-    bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
-    returns = n_step_returns(rewards, gamma * (~done).double(), bootstrap)
+    T, B, gamma = 7, 4, 0.75
+    rewards = torch.randn(T + 1, B, generator=g, dtype=torch.float64)
+    values = torch.randn(T + 1, B, generator=g, dtype=torch.float64)
+    terminated, ended = torch.zeros(T + 1, B, dtype=torch.bool), torch.zeros(T + 1, B, dtype=torch.bool)
+    terminated[2, 0] = terminated[5, 0] = terminated[7, 2] = True
+    ended[2, 0] = ended[5, 0] = ended[7, 2] = ended[3, 1] = ended[0, 3] = True  # env 1 truncated at row 3
+    returns = n_step_targets(values, rewards, terminated, ended, gamma)
     for b in range(B):
         for ell in range(T):
             total, scale = 0.0, 1.0
             for k in range(ell, T):
-                total += scale * float(rewards[k, b])
-                scale = 0.0 if done[k, b] else scale * gamma
-            total += scale * float(bootstrap[b])
+                if ended[k, b]:  # the reset step: V(x_k), nothing after it
+                    total, scale = total + scale * float(values[k, b]), 0.0
+                    break
+                total += scale * float(rewards[k + 1, b])
+                scale = 0.0 if terminated[k + 1, b] else scale * gamma
+            total += scale * float(values[T, b])
             assert math.isclose(float(returns[ell, b]), total, rel_tol=1e-12, abs_tol=1e-12)
 
 
@@ -177,7 +183,7 @@ def test_batch_loss_logs_explained_variance_and_each_bound_s_use():
     with torch.no_grad():
         task = torch.zeros(feats.shape[:2], dtype=torch.long)
         v = agent.popart.unnormalize(agent.popart(feats)[..., 0], task)
-    g = vmpo_mujoco.n_step_targets(v, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
+    g = n_step_targets(v, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
     real = ~batch["ended"][:-1]
     gs, vs = g[real].tolist(), v[:-1][real].tolist()
     var = lambda x: sum((a - sum(x) / len(x)) ** 2 for a in x) / (len(x) - 1)  # noqa: E731
