@@ -137,11 +137,6 @@ def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
     return psi, eta_loss
 
 
-def gaussian_log_prob(actions, mean, std):
-    """log N(a; μ, diag σ²), summed over the action dimensions `[..., d] -> [...]`."""
-    return (-0.5 * ((actions - mean) / std) ** 2 - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
-
-
 def gaussian_kl_parts(target_mean, target_std, mean, std):
     """Eqs. (24)-(25) for diagonal Gaussians, `[..., d] -> ([...], [...])`: KL(π_target ‖ π) of Eq. (23) split into
     KL_μ = ½ (μ − μ_t)ᵀ Σ_t⁻¹ (μ − μ_t)               (the target's covariance: only μ moves it),
@@ -209,7 +204,8 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
         eta_loss = eta_loss + eta_loss_mb / num_minibatches
         top = psi_mb[psi_mb > 0].detach()
         kl_psi = kl_psi + (top * (top * top.numel()).log()).sum() / num_minibatches
-    policy_loss = -(psi * gaussian_log_prob(actions[:-1], mean[:-1], std[:-1])).sum()
+    log_prob = torch.distributions.Normal(mean[:-1], std[:-1], validate_args=False).log_prob(actions[:-1]).sum(-1)
+    policy_loss = -(psi * log_prob).sum()  # log N(a; μ, diag σ²) of the online Gaussian
     kl_mu, kl_sigma = gaussian_kl_parts(target_mean[:-1], target_std[:-1], mean[:-1], std[:-1])
     alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, alpha_mu, eps_alpha_mu, mask)
     alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, alpha_sigma, eps_alpha_sigma, mask)

@@ -16,7 +16,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_mujoco  # noqa: E402
 from vmpo_mujoco import (
     gaussian_kl_parts,
-    gaussian_log_prob,
     kl_constraint_loss,
     n_step_targets,  # noqa: E402
     vmpo_weights,
@@ -123,17 +122,6 @@ def test_gaussian_kl_parts_are_decoupled():
     gm, gs = torch.autograd.grad(kl_sigma.sum(), [m, s], allow_unused=True)
     assert (gm is None or (gm == 0).all()) and (gs != 0).all()
     assert torch.autograd.grad(kl_mu.sum() + kl_sigma.sum(), tm, allow_unused=True)[0] is None
-
-
-def test_gaussian_log_prob_matches_torch():
-    g = torch.Generator().manual_seed(3)
-    a, m, s = (
-        torch.randn(4, 5, 3, generator=g),
-        torch.randn(4, 5, 3, generator=g),
-        torch.rand(4, 5, 3, generator=g) + 0.1,
-    )
-    ref = torch.distributions.Normal(m, s).log_prob(a).sum(-1)
-    torch.testing.assert_close(gaussian_log_prob(a, m, s), ref)
 
 
 @pytest.mark.parametrize("shape,eta,use_mask", [((7, 6), 0.8, False), ((9, 4), 2.5, True)])
@@ -314,7 +302,7 @@ def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
     assert float(adv[0, 5]) == pytest.approx((float(batch["reward"][1, 5]) - float(v_before[0, 5])) / sigma, rel=1e-4)
     # the policy loss is −Σ ψ log π with the minibatches' ψ scaled by 1/M
     psi_all = torch.cat([c[2] for c in captured], dim=1) / M
-    logp = gaussian_log_prob(batch["action"][:-1], mean[:-1], std[:-1])
+    logp = torch.distributions.Normal(mean[:-1], std[:-1]).log_prob(batch["action"][:-1]).sum(-1)
     assert float(stats["losses/policy_loss"]) == pytest.approx(float(-(psi_all * logp).sum().detach()), rel=1e-5)
     # the advantages' mean and spread over the real steps (the reset step left out)
     real = torch.cat([c[1] for c in captured], dim=1)
