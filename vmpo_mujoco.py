@@ -269,13 +269,13 @@ class Agent(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------
 # Acting (with the target network). Row t of an unroll: obs_t, the reward and end flags that came with it, the action
-# taken there with π_target's mean, std and version. An unroll has T+1 rows; its row T is the next unroll's row 0.
+# taken there with π_target's mean and std. An unroll has T+1 rows; its row T is the next unroll's row 0.
 
 
 def buffer_specs(obs_dim, action_dim, T):
     """The unroll buffers `act` fills: name → (shape of one slot, dtype)."""
     specs = {k: ((T + 1, action_dim), torch.float32) for k in ("action", "mean", "std")}
-    specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated")}, version=((T + 1,), torch.long))
+    specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated")})
     return {**specs, "obs": ((T + 1, obs_dim), torch.float32), "reward": ((T + 1,), torch.float32)}
 
 
@@ -291,7 +291,7 @@ def act(cfg, link) -> None:
     while True:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
-        seen = link.refresh(agent)  # θ_target ← θ_online happened in the learner
+        link.refresh(agent)  # θ_target ← θ_online happened in the learner
         obs_t = torch.from_numpy(flatten_obs(obs))
         with torch.no_grad():
             mean, std, _ = agent(obs_t.to(device))
@@ -299,7 +299,7 @@ def act(cfg, link) -> None:
         envs.send(to_env_action(action.numpy(), low, high), ids)  # the envs step during the bookkeeping
         row = dict(obs=obs_t, reward=torch.from_numpy(reward).float(), action=action, mean=mean.cpu(), std=std.cpu())
         row.update(ended=torch.from_numpy(term | trunc), terminated=torch.from_numpy(term))
-        link.write(ids, {**row, "version": torch.full((len(ids),), seen, dtype=torch.long)})
+        link.write(ids, row)
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
             link.episode_q.put((score, length))
 
@@ -346,7 +346,7 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     g, v = returns[real], values[:-1][real]  # CleanRL's explained variance, 1 − Var(G − V)/Var(G); 1 on < 2 steps
     unexplained = (g - v).var(correction=0) / g.var(correction=0).clamp(min=1e-8)
     stats["losses/explained_variance"] = 1 - unexplained.nan_to_num(0.0)
-    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / real.sum().clamp(min=1)}
+    return out, stats
 
 
 def main(args: Args):
@@ -377,7 +377,7 @@ def main(args: Args):
             stats, update = learner_step(state, batch, args), state["update"]
             if update % args.target_update_period == 0:
                 pool.publish(agent.state_dict())  # θ_target ← θ_online
-            log_update(log, pool, update, batch, stats if log.due() or update == num_updates else None)
+            log_update(log, pool, update, stats if log.due() or update == num_updates else None)
             if rank == 0 and log.save_due():
                 save(log, state)
         if rank == 0:  # the last update (after a stop: the one in hand)
@@ -403,15 +403,13 @@ def save(log, state) -> None:
     log.save(step, saved, saved_model(log.args, state, step) if log.args.save_model else None)
 
 
-def log_update(log, pool, update, batch, stats) -> None:
+def log_update(log, pool, update, stats) -> None:
     """After each update, the actors' episodes (every learner takes them, rank 0 logs them); with `stats`, the rest."""
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
     for score, length in episodes if log.writer else ():
         log.episode(score, length, step)
     if log.writer is None or stats is None:
         return
-    target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
-    stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
     stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
     log.scalars(stats, step)
     eta, alpha_mu, alpha_sigma, std = (stats[f"stats/{k}"] for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std"))
