@@ -346,7 +346,7 @@ def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_m
     g, v = returns[real], values[:-1][real]  # CleanRL's explained variance, 1 − Var(G − V)/Var(G); 1 on < 2 steps
     unexplained = (g - v).var(correction=0) / g.var(correction=0).clamp(min=1e-8)
     stats["losses/explained_variance"] = 1 - unexplained.nan_to_num(0.0)
-    return out, stats
+    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / real.sum().clamp(min=1)}
 
 
 def main(args: Args):
