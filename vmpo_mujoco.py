@@ -420,13 +420,13 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it), sampled or the mean."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
-    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
+    box = env_spec(checkpoint["env_id"]).action_space  # the task's action bounds
 
     @torch.no_grad()
     def policy(obs, rewards, first):
         mean, std, _ = agent(torch.as_tensor(flatten_obs(obs), device=device))
         action = mean if greedy else mean + std * torch.randn_like(mean)
-        return to_env_action(action.cpu().numpy(), low, high)
+        return to_env_action(action.cpu().numpy(), box.low, box.high)
 
     return policy
 
@@ -435,9 +435,7 @@ def saved_model(args, state, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
     model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args), global_step=global_step)
     model.update({k: {n: v.cpu() for n, v in state[k].state_dict().items()} for k in ("agent", "multipliers")})
-    box = env_spec(args.env_id).action_space
-    low, high = (x.astype(np.float32).tolist() for x in (box.low, box.high))
-    return {**model, "agent_config": state["agent"].config, "action_low": low, "action_high": high}
+    return {**model, "agent_config": state["agent"].config}
 
 
 def check_args(args):
