@@ -79,8 +79,7 @@ class Args:
     init_alpha_mu: float = 1.0  # initial α_μ, mean-KL multiplier (Table 1)
     init_alpha_sigma: float = 1.0  # initial α_Σ, covariance-KL multiplier (Table 1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
-    hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state)
-    head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
+    hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state); its last width is the heads'
     save_model: bool = False  # write model.pt (weights, observation and PopArt statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
@@ -241,24 +240,24 @@ class LagrangeMultipliers(nn.Module):
 
 
 class Agent(nn.Module):
-    """Observation normalisation, an MLP core (512, 256; ELU), 256-unit MLP heads: the Gaussian, PopArt's value."""
+    """Observation normalisation, an MLP core (512, 256; ELU), MLP heads of its last width: the Gaussian, PopArt's V."""
 
     MIN_STD = 1e-4
 
-    def __init__(self, obs_dim, action_dim, hidden=(512, 256), head_hidden=256, init_std=0.5, popart_beta=1e-4):
+    def __init__(self, obs_dim, action_dim, hidden=(512, 256), init_std=0.5, popart_beta=1e-4):
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         self.action_dim = action_dim
         self.obs_norm = RunningNorm(obs_dim)
         self.core = MLPTorso(obs_dim, hidden, activation=nn.ELU)
         n = self.core.out_features
-        self.policy_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ELU())
-        self.policy = nn.Linear(head_hidden, 2 * action_dim)
+        self.policy_mlp = nn.Sequential(nn.Linear(n, n), nn.ELU())
+        self.policy = nn.Linear(n, 2 * action_dim)
         nn.init.zeros_(self.policy.weight)  # N(0, init_std²) in every state at the start
         nn.init.constant_(self.policy.bias, math.log(math.expm1(init_std - self.MIN_STD)))  # softplus(b) + MIN_STD = σ
         nn.init.zeros_(self.policy.bias[:action_dim])  # the mean
-        self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ELU())
-        self.popart = PopArt(head_hidden, 1, popart_beta)  # σ within [1e-2, 1e6] (Sec. 4.1)
+        self.value_mlp = nn.Sequential(nn.Linear(n, n), nn.ELU())
+        self.popart = PopArt(n, 1, popart_beta)  # σ within [1e-2, 1e6] (Sec. 4.1)
 
     def forward(self, obs):
         """Raw `obs [..., obs_dim]` -> mean, std `[..., d]` and the value head's features (values: `self.popart`)."""
@@ -354,7 +353,7 @@ def main(args: Args):
     spec = check_args(args)
     rank, world, device = learner_process(args)
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, popart_beta=args.popart_beta).to(device)
+    agent = Agent(obs_dim, action_dim, args.hidden, popart_beta=args.popart_beta).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length

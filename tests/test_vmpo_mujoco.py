@@ -161,7 +161,7 @@ def test_batch_loss_logs_explained_variance_and_each_bound_s_use():
     """`losses/explained_variance` is CleanRL's 1 − Var(G − V)/Var(G) over the real steps (G the n-step targets of
     Eq. 1, V the online values, unnormalised), and `stats/kl_*_ratio` each KL over its ε, as a plain computation."""
     torch.manual_seed(3)
-    agent = vmpo_mujoco.Agent(5, 2, hidden=(16,), head_hidden=16)
+    agent = vmpo_mujoco.Agent(5, 2, hidden=(16,))
     batch = _batch(agent)
     batch["ended"][2, :3] = True
     batch["mean"] += 0.3
@@ -188,7 +188,7 @@ def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved):
     (KL_Σ = 0 < ε_αΣ), a step on the loss raises α_μ and lowers α_Σ; the other way round when only the standard
     deviation moved."""
     torch.manual_seed(0)
-    agent = vmpo_mujoco.Agent(5, 3, hidden=(16,), head_hidden=16)
+    agent = vmpo_mujoco.Agent(5, 3, hidden=(16,))
     m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0)
     batch = _batch(agent)
     if moved == "mean":
@@ -261,7 +261,7 @@ def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
     steps get no weight; a truncation bootstraps from V of the last observation; PopArt keeps V(s)."""
     torch.manual_seed(2)
     T, B, M = 6, 8, 4
-    agent = vmpo_mujoco.Agent(5, 2, hidden=(16,), head_hidden=16, popart_beta=0.5)
+    agent = vmpo_mujoco.Agent(5, 2, hidden=(16,), popart_beta=0.5)
     m = vmpo_mujoco.LagrangeMultipliers()
     batch = _batch(agent, T, B)
     batch["ended"][2, 0] = True  # env 0 truncated at row 2: step 2 is a reset step
@@ -427,7 +427,7 @@ def check_run(run_path):
     return summary
 
 
-TINY = ["--hidden", "32", "32", "--head-hidden", "32", "--save-model", "--eval-episodes", "1"]
+TINY = ["--hidden", "32", "32", "--save-model", "--eval-episodes", "1"]
 
 
 @pytest.mark.e2e
@@ -538,7 +538,7 @@ def test_ctrl_c_completes_the_update_in_hand_and_saves_it(tmp_path):
     progress lets that update finish (no copy of the learner is kept to undo it), starts no other, checkpoints the
     last completed update and ends the run with exit 130."""
     argv = ["--env-id", "Pendulum-v1", "--num-envs", "4", "--batch-size", "4", "--num-minibatches", "1"]
-    argv += ["--unroll-length", "10", "--hidden", "1024", "1024", "--head-hidden", "1024"]
+    argv += ["--unroll-length", "10", "--hidden", "1024", "1024"]
     ctrl_c_during_second_update("vmpo_mujoco.py", argv, tmp_path, steps_per_update=4 * 10)
 
 
