@@ -12,7 +12,7 @@ covariance shrinks slowly and keeps exploring. PopArt keeps the value loss on on
 | paper                                                                | here                                    |
 |----------------------------------------------------------------------|-----------------------------------------|
 | Algorithm 1: target network, refreshed every T_target steps          | `act`, `pool.publish` in `main`         |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_returns`, `n_step_targets`      |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_targets`                        |
 | Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt                   | `vmpo_loss`, `batch_loss`               |
 | Eqs. (12)-(13) ψ on the top half of the advantages, L_π; L_η         | `vmpo_weights`, `vmpo_loss`             |
 | Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                     |
@@ -79,8 +79,7 @@ class Args:
     init_alpha_mu: float = 1.0  # initial α_μ, mean-KL multiplier (Table 1)
     init_alpha_sigma: float = 1.0  # initial α_Σ, covariance-KL multiplier (Table 1)
     popart_beta: float = 1e-4  # PopArt statistics step size (Sec. 4.1)
-    hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state)
-    head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
+    hidden: tuple[int, ...] = (512, 256)  # MLP core (App. F, humanoid from state); its last width is the heads'
     save_model: bool = False  # write model.pt (weights, observation and PopArt statistics) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
@@ -120,17 +119,6 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
 # The paper's math: pure functions of time-major [T, B] tensors.
 
 
-@torch.no_grad()
-def n_step_returns(rewards, discounts, bootstrap_value):
-    """Eq. (1): G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(s_n) for every ℓ of an unroll
-    of length n, with per-step discounts γ_i = γ (1 − done_i). `[T, B]` inputs, bootstrap_value `[B]`."""
-    acc, out = bootstrap_value, []
-    for t in reversed(range(rewards.shape[0])):
-        acc = rewards[t] + discounts[t] * acc
-        out.append(acc)
-    return torch.stack(out[::-1])
-
-
 def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
     """The E-step, Eqs. (12)-(13), on the k = max(1, ⌊top_fraction · |D|⌋) highest advantages D̃ (by `topk`: ties
     cannot let more in): ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) there and 0 elsewhere, with no gradient; L_η =
@@ -146,11 +134,6 @@ def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
     psi = torch.zeros_like(adv).scatter(0, top_index, weights).view_as(advantages)
     eta_loss = eta * eps_eta + eta * (torch.logsumexp(top_values / eta, dim=0) - math.log(k))
     return psi, eta_loss
-
-
-def gaussian_log_prob(actions, mean, std):
-    """log N(a; μ, diag σ²), summed over the action dimensions `[..., d] -> [...]`."""
-    return (-0.5 * ((actions - mean) / std) ** 2 - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
 
 
 def gaussian_kl_parts(target_mean, target_std, mean, std):
@@ -170,14 +153,20 @@ def kl_constraint_loss(kl, alpha, eps_alpha, mask):
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
+@torch.no_grad()
 def n_step_targets(values, rewards, terminated, ended, gamma):
-    """The value targets G_k of rows 0..T-1 of unrolls `[T+1, B]` (row k: x_k and the reward and end flags that came
-    with it): Eq. (1)'s n-step returns from V(x_T) (`values` unnormalised), γ_k = 0 after a termination. Where x_k
-    ended an episode, step k is envpool's reset step: G_k = V(x_k), so a truncation bootstraps from its last x."""
+    """Eq. (1)'s n-step returns G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(x_n) for rows
+    0..T-1 of unrolls `[T+1, B]` (row k: x_k and the reward and end flags that came with it), `values` unnormalised,
+    γ_i = 0 after a termination. Where x_k ended an episode, step k is envpool's reset step: G_k = V(x_k), so a
+    truncation bootstraps from its last x."""
     reset_step = ended[:-1]
     discounts = torch.where(reset_step, 0.0, gamma * (~terminated[1:]).float())
     rewards = torch.where(reset_step, values[:-1], rewards[1:])
-    return n_step_returns(rewards, discounts, values[-1])
+    acc, out = values[-1], []
+    for t in reversed(range(rewards.shape[0])):
+        acc = rewards[t] + discounts[t] * acc
+        out.append(acc)
+    return torch.stack(out[::-1])
 
 
 class VmpoLoss(NamedTuple):
@@ -214,7 +203,8 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
         eta_loss = eta_loss + eta_loss_mb / num_minibatches
         top = psi_mb[psi_mb > 0].detach()
         kl_psi = kl_psi + (top * (top * top.numel()).log()).sum() / num_minibatches
-    policy_loss = -(psi * gaussian_log_prob(actions[:-1], mean[:-1], std[:-1])).sum()
+    log_prob = torch.distributions.Normal(mean[:-1], std[:-1], validate_args=False).log_prob(actions[:-1]).sum(-1)
+    policy_loss = -(psi * log_prob).sum()  # log N(a; μ, diag σ²) of the online Gaussian
     kl_mu, kl_sigma = gaussian_kl_parts(target_mean[:-1], target_std[:-1], mean[:-1], std[:-1])
     alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, alpha_mu, eps_alpha_mu, mask)
     alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, alpha_sigma, eps_alpha_sigma, mask)
@@ -250,24 +240,24 @@ class LagrangeMultipliers(nn.Module):
 
 
 class Agent(nn.Module):
-    """Observation normalisation, an MLP core (512, 256; ELU), 256-unit MLP heads: the Gaussian, PopArt's value."""
+    """Observation normalisation, an MLP core (512, 256; ELU), MLP heads of its last width: the Gaussian, PopArt's V."""
 
     MIN_STD = 1e-4
 
-    def __init__(self, obs_dim, action_dim, hidden=(512, 256), head_hidden=256, init_std=0.5, popart_beta=1e-4):
+    def __init__(self, obs_dim, action_dim, hidden=(512, 256), init_std=0.5, popart_beta=1e-4):
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         self.action_dim = action_dim
         self.obs_norm = RunningNorm(obs_dim)
         self.core = MLPTorso(obs_dim, hidden, activation=nn.ELU)
         n = self.core.out_features
-        self.policy_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ELU())
-        self.policy = nn.Linear(head_hidden, 2 * action_dim)
+        self.policy_mlp = nn.Sequential(nn.Linear(n, n), nn.ELU())
+        self.policy = nn.Linear(n, 2 * action_dim)
         nn.init.zeros_(self.policy.weight)  # N(0, init_std²) in every state at the start
         nn.init.constant_(self.policy.bias, math.log(math.expm1(init_std - self.MIN_STD)))  # softplus(b) + MIN_STD = σ
         nn.init.zeros_(self.policy.bias[:action_dim])  # the mean
-        self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ELU())
-        self.popart = PopArt(head_hidden, 1, popart_beta)  # σ within [1e-2, 1e6] (Sec. 4.1)
+        self.value_mlp = nn.Sequential(nn.Linear(n, n), nn.ELU())
+        self.popart = PopArt(n, 1, popart_beta)  # σ within [1e-2, 1e6] (Sec. 4.1)
 
     def forward(self, obs):
         """Raw `obs [..., obs_dim]` -> mean, std `[..., d]` and the value head's features (values: `self.popart`)."""
@@ -278,13 +268,13 @@ class Agent(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------
 # Acting (with the target network). Row t of an unroll: obs_t, the reward and end flags that came with it, the action
-# taken there with π_target's mean, std and version. An unroll has T+1 rows; its row T is the next unroll's row 0.
+# taken there with π_target's mean and std. An unroll has T+1 rows; its row T is the next unroll's row 0.
 
 
 def buffer_specs(obs_dim, action_dim, T):
     """The unroll buffers `act` fills: name → (shape of one slot, dtype)."""
     specs = {k: ((T + 1, action_dim), torch.float32) for k in ("action", "mean", "std")}
-    specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated")}, version=((T + 1,), torch.long))
+    specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated")})
     return {**specs, "obs": ((T + 1, obs_dim), torch.float32), "reward": ((T + 1,), torch.float32)}
 
 
@@ -300,7 +290,7 @@ def act(cfg, link) -> None:
     while True:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
-        seen = link.refresh(agent)  # θ_target ← θ_online happened in the learner
+        link.refresh(agent)  # θ_target ← θ_online happened in the learner
         obs_t = torch.from_numpy(flatten_obs(obs))
         with torch.no_grad():
             mean, std, _ = agent(obs_t.to(device))
@@ -308,7 +298,7 @@ def act(cfg, link) -> None:
         envs.send(to_env_action(action.numpy(), low, high), ids)  # the envs step during the bookkeeping
         row = dict(obs=obs_t, reward=torch.from_numpy(reward).float(), action=action, mean=mean.cpu(), std=std.cpu())
         row.update(ended=torch.from_numpy(term | trunc), terminated=torch.from_numpy(term))
-        link.write(ids, {**row, "version": torch.full((len(ids),), seen, dtype=torch.long)})
+        link.write(ids, row)
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
             link.episode_q.put((score, length))
 
@@ -363,7 +353,7 @@ def main(args: Args):
     spec = check_args(args)
     rank, world, device = learner_process(args)
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    agent = Agent(obs_dim, action_dim, args.hidden, args.head_hidden, popart_beta=args.popart_beta).to(device)
+    agent = Agent(obs_dim, action_dim, args.hidden, popart_beta=args.popart_beta).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
@@ -386,7 +376,7 @@ def main(args: Args):
             stats, update = learner_step(state, batch, args), state["update"]
             if update % args.target_update_period == 0:
                 pool.publish(agent.state_dict())  # θ_target ← θ_online
-            log_update(log, pool, update, batch, stats if log.due() or update == num_updates else None)
+            log_update(log, pool, update, stats if log.due() or update == num_updates else None)
             if rank == 0 and log.save_due():
                 save(log, state)
         if rank == 0:  # the last update (after a stop: the one in hand)
@@ -412,15 +402,13 @@ def save(log, state) -> None:
     log.save(step, saved, saved_model(log.args, state, step) if log.args.save_model else None)
 
 
-def log_update(log, pool, update, batch, stats) -> None:
+def log_update(log, pool, update, stats) -> None:
     """After each update, the actors' episodes (every learner takes them, rank 0 logs them); with `stats`, the rest."""
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
     for score, length in episodes if log.writer else ():
         log.episode(score, length, step)
     if log.writer is None or stats is None:
         return
-    target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
-    stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
     stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
     log.scalars(stats, step)
     eta, alpha_mu, alpha_sigma, std = (stats[f"stats/{k}"] for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std"))
@@ -431,13 +419,13 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """`policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it), sampled or the mean."""
     agent = Agent(**checkpoint["agent_config"]).to(device)
     agent.load_state_dict(checkpoint["agent"])
-    low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
+    box = env_spec(checkpoint["env_id"]).action_space  # the task's action bounds
 
     @torch.no_grad()
     def policy(obs, rewards, first):
         mean, std, _ = agent(torch.as_tensor(flatten_obs(obs), device=device))
         action = mean if greedy else mean + std * torch.randn_like(mean)
-        return to_env_action(action.cpu().numpy(), low, high)
+        return to_env_action(action.cpu().numpy(), box.low, box.high)
 
     return policy
 
@@ -446,9 +434,7 @@ def saved_model(args, state, global_step):
     """What model.pt holds (evaluate.py and `make_eval_policy` play it)."""
     model = dict(script="vmpo_mujoco", env_id=args.env_id, args=dataclasses.asdict(args), global_step=global_step)
     model.update({k: {n: v.cpu() for n, v in state[k].state_dict().items()} for k in ("agent", "multipliers")})
-    box = env_spec(args.env_id).action_space
-    low, high = (x.astype(np.float32).tolist() for x in (box.low, box.high))
-    return {**model, "agent_config": state["agent"].config, "action_low": low, "action_high": high}
+    return {**model, "agent_config": state["agent"].config}
 
 
 def check_args(args):

@@ -16,9 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_mujoco  # noqa: E402
 from vmpo_mujoco import (
     gaussian_kl_parts,
-    gaussian_log_prob,
     kl_constraint_loss,
-    n_step_returns,  # noqa: E402
+    n_step_targets,  # noqa: E402
     vmpo_weights,
 )
 from tests.helpers import (
@@ -40,21 +39,27 @@ from tests.test_vmpo_atari import weights_reference  # noqa: E402
 # Math, each against a plain computation written from the paper.
 
 
-def test_n_step_returns_match_eq1_plain_loop():
+def test_n_step_targets_match_eq1_plain_loop():
+    """Eq. (1) on unrolls `[T+1, B]`: a termination cuts the return, a reset step k (x_k ended an episode) takes
+    G_k = V(x_k), so the step before a truncation bootstraps from its last observation."""
     g = torch.Generator().manual_seed(1)
-    T, B, gamma = 7, 4, 0.9
-    rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
-    done = torch.zeros(T, B, dtype=torch.bool)
-    done[1, 0] = done[4, 0] = done[6, 2] = True
-    bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
-    returns = n_step_returns(rewards, gamma * (~done).double(), bootstrap)
+    T, B, gamma = 7, 4, 0.75
+    rewards = torch.randn(T + 1, B, generator=g, dtype=torch.float64)
+    values = torch.randn(T + 1, B, generator=g, dtype=torch.float64)
+    terminated, ended = torch.zeros(T + 1, B, dtype=torch.bool), torch.zeros(T + 1, B, dtype=torch.bool)
+    terminated[2, 0] = terminated[5, 0] = terminated[7, 2] = True
+    ended[2, 0] = ended[5, 0] = ended[7, 2] = ended[3, 1] = ended[0, 3] = True  # env 1 truncated at row 3
+    returns = n_step_targets(values, rewards, terminated, ended, gamma)
     for b in range(B):
         for ell in range(T):
             total, scale = 0.0, 1.0
             for k in range(ell, T):
-                total += scale * float(rewards[k, b])
-                scale = 0.0 if done[k, b] else scale * gamma
-            total += scale * float(bootstrap[b])
+                if ended[k, b]:  # the reset step: V(x_k), nothing after it
+                    total, scale = total + scale * float(values[k, b]), 0.0
+                    break
+                total += scale * float(rewards[k + 1, b])
+                scale = 0.0 if terminated[k + 1, b] else scale * gamma
+            total += scale * float(values[T, b])
             assert math.isclose(float(returns[ell, b]), total, rel_tol=1e-12, abs_tol=1e-12)
 
 
@@ -119,17 +124,6 @@ def test_gaussian_kl_parts_are_decoupled():
     assert torch.autograd.grad(kl_mu.sum() + kl_sigma.sum(), tm, allow_unused=True)[0] is None
 
 
-def test_gaussian_log_prob_matches_torch():
-    g = torch.Generator().manual_seed(3)
-    a, m, s = (
-        torch.randn(4, 5, 3, generator=g),
-        torch.randn(4, 5, 3, generator=g),
-        torch.rand(4, 5, 3, generator=g) + 0.1,
-    )
-    ref = torch.distributions.Normal(m, s).log_prob(a).sum(-1)
-    torch.testing.assert_close(gaussian_log_prob(a, m, s), ref)
-
-
 @pytest.mark.parametrize("shape,eta,use_mask", [((7, 6), 0.8, False), ((9, 4), 2.5, True)])
 def test_vmpo_weights_match_brute_force(shape, eta, use_mask):
     g = torch.Generator().manual_seed(shape[0])
@@ -167,7 +161,7 @@ def test_batch_loss_logs_explained_variance_and_each_bound_s_use():
     """`losses/explained_variance` is CleanRL's 1 − Var(G − V)/Var(G) over the real steps (G the n-step targets of
     Eq. 1, V the online values, unnormalised), and `stats/kl_*_ratio` each KL over its ε, as a plain computation."""
     torch.manual_seed(3)
-    agent = vmpo_mujoco.Agent(5, 2, hidden=(16,), head_hidden=16)
+    agent = vmpo_mujoco.Agent(5, 2, hidden=(16,))
     batch = _batch(agent)
     batch["ended"][2, :3] = True
     batch["mean"] += 0.3
@@ -177,7 +171,7 @@ def test_batch_loss_logs_explained_variance_and_each_bound_s_use():
     with torch.no_grad():
         task = torch.zeros(feats.shape[:2], dtype=torch.long)
         v = agent.popart.unnormalize(agent.popart(feats)[..., 0], task)
-    g = vmpo_mujoco.n_step_targets(v, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
+    g = n_step_targets(v, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
     real = ~batch["ended"][:-1]
     gs, vs = g[real].tolist(), v[:-1][real].tolist()
     var = lambda x: sum((a - sum(x) / len(x)) ** 2 for a in x) / (len(x) - 1)  # noqa: E731
@@ -194,7 +188,7 @@ def test_alpha_mu_and_alpha_sigma_move_the_right_way(moved):
     (KL_Σ = 0 < ε_αΣ), a step on the loss raises α_μ and lowers α_Σ; the other way round when only the standard
     deviation moved."""
     torch.manual_seed(0)
-    agent = vmpo_mujoco.Agent(5, 3, hidden=(16,), head_hidden=16)
+    agent = vmpo_mujoco.Agent(5, 3, hidden=(16,))
     m = vmpo_mujoco.LagrangeMultipliers(1.0, 1.0, 1.0)
     batch = _batch(agent)
     if moved == "mean":
@@ -267,7 +261,7 @@ def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
     steps get no weight; a truncation bootstraps from V of the last observation; PopArt keeps V(s)."""
     torch.manual_seed(2)
     T, B, M = 6, 8, 4
-    agent = vmpo_mujoco.Agent(5, 2, hidden=(16,), head_hidden=16, popart_beta=0.5)
+    agent = vmpo_mujoco.Agent(5, 2, hidden=(16,), popart_beta=0.5)
     m = vmpo_mujoco.LagrangeMultipliers()
     batch = _batch(agent, T, B)
     batch["ended"][2, 0] = True  # env 0 truncated at row 2: step 2 is a reset step
@@ -308,7 +302,7 @@ def test_vmpo_loss_minibatch_e_step_reset_steps_and_truncation():
     assert float(adv[0, 5]) == pytest.approx((float(batch["reward"][1, 5]) - float(v_before[0, 5])) / sigma, rel=1e-4)
     # the policy loss is −Σ ψ log π with the minibatches' ψ scaled by 1/M
     psi_all = torch.cat([c[2] for c in captured], dim=1) / M
-    logp = gaussian_log_prob(batch["action"][:-1], mean[:-1], std[:-1])
+    logp = torch.distributions.Normal(mean[:-1], std[:-1]).log_prob(batch["action"][:-1]).sum(-1)
     assert float(stats["losses/policy_loss"]) == pytest.approx(float(-(psi_all * logp).sum().detach()), rel=1e-5)
     # the advantages' mean and spread over the real steps (the reset step left out)
     real = torch.cat([c[1] for c in captured], dim=1)
@@ -433,7 +427,7 @@ def check_run(run_path):
     return summary
 
 
-TINY = ["--hidden", "32", "32", "--head-hidden", "32", "--save-model", "--eval-episodes", "1"]
+TINY = ["--hidden", "32", "32", "--save-model", "--eval-episodes", "1"]
 
 
 @pytest.mark.e2e
@@ -544,7 +538,7 @@ def test_ctrl_c_completes_the_update_in_hand_and_saves_it(tmp_path):
     progress lets that update finish (no copy of the learner is kept to undo it), starts no other, checkpoints the
     last completed update and ends the run with exit 130."""
     argv = ["--env-id", "Pendulum-v1", "--num-envs", "4", "--batch-size", "4", "--num-minibatches", "1"]
-    argv += ["--unroll-length", "10", "--hidden", "1024", "1024", "--head-hidden", "1024"]
+    argv += ["--unroll-length", "10", "--hidden", "1024", "1024"]
     ctrl_c_during_second_update("vmpo_mujoco.py", argv, tmp_path, steps_per_update=4 * 10)
 
 
