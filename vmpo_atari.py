@@ -15,7 +15,7 @@ region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopAr
 | Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `batch_loss`, common/popart              |
 | Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `batch_loss`      |
 | Eq. (13) temperature loss L_η                                    | `vmpo_weights` -> eta_loss               |
-| Eq. (14) KL trust region L_α with stop-gradients                 | `kl_constraint_loss`, `batch_loss`       |
+| Eq. (14) KL trust region L_α with stop-gradients                 | `categorical_kl`, `kl_constraint_loss`   |
 | Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step         | `LagrangeMultipliers` (`--multipliers`)  |
 | Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
 | Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target              | `Args` defaults                          |
@@ -162,6 +162,13 @@ def vmpo_weights(advantages, eta, eps_eta, mask=None):
     psi = torch.zeros_like(adv).scatter(0, top_index, weights).view_as(advantages)
     eta_loss = eta * eps_eta + eta * (torch.logsumexp(top_values / eta, dim=0) - math.log(k))
     return psi, eta_loss
+
+
+def categorical_kl(target_logits, online_logits):
+    """KL(π_target ‖ π_online) per state, `[..., A] -> [...]`; π_target carries no gradient."""
+    target_logp = F.log_softmax(target_logits.detach(), dim=-1)
+    online_logp = F.log_softmax(online_logits, dim=-1)
+    return (target_logp.exp() * (target_logp - online_logp)).sum(-1)
 
 
 def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
@@ -329,8 +336,7 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
     logp_all = F.log_softmax(logits[:-1], dim=-1)
     logp = logp_all.gather(-1, batch["action"][:-1].unsqueeze(-1)).squeeze(-1)
     policy_loss = -(psi * logp).sum()
-    target_logp = F.log_softmax(batch["logits"][:-1], dim=-1)  # π_target's logits, which the actors stored
-    kl = (target_logp.exp() * (target_logp - logp_all)).sum(-1)  # KL(π_target ‖ π) per state
+    kl = categorical_kl(batch["logits"][:-1], logits[:-1])  # against π_target's logits, which the actors stored
     alpha_loss, kl_mean = kl_constraint_loss(kl, alpha, args.eps_alpha, real)
     with torch.no_grad():
         selected = psi > 0

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
-from vmpo_atari import kl_constraint_loss, n_step_returns, vmpo_weights  # noqa: E402
+from vmpo_atari import categorical_kl, kl_constraint_loss, n_step_returns, vmpo_weights  # noqa: E402
 from tests.helpers import (
     learns,
     assert_killed_process_ends_the_run,
@@ -118,10 +118,15 @@ def test_eta_loss_gradient_matches_finite_differences_and_psi_has_none():
         assert math.isclose(float(eta.grad), 0.1 - kl_psi, rel_tol=1e-8, abs_tol=1e-10)
 
 
-def categorical_kl(target_logits, online_logits):
-    """KL(π_target ‖ π_online) per state, by torch.distributions: the KL terms' input in the tests below."""
-    target, online = (torch.distributions.Categorical(logits=x) for x in (target_logits, online_logits))
-    return torch.distributions.kl_divergence(target, online)
+def test_categorical_kl_matches_sum():
+    g = torch.Generator().manual_seed(5)
+    p_logits, q_logits = torch.randn(4, 3, 6, generator=g), torch.randn(4, 3, 6, generator=g)
+    kl = categorical_kl(p_logits, q_logits)
+    p, q = torch.softmax(p_logits, -1), torch.softmax(q_logits, -1)
+    for i in range(4):
+        for j in range(3):
+            ref = sum(float(p[i, j, a]) * math.log(float(p[i, j, a]) / float(q[i, j, a])) for a in range(6))
+            assert math.isclose(float(kl[i, j]), ref, rel_tol=1e-5)
 
 
 @pytest.mark.parametrize("scale,direction", [(0.5, "up"), (3.0, "up"), (0.05, "down"), (1e-3, "down")])
@@ -381,37 +386,6 @@ def test_vmpo_loss_multitask_popart_per_game():
     loss.backward()
     other_rows = agent.popart.linear.weight.grad  # both games' outputs were trained, each by its own rows
     assert (other_rows.abs().sum(-1) > 0).all()
-
-
-def test_batch_loss_kl_matches_sum_over_real_steps():
-    """stats/kl, Eq. (14)'s KL(π_target ‖ π) between the logits the actors stored and the online ones: the plain sum
-    Σ_a p log(p/q) per state, averaged over the steps that are not reset steps."""
-    torch.manual_seed(5)
-    T, B, A = 4, 3, 6
-    agent = vmpo_atari.Agent((6,), A, use_lstm=False, head_hidden=8, mlp_hidden=(16,))
-    batch = {
-        "obs": torch.randn(T + 1, B, 6),
-        "prev_action": torch.zeros(T + 1, B, dtype=torch.long),
-        "reward": torch.randn(T + 1, B),
-        "first": torch.zeros(T + 1, B, dtype=torch.bool),
-        "ended": torch.zeros(T + 1, B, dtype=torch.bool),
-        "terminated": torch.zeros(T + 1, B, dtype=torch.bool),
-        "action": torch.randint(0, A, (T + 1, B)),
-        "logits": torch.randn(T + 1, B, A),
-        "task": torch.zeros(T + 1, B, dtype=torch.long),
-    }
-    batch["ended"][1, 2] = True  # step 1 of env 2 is a reset step
-    logits = torch.randn(T + 1, B, A)
-    _, feats, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"])
-    stats = vmpo_atari.batch_loss(logits, feats, batch, agent, vmpo_atari.LagrangeMultipliers(), _args())[1]
-    p, q = torch.softmax(batch["logits"], -1), torch.softmax(logits, -1)
-    kls = [
-        sum(float(p[t, b, a]) * math.log(float(p[t, b, a]) / float(q[t, b, a])) for a in range(A))
-        for t in range(T)
-        for b in range(B)
-        if not batch["ended"][t, b]
-    ]
-    assert math.isclose(float(stats["stats/kl"]), sum(kls) / len(kls), rel_tol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------------
