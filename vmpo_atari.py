@@ -92,7 +92,6 @@ class Args:
     use_lstm: bool = True  # LSTM core fed the previous action and reward (Fig. 1b)
     lstm_size: int = 256  # LSTM hidden units (App. F)
     head_hidden: int = 256  # hidden units of the policy and value MLP heads (App. F)
-    mlp_hidden: tuple[int, ...] = (64, 64)  # hidden layers of the MLP torso for vector observations
     save_model: bool = False  # write model.pt (weights, PopArt statistics, what evaluation needs) in the run folder
     capture_video: bool = False  # record the first evaluation episode (an animated PNG) in the run folder
     eval_episodes: int = 10  # evaluation episodes at the end of training (0: none)
@@ -148,8 +147,8 @@ def n_step_returns(rewards, discounts, bootstrap_value):
     return torch.stack(out[::-1])
 
 
-def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
-    """The E-step, Eqs. (12)-(13): ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) on the k = ⌊top_fraction · |D|⌋ ≥ 1
+def vmpo_weights(advantages, eta, eps_eta, mask=None):
+    """The E-step, Eqs. (12)-(13): ψ(s, a) = exp(A(s, a)/η) / Σ_{D̃} exp(A/η) on the k = ⌊|D|/2⌋ ≥ 1
     highest advantages D̃ (`topk`: ties cannot let more in), 0 elsewhere, with no gradient; L_η = η ε_η +
     η log((1/|D̃|) Σ_{D̃} exp(A/η)), differentiable in η only. `mask` (bool) leaves samples out of D."""
     adv = advantages.detach().reshape(-1)
@@ -157,7 +156,7 @@ def vmpo_weights(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
     n = int(valid.sum())
     if n == 0:
         return torch.zeros_like(advantages), eta * eps_eta
-    k = max(1, int(n * top_fraction))
+    k = max(1, n // 2)
     top_values, top_index = adv.masked_fill(~valid, -math.inf).topk(k)
     weights = torch.softmax(top_values / eta.detach(), dim=0)
     psi = torch.zeros_like(adv).scatter(0, top_index, weights).view_as(advantages)
@@ -191,7 +190,6 @@ class VmpoLoss(NamedTuple):
     kl: torch.Tensor  # KL(π_target ‖ π), the batch mean
     kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃)
     entropy: torch.Tensor
-    advantage_mean: torch.Tensor
 
 
 class LagrangeMultipliers(nn.Module):
@@ -218,7 +216,7 @@ class Agent(nn.Module):
     """Fig. 1b: a torso (ResNet for pixels, MLP for vectors), an LSTM fed the previous action and reward, MLP heads."""
 
     def __init__(self, obs_shape, num_actions, network="deep", channels=(), use_lstm=True, lstm_size=256,
-                 head_hidden=256, mlp_hidden=(64, 64), num_tasks=1, popart_beta=1e-4):  # fmt: skip
+                 head_hidden=256, num_tasks=1, popart_beta=1e-4, mlp_hidden=(64, 64)):  # fmt: skip
         super().__init__()
         channels = tuple(channels) or ((64, 128, 128) if network == "deep" else ())  # deep: 4x IMPALA's (App. F)
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
@@ -304,14 +302,12 @@ def learner_step(state, batch, args, diagnose=False):
             (out.loss / chunks).backward()
             stats = {k: stats.get(k, 0) + v / chunks for k, v in mb_stats.items()}
         reduce_gradients([*agent.parameters(), *multipliers.parameters()], mean=True)
-        layers = grad_norms_by_layer(agent) if diagnose and epoch == args.update_epochs - 1 else {}  # unclipped
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), float("inf"))  # the norm: the paper clips none
-        named = {k.split("/")[-1]: v for k, v in stats.items()}
-        check_finite(f"at update {state['update']}", gradient=grad_norm, **named)
-        stats.update({"stats/grad_norm": grad_norm, **{f"grad_norm/{name}": v for name, v in layers.items()}})
+        stats["stats/grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), float("inf"))  # the paper clips none
+        check_finite(f"at update {state['update']}", **stats)
         optimizer.step()
         multipliers.project()
-    if diagnose:  # on the last minibatch: does the policy depend on the state yet, are the torso's units alive
+    if diagnose:  # the last pass's gradients by layer; its last minibatch: does π see the state, are units alive
+        stats |= {f"grad_norm/{name}": v for name, v in grad_norms_by_layer(agent).items()}
         with torch.no_grad():
             stats["stats/dead_units"] = dead_units(agent.torso(mb["obs"][:-1].flatten(0, 1)))
         stats["stats/logits_std_across_states"] = logits_std_across_states(logits[:-1])
@@ -347,9 +343,8 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
         kl_psi = (psi[selected] * (psi[selected] * selected.sum().clamp(min=1)).log()).sum()
         entropy = (real * -(logp_all.exp() * logp_all).sum(-1)).sum() / n
     parts = (value_loss, policy_loss, eta_loss, alpha_loss)
-    out = VmpoLoss(sum(parts), *parts, kl_mean, kl_psi, entropy, (real * advantages).sum() / n)
+    out = VmpoLoss(sum(parts), *parts, kl_mean, kl_psi, entropy)
     stats = {**loss_stats(out), "stats/eta": eta.detach(), "stats/alpha": alpha.detach()}
-    stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
     return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
 
 
@@ -359,9 +354,8 @@ def main(args: Args):
     args = dataclasses.replace(args, env_ids=tuple(games))
     rank, world, device = learner_process(args)
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
-    net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.head_hidden, args.mlp_hidden)
-    agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta)
-    agent.to(device)
+    net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.head_hidden)
+    agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
@@ -425,8 +419,8 @@ def log_update(log, pool, agent, update, stats, batch) -> None:
     target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
     stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
     stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
-    popart = agent.popart  # its statistics per game (one game: stats/popart_mu, stats/popart_sigma)
-    stats |= {f"stats/popart_{x}/{g}": getattr(popart, x)[k] for k, g in enumerate(games) for x in ("mu", "sigma")}
+    names = [f"/{game}" for game in games] or [""]  # PopArt's statistics per game (one game: stats/popart_mu, ...)
+    stats |= {f"stats/popart_{x}{g}": getattr(agent.popart, x)[k] for k, g in enumerate(names) for x in ("mu", "sigma")}
     stats.update(median_human_normalized(log.groups, games))
     log.scalars(stats, step)
     eta, alpha, kl = (float(stats[f"stats/{k}"]) for k in ("eta", "alpha", "kl"))
@@ -446,8 +440,7 @@ def buffer_specs(observation_space, num_actions, args) -> dict:
     specs = dict(obs=((T + 1, *observation_space.shape), obs_dtype), logits=((T + 1, num_actions), torch.float32))
     specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated", "first")}, reward=((T + 1,), torch.float))
     specs.update({k: ((T + 1,), torch.long) for k in ("action", "prev_action", "version", "task")})
-    if args.use_lstm:
-        specs.update(core_h=((args.lstm_size,), torch.float32), core_c=((args.lstm_size,), torch.float32))
+    specs.update({k: ((args.lstm_size,), torch.float32) for k in ("core_h", "core_c") if args.use_lstm})
     return specs
 
 

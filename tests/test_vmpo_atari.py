@@ -54,13 +54,13 @@ def test_n_step_returns_match_eq1_plain_loop():
             assert math.isclose(float(returns[ell, b]), total, rel_tol=1e-12, abs_tol=1e-12)
 
 
-def weights_reference(advantages, eta, eps_eta, mask=None, fraction=0.5):
+def weights_reference(advantages, eta, eps_eta, mask=None):
     """Sort, keep the top half of the valid samples, softmax of A/η over them (Eq. 12); the temperature loss
     η ε_η + η log( (1/|D̃|) Σ exp(A/η) ) by a plain loop (Eq. 13)."""
     adv = advantages.reshape(-1).tolist()
     valid = [True] * len(adv) if mask is None else mask.reshape(-1).tolist()
     order = sorted((i for i in range(len(adv)) if valid[i]), key=lambda i: adv[i], reverse=True)
-    top = order[: max(1, int(len(order) * fraction))]
+    top = order[: max(1, len(order) // 2)]
     z = sum(math.exp(adv[i] / eta) for i in top)
     psi = [0.0] * len(adv)
     for i in top:
@@ -70,22 +70,22 @@ def weights_reference(advantages, eta, eps_eta, mask=None, fraction=0.5):
 
 
 @pytest.mark.parametrize(
-    "shape,eta,use_mask,fraction",
-    [((7, 6), 0.8, False, 0.5), ((9, 4), 2.5, True, 0.5), ((5, 3), 0.3, True, 0.25), ((1, 1), 1.0, False, 0.5)],
+    "shape,eta,use_mask",
+    [((7, 6), 0.8, False), ((9, 4), 2.5, True), ((5, 3), 0.3, True), ((1, 1), 1.0, False)],
 )
-def test_vmpo_weights_match_brute_force(shape, eta, use_mask, fraction):
+def test_vmpo_weights_match_brute_force(shape, eta, use_mask):
     g = torch.Generator().manual_seed(shape[0])
     adv = torch.randn(*shape, generator=g, dtype=torch.float64) * 2
     mask = (torch.rand(*shape, generator=g) > 0.3) if use_mask else None
     if use_mask:
         adv[~mask] = 100.0  # masked samples would dominate if they leaked into the top half
-    psi, eta_loss = vmpo_weights(adv, torch.tensor(eta, dtype=torch.float64), 0.1, mask, fraction)
-    ref_psi, ref_loss = weights_reference(adv, eta, 0.1, mask, fraction)
+    psi, eta_loss = vmpo_weights(adv, torch.tensor(eta, dtype=torch.float64), 0.1, mask)
+    ref_psi, ref_loss = weights_reference(adv, eta, 0.1, mask)
     torch.testing.assert_close(psi, ref_psi, rtol=1e-12, atol=1e-12)
     assert math.isclose(float(eta_loss), ref_loss, rel_tol=1e-12)
     assert psi.shape == adv.shape and math.isclose(float(psi.sum()), 1.0, rel_tol=1e-12)
     n_valid = adv.numel() if mask is None else int(mask.sum())
-    assert int((psi > 0).sum()) == max(1, int(n_valid * fraction))
+    assert int((psi > 0).sum()) == max(1, n_valid // 2)
 
 
 def test_vmpo_weights_take_exactly_k_with_ties():
@@ -310,9 +310,9 @@ def test_vmpo_loss_reset_steps_and_truncation():
     captured = {}
     original = vmpo_atari.vmpo_weights
 
-    def spy(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
+    def spy(advantages, eta, eps_eta, mask=None):
         captured.update(advantages=advantages, mask=mask)
-        psi, loss = original(advantages, eta, eps_eta, mask, top_fraction)
+        psi, loss = original(advantages, eta, eps_eta, mask)
         captured["psi"] = psi
         return psi, loss
 
@@ -366,9 +366,9 @@ def test_vmpo_loss_multitask_popart_per_game():
     captured = {}
     original = vmpo_atari.vmpo_weights
 
-    def spy(advantages, eta, eps_eta, mask=None, top_fraction=0.5):
+    def spy(advantages, eta, eps_eta, mask=None):
         captured["advantages"] = advantages
-        return original(advantages, eta, eps_eta, mask, top_fraction)
+        return original(advantages, eta, eps_eta, mask)
 
     vmpo_atari.vmpo_weights = spy
     try:
