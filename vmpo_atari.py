@@ -13,8 +13,7 @@ region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopAr
 | Algorithm 1: target network, refreshed every T_target steps      | `act`, `pool.publish` in `main`          |
 | Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `n_step_returns`, `batch_loss`           |
 | Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `batch_loss`, common/popart              |
-| Eq. (12) ψ over the top half of the advantages, L_π              | `vmpo_weights` -> psi, `batch_loss`      |
-| Eq. (13) temperature loss L_η                                    | `vmpo_weights` -> eta_loss               |
+| Eqs. (12)-(13) ψ on the top half of the advantages, L_π; L_η     | `vmpo_weights`, `batch_loss`             |
 | Eq. (14) KL trust region L_α with stop-gradients                 | `categorical_kl`, `kl_constraint_loss`   |
 | Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step         | `LagrangeMultipliers` (`--multipliers`)  |
 | Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
