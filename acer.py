@@ -71,7 +71,6 @@ class Args:
     num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
     k: int = 20  # k, steps per segment and update (Sec. 4)
     replay_ratio: float = 4.0  # r, replay updates per on-policy update, Poisson (Algorithm 1; Sec. 4); 0: no replay
-    poisson_replay: bool = True  # draw the number of replay updates from Poisson(r) (Algorithm 1); off: exactly r
     replay_size: int = 50_000  # replay per worker, in env steps (Sec. 4)
     c: float = 10.0  # c, truncation of the policy gradient's importance weight (Sec. 4)
     delta: float = 1.0  # δ, trust-region bound on the linearised KL to the average policy (Sec. 4)
@@ -485,7 +484,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             for avg_buffer, buffer in zip(avg_agent.buffers(), shared.buffers()):  # θ_a normalises as θ from now on
                 avg_buffer.copy_(buffer)
         replay.append(segment)
-        replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
+        replays = int(np.random.poisson(args.replay_ratio))
         for _ in range(replays):
             replay_stats = learn(replay[int(torch.randint(len(replay), (1,), generator=generator))])  # uniform
         now, last = time.time(), counter.value >= args.total_timesteps or halt.is_set()  # the last update reported
@@ -632,8 +631,7 @@ def check_args(args):
     segment = args.k * args.num_envs
     require(args.total_timesteps >= segment, f"--total-timesteps must be at least one segment ({segment} steps)")
     require(args.replay_size >= segment or not args.replay_ratio, f"--replay-size is below one segment ({segment})")
-    whole = args.poisson_replay or float(args.replay_ratio).is_integer()
-    require(args.replay_ratio >= 0 and whole, "--replay-ratio must be at least 0 (whole with --no-poisson-replay)")
+    require(args.replay_ratio >= 0, f"--replay-ratio must be at least 0, got {args.replay_ratio}")
     require(discrete or args.replay_ratio > 0, "--replay-ratio 0: continuous ACER learns from replay only (Sec. 6)")
     require(not (discrete and args.scale_rewards), "--scale-rewards is for continuous actions (Atari clips rewards)")
     require(pixels or not args.bf16, "--bf16 is for the Atari network's convolutions; vector tasks run in float32")

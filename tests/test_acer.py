@@ -521,7 +521,6 @@ def test_smoke_breakout(tmp_path, extra):
             "--eval-episodes",
             "1",
             "--save-model",
-            "--no-poisson-replay",
             "--replay-ratio",
             "2",
             *extra,
@@ -541,7 +540,7 @@ def test_smoke_breakout(tmp_path, extra):
         "charts/SPS",
         "charts/episodic_return",
     } <= tags
-    assert set(events_tags(run, "stats/replay_updates")) == {2.0}
+    assert all(n == int(n) >= 0 for n in events_tags(run, "stats/replay_updates"))  # Poisson(2) draws
     out = subprocess.run(
         [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", "2"],
         cwd=ROOT,
@@ -561,7 +560,7 @@ def test_smoke_breakout(tmp_path, extra):
         (["--env-id", "HalfCheetah-v4", "--replay-ratio", "0"], "replay only"),
         (["--env-id", "CartPole-v1", "--cuda"], "--cuda"),
         (["--env-id", "CartPole-v1", "--k", "-1"], "--k"),
-        (["--env-id", "CartPole-v1", "--no-poisson-replay", "--replay-ratio", "2.5"], "--replay-ratio"),
+        (["--env-id", "CartPole-v1", "--replay-ratio", "-1"], "--replay-ratio"),
         (["--env-id", "CartPole-v1", "--delta", "0"], "--delta"),
         (["--env-id", "CartPole-v1", "--avg-decay", "1"], "--avg-decay"),
         (["--env-id", "CartPole-v1", "--replay-size", "10"], "--replay-size"),
