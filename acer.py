@@ -355,33 +355,29 @@ class Agent(nn.Module):
 
 class ContinuousAgent(nn.Module):
     """Sec. 5-6: a Gaussian policy N(φ(x), σ²I) with a fixed σ, and a stochastic dueling network (Eq. 13): V(x) and a
-    small separate network A(x, a). `forward(obs)` `[T, B, D]` gives the mean `[T, B, d]` and V `[T, B]`.
-    `separate_value`: the policy's θ and the critic's θ_v (V and A) apart (Algorithm 3); `obs_norm`, `scale_rewards`:
-    running statistics of the observations and of the discounted return, which the workers update (not the paper's)."""
+    small separate network A(x, a). `forward(obs)` `[T, B, D]` gives the mean `[T, B, d]` and V `[T, B]`. The policy's
+    θ and the critic's θ_v (V and A) apart (Algorithm 3); running statistics of the observations and, with
+    `scale_rewards`, of the discounted return, which the workers update (not the paper's)."""
 
-    def __init__(
-        self, obs_shape, action_dim, hidden=200, policy_std=0.3, separate_value=True, obs_norm=True, scale_rewards=False
-    ):
+    def __init__(self, obs_shape, action_dim, hidden=200, policy_std=0.3, scale_rewards=False):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), action_dim=action_dim, hidden=hidden, policy_std=policy_std)
-        self.config.update(separate_value=separate_value, obs_norm=obs_norm, scale_rewards=scale_rewards)
+        self.config.update(scale_rewards=scale_rewards)
         self.action_dim, self.std = action_dim, policy_std
         obs_dim = int(math.prod(obs_shape))
-        self.obs_norm = RunningNorm(obs_dim) if obs_norm else nn.Identity()
+        self.obs_norm = RunningNorm(obs_dim)
         self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
-        self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # the mean's (and V's, without separate_value)
+        self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # the mean's
         self.mean = nn.Linear(hidden, action_dim)
         self.value = nn.Linear(hidden, 1)
         self.advantage = nn.Sequential(nn.Linear(obs_dim + action_dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-        self.value_torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU) if separate_value else None
+        self.value_torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # V's
         init_output_(self.mean, 0.01)  # pfrl's train_acer_mujoco.py
 
     def forward(self, obs):
         T, B = obs.shape[:2]
         x = self.obs_norm(obs.reshape(T * B, -1))
-        h = self.torso(x)
-        hv = self.value_torso(x) if self.value_torso is not None else h
-        return self.mean(h).view(T, B, -1), self.value(hv).view(T, B)
+        return self.mean(self.torso(x)).view(T, B, -1), self.value(self.value_torso(x)).view(T, B)
 
     def q_tilde(self, obs, actions, mean, values, n, generator=None):
         """Eq. (13): Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i), u_i ~ π(·|x) (no gradient through them), for
@@ -477,7 +473,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             counter.value += k * n
         stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
         with obs_lock:  # the shared statistics take the on-policy observations (the bootstrap one is the next's)
-            if isinstance(obs_norm, RunningNorm):  # not in the discrete network or an older continuous one
+            if obs_norm is not None:  # the continuous network's
                 obs_norm.update(segment["obs"][:-1])
             if return_norm is not None:
                 return_norm.update(torch.stack(returns_seen))
@@ -586,10 +582,8 @@ def obs_tensor(obs, pixels):
 
 
 def agent_from_config(config):
-    """The network of a saved `agent_config` (a continuous one saved before its options existed: all three off)."""
-    if "action_dim" not in config:
-        return Agent(**config)
-    return ContinuousAgent(**{"separate_value": False, "obs_norm": False, "scale_rewards": False, **config})
+    """The network of a saved `agent_config`."""
+    return ContinuousAgent(**config) if "action_dim" in config else Agent(**config)
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
