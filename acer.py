@@ -449,10 +449,9 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
                 check_finite(f"while acting at step {counter.value}", policy=mu)  # before sampling from it
                 if continuous:
                     action = mu + local.std * torch.randn(mu.shape, generator=generator)
-                    env_action = to_env_action(action.numpy(), low, high)
                 else:
                     action = torch.multinomial(mu, 1, generator=generator).squeeze(-1)
-                    env_action = action.numpy()
+                env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", counter.value, (score, length)))
@@ -521,9 +520,7 @@ def main(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
     obs_shape = tuple(spec.observation_space.shape) if is_atari(args.env_id) else (flat_obs_dim(spec),)
     discrete = hasattr(spec.action_space, "n")
-    if resumed is not None:
-        agent = agent_from_config(resumed["agent_config"])  # the run's own network (older configs too)
-    elif discrete:
+    if discrete:  # a resumed run's from its own arguments
         agent = Agent(obs_shape, int(spec.action_space.n), args.hidden)
     else:
         action_dim = int(spec.action_space.shape[0])
@@ -581,14 +578,10 @@ def obs_tensor(obs, pixels):
     return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
 
 
-def agent_from_config(config):
-    """The network of a saved `agent_config`."""
-    return ContinuousAgent(**config) if "action_dim" in config else Agent(**config)
-
-
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """A callable `policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it)."""
-    agent = agent_from_config(checkpoint["agent_config"]).to(device)
+    config = checkpoint["agent_config"]
+    agent = (ContinuousAgent if "action_dim" in config else Agent)(**config).to(device)
     agent.load_state_dict(checkpoint["agent"])  # with the observation statistics it was trained with
     pixels = len(agent.config["obs_shape"]) == 3
 
