@@ -191,7 +191,22 @@ class AcerLoss(NamedTuple):
     trust_region_adjustment: torch.Tensor  # ‖z − ĝ‖ / ‖ĝ‖
     kl_avg: torch.Tensor  # KL(average policy ‖ policy)
     value_mean: torch.Tensor
-    entropy: torch.Tensor
+    entropy: torch.Tensor = torch.tensor(float("nan"))  # NaN where σ is fixed (continuous actions)
+
+
+def acer_result(phi, g, k, mask, delta, trust_region, critic_loss, value_loss, **per_step) -> AcerLoss:
+    """Algorithms 2 and 3 alike: z, the trust-region step (Eq. 12) of ĝ `[N, X]` away from the KL gradient k (ĝ
+    without the trust region), zero at reset steps (`mask` `[T, B]`) and back-propagated as −z/B through the
+    policy's statistics φ `[T, B, X]`; the loss adds `critic_loss`. Logged: `value_loss`, ‖z − ĝ‖/‖ĝ‖ and the
+    means of the `per_step` diagnostics `[T, B]` over the real steps."""
+    with torch.no_grad():
+        z = trust_region_step(g, k, delta) if trust_region else g
+        z, g = (x.view(phi.shape) * mask[..., None] for x in (z, g))
+        n = mask.sum().clamp(min=1)
+    policy_loss = -(z * phi).sum() / phi.shape[1]  # ∂/∂φ = −z/B: ascent along z
+    means = {name: (mask * x).sum() / n for name, x in per_step.items()}
+    adjustment = (z - g).norm() / g.norm().clamp(min=1e-12)
+    return AcerLoss(policy_loss + critic_loss, policy_loss, value_loss, trust_region_adjustment=adjustment, **means)
 
 
 def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behaviour_probs, gamma=0.99, c=10.0,
@@ -218,23 +233,11 @@ def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behavi
         g, rho_bar, _ = acer_policy_gradient(*per_state, c, ent_coef)
         avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A).clamp(min=PROB_FLOOR)
         k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
-        z = trust_region_step(g, k, delta) if trust_region else g
-        z, g = (x.view(T, B, A) * mask[..., None] for x in (z, g))
-        n = mask.sum().clamp(min=1)
         kl = (avg_probs * (avg_probs.log() - p[:-1].reshape(-1, A).log())).sum(-1).view(T, B)
-    policy_loss = -(z * probs[:-1]).sum() / B  # ∂/∂φ = −z/B: ascent along z
+        per_step = dict(rho_mean=rho_bar.view(T, B), truncated_fraction=(rho > c).float(), kl_avg=kl)
+        per_step.update(value_mean=values[:-1], entropy=-(p[:-1] * p[:-1].log()).sum(-1))
     value_loss = (mask * (q_ret - q_sa) ** 2).sum() / B
-    return AcerLoss(
-        loss=policy_loss + value_coef * value_loss,
-        policy_loss=policy_loss,
-        value_loss=value_loss,
-        rho_mean=(mask * rho_bar.view(T, B)).sum() / n,
-        truncated_fraction=(mask * (rho > c).float()).sum() / n,
-        trust_region_adjustment=(z - g).norm() / g.norm().clamp(min=1e-12),
-        kl_avg=(mask * kl).sum() / n,
-        value_mean=(mask * values[:-1]).sum() / n,
-        entropy=-(mask * (p[:-1] * p[:-1].log()).sum(-1)).sum() / n,
-    )
+    return acer_result(probs[:-1], g, k, mask, delta, trust_region, value_coef * value_loss, value_loss, **per_step)
 
 
 def gaussian_ratio(actions, mean, behaviour_mean, std):
@@ -282,24 +285,12 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
         per_state = (m[:-1], actions, behaviour_mean[:-1], q_opc, v[:-1], sampled_actions, q_sampled)
         g, rho_bar, _ = gaussian_policy_gradient(*[x.flatten(0, 1) for x in per_state], std, c)
         k = (m[:-1] - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
-        z = trust_region_step(g, k, delta) if trust_region else g
-        z, g = (x.view(T, B, d) * mask[..., None] for x in (z, g))
-        n = mask.sum().clamp(min=1)
         kl = 0.5 * ((m[:-1] - avg_mean[:-1]) ** 2).sum(-1) / (std * std)
-    policy_loss = -(z * mean[:-1]).sum() / B
+        per_step = dict(rho_mean=rho_bar.view(T, B), truncated_fraction=(rho > c).float(), kl_avg=kl, value_mean=v[:-1])
     td = q_ret - q_taken
     value_loss = (mask * (td**2 - 2 * rho.clamp(max=1.0) * td.detach() * values[:-1])).sum() / B
-    return AcerLoss(
-        loss=policy_loss + value_coef * value_loss,
-        policy_loss=policy_loss,
-        value_loss=(mask * td**2).sum().detach() / B,  # the squared error (value_loss's gradient is Algorithm 3's)
-        rho_mean=(mask * rho_bar.view(T, B)).sum() / n,
-        truncated_fraction=(mask * (rho > c).float()).sum() / n,
-        trust_region_adjustment=(z - g).norm() / g.norm().clamp(min=1e-12),
-        kl_avg=(mask * kl).sum() / n,
-        value_mean=(mask * v[:-1]).sum() / n,
-        entropy=torch.tensor(float("nan")),
-    )
+    squared_error = (mask * td**2).sum().detach() / B  # what is logged (value_loss's gradient is Algorithm 3's)
+    return acer_result(mean[:-1], g, k, mask, delta, trust_region, value_coef * value_loss, squared_error, **per_step)
 
 
 @torch.no_grad()
