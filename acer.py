@@ -252,7 +252,6 @@ def gaussian_policy_gradient(mean, actions, behaviour_mean, q_opc, values, sampl
 
     with ∇_φ log f(a|φ) = (a − φ)/σ², ρ_t = f(a_t|φ)/μ(a_t|x), a'_t ~ π a fresh sample and ρ'_t its ratio; the
     behaviour policy μ is N(behaviour_mean, σ²I). Inputs are constants. Returns (g, min(c, ρ_t), ρ_t)."""
-    mean, actions, behaviour_mean = mean.detach(), actions.detach(), behaviour_mean.detach()
     var = std * std
     rho = gaussian_ratio(actions, mean, behaviour_mean, std)
     rho_sampled = gaussian_ratio(sampled_actions, mean, behaviour_mean, std)
@@ -404,7 +403,6 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     obs = obs_tensor(envs.reset()[0], pixels)
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     last_report = 0.0
-    obs_norm, return_norm = getattr(shared, "obs_norm", None), getattr(shared, "return_norm", None)
     discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
 
     def learn(segment):
@@ -413,18 +411,17 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
         without locks: Hogwild), then θ_a's soft update."""
         with obs_lock:  # θ' ← θ, the observation statistics whole
             local.load_state_dict(shared.state_dict())
-        if return_norm is not None:
+        if args.scale_rewards:
             segment = {**segment, "reward": scale_rewards(segment["reward"], local.return_norm.var)}  # θ's statistics
         out = segment_loss(local, avg_agent, segment, args, generator)
         local.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(local.parameters(), args.max_grad_norm or float("inf"))  # 0: none
         check_finite("in a worker's update (nothing applied)", loss=out.loss, gradient=grad_norm)
-        alpha, eps = args.rmsprop_alpha, args.rmsprop_eps
         with torch.no_grad():
             for p, local_p, g in zip(shared.parameters(), local.parameters(), square_avg):
-                g.mul_(alpha).addcmul_(local_p.grad, local_p.grad, value=1 - alpha)
-                p.addcdiv_(local_p.grad, (g + eps).sqrt_(), value=-args.learning_rate)
+                g.mul_(args.rmsprop_alpha).addcmul_(local_p.grad, local_p.grad, value=1 - args.rmsprop_alpha)
+                p.addcdiv_(local_p.grad, (g + args.rmsprop_eps).sqrt_(), value=-args.learning_rate)
         update_average(avg_agent, shared, args.avg_decay)
         return {**{k: v for k, v in loss_stats(out).items() if not v.isnan()}, "stats/grad_norm": grad_norm}
 
@@ -448,7 +445,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
                     msg_q.put(("episode", counter.value, (score, length)))
                 for key, v in zip(rows, (obs, action, reward, term, ended, mu)):
                     rows[key].append(torch.as_tensor(v))
-                if return_norm is not None:
+                if args.scale_rewards:
                     discounted_return = discounted_return * args.gamma + reward
                     returns_seen.append(torch.as_tensor(discounted_return))
                     discounted_return[term | trunc] = 0.0
@@ -463,10 +460,10 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             counter.value += k * n
         stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
         with obs_lock:  # the shared statistics take the on-policy observations (the bootstrap one is the next's)
-            if obs_norm is not None:  # the continuous network's
-                obs_norm.update(segment["obs"][:-1])
-            if return_norm is not None:
-                return_norm.update(torch.stack(returns_seen))
+            if continuous:
+                shared.obs_norm.update(segment["obs"][:-1])
+            if args.scale_rewards:
+                shared.return_norm.update(torch.stack(returns_seen))
             for avg_buffer, buffer in zip(avg_agent.buffers(), shared.buffers()):  # θ_a normalises as θ from now on
                 avg_buffer.copy_(buffer)
         replay.append(segment)
@@ -507,7 +504,6 @@ def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     args, spec = check_args(args)
     torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     obs_shape = tuple(spec.observation_space.shape) if is_atari(args.env_id) else (flat_obs_dim(spec),)
     discrete = hasattr(spec.action_space, "n")
