@@ -397,10 +397,9 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     continuous = isinstance(local, ContinuousAgent)
     if continuous:  # the env's box, as float32
         low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
-    pixels = len(local.config["obs_shape"]) == 3
     replay = collections.deque(maxlen=max(1, args.replay_size // (k * n)))  # whole segments, the oldest leaves first
     tracker = EpisodeTracker(n)
-    obs = obs_tensor(envs.reset()[0], pixels)
+    obs = obs_tensor(envs.reset()[0])
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     last_report = 0.0
     discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
@@ -450,7 +449,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
                     returns_seen.append(torch.as_tensor(discounted_return))
                     discounted_return[term | trunc] = 0.0
                 ended = torch.as_tensor(term | trunc)
-                obs = obs_tensor(next_obs, pixels)
+                obs = obs_tensor(next_obs)
         for key, column in rows.items():  # row k: the bootstrap observation (its other fields are never used)
             column.append(obs if key == "obs" else torch.zeros_like(column[-1]))
         segment = {key: torch.stack(v) for key, v in rows.items()}
@@ -560,9 +559,9 @@ def scale_rewards(rewards, return_var, clip=10.0):
     return (rewards / math.sqrt(float(return_var[0]) + 1e-8)).clamp(-clip, clip)
 
 
-def obs_tensor(obs, pixels):
+def obs_tensor(obs):
     """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
-    return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
+    return torch.from_numpy(obs) if getattr(obs, "dtype", None) == np.uint8 else torch.from_numpy(flatten_obs(obs))
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -570,11 +569,10 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     config = checkpoint["agent_config"]
     agent = (ContinuousAgent if "action_dim" in config else Agent)(**config).to(device)
     agent.load_state_dict(checkpoint["agent"])  # with the observation statistics it was trained with
-    pixels = len(agent.config["obs_shape"]) == 3
 
     @torch.no_grad()
     def policy(obs, rewards, first):
-        out, _ = agent(obs_tensor(obs, pixels).to(device)[None])  # the mean, or the logits
+        out, _ = agent(obs_tensor(obs).to(device)[None])  # the mean, or the logits
         if isinstance(agent, ContinuousAgent):
             action = out[0] if greedy else out[0] + agent.std * torch.randn_like(out[0])
             low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
