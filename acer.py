@@ -597,13 +597,12 @@ def check_args(args):
     for name in ("avg_decay", "rmsprop_alpha"):
         value = getattr(args, name)
         require(0 <= value < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
-    for name in ("value_coef", "ent_coef", "max_grad_norm"):
+    for name in ("value_coef", "ent_coef", "max_grad_norm", "replay_ratio"):
         require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     segment = args.k * args.num_envs
     require(args.total_timesteps >= segment, f"--total-timesteps must be at least one segment ({segment} steps)")
     require(args.replay_size >= segment or not args.replay_ratio, f"--replay-size is below one segment ({segment})")
-    require(args.replay_ratio >= 0, f"--replay-ratio must be at least 0, got {args.replay_ratio}")
     require(discrete or args.replay_ratio > 0, "--replay-ratio 0: continuous ACER learns from replay only (Sec. 6)")
     require(not (discrete and args.scale_rewards), "--scale-rewards is for continuous actions (Atari clips rewards)")
     require(pixels or not args.bf16, "--bf16 is for the Atari network's convolutions; vector tasks run in float32")
