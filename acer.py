@@ -402,7 +402,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     obs = obs_tensor(envs.reset()[0])
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     last_report = 0.0
-    discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
+    discounted_return = np.zeros(n)  # each environment's discounted return so far (--scale-rewards' statistics)
 
     def learn(segment):
         """One update: θ' ← θ, the gradient Δθ of the segment's loss at θ', clipped, applied to the shared θ by A3C's
@@ -427,8 +427,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     while counter.value < args.total_timesteps and not halt.is_set():
         with obs_lock:
             local.load_state_dict(shared.state_dict())
-        rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu")}
-        returns_seen = []
+        rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu", "return")}
         with torch.no_grad():
             for _ in range(k):
                 # μ is stored as the behaviour mean (continuous: σ is fixed) or the behaviour probabilities
@@ -442,18 +441,15 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", counter.value, (score, length)))
-                for key, v in zip(rows, (obs, action, reward, term, ended, mu)):
+                discounted_return = discounted_return * args.gamma + reward
+                for key, v in zip(rows, (obs, action, reward.astype(np.float32), term, ended, mu, discounted_return)):
                     rows[key].append(torch.as_tensor(v))
-                if args.scale_rewards:
-                    discounted_return = discounted_return * args.gamma + reward
-                    returns_seen.append(torch.as_tensor(discounted_return))
-                    discounted_return[term | trunc] = 0.0
+                discounted_return[term | trunc] = 0.0
                 ended = torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs)
         for key, column in rows.items():  # row k: the bootstrap observation (its other fields are never used)
             column.append(obs if key == "obs" else torch.zeros_like(column[-1]))
         segment = {key: torch.stack(v) for key, v in rows.items()}
-        segment["reward"] = segment["reward"].float()
         with counter.get_lock():
             step = counter.value
             counter.value += k * n
@@ -462,7 +458,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             if continuous:
                 shared.obs_norm.update(segment["obs"][:-1])
             if args.scale_rewards:
-                shared.return_norm.update(torch.stack(returns_seen))
+                shared.return_norm.update(segment["return"][:-1])
             for avg_buffer, buffer in zip(avg_agent.buffers(), shared.buffers()):  # θ_a normalises as θ from now on
                 avg_buffer.copy_(buffer)
         replay.append(segment)
