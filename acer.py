@@ -369,10 +369,10 @@ class ContinuousAgent(nn.Module):
         x = self.obs_norm(obs.reshape(T * B, -1))
         return self.mean(self.torso(x)).view(T, B, -1), self.value(self.value_torso(x)).view(T, B)
 
-    def q_tilde(self, obs, actions, mean, values, n, generator=None):
+    def q_tilde(self, obs, actions, mean, values, n):
         """Eq. (13): Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i), u_i ~ π(·|x) (no gradient through them), for
         `[..., D]` raw observations (normalised here as in `forward`) and `[..., d]` actions."""
-        noise = torch.randn(*mean.shape[:-1], n, self.action_dim, generator=generator)
+        noise = torch.randn(*mean.shape[:-1], n, self.action_dim)
         u = mean.detach().unsqueeze(-2) + self.std * noise
         a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
         obs = self.obs_norm(obs)
@@ -389,9 +389,8 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from but for continuous actions, Sec. 6,
     stored raw), then Poisson(r) segments replayed from its memory. Once `halt` is set, it ends after its updates."""
     n, k = args.num_envs, args.k
-    torch.manual_seed(args.seed + worker_id)
+    torch.manual_seed(args.seed + worker_id)  # every torch draw of this process
     np.random.seed(args.seed + worker_id)
-    generator = torch.Generator().manual_seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
     local = copy.deepcopy(shared)  # θ', in this process's memory (channels-last with --bf16, as θ)
     continuous = isinstance(local, ContinuousAgent)
@@ -412,7 +411,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
             local.load_state_dict(shared.state_dict())
         if args.scale_rewards:
             segment = {**segment, "reward": scale_rewards(segment["reward"], local.return_norm.var)}  # θ's statistics
-        out = segment_loss(local, avg_agent, segment, args, generator)
+        out = segment_loss(local, avg_agent, segment, args)
         local.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(local.parameters(), args.max_grad_norm or float("inf"))  # 0: none
@@ -434,9 +433,9 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
                 mu = local(obs[None])[0][0] if continuous else F.softmax(local(obs[None])[0][0], dim=-1)
                 check_finite(f"while acting at step {counter.value}", policy=mu)  # before sampling from it
                 if continuous:
-                    action = mu + local.std * torch.randn(mu.shape, generator=generator)
+                    action = mu + local.std * torch.randn(mu.shape)
                 else:
-                    action = torch.multinomial(mu, 1, generator=generator).squeeze(-1)
+                    action = torch.multinomial(mu, 1).squeeze(-1)
                 env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
@@ -464,7 +463,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
         replay.append(segment)
         replays = int(np.random.poisson(args.replay_ratio))
         for _ in range(replays):
-            replay_stats = learn(replay[int(torch.randint(len(replay), (1,), generator=generator))])  # uniform
+            replay_stats = learn(replay[int(torch.randint(len(replay), (1,)))])  # uniform
         now, last = time.time(), counter.value >= args.total_timesteps or halt.is_set()  # the last update reported
         if (stats or replays) and ((worker_id == 0 and now - last_report >= 1.0) or last):
             report = {key.replace("stats/", "on_policy/", 1): v for key, v in stats.items()}  # the on-policy update's
@@ -475,7 +474,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     msg_q.put(("done", counter.value, worker_id))
 
 
-def segment_loss(local, avg_agent, segment, args, generator=None):
+def segment_loss(local, avg_agent, segment, args):
     """Runs the local and average networks over a segment and returns the ACER loss (Algorithm 2 or 3)."""
     hyper = {k: getattr(args, k) for k in ("gamma", "c", "delta", "value_coef", "trust_region")}
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)  # --bf16: the networks' passes only
@@ -485,10 +484,10 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
     if isinstance(local, ContinuousAgent):
         mean, values = local(segment["obs"])
         obs = segment["obs"][:-1].float()
-        q_taken = local.q_tilde(obs, segment["action"][:-1], mean[:-1], values[:-1], args.sdn_samples, generator)
+        q_taken = local.q_tilde(obs, segment["action"][:-1], mean[:-1], values[:-1], args.sdn_samples)
         with torch.no_grad():
-            sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape, generator=generator)
-            q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples, generator)
+            sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape)
+            q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples)
         return acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, *data, std=args.policy_std, **hyper)
     with amp:
         logits, q = local(segment["obs"])
