@@ -71,7 +71,6 @@ class Args:
     num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
     k: int = 20  # k, steps per segment and update (Sec. 4)
     replay_ratio: float = 4.0  # r, replay updates per on-policy update, Poisson (Algorithm 1; Sec. 4); 0: no replay
-    poisson_replay: bool = True  # draw the number of replay updates from Poisson(r) (Algorithm 1); off: exactly r
     replay_size: int = 50_000  # replay per worker, in env steps (Sec. 4)
     c: float = 10.0  # c, truncation of the policy gradient's importance weight (Sec. 4)
     delta: float = 1.0  # δ, trust-region bound on the linearised KL to the average policy (Sec. 4)
@@ -192,7 +191,22 @@ class AcerLoss(NamedTuple):
     trust_region_adjustment: torch.Tensor  # ‖z − ĝ‖ / ‖ĝ‖
     kl_avg: torch.Tensor  # KL(average policy ‖ policy)
     value_mean: torch.Tensor
-    entropy: torch.Tensor
+    entropy: torch.Tensor = torch.tensor(float("nan"))  # NaN where σ is fixed (continuous actions)
+
+
+def acer_result(phi, g, k, mask, delta, trust_region, critic_loss, value_loss, **per_step) -> AcerLoss:
+    """Algorithms 2 and 3 alike: z, the trust-region step (Eq. 12) of ĝ `[N, X]` away from the KL gradient k (ĝ
+    without the trust region), zero at reset steps (`mask` `[T, B]`) and back-propagated as −z/B through the
+    policy's statistics φ `[T, B, X]`; the loss adds `critic_loss`. Logged: `value_loss`, ‖z − ĝ‖/‖ĝ‖ and the
+    means of the `per_step` diagnostics `[T, B]` over the real steps."""
+    with torch.no_grad():
+        z = trust_region_step(g, k, delta) if trust_region else g
+        z, g = (x.view(phi.shape) * mask[..., None] for x in (z, g))
+        n = mask.sum().clamp(min=1)
+    policy_loss = -(z * phi).sum() / phi.shape[1]  # ∂/∂φ = −z/B: ascent along z
+    means = {name: (mask * x).sum() / n for name, x in per_step.items()}
+    adjustment = (z - g).norm() / g.norm().clamp(min=1e-12)
+    return AcerLoss(policy_loss + critic_loss, policy_loss, value_loss, trust_region_adjustment=adjustment, **means)
 
 
 def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behaviour_probs, gamma=0.99, c=10.0,
@@ -219,23 +233,11 @@ def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behavi
         g, rho_bar, _ = acer_policy_gradient(*per_state, c, ent_coef)
         avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A).clamp(min=PROB_FLOOR)
         k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
-        z = trust_region_step(g, k, delta) if trust_region else g
-        z, g = (x.view(T, B, A) * mask[..., None] for x in (z, g))
-        n = mask.sum().clamp(min=1)
         kl = (avg_probs * (avg_probs.log() - p[:-1].reshape(-1, A).log())).sum(-1).view(T, B)
-    policy_loss = -(z * probs[:-1]).sum() / B  # ∂/∂φ = −z/B: ascent along z
+        per_step = dict(rho_mean=rho_bar.view(T, B), truncated_fraction=(rho > c).float(), kl_avg=kl)
+        per_step.update(value_mean=values[:-1], entropy=-(p[:-1] * p[:-1].log()).sum(-1))
     value_loss = (mask * (q_ret - q_sa) ** 2).sum() / B
-    return AcerLoss(
-        loss=policy_loss + value_coef * value_loss,
-        policy_loss=policy_loss,
-        value_loss=value_loss,
-        rho_mean=(mask * rho_bar.view(T, B)).sum() / n,
-        truncated_fraction=(mask * (rho > c).float()).sum() / n,
-        trust_region_adjustment=(z - g).norm() / g.norm().clamp(min=1e-12),
-        kl_avg=(mask * kl).sum() / n,
-        value_mean=(mask * values[:-1]).sum() / n,
-        entropy=-(mask * (p[:-1] * p[:-1].log()).sum(-1)).sum() / n,
-    )
+    return acer_result(probs[:-1], g, k, mask, delta, trust_region, value_coef * value_loss, value_loss, **per_step)
 
 
 def gaussian_ratio(actions, mean, behaviour_mean, std):
@@ -250,7 +252,6 @@ def gaussian_policy_gradient(mean, actions, behaviour_mean, q_opc, values, sampl
 
     with ∇_φ log f(a|φ) = (a − φ)/σ², ρ_t = f(a_t|φ)/μ(a_t|x), a'_t ~ π a fresh sample and ρ'_t its ratio; the
     behaviour policy μ is N(behaviour_mean, σ²I). Inputs are constants. Returns (g, min(c, ρ_t), ρ_t)."""
-    mean, actions, behaviour_mean = mean.detach(), actions.detach(), behaviour_mean.detach()
     var = std * std
     rho = gaussian_ratio(actions, mean, behaviour_mean, std)
     rho_sampled = gaussian_ratio(sampled_actions, mean, behaviour_mean, std)
@@ -283,24 +284,12 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
         per_state = (m[:-1], actions, behaviour_mean[:-1], q_opc, v[:-1], sampled_actions, q_sampled)
         g, rho_bar, _ = gaussian_policy_gradient(*[x.flatten(0, 1) for x in per_state], std, c)
         k = (m[:-1] - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
-        z = trust_region_step(g, k, delta) if trust_region else g
-        z, g = (x.view(T, B, d) * mask[..., None] for x in (z, g))
-        n = mask.sum().clamp(min=1)
         kl = 0.5 * ((m[:-1] - avg_mean[:-1]) ** 2).sum(-1) / (std * std)
-    policy_loss = -(z * mean[:-1]).sum() / B
+        per_step = dict(rho_mean=rho_bar.view(T, B), truncated_fraction=(rho > c).float(), kl_avg=kl, value_mean=v[:-1])
     td = q_ret - q_taken
     value_loss = (mask * (td**2 - 2 * rho.clamp(max=1.0) * td.detach() * values[:-1])).sum() / B
-    return AcerLoss(
-        loss=policy_loss + value_coef * value_loss,
-        policy_loss=policy_loss,
-        value_loss=(mask * td**2).sum().detach() / B,  # the squared error (value_loss's gradient is Algorithm 3's)
-        rho_mean=(mask * rho_bar.view(T, B)).sum() / n,
-        truncated_fraction=(mask * (rho > c).float()).sum() / n,
-        trust_region_adjustment=(z - g).norm() / g.norm().clamp(min=1e-12),
-        kl_avg=(mask * kl).sum() / n,
-        value_mean=(mask * v[:-1]).sum() / n,
-        entropy=torch.tensor(float("nan")),
-    )
+    squared_error = (mask * td**2).sum().detach() / B  # what is logged (value_loss's gradient is Algorithm 3's)
+    return acer_result(mean[:-1], g, k, mask, delta, trust_region, value_coef * value_loss, squared_error, **per_step)
 
 
 @torch.no_grad()
@@ -356,38 +345,34 @@ class Agent(nn.Module):
 
 class ContinuousAgent(nn.Module):
     """Sec. 5-6: a Gaussian policy N(φ(x), σ²I) with a fixed σ, and a stochastic dueling network (Eq. 13): V(x) and a
-    small separate network A(x, a). `forward(obs)` `[T, B, D]` gives the mean `[T, B, d]` and V `[T, B]`.
-    `separate_value`: the policy's θ and the critic's θ_v (V and A) apart (Algorithm 3); `obs_norm`, `scale_rewards`:
-    running statistics of the observations and of the discounted return, which the workers update (not the paper's)."""
+    small separate network A(x, a). `forward(obs)` `[T, B, D]` gives the mean `[T, B, d]` and V `[T, B]`. The policy's
+    θ and the critic's θ_v (V and A) apart (Algorithm 3); running statistics of the observations and, with
+    `scale_rewards`, of the discounted return, which the workers update (not the paper's)."""
 
-    def __init__(
-        self, obs_shape, action_dim, hidden=200, policy_std=0.3, separate_value=True, obs_norm=True, scale_rewards=False
-    ):
+    def __init__(self, obs_shape, action_dim, hidden=200, policy_std=0.3, scale_rewards=False):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), action_dim=action_dim, hidden=hidden, policy_std=policy_std)
-        self.config.update(separate_value=separate_value, obs_norm=obs_norm, scale_rewards=scale_rewards)
+        self.config.update(scale_rewards=scale_rewards)
         self.action_dim, self.std = action_dim, policy_std
         obs_dim = int(math.prod(obs_shape))
-        self.obs_norm = RunningNorm(obs_dim) if obs_norm else nn.Identity()
+        self.obs_norm = RunningNorm(obs_dim)
         self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
-        self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # the mean's (and V's, without separate_value)
+        self.torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # the mean's
         self.mean = nn.Linear(hidden, action_dim)
         self.value = nn.Linear(hidden, 1)
         self.advantage = nn.Sequential(nn.Linear(obs_dim + action_dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
-        self.value_torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU) if separate_value else None
+        self.value_torso = MLPTorso(obs_dim, (hidden,), activation=nn.ReLU)  # V's
         init_output_(self.mean, 0.01)  # pfrl's train_acer_mujoco.py
 
     def forward(self, obs):
         T, B = obs.shape[:2]
         x = self.obs_norm(obs.reshape(T * B, -1))
-        h = self.torso(x)
-        hv = self.value_torso(x) if self.value_torso is not None else h
-        return self.mean(h).view(T, B, -1), self.value(hv).view(T, B)
+        return self.mean(self.torso(x)).view(T, B, -1), self.value(self.value_torso(x)).view(T, B)
 
-    def q_tilde(self, obs, actions, mean, values, n, generator=None):
+    def q_tilde(self, obs, actions, mean, values, n):
         """Eq. (13): Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i), u_i ~ π(·|x) (no gradient through them), for
         `[..., D]` raw observations (normalised here as in `forward`) and `[..., d]` actions."""
-        noise = torch.randn(*mean.shape[:-1], n, self.action_dim, generator=generator)
+        noise = torch.randn(*mean.shape[:-1], n, self.action_dim)
         u = mean.detach().unsqueeze(-2) + self.std * noise
         a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
         obs = self.obs_norm(obs)
@@ -404,22 +389,19 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from but for continuous actions, Sec. 6,
     stored raw), then Poisson(r) segments replayed from its memory. Once `halt` is set, it ends after its updates."""
     n, k = args.num_envs, args.k
-    torch.manual_seed(args.seed + worker_id)
+    torch.manual_seed(args.seed + worker_id)  # every torch draw of this process
     np.random.seed(args.seed + worker_id)
-    generator = torch.Generator().manual_seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
     local = copy.deepcopy(shared)  # θ', in this process's memory (channels-last with --bf16, as θ)
     continuous = isinstance(local, ContinuousAgent)
     if continuous:  # the env's box, as float32
         low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
-    pixels = len(local.config["obs_shape"]) == 3
     replay = collections.deque(maxlen=max(1, args.replay_size // (k * n)))  # whole segments, the oldest leaves first
     tracker = EpisodeTracker(n)
-    obs = obs_tensor(envs.reset()[0], pixels)
+    obs = obs_tensor(envs.reset()[0])
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     last_report = 0.0
-    obs_norm, return_norm = getattr(shared, "obs_norm", None), getattr(shared, "return_norm", None)
-    discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
+    discounted_return = np.zeros(n)  # each environment's discounted return so far (--scale-rewards' statistics)
 
     def learn(segment):
         """One update: θ' ← θ, the gradient Δθ of the segment's loss at θ', clipped, applied to the shared θ by A3C's
@@ -427,67 +409,61 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
         without locks: Hogwild), then θ_a's soft update."""
         with obs_lock:  # θ' ← θ, the observation statistics whole
             local.load_state_dict(shared.state_dict())
-        if return_norm is not None:
+        if args.scale_rewards:
             segment = {**segment, "reward": scale_rewards(segment["reward"], local.return_norm.var)}  # θ's statistics
-        out = segment_loss(local, avg_agent, segment, args, generator)
+        out = segment_loss(local, avg_agent, segment, args)
         local.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(local.parameters(), args.max_grad_norm or float("inf"))  # 0: none
         check_finite("in a worker's update (nothing applied)", loss=out.loss, gradient=grad_norm)
-        alpha, eps = args.rmsprop_alpha, args.rmsprop_eps
         with torch.no_grad():
             for p, local_p, g in zip(shared.parameters(), local.parameters(), square_avg):
-                g.mul_(alpha).addcmul_(local_p.grad, local_p.grad, value=1 - alpha)
-                p.addcdiv_(local_p.grad, (g + eps).sqrt_(), value=-args.learning_rate)
+                g.mul_(args.rmsprop_alpha).addcmul_(local_p.grad, local_p.grad, value=1 - args.rmsprop_alpha)
+                p.addcdiv_(local_p.grad, (g + args.rmsprop_eps).sqrt_(), value=-args.learning_rate)
         update_average(avg_agent, shared, args.avg_decay)
         return {**{k: v for k, v in loss_stats(out).items() if not v.isnan()}, "stats/grad_norm": grad_norm}
 
     while counter.value < args.total_timesteps and not halt.is_set():
         with obs_lock:
             local.load_state_dict(shared.state_dict())
-        rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu")}
-        returns_seen = []
+        rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu", "return")}
         with torch.no_grad():
             for _ in range(k):
                 # μ is stored as the behaviour mean (continuous: σ is fixed) or the behaviour probabilities
                 mu = local(obs[None])[0][0] if continuous else F.softmax(local(obs[None])[0][0], dim=-1)
                 check_finite(f"while acting at step {counter.value}", policy=mu)  # before sampling from it
                 if continuous:
-                    action = mu + local.std * torch.randn(mu.shape, generator=generator)
-                    env_action = to_env_action(action.numpy(), low, high)
+                    action = mu + local.std * torch.randn(mu.shape)
                 else:
-                    action = torch.multinomial(mu, 1, generator=generator).squeeze(-1)
-                    env_action = action.numpy()
+                    action = torch.multinomial(mu, 1).squeeze(-1)
+                env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", counter.value, (score, length)))
-                for key, v in zip(rows, (obs, action, reward, term, ended, mu)):
+                discounted_return = discounted_return * args.gamma + reward
+                for key, v in zip(rows, (obs, action, reward.astype(np.float32), term, ended, mu, discounted_return)):
                     rows[key].append(torch.as_tensor(v))
-                if return_norm is not None:
-                    discounted_return = discounted_return * args.gamma + reward
-                    returns_seen.append(torch.as_tensor(discounted_return))
-                    discounted_return[term | trunc] = 0.0
+                discounted_return[term | trunc] = 0.0
                 ended = torch.as_tensor(term | trunc)
-                obs = obs_tensor(next_obs, pixels)
+                obs = obs_tensor(next_obs)
         for key, column in rows.items():  # row k: the bootstrap observation (its other fields are never used)
             column.append(obs if key == "obs" else torch.zeros_like(column[-1]))
         segment = {key: torch.stack(v) for key, v in rows.items()}
-        segment["reward"] = segment["reward"].float()
         with counter.get_lock():
             step = counter.value
             counter.value += k * n
         stats = {} if continuous else learn(segment)  # Sec. 6: continuous ACER learns from replay only
         with obs_lock:  # the shared statistics take the on-policy observations (the bootstrap one is the next's)
-            if isinstance(obs_norm, RunningNorm):  # not in the discrete network or an older continuous one
-                obs_norm.update(segment["obs"][:-1])
-            if return_norm is not None:
-                return_norm.update(torch.stack(returns_seen))
+            if continuous:
+                shared.obs_norm.update(segment["obs"][:-1])
+            if args.scale_rewards:
+                shared.return_norm.update(segment["return"][:-1])
             for avg_buffer, buffer in zip(avg_agent.buffers(), shared.buffers()):  # θ_a normalises as θ from now on
                 avg_buffer.copy_(buffer)
         replay.append(segment)
-        replays = int(np.random.poisson(args.replay_ratio)) if args.poisson_replay else int(args.replay_ratio)
+        replays = int(np.random.poisson(args.replay_ratio))
         for _ in range(replays):
-            replay_stats = learn(replay[int(torch.randint(len(replay), (1,), generator=generator))])  # uniform
+            replay_stats = learn(replay[int(torch.randint(len(replay), (1,)))])  # uniform
         now, last = time.time(), counter.value >= args.total_timesteps or halt.is_set()  # the last update reported
         if (stats or replays) and ((worker_id == 0 and now - last_report >= 1.0) or last):
             report = {key.replace("stats/", "on_policy/", 1): v for key, v in stats.items()}  # the on-policy update's
@@ -498,7 +474,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
     msg_q.put(("done", counter.value, worker_id))
 
 
-def segment_loss(local, avg_agent, segment, args, generator=None):
+def segment_loss(local, avg_agent, segment, args):
     """Runs the local and average networks over a segment and returns the ACER loss (Algorithm 2 or 3)."""
     hyper = {k: getattr(args, k) for k in ("gamma", "c", "delta", "value_coef", "trust_region")}
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)  # --bf16: the networks' passes only
@@ -508,10 +484,10 @@ def segment_loss(local, avg_agent, segment, args, generator=None):
     if isinstance(local, ContinuousAgent):
         mean, values = local(segment["obs"])
         obs = segment["obs"][:-1].float()
-        q_taken = local.q_tilde(obs, segment["action"][:-1], mean[:-1], values[:-1], args.sdn_samples, generator)
+        q_taken = local.q_tilde(obs, segment["action"][:-1], mean[:-1], values[:-1], args.sdn_samples)
         with torch.no_grad():
-            sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape, generator=generator)
-            q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples, generator)
+            sampled = mean[:-1] + local.std * torch.randn(mean[:-1].shape)
+            q_sampled = local.q_tilde(obs, sampled, mean[:-1], values[:-1], args.sdn_samples)
         return acer_loss_continuous(mean, values, q_taken, q_sampled, sampled, *data, std=args.policy_std, **hyper)
     with amp:
         logits, q = local(segment["obs"])
@@ -522,13 +498,10 @@ def main(args: Args):
     args, resumed = resume_checkpoint(args.resume, os.path.basename(__file__), Args) if args.resume else (args, None)
     args, spec = check_args(args)
     torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     obs_shape = tuple(spec.observation_space.shape) if is_atari(args.env_id) else (flat_obs_dim(spec),)
     discrete = hasattr(spec.action_space, "n")
-    if resumed is not None:
-        agent = agent_from_config(resumed["agent_config"])  # the run's own network (older configs too)
-    elif discrete:
+    if discrete:  # a resumed run's from its own arguments
         agent = Agent(obs_shape, int(spec.action_space.n), args.hidden)
     else:
         action_dim = int(spec.action_space.shape[0])
@@ -581,27 +554,20 @@ def scale_rewards(rewards, return_var, clip=10.0):
     return (rewards / math.sqrt(float(return_var[0]) + 1e-8)).clamp(-clip, clip)
 
 
-def obs_tensor(obs, pixels):
+def obs_tensor(obs):
     """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
-    return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
-
-
-def agent_from_config(config):
-    """The network of a saved `agent_config` (a continuous one saved before its options existed: all three off)."""
-    if "action_dim" not in config:
-        return Agent(**config)
-    return ContinuousAgent(**{"separate_value": False, "obs_norm": False, "scale_rewards": False, **config})
+    return torch.from_numpy(obs) if getattr(obs, "dtype", None) == np.uint8 else torch.from_numpy(flatten_obs(obs))
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """A callable `policy(obs, rewards, first) -> actions` of a saved model (evaluate.py plays it)."""
-    agent = agent_from_config(checkpoint["agent_config"]).to(device)
+    config = checkpoint["agent_config"]
+    agent = (ContinuousAgent if "action_dim" in config else Agent)(**config).to(device)
     agent.load_state_dict(checkpoint["agent"])  # with the observation statistics it was trained with
-    pixels = len(agent.config["obs_shape"]) == 3
 
     @torch.no_grad()
     def policy(obs, rewards, first):
-        out, _ = agent(obs_tensor(obs, pixels).to(device)[None])  # the mean, or the logits
+        out, _ = agent(obs_tensor(obs).to(device)[None])  # the mean, or the logits
         if isinstance(agent, ContinuousAgent):
             action = out[0] if greedy else out[0] + agent.std * torch.randn_like(out[0])
             low, high = np.asarray(checkpoint["action_low"]), np.asarray(checkpoint["action_high"])
@@ -626,14 +592,12 @@ def check_args(args):
     for name in ("avg_decay", "rmsprop_alpha"):
         value = getattr(args, name)
         require(0 <= value < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
-    for name in ("value_coef", "ent_coef", "max_grad_norm"):
+    for name in ("value_coef", "ent_coef", "max_grad_norm", "replay_ratio"):
         require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
     segment = args.k * args.num_envs
     require(args.total_timesteps >= segment, f"--total-timesteps must be at least one segment ({segment} steps)")
     require(args.replay_size >= segment or not args.replay_ratio, f"--replay-size is below one segment ({segment})")
-    whole = args.poisson_replay or float(args.replay_ratio).is_integer()
-    require(args.replay_ratio >= 0 and whole, "--replay-ratio must be at least 0 (whole with --no-poisson-replay)")
     require(discrete or args.replay_ratio > 0, "--replay-ratio 0: continuous ACER learns from replay only (Sec. 6)")
     require(not (discrete and args.scale_rewards), "--scale-rewards is for continuous actions (Atari clips rewards)")
     require(pixels or not args.bf16, "--bf16 is for the Atari network's convolutions; vector tasks run in float32")
