@@ -74,7 +74,6 @@ class Args:
     target_update_period: int = 10_000  # I_target, steps between θ⁻ ← θ: 40k frames (Supp. 8)
     epsilon_steps: int = 1_000_000  # steps over which ε anneals from 1: 4M frames (Supp. 8)
     learning_rate: float = 1e-3  # η, initial learning rate (middle of the paper's LogUniform(1e-4, 1e-2), Supp. 8)
-    anneal_lr: bool = True  # anneal η linearly to 0 over the run (Supp. 8)
     rmsprop_alpha: float = 0.99  # α, RMSProp decay of the squared-gradient average g (Supp. 8)
     rmsprop_eps: float = 0.1  # ε of RMSProp, inside the square root (Eq. S3; not given in the paper)
     gamma: float = 0.99  # γ, discount (Supp. 8)
@@ -463,7 +462,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             step = counter.value
             counter.value += T * n
         # η annealed by the steps of all workers (a shared counter, which LambdaLR's per-process count is not)
-        lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps) if args.anneal_lr else args.learning_rate
+        lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps)
         optimizer.param_groups[0]["lr"] = lr
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
         with obs_lock:  # the shared statistics take this rollout's observations (and returns)
