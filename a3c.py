@@ -308,14 +308,13 @@ class Agent(nn.Module):
     linear μ drifts outside the box). One body for π and V on pixels (Supp. 8), two on normalised vectors (Supp. 9).
     `forward` maps `[T, B, ...]` to `pi` (`[T, B, A]` logits, or μ then σ: `[T, B, 2d]`), the values and the state."""
 
-    def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, separate_value=None,
-                 gaussian="paper", scale_rewards=False):  # fmt: skip
+    def __init__(
+        self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, gaussian="paper", scale_rewards=False
+    ):
         super().__init__()
-        if separate_value is None:
-            separate_value = bool(action_dim) or len(obs_shape) != 3
+        separate_value = bool(action_dim) or len(obs_shape) != 3
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim, hidden=hidden)
-        self.config.update(lstm_size=lstm_size, separate_value=separate_value)  # for model.pt
-        self.config.update(gaussian=gaussian, scale_rewards=scale_rewards)
+        self.config.update(lstm_size=lstm_size, gaussian=gaussian, scale_rewards=scale_rewards)  # for model.pt
         self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
         self.num_actions, self.action_dim = num_actions, action_dim
         self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
@@ -552,9 +551,7 @@ def obs_tensor(obs, pixels):
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """`policy(obs, rewards, first) -> actions` of a saved model for evaluate.py, keeping its LSTM state: sampled (or
     the most probable / the mean), or for the value-based methods ε-greedy with ε = EVAL_EPSILON (or greedy)."""
-    config, value_based = dict(checkpoint["agent_config"]), checkpoint.get("args", {}).get("method", "a3c") != "a3c"
-    if not value_based:
-        config.setdefault("separate_value", bool(config["action_dim"]))  # a model.pt from before vectors separated
+    config, value_based = checkpoint["agent_config"], checkpoint.get("args", {}).get("method", "a3c") != "a3c"
     agent = (QAgent if value_based else Agent)(**config).to(device).eval()
     agent.load_state_dict(checkpoint["agent"])
     pixels = len(agent.config["obs_shape"]) == 3

@@ -409,16 +409,6 @@ def test_vector_policy_and_value_share_no_parameters(actions):
     assert all(p.grad is not None for p in agent.value_body.parameters())
 
 
-def test_model_saved_before_vectors_separated_still_plays():
-    """A CartPole model.pt from before vector observations got a value body of their own (no `separate_value` in
-    its config, one shared body) loads and plays."""
-    old = a3c.Agent((4,), num_actions=2, separate_value=False)
-    config = {k: v for k, v in old.config.items() if k != "separate_value"}
-    policy = a3c.make_eval_policy({"agent_config": config, "agent": old.state_dict()}, num_envs=3)
-    actions = policy(np.zeros((3, 4), np.float32), np.zeros(3), np.ones(3, bool))
-    assert actions.shape == (3,) and set(actions.tolist()) <= {0, 1}
-
-
 def test_discrete_policy_log_prob_and_entropy():
     torch.manual_seed(0)
     agent = a3c.Agent((4, 84, 84), num_actions=4)
