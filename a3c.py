@@ -19,7 +19,7 @@ by the paper's *shared* RMSProp, whose running average of squared gradients is i
 | Algorithm S3: "asynchronous update of θ using dθ" (Hogwild)         | `hogwild_update`              |
 | Sec. 4 Eq. (1), Supp. Eqs. (S2)-(S3): shared RMSProp                | `SharedRMSprop`               |
 | Supp. 8: Atari network (16 8x8/4, 32 4x4/2, 256), softmax + value   | `Agent` (common/networks.py)  |
-| Supp. 8: the value-based methods' one linear output per action      | `QAgent`                      |
+| Supp. 8: the value-based methods' one linear output per action      | `Agent(q_values=True)`        |
 | Sec. 5.1: 256 LSTM cells after the last hidden layer                | `--lstm`                      |
 | Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V    | `Agent`, vector observations  |
 | Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0              | `Args` defaults               |
@@ -306,20 +306,20 @@ class Agent(nn.Module):
     """A softmax policy (Supp. 8) or a Gaussian: "paper", a linear μ and a spherical σ² = softplus(linear) + 1e-5 of
     the state (Supp. 9); "tanh", μ = tanh(linear) in the action box, a learned log σ per dimension (docs/a3c.md: a
     linear μ drifts outside the box). One body for π and V on pixels (Supp. 8), two on normalised vectors (Supp. 9).
-    `forward` maps `[T, B, ...]` to `pi` (`[T, B, A]` logits, or μ then σ: `[T, B, 2d]`), the values and the state."""
+    `q_values`: the value-based methods' Q(s, ·; θ) (Supp. 8), one body and one linear output per action, V = max_a Q.
+    `forward` maps `[T, B, ...]` to `pi` (logits or Q `[T, B, A]`, or μ then σ `[T, B, 2d]`), values and state."""
 
-    def __init__(
-        self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, gaussian="paper", scale_rewards=False
-    ):
+    def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, gaussian="paper",
+                 scale_rewards=False, q_values=False):  # fmt: skip
         super().__init__()
-        separate_value = bool(action_dim) or len(obs_shape) != 3
+        pixels = len(obs_shape) == 3
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim, hidden=hidden)
-        self.config.update(lstm_size=lstm_size, gaussian=gaussian, scale_rewards=scale_rewards)  # for model.pt
+        self.config.update(lstm_size=lstm_size, gaussian=gaussian, scale_rewards=scale_rewards, q_values=q_values)
         self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
         self.num_actions, self.action_dim = num_actions, action_dim
-        self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
+        self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if not pixels else None
         self.body = Body(obs_shape, hidden, lstm_size)
-        self.value_body = Body(obs_shape, hidden, lstm_size) if separate_value else None
+        self.value_body = Body(obs_shape, hidden, lstm_size) if (action_dim or not pixels) and not q_values else None
         n = self.body.out_features
         state_std = action_dim and gaussian == "paper"
         self.policy = nn.Linear(n, action_dim + 1 if state_std else action_dim or num_actions)
@@ -327,9 +327,10 @@ class Agent(nn.Module):
         if action_dim and gaussian == "tanh":
             self.log_std = nn.Parameter(torch.full((action_dim,), -0.5))  # σ ≈ 0.6 at first (Tianshou's A2C, PPO)
             init_output_(self.policy, 0.01)  # μ ≈ 0 at the start, whatever the observation
-        self.value = nn.Linear(n, 1)
-        if len(obs_shape) == 3:  # pixels: CleanRL's readouts (near-uniform first policy); vectors keep PyTorch's
-            init_output_(self.policy, 0.01)
+        self.value = None if q_values else nn.Linear(n, 1)
+        if pixels:  # CleanRL's readouts (near-uniform first policy; values, Q too, at gain 1); vectors keep PyTorch's
+            init_output_(self.policy, 1.0 if q_values else 0.01)
+        if pixels and not q_values:
             init_output_(self.value, 1.0)
 
     def initial_state(self, batch_size):
@@ -346,7 +347,8 @@ class Agent(nn.Module):
         elif self.action_dim:
             mean, raw_var = pi.split(self.action_dim, dim=-1)
             pi = torch.cat([mean, (F.softplus(raw_var) + 1e-5).sqrt().expand_as(mean)], dim=-1)
-        return pi, self.value(features[-1][0]).squeeze(-1), tuple(s for _, s in features) if state else ()
+        values = pi.max(-1).values if self.value is None else self.value(features[-1][0]).squeeze(-1)
+        return pi, values, tuple(s for _, s in features) if state else ()
 
     def log_prob_entropy(self, pi, actions):
         """log π(a|s) and the entropy H(π(·|s)), both `[...]`; the Gaussian's entropy is Σ_i ½ (log(2πσ_i²) + 1),
@@ -358,37 +360,16 @@ class Agent(nn.Module):
         return log_p.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
     @torch.no_grad()
-    def sample(self, pi, greedy=False):
+    def sample(self, pi, greedy=False, epsilon=EVAL_EPSILON):
+        """An action of π, or ε-greedy on the Q-values (Algorithm 1); `greedy`: the most probable, the mean, the max."""
+        if self.value is None:
+            return epsilon_greedy(pi, 0.0 if greedy else epsilon)
         if self.action_dim:
             mean, std = pi[..., : self.action_dim], pi[..., self.action_dim :]
             return mean if greedy else mean + std * torch.randn_like(mean)
         if greedy:
             return pi.argmax(-1)
         return torch.multinomial(F.softmax(pi.reshape(-1, pi.shape[-1]), -1), 1).view(pi.shape[:-1])
-
-
-class QAgent(nn.Module):
-    """The value-based methods' Q(s, ·; θ) (Supp. 8): A3C's body (no LSTM), one linear output per action; `forward`
-    returns, as `Agent`'s, the outputs `[T, B, A]` (the Q-values), the values `[T, B]` (max_a Q) and the state ()."""
-
-    def __init__(self, obs_shape, num_actions, hidden=200):
-        super().__init__()
-        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, hidden=hidden)  # for model.pt
-        self.num_actions, self.action_dim = num_actions, 0
-        self.return_norm = None  # (A3C's --scale-rewards)
-        self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
-        self.body = Body(obs_shape, hidden)
-        self.q = nn.Linear(self.body.out_features, num_actions)
-        if len(obs_shape) == 3:  # pixels: orthogonal readout as A3C's value head; vectors keep PyTorch's default
-            init_output_(self.q, 1.0)
-
-    def initial_state(self, batch_size):
-        return ()
-
-    def forward(self, obs, first, state=()):
-        x, _ = self.body(self.obs_norm(obs) if self.obs_norm is not None else obs, first, None)
-        q = self.q(x)
-        return q, q.max(-1).values, ()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -401,7 +382,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     n, T, value_based = args.num_envs, args.t_max, target is not None
     torch.manual_seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
-    local = (QAgent if value_based else Agent)(**shared.config)
+    local = Agent(**shared.config)
     continuous, pixels = local.action_dim > 0, len(local.config["obs_shape"]) == 3
     if continuous:
         low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
@@ -425,10 +406,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             for t in range(T):
                 out, _, state = local(obs[None], first[None], state)  # π's parameters, or the Q-values
                 check_finite(f"while acting at step {counter.value}", policy=out)
-                if not value_based:
-                    action = local.sample(out[0])
-                else:
-                    action = sarsa_action if t == 0 and sarsa_action is not None else epsilon_greedy(out[0], epsilon)
+                action = sarsa_action if t == 0 and sarsa_action is not None else local.sample(out[0], epsilon=epsilon)
                 env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
@@ -448,7 +426,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         if value_based:
             q_target = target(all_obs, all_first)[0].detach()  # θ⁻'s values at s_0..s_T
             if args.method == "one-step-sarsa":  # a' at s_T, ε-greedy on θ' (taken first in the next rollout)
-                sarsa_action = epsilon_greedy(out[-1].detach(), epsilon)
+                sarsa_action = local.sample(out[-1], epsilon=epsilon)
             next_actions = torch.cat([actions[1:], sarsa_action[None]]) if sarsa_action is not None else None
             targets = value_targets(args.method, rewards.float(), terminated, ends, q_target, next_actions, args.gamma)
             loss, stats = q_loss(out[:-1].gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), targets, ends)
@@ -495,12 +473,10 @@ def main(args: Args):
     pixels, discrete = is_atari(args.env_id), hasattr(spec.action_space, "n")
     obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     num_actions, action_dim = (spec.action_space.n, 0) if discrete else (0, spec.action_space.shape[0])
-    if args.method == "a3c":
-        heads = dict(gaussian=args.gaussian, scale_rewards=args.scale_rewards)
-        agent = Agent(obs_shape, num_actions, int(action_dim), args.hidden, args.lstm_size if args.lstm else 0, **heads)
-    else:  # the value-based methods' Q-network
-        agent = QAgent(obs_shape, num_actions, args.hidden)
-    target = None if args.method == "a3c" else copy.deepcopy(agent).requires_grad_(False)  # θ⁻ ← θ (Algorithm 1)
+    q_values = args.method != "a3c"  # the value-based methods' Q-network
+    heads = dict(gaussian=args.gaussian, scale_rewards=args.scale_rewards and not q_values, q_values=q_values)
+    agent = Agent(obs_shape, num_actions, int(action_dim), args.hidden, args.lstm_size if args.lstm else 0, **heads)
+    target = copy.deepcopy(agent).requires_grad_(False) if q_values else None  # θ⁻ ← θ (Algorithm 1)
     optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     parts = dict(agent=agent, target=target, optimizer=optimizer)  # θ (and the observation statistics), θ⁻, g
     for name, part in ((k, v) for k, v in parts.items() if v is not None):
@@ -551,8 +527,7 @@ def obs_tensor(obs, pixels):
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """`policy(obs, rewards, first) -> actions` of a saved model for evaluate.py, keeping its LSTM state: sampled (or
     the most probable / the mean), or for the value-based methods ε-greedy with ε = EVAL_EPSILON (or greedy)."""
-    config, value_based = checkpoint["agent_config"], checkpoint.get("args", {}).get("method", "a3c") != "a3c"
-    agent = (QAgent if value_based else Agent)(**config).to(device).eval()
+    agent = Agent(**checkpoint["agent_config"]).to(device).eval()
     agent.load_state_dict(checkpoint["agent"])
     pixels = len(agent.config["obs_shape"]) == 3
     state = tuple((h.to(device), c.to(device)) for h, c in agent.initial_state(num_envs))
@@ -563,9 +538,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
         nonlocal state
         first_t = torch.as_tensor(first, device=device).bool()[None]
         out, _, state = agent(obs_tensor(obs, pixels).to(device)[None], first_t, state)
-        if value_based:
-            return epsilon_greedy(out[0].cpu(), 0.0 if greedy else EVAL_EPSILON).numpy()
-        action = agent.sample(out[0], greedy).cpu().numpy()
+        action = agent.sample(out[0].cpu(), greedy).numpy()
         return to_env_action(action, np.asarray(low), np.asarray(high)) if agent.action_dim else action
 
     return policy

@@ -224,7 +224,7 @@ def test_target_network_follows_the_shared_weights_every_i_target_steps():
     argv = ["--env-id", "CartPole-v1", "--method", "one-step-q", "--target-update-period", "10", "--num-workers", "1"]
     args = a3c.parse_args([*argv, "--total-timesteps", "10"])
     args, _ = a3c.check_args(args)
-    agent = a3c.QAgent((4,), 2, args.hidden)
+    agent = a3c.Agent((4,), 2, hidden=args.hidden, q_values=True)
     target = copy.deepcopy(agent)
     initial = copy.deepcopy(agent.state_dict())
     optimizer = a3c.SharedRMSprop(agent.parameters(), 1e-2)
@@ -243,11 +243,11 @@ def test_target_network_follows_the_shared_weights_every_i_target_steps():
 def test_q_agent_outputs_one_value_per_action():
     """Supp. 8: the value-based methods' network is A3C's body with one linear output per action; `values` is
     max_a Q; the running statistics normalise vector observations as A3C's agent does."""
-    agent = a3c.QAgent((4,), 2, hidden=16)
+    agent = a3c.Agent((4,), 2, hidden=16, q_values=True)
     obs, first = torch.randn(3, 5, 4), torch.zeros(3, 5, dtype=torch.bool)
     q, v, state = agent(obs, first)
     assert q.shape == (3, 5, 2) and state == () and torch.equal(v, q.max(-1).values)
-    assert agent.obs_norm is not None and a3c.QAgent((4, 84, 84), 6).obs_norm is None
+    assert agent.obs_norm is not None and a3c.Agent((4, 84, 84), 6, q_values=True).obs_norm is None
 
 
 # --------------------------------------------------------------------------------------------------------
