@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
 from common.envs import make_env, require, task_family, to_env_action
 from common.evaluation import evaluate, resume_checkpoint
-from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, init_output_, init_weights_
+from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, dead_units, init_output_, init_weights_
 
 
 @dataclass
@@ -238,14 +238,6 @@ def scale_rewards(rewards, return_var, clip=10.0):
     """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the episode so far (SB3's
     VecNormalize, not in the paper): the value learns returns of unit scale whatever the task's reward scale."""
     return np.clip(rewards / math.sqrt(float(return_var[0]) + 1e-8), -clip, clip)
-
-
-@torch.no_grad()
-def active_fraction(agent, obs):
-    """The fraction of the body's last hidden ReLU units positive on at least one of `obs` `[N, ...]`: 0 when
-    the layer has died (then no gradient reaches the torso, and the policy no longer sees the state)."""
-    obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
-    return (agent.body.torso(obs) > 0).any(0).float().mean()
 
 
 @torch.no_grad()
@@ -447,7 +439,8 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         if worker_id == 0 and report:
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
-            stats["stats/active_units"] = active_fraction(local, rows_obs.flatten(0, 1))
+            torso_in = rows_obs.flatten(0, 1) if pixels else local.obs_norm(rows_obs.flatten(0, 1))
+            stats["stats/active_units"] = 1 - dead_units(local.body.torso(torso_in))  # 0: the torso has died
             if continuous:
                 stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
             msg_q.put(("stats", step + T * n, {k: float(v) for k, v in stats.items()}))

@@ -764,16 +764,16 @@ def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
 
 
 def test_active_units_statistic_sees_a_dead_layer():
-    """stats/active_units: the fraction of the last hidden ReLU layer's units positive on some frame; a layer whose
-    biases push every unit below zero (a dead torso) reads 0, a fresh one most of its units."""
+    """stats/active_units, 1 − dead_units of the torso: the fraction of the last hidden ReLU layer's units positive on
+    some frame; a layer whose biases push every unit below zero (a dead torso) reads 0, a fresh one most units."""
     torch.manual_seed(0)
     agent = a3c.Agent((4, 84, 84), num_actions=4)
     obs = torch.randint(0, 255, (8, 4, 84, 84), dtype=torch.uint8)
-    assert a3c.active_fraction(agent, obs) > 0.5
+    assert 1 - a3c.dead_units(agent.body.torso(obs)) > 0.5
     last = [m for m in agent.body.torso.modules() if isinstance(m, nn.Linear)][-1]
     with torch.no_grad():
         last.bias.fill_(-1e4)
-    assert a3c.active_fraction(agent, obs) == 0
+    assert 1 - a3c.dead_units(agent.body.torso(obs)) == 0
 
 
 def test_scale_rewards_divides_by_the_std_of_the_discounted_return():
