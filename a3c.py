@@ -302,7 +302,7 @@ class Agent(nn.Module):
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim, hidden=hidden)
         self.config.update(lstm_size=lstm_size, gaussian=gaussian, scale_rewards=scale_rewards, q_values=q_values)
         self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
-        self.num_actions, self.action_dim = num_actions, action_dim
+        self.action_dim = action_dim
         self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if not pixels else None
         self.body = Body(obs_shape, hidden, lstm_size)
         self.value_body = Body(obs_shape, hidden, lstm_size) if (action_dim or not pixels) and not q_values else None
@@ -359,7 +359,7 @@ class Agent(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Acting and learning: a worker runs Algorithm S2 (A3C) or S3 (the value-based methods).
+# Acting and learning: a worker runs Algorithm S3 (A3C), or Algorithm 1 or S2 (the value-based methods).
 
 
 def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q, halt=None):
@@ -435,8 +435,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                 shared.return_norm.update(torch.stack(returns_seen)[..., None])
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
             copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
-        report = time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps  # every second, the last
-        if worker_id == 0 and report:
+        if worker_id == 0 and (time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps):
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
             torso_in = rows_obs.flatten(0, 1) if pixels else local.obs_norm(rows_obs.flatten(0, 1))
