@@ -541,7 +541,8 @@ def test_smoke_value_based_methods(tmp_path, method):
     assert (saved["method"], saved["t_max"], saved["target_update_period"]) == (method, 5, 500)
     assert saved["epsilon_steps"] == 1000  # a third of the run
     checkpoint = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
-    assert set(checkpoint["target"]) == set(checkpoint["agent"]) and "q.weight" in checkpoint["agent"]
+    assert set(checkpoint["target"]) == set(checkpoint["agent"]) and "policy.weight" in checkpoint["agent"]
+    assert not any(k.startswith("value") for k in checkpoint["agent"])  # the Q-network: no value head or body
     result = evaluate_cli(run, extra=["--greedy"])
     assert result["env_id"] == "CartPole-v1" and result["episodes"] == 2
 
@@ -554,7 +555,7 @@ def test_smoke_breakout_n_step_q(tmp_path):
     saved = json.load(open(os.path.join(run, "args.json")))
     assert (saved["target_update_period"], saved["epsilon_steps"], saved["max_grad_norm"]) == (10_000, 1_000_000, 40.0)
     model = torch.load(os.path.join(run, "model.pt"), weights_only=False)
-    assert model["agent"]["q.weight"].shape[0] == 4
+    assert model["agent_config"]["q_values"] and model["agent"]["policy.weight"].shape[0] == 4  # Q of each action
     assert {"losses/td_loss", "stats/q_mean", "stats/epsilon", "stats/grad_norm"} <= events_tags(run)
 
 
