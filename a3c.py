@@ -12,14 +12,14 @@ by the paper's *shared* RMSProp, whose running average of squared gradients is i
 |---------------------------------------------------------------------|-------------------------------|
 | Algorithm S3: sync θ' ← θ, act t_max steps, R ← r_i + γR backwards  | `train_worker`, `n_step_returns` |
 | Algorithm S3: dθ ← ∇ log π(a|s)(R − V) + β∇H, dθ_v ← ∂(R − V)²/∂θ_v | `a3c_loss`                    |
-| Algorithm 1: y = r + γ max_a' Q(s', a'; θ⁻); Sec. 4: Sarsa's Q(s', a') | `one_step_targets`         |
+| Algorithm 1: y = r + γ max_a' Q(s', a'; θ⁻); Sec. 4: Sarsa's Q(s', a') | `value_targets`            |
 | Algorithm S2: R ← max_a Q(s_T, a; θ⁻), R ← r_i + γR backwards       | `value_targets`               |
 | Algorithm 1, S2: dθ ← dθ + ∂(y − Q(s, a; θ))²/∂θ, θ⁻ ← θ every I_target | `q_loss`, `train_worker`  |
 | Supp. 8: ε-greedy, ε from 1 to 0.1, 0.01, 0.5 (p 0.4, 0.3, 0.3)     | `epsilon_at`, `final_epsilon` |
 | Algorithm S3: "asynchronous update of θ using dθ" (Hogwild)         | `hogwild_update`              |
 | Sec. 4 Eq. (1), Supp. Eqs. (S2)-(S3): shared RMSProp                | `SharedRMSprop`               |
 | Supp. 8: Atari network (16 8x8/4, 32 4x4/2, 256), softmax + value   | `Agent` (common/networks.py)  |
-| Supp. 8: the value-based methods' one linear output per action      | `QAgent`                      |
+| Supp. 8: the value-based methods' one linear output per action      | `Agent(q_values=True)`        |
 | Sec. 5.1: 256 LSTM cells after the last hidden layer                | `--lstm`                      |
 | Supp. 9: 200 ReLU units, μ linear, σ² softplus, separate π and V    | `Agent`, vector observations  |
 | Supp. 8-9: γ, α, t_max, β, learning rate annealed to 0              | `Args` defaults               |
@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
 from common.envs import make_env, require, task_family, to_env_action
 from common.evaluation import evaluate, resume_checkpoint
-from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, init_output_, init_weights_
+from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, dead_units, init_output_, init_weights_
 
 
 @dataclass
@@ -74,7 +74,6 @@ class Args:
     target_update_period: int = 10_000  # I_target, steps between θ⁻ ← θ: 40k frames (Supp. 8)
     epsilon_steps: int = 1_000_000  # steps over which ε anneals from 1: 4M frames (Supp. 8)
     learning_rate: float = 1e-3  # η, initial learning rate (middle of the paper's LogUniform(1e-4, 1e-2), Supp. 8)
-    anneal_lr: bool = True  # anneal η linearly to 0 over the run (Supp. 8)
     rmsprop_alpha: float = 0.99  # α, RMSProp decay of the squared-gradient average g (Supp. 8)
     rmsprop_eps: float = 0.1  # ε of RMSProp, inside the square root (Eq. S3; not given in the paper)
     gamma: float = 0.99  # γ, discount (Supp. 8)
@@ -167,23 +166,17 @@ def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap
 
 
 @torch.no_grad()
-def one_step_targets(rewards, discounts, next_q_target, next_actions=None):
-    """Algorithm 1's y = r + γ max_a' Q(s', a'; θ⁻), or with `next_actions` (a' taken at s') one-step Sarsa's
-    y = r + γ Q(s', a'; θ⁻) (Sec. 4). `next_q_target` `[T, B, A]`: θ⁻'s values at s_{t+1}."""
-    if next_actions is None:
-        return rewards + discounts * next_q_target.max(-1).values
-    return rewards + discounts * next_q_target.gather(-1, next_actions.long().unsqueeze(-1)).squeeze(-1)
-
-
-@torch.no_grad()
 def value_targets(method, rewards, terminated, ended, q_target, next_actions, gamma):
-    """Targets from θ⁻'s values `q_target` `[T+1, B, A]` at s_0..s_T: `one_step_targets`, or n-step Q-learning's
+    """Targets from θ⁻'s values `q_target` `[T+1, B, A]` at s_0..s_T: Algorithm 1's y = r + γ max_a' Q(s', a'; θ⁻),
+    with `next_actions` (a' taken at s') one-step Sarsa's y = r + γ Q(s', a'; θ⁻) (Sec. 4), or n-step Q-learning's
     R ← r_i + γ R from R = max_a Q(s_T, a; θ⁻) (Algorithm S2), R_t = max_a Q(s_t, a; θ⁻) at reset steps (`ended`)."""
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
+    v = q_target.max(-1).values
     if method == "n-step-q":
-        v = q_target.max(-1).values
         return n_step_returns(torch.where(ended, v[:-1], rewards), discounts, v[-1])
-    return one_step_targets(rewards, discounts, q_target[1:], next_actions)
+    if next_actions is not None:
+        return rewards + discounts * q_target[1:].gather(-1, next_actions.long().unsqueeze(-1)).squeeze(-1)
+    return rewards + discounts * v[1:]
 
 
 def q_loss(q_taken, targets, ended):
@@ -248,14 +241,6 @@ def scale_rewards(rewards, return_var, clip=10.0):
 
 
 @torch.no_grad()
-def active_fraction(agent, obs):
-    """The fraction of the body's last hidden ReLU units positive on at least one of `obs` `[N, ...]`: 0 when
-    the layer has died (then no gradient reaches the torso, and the policy no longer sees the state)."""
-    obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
-    return (agent.body.torso(obs) > 0).any(0).float().mean()
-
-
-@torch.no_grad()
 def copy_network(dst, src, obs_lock):
     """dst ← src: the parameters without a lock (Hogwild), the observation statistics (buffers) whole, under theirs."""
     for d, s in zip(dst.parameters(), src.parameters()):
@@ -307,21 +292,20 @@ class Agent(nn.Module):
     """A softmax policy (Supp. 8) or a Gaussian: "paper", a linear μ and a spherical σ² = softplus(linear) + 1e-5 of
     the state (Supp. 9); "tanh", μ = tanh(linear) in the action box, a learned log σ per dimension (docs/a3c.md: a
     linear μ drifts outside the box). One body for π and V on pixels (Supp. 8), two on normalised vectors (Supp. 9).
-    `forward` maps `[T, B, ...]` to `pi` (`[T, B, A]` logits, or μ then σ: `[T, B, 2d]`), the values and the state."""
+    `q_values`: the value-based methods' Q(s, ·; θ) (Supp. 8), one body and one linear output per action, V = max_a Q.
+    `forward` maps `[T, B, ...]` to `pi` (logits or Q `[T, B, A]`, or μ then σ `[T, B, 2d]`), values and state."""
 
-    def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, separate_value=None,
-                 gaussian="paper", scale_rewards=False):  # fmt: skip
+    def __init__(self, obs_shape, num_actions=0, action_dim=0, hidden=200, lstm_size=0, gaussian="paper",
+                 scale_rewards=False, q_values=False):  # fmt: skip
         super().__init__()
-        if separate_value is None:
-            separate_value = bool(action_dim) or len(obs_shape) != 3
+        pixels = len(obs_shape) == 3
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, action_dim=action_dim, hidden=hidden)
-        self.config.update(lstm_size=lstm_size, separate_value=separate_value)  # for model.pt
-        self.config.update(gaussian=gaussian, scale_rewards=scale_rewards)
+        self.config.update(lstm_size=lstm_size, gaussian=gaussian, scale_rewards=scale_rewards, q_values=q_values)
         self.return_norm = RunningNorm(1) if scale_rewards else None  # statistics of the discounted return
-        self.num_actions, self.action_dim = num_actions, action_dim
-        self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
+        self.action_dim = action_dim
+        self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if not pixels else None
         self.body = Body(obs_shape, hidden, lstm_size)
-        self.value_body = Body(obs_shape, hidden, lstm_size) if separate_value else None
+        self.value_body = Body(obs_shape, hidden, lstm_size) if (action_dim or not pixels) and not q_values else None
         n = self.body.out_features
         state_std = action_dim and gaussian == "paper"
         self.policy = nn.Linear(n, action_dim + 1 if state_std else action_dim or num_actions)
@@ -329,9 +313,10 @@ class Agent(nn.Module):
         if action_dim and gaussian == "tanh":
             self.log_std = nn.Parameter(torch.full((action_dim,), -0.5))  # σ ≈ 0.6 at first (Tianshou's A2C, PPO)
             init_output_(self.policy, 0.01)  # μ ≈ 0 at the start, whatever the observation
-        self.value = nn.Linear(n, 1)
-        if len(obs_shape) == 3:  # pixels: CleanRL's readouts (near-uniform first policy); vectors keep PyTorch's
-            init_output_(self.policy, 0.01)
+        self.value = None if q_values else nn.Linear(n, 1)
+        if pixels:  # CleanRL's readouts (near-uniform first policy; values, Q too, at gain 1); vectors keep PyTorch's
+            init_output_(self.policy, 1.0 if q_values else 0.01)
+        if pixels and not q_values:
             init_output_(self.value, 1.0)
 
     def initial_state(self, batch_size):
@@ -348,7 +333,8 @@ class Agent(nn.Module):
         elif self.action_dim:
             mean, raw_var = pi.split(self.action_dim, dim=-1)
             pi = torch.cat([mean, (F.softplus(raw_var) + 1e-5).sqrt().expand_as(mean)], dim=-1)
-        return pi, self.value(features[-1][0]).squeeze(-1), tuple(s for _, s in features) if state else ()
+        values = pi.max(-1).values if self.value is None else self.value(features[-1][0]).squeeze(-1)
+        return pi, values, tuple(s for _, s in features) if state else ()
 
     def log_prob_entropy(self, pi, actions):
         """log π(a|s) and the entropy H(π(·|s)), both `[...]`; the Gaussian's entropy is Σ_i ½ (log(2πσ_i²) + 1),
@@ -360,7 +346,10 @@ class Agent(nn.Module):
         return log_p.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
 
     @torch.no_grad()
-    def sample(self, pi, greedy=False):
+    def sample(self, pi, greedy=False, epsilon=EVAL_EPSILON):
+        """An action of π, or ε-greedy on the Q-values (Algorithm 1); `greedy`: the most probable, the mean, the max."""
+        if self.value is None:
+            return epsilon_greedy(pi, 0.0 if greedy else epsilon)
         if self.action_dim:
             mean, std = pi[..., : self.action_dim], pi[..., self.action_dim :]
             return mean if greedy else mean + std * torch.randn_like(mean)
@@ -369,32 +358,8 @@ class Agent(nn.Module):
         return torch.multinomial(F.softmax(pi.reshape(-1, pi.shape[-1]), -1), 1).view(pi.shape[:-1])
 
 
-class QAgent(nn.Module):
-    """The value-based methods' Q(s, ·; θ) (Supp. 8): A3C's body (no LSTM), one linear output per action; `forward`
-    returns, as `Agent`'s, the outputs `[T, B, A]` (the Q-values), the values `[T, B]` (max_a Q) and the state ()."""
-
-    def __init__(self, obs_shape, num_actions, hidden=200):
-        super().__init__()
-        self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, hidden=hidden)  # for model.pt
-        self.num_actions, self.action_dim = num_actions, 0
-        self.return_norm = None  # (A3C's --scale-rewards)
-        self.obs_norm = RunningNorm(int(math.prod(obs_shape))) if len(obs_shape) != 3 else None
-        self.body = Body(obs_shape, hidden)
-        self.q = nn.Linear(self.body.out_features, num_actions)
-        if len(obs_shape) == 3:  # pixels: orthogonal readout as A3C's value head; vectors keep PyTorch's default
-            init_output_(self.q, 1.0)
-
-    def initial_state(self, batch_size):
-        return ()
-
-    def forward(self, obs, first, state=()):
-        x, _ = self.body(self.obs_norm(obs) if self.obs_norm is not None else obs, first, None)
-        q = self.q(x)
-        return q, q.max(-1).values, ()
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Acting and learning: a worker runs Algorithm S2 (A3C) or S3 (the value-based methods).
+# Acting and learning: a worker runs Algorithm S3 (A3C), or Algorithm 1 or S2 (the value-based methods).
 
 
 def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q, halt=None):
@@ -403,7 +368,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     n, T, value_based = args.num_envs, args.t_max, target is not None
     torch.manual_seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
-    local = (QAgent if value_based else Agent)(**shared.config)
+    local = Agent(**shared.config)
     continuous, pixels = local.action_dim > 0, len(local.config["obs_shape"]) == 3
     if continuous:
         low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
@@ -427,10 +392,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             for t in range(T):
                 out, _, state = local(obs[None], first[None], state)  # π's parameters, or the Q-values
                 check_finite(f"while acting at step {counter.value}", policy=out)
-                if not value_based:
-                    action = local.sample(out[0])
-                else:
-                    action = sarsa_action if t == 0 and sarsa_action is not None else epsilon_greedy(out[0], epsilon)
+                action = sarsa_action if t == 0 and sarsa_action is not None else local.sample(out[0], epsilon=epsilon)
                 env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
@@ -450,7 +412,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         if value_based:
             q_target = target(all_obs, all_first)[0].detach()  # θ⁻'s values at s_0..s_T
             if args.method == "one-step-sarsa":  # a' at s_T, ε-greedy on θ' (taken first in the next rollout)
-                sarsa_action = epsilon_greedy(out[-1].detach(), epsilon)
+                sarsa_action = local.sample(out[-1], epsilon=epsilon)
             next_actions = torch.cat([actions[1:], sarsa_action[None]]) if sarsa_action is not None else None
             targets = value_targets(args.method, rewards.float(), terminated, ends, q_target, next_actions, args.gamma)
             loss, stats = q_loss(out[:-1].gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), targets, ends)
@@ -463,7 +425,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             step = counter.value
             counter.value += T * n
         # η annealed by the steps of all workers (a shared counter, which LambdaLR's per-process count is not)
-        lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps) if args.anneal_lr else args.learning_rate
+        lr = args.learning_rate * max(0.0, 1.0 - step / args.total_timesteps)
         optimizer.param_groups[0]["lr"] = lr
         grad_norm = hogwild_update(local, shared, optimizer, loss, args.max_grad_norm)
         with obs_lock:  # the shared statistics take this rollout's observations (and returns)
@@ -473,11 +435,11 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                 shared.return_norm.update(torch.stack(returns_seen)[..., None])
         if value_based and (step + T * n) // args.target_update_period > step // args.target_update_period:
             copy_network(target, shared, obs_lock)  # θ⁻ ← θ every I_target steps of all workers (Algorithm 1)
-        report = time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps  # every second, the last
-        if worker_id == 0 and report:
+        if worker_id == 0 and (time.time() - last_report >= 1.0 or counter.value >= args.total_timesteps):
             lag = (step - synced_at) / (T * n)  # other workers' updates meanwhile
             stats.update({"charts/learning_rate": lr, "stats/grad_norm": grad_norm, "stats/policy_lag": lag})
-            stats["stats/active_units"] = active_fraction(local, rows_obs.flatten(0, 1))
+            torso_in = rows_obs.flatten(0, 1) if pixels else local.obs_norm(rows_obs.flatten(0, 1))
+            stats["stats/active_units"] = 1 - dead_units(local.body.torso(torso_in))  # 0: the torso has died
             if continuous:
                 stats["stats/policy_std"] = out[:-1, :, local.action_dim :].detach().mean()
             msg_q.put(("stats", step + T * n, {k: float(v) for k, v in stats.items()}))
@@ -497,12 +459,10 @@ def main(args: Args):
     pixels, discrete = is_atari(args.env_id), hasattr(spec.action_space, "n")
     obs_shape = tuple(spec.observation_space.shape) if pixels else (flat_obs_dim(spec),)
     num_actions, action_dim = (spec.action_space.n, 0) if discrete else (0, spec.action_space.shape[0])
-    if args.method == "a3c":
-        heads = dict(gaussian=args.gaussian, scale_rewards=args.scale_rewards)
-        agent = Agent(obs_shape, num_actions, int(action_dim), args.hidden, args.lstm_size if args.lstm else 0, **heads)
-    else:  # the value-based methods' Q-network
-        agent = QAgent(obs_shape, num_actions, args.hidden)
-    target = None if args.method == "a3c" else copy.deepcopy(agent).requires_grad_(False)  # θ⁻ ← θ (Algorithm 1)
+    q_values = args.method != "a3c"  # the value-based methods' Q-network
+    heads = dict(gaussian=args.gaussian, scale_rewards=args.scale_rewards and not q_values, q_values=q_values)
+    agent = Agent(obs_shape, num_actions, int(action_dim), args.hidden, args.lstm_size if args.lstm else 0, **heads)
+    target = copy.deepcopy(agent).requires_grad_(False) if q_values else None  # θ⁻ ← θ (Algorithm 1)
     optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     parts = dict(agent=agent, target=target, optimizer=optimizer)  # θ (and the observation statistics), θ⁻, g
     for name, part in ((k, v) for k, v in parts.items() if v is not None):
@@ -553,10 +513,7 @@ def obs_tensor(obs, pixels):
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     """`policy(obs, rewards, first) -> actions` of a saved model for evaluate.py, keeping its LSTM state: sampled (or
     the most probable / the mean), or for the value-based methods ε-greedy with ε = EVAL_EPSILON (or greedy)."""
-    config, value_based = dict(checkpoint["agent_config"]), checkpoint.get("args", {}).get("method", "a3c") != "a3c"
-    if not value_based:
-        config.setdefault("separate_value", bool(config["action_dim"]))  # a model.pt from before vectors separated
-    agent = (QAgent if value_based else Agent)(**config).to(device).eval()
+    agent = Agent(**checkpoint["agent_config"]).to(device).eval()
     agent.load_state_dict(checkpoint["agent"])
     pixels = len(agent.config["obs_shape"]) == 3
     state = tuple((h.to(device), c.to(device)) for h, c in agent.initial_state(num_envs))
@@ -567,9 +524,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
         nonlocal state
         first_t = torch.as_tensor(first, device=device).bool()[None]
         out, _, state = agent(obs_tensor(obs, pixels).to(device)[None], first_t, state)
-        if value_based:
-            return epsilon_greedy(out[0].cpu(), 0.0 if greedy else EVAL_EPSILON).numpy()
-        action = agent.sample(out[0], greedy).cpu().numpy()
+        action = agent.sample(out[0].cpu(), greedy).numpy()
         return to_env_action(action, np.asarray(low), np.asarray(high)) if agent.action_dim else action
 
     return policy

@@ -141,7 +141,7 @@ def random_q_rollout(seed=0, A=3):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("method", ["one-step-q", "one-step-sarsa"])
-def test_one_step_targets_match_algorithm_1(seed, method):
+def test_one_step_value_targets_match_algorithm_1(seed, method):
     """Algorithm 1 per step: y = r for a terminal s', else r + γ max_a' Q(s', a'; θ⁻); Sarsa (Sec. 4): r + γ
     Q(s', a'; θ⁻), a' the action taken at s'. A step before envpool's reset step (a truncation) bootstraps from
     the episode's last observation; the reset step's own target is not used (no loss there)."""
@@ -155,8 +155,6 @@ def test_one_step_targets_match_algorithm_1(seed, method):
             expected[t, b] = float(rewards[t, b]) + (0.0 if terminated[t, b] else gamma * nxt)
     got = a3c.value_targets(method, rewards, terminated, reset, q_target, actions[1:] if sarsa else None, gamma)
     torch.testing.assert_close(got[~reset], expected[~reset])
-    direct = a3c.one_step_targets(rewards, gamma * (~terminated).double(), q_target[1:], actions[1:] if sarsa else None)
-    torch.testing.assert_close(direct[~reset], expected[~reset])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -224,7 +222,7 @@ def test_target_network_follows_the_shared_weights_every_i_target_steps():
     argv = ["--env-id", "CartPole-v1", "--method", "one-step-q", "--target-update-period", "10", "--num-workers", "1"]
     args = a3c.parse_args([*argv, "--total-timesteps", "10"])
     args, _ = a3c.check_args(args)
-    agent = a3c.QAgent((4,), 2, args.hidden)
+    agent = a3c.Agent((4,), 2, hidden=args.hidden, q_values=True)
     target = copy.deepcopy(agent)
     initial = copy.deepcopy(agent.state_dict())
     optimizer = a3c.SharedRMSprop(agent.parameters(), 1e-2)
@@ -243,11 +241,11 @@ def test_target_network_follows_the_shared_weights_every_i_target_steps():
 def test_q_agent_outputs_one_value_per_action():
     """Supp. 8: the value-based methods' network is A3C's body with one linear output per action; `values` is
     max_a Q; the running statistics normalise vector observations as A3C's agent does."""
-    agent = a3c.QAgent((4,), 2, hidden=16)
+    agent = a3c.Agent((4,), 2, hidden=16, q_values=True)
     obs, first = torch.randn(3, 5, 4), torch.zeros(3, 5, dtype=torch.bool)
     q, v, state = agent(obs, first)
     assert q.shape == (3, 5, 2) and state == () and torch.equal(v, q.max(-1).values)
-    assert agent.obs_norm is not None and a3c.QAgent((4, 84, 84), 6).obs_norm is None
+    assert agent.obs_norm is not None and a3c.Agent((4, 84, 84), 6, q_values=True).obs_norm is None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -409,16 +407,6 @@ def test_vector_policy_and_value_share_no_parameters(actions):
     assert all(p.grad is not None for p in agent.value_body.parameters())
 
 
-def test_model_saved_before_vectors_separated_still_plays():
-    """A CartPole model.pt from before vector observations got a value body of their own (no `separate_value` in
-    its config, one shared body) loads and plays."""
-    old = a3c.Agent((4,), num_actions=2, separate_value=False)
-    config = {k: v for k, v in old.config.items() if k != "separate_value"}
-    policy = a3c.make_eval_policy({"agent_config": config, "agent": old.state_dict()}, num_envs=3)
-    actions = policy(np.zeros((3, 4), np.float32), np.zeros(3), np.ones(3, bool))
-    assert actions.shape == (3,) and set(actions.tolist()) <= {0, 1}
-
-
 def test_discrete_policy_log_prob_and_entropy():
     torch.manual_seed(0)
     agent = a3c.Agent((4, 84, 84), num_actions=4)
@@ -553,7 +541,8 @@ def test_smoke_value_based_methods(tmp_path, method):
     assert (saved["method"], saved["t_max"], saved["target_update_period"]) == (method, 5, 500)
     assert saved["epsilon_steps"] == 1000  # a third of the run
     checkpoint = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
-    assert set(checkpoint["target"]) == set(checkpoint["agent"]) and "q.weight" in checkpoint["agent"]
+    assert set(checkpoint["target"]) == set(checkpoint["agent"]) and "policy.weight" in checkpoint["agent"]
+    assert not any(k.startswith("value") for k in checkpoint["agent"])  # the Q-network: no value head or body
     result = evaluate_cli(run, extra=["--greedy"])
     assert result["env_id"] == "CartPole-v1" and result["episodes"] == 2
 
@@ -566,7 +555,7 @@ def test_smoke_breakout_n_step_q(tmp_path):
     saved = json.load(open(os.path.join(run, "args.json")))
     assert (saved["target_update_period"], saved["epsilon_steps"], saved["max_grad_norm"]) == (10_000, 1_000_000, 40.0)
     model = torch.load(os.path.join(run, "model.pt"), weights_only=False)
-    assert model["agent"]["q.weight"].shape[0] == 4
+    assert model["agent_config"]["q_values"] and model["agent"]["policy.weight"].shape[0] == 4  # Q of each action
     assert {"losses/td_loss", "stats/q_mean", "stats/epsilon", "stats/grad_norm"} <= events_tags(run)
 
 
@@ -776,16 +765,16 @@ def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
 
 
 def test_active_units_statistic_sees_a_dead_layer():
-    """stats/active_units: the fraction of the last hidden ReLU layer's units positive on some frame; a layer whose
-    biases push every unit below zero (a dead torso) reads 0, a fresh one most of its units."""
+    """stats/active_units, 1 − dead_units of the torso: the fraction of the last hidden ReLU layer's units positive on
+    some frame; a layer whose biases push every unit below zero (a dead torso) reads 0, a fresh one most units."""
     torch.manual_seed(0)
     agent = a3c.Agent((4, 84, 84), num_actions=4)
     obs = torch.randint(0, 255, (8, 4, 84, 84), dtype=torch.uint8)
-    assert a3c.active_fraction(agent, obs) > 0.5
+    assert 1 - a3c.dead_units(agent.body.torso(obs)) > 0.5
     last = [m for m in agent.body.torso.modules() if isinstance(m, nn.Linear)][-1]
     with torch.no_grad():
         last.bias.fill_(-1e4)
-    assert a3c.active_fraction(agent, obs) == 0
+    assert 1 - a3c.dead_units(agent.body.torso(obs)) == 0
 
 
 def test_scale_rewards_divides_by_the_std_of_the_discounted_return():
