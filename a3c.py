@@ -12,7 +12,7 @@ by the paper's *shared* RMSProp, whose running average of squared gradients is i
 |---------------------------------------------------------------------|-------------------------------|
 | Algorithm S3: sync θ' ← θ, act t_max steps, R ← r_i + γR backwards  | `train_worker`, `n_step_returns` |
 | Algorithm S3: dθ ← ∇ log π(a|s)(R − V) + β∇H, dθ_v ← ∂(R − V)²/∂θ_v | `a3c_loss`                    |
-| Algorithm 1: y = r + γ max_a' Q(s', a'; θ⁻); Sec. 4: Sarsa's Q(s', a') | `value_targets`            |
+| Algorithm 1: y = r + γ max_a' Q(s', a'; θ⁻); Sec. 4: Sarsa's Q(s', a') | `one_step_targets`         |
 | Algorithm S2: R ← max_a Q(s_T, a; θ⁻), R ← r_i + γR backwards       | `value_targets`               |
 | Algorithm 1, S2: dθ ← dθ + ∂(y − Q(s, a; θ))²/∂θ, θ⁻ ← θ every I_target | `q_loss`, `train_worker`  |
 | Supp. 8: ε-greedy, ε from 1 to 0.1, 0.01, 0.5 (p 0.4, 0.3, 0.3)     | `epsilon_at`, `final_epsilon` |
@@ -165,18 +165,23 @@ def a3c_loss(log_probs, entropies, values, rewards, terminated, ended, bootstrap
     }
 
 
+def one_step_targets(rewards, discounts, next_q_target, next_actions=None):
+    """Algorithm 1's y = r + γ max_a' Q(s', a'; θ⁻), or with `next_actions` (a' taken at s') one-step Sarsa's
+    y = r + γ Q(s', a'; θ⁻) (Sec. 4). `next_q_target` `[T, B, A]`: θ⁻'s values at s_{t+1}."""
+    if next_actions is None:
+        return rewards + discounts * next_q_target.max(-1).values
+    return rewards + discounts * next_q_target.gather(-1, next_actions.long().unsqueeze(-1)).squeeze(-1)
+
+
 @torch.no_grad()
 def value_targets(method, rewards, terminated, ended, q_target, next_actions, gamma):
-    """Targets from θ⁻'s values `q_target` `[T+1, B, A]` at s_0..s_T: Algorithm 1's y = r + γ max_a' Q(s', a'; θ⁻),
-    with `next_actions` (a' taken at s') one-step Sarsa's y = r + γ Q(s', a'; θ⁻) (Sec. 4), or n-step Q-learning's
+    """Targets from θ⁻'s values `q_target` `[T+1, B, A]` at s_0..s_T: `one_step_targets`, or n-step Q-learning's
     R ← r_i + γ R from R = max_a Q(s_T, a; θ⁻) (Algorithm S2), R_t = max_a Q(s_t, a; θ⁻) at reset steps (`ended`)."""
     discounts = torch.where(ended, 0.0, gamma * (~terminated).float())
+    if method != "n-step-q":
+        return one_step_targets(rewards, discounts, q_target[1:], next_actions)
     v = q_target.max(-1).values
-    if method == "n-step-q":
-        return n_step_returns(torch.where(ended, v[:-1], rewards), discounts, v[-1])
-    if next_actions is not None:
-        return rewards + discounts * q_target[1:].gather(-1, next_actions.long().unsqueeze(-1)).squeeze(-1)
-    return rewards + discounts * v[1:]
+    return n_step_returns(torch.where(ended, v[:-1], rewards), discounts, v[-1])
 
 
 def q_loss(q_taken, targets, ended):

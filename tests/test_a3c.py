@@ -141,7 +141,7 @@ def random_q_rollout(seed=0, A=3):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("method", ["one-step-q", "one-step-sarsa"])
-def test_one_step_value_targets_match_algorithm_1(seed, method):
+def test_one_step_targets_match_algorithm_1(seed, method):
     """Algorithm 1 per step: y = r for a terminal s', else r + γ max_a' Q(s', a'; θ⁻); Sarsa (Sec. 4): r + γ
     Q(s', a'; θ⁻), a' the action taken at s'. A step before envpool's reset step (a truncation) bootstraps from
     the episode's last observation; the reset step's own target is not used (no loss there)."""
@@ -155,6 +155,8 @@ def test_one_step_value_targets_match_algorithm_1(seed, method):
             expected[t, b] = float(rewards[t, b]) + (0.0 if terminated[t, b] else gamma * nxt)
     got = a3c.value_targets(method, rewards, terminated, reset, q_target, actions[1:] if sarsa else None, gamma)
     torch.testing.assert_close(got[~reset], expected[~reset])
+    direct = a3c.one_step_targets(rewards, gamma * (~terminated).double(), q_target[1:], actions[1:] if sarsa else None)
+    torch.testing.assert_close(direct[~reset], expected[~reset])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
