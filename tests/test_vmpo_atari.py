@@ -557,7 +557,7 @@ def test_smoke_torchrun_two_learners(tmp_path):
     [
         (["--env-id", "Breakot-v5"], "unknown env id"),
         (["--env-id", "HalfCheetah-v4"], "continuous actions"),
-        (["--env-id", "CartPole-v1", "--top-fraction", "0"], "--top-fraction"),
+        (["--env-id", "CartPole-v1", "--gamma", "1.5"], "--gamma"),
         (["--env-id", "CartPole-v1", "--eps-alpha", "-1"], "--eps-alpha"),
         (["--env-id", "Breakout-v5", "--network", "deep", "--channels", "16", "32"], "--channels"),
         (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
