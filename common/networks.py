@@ -171,9 +171,7 @@ class RunningNorm(nn.Module):
 
 def init_weights_(module: nn.Module) -> nn.Module:
     """Every Linear, Conv2d and LSTMCell weight of `module` orthogonal with gain √2 (CleanRL, Cleanba), biases zero,
-    in place; a script re-initialises its output layers afterwards. PyTorch's defaults (uniform ±1/√fan_in weights
-    and biases) leave the shallow network nearly state-blind on 84x84 Atari frames, each layer shrinking the signal
-    by about √6; the Sonnet default the IMPALA and V-MPO code ran with was measured here to stall as well (docs)."""
+    in place; a script re-initialises its output layers afterwards. Why not PyTorch's default: docs/vmpo_atari.md."""
     for m in module.modules():
         weights, biases = [], []
         if isinstance(m, (nn.Linear, nn.Conv2d)):
