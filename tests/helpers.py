@@ -162,13 +162,25 @@ def torch_threads(count=None):
     return torch.get_num_threads() if count is None else torch.set_num_threads(count)
 
 
+def spawned(pid):
+    """The pids of `pid`'s children that multiprocessing's spawn started (actors, workers, learners)."""
+    found = []
+    for c in children(pid):
+        try:
+            if "spawn_main" in open(f"/proc/{c}/cmdline").read():
+                found.append(c)
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
 def wait_for_actors(proc, timeout=120):
     """The pids of `proc`'s spawned worker processes, once at least one has started."""
     deadline = time.time() + timeout
     actors = []
     while time.time() < deadline and not actors:
         time.sleep(1.0)
-        actors = [c for c in children(proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+        actors = spawned(proc.pid)
     assert actors, "no actor process started"
     return actors
 
@@ -390,3 +402,60 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
     (run,) = glob.glob(os.path.join(str(run_dir), "runs", "*"))
     ckpt = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
     assert ckpt["update"] == done and ckpt["global_step"] == done * steps_per_update
+
+
+def kill_resume_stop(script, argv, run_dir, stop_signal, kill_past=0, past=1, timeout=300):
+    """The life of a long run, each step taken on what the run has written, never on a clock: `script argv` (with a
+    budget it cannot spend within the test) is SIGKILLed once it has saved a checkpoint past step `kill_past`, and its
+    spawned processes must then exit by themselves; `--resume` continues it in the same folder; once the resumed run
+    has saved a checkpoint at least `past` steps beyond that one, `stop_signal` (Ctrl-C or SIGTERM) asks it to stop:
+    it must finish the update in hand, save, say how to continue and exit with 130, with nothing else on stderr and no
+    process left. Returns (run folder, the first checkpoint, the last, the resumed run's stderr)."""
+    import torch
+
+    def start(args, **streams):
+        cmd = [sys.executable, script, *args]
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, text=True, **streams)
+
+    def checkpoint_after(proc, step):  # the run folder's checkpoint once its step is past `step` (polled)
+        deadline = time.time() + timeout
+        while time.time() < deadline and proc.poll() is None:
+            found = glob.glob(os.path.join(str(run_dir), "*", "checkpoint.pt"))
+            if found:
+                saved = torch.load(found[0], weights_only=False)  # written atomically: whole or not yet there
+                if saved["global_step"] > step:
+                    return found[0], saved
+            time.sleep(0.2)
+        raise AssertionError(f"no checkpoint past step {step} within {timeout} s (exit {proc.poll()})")
+
+    argv = [*argv, "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--run-dir", str(run_dir)]
+    proc = start(argv, stderr=subprocess.DEVNULL)
+    try:
+        actors = wait_for_actors(proc, timeout)
+        path, first = checkpoint_after(proc, kill_past)
+        actors = {*actors, *spawned(proc.pid)}  # those that started after the first
+        proc.kill()
+        proc.wait(timeout=30)
+        assert wait_gone(actors, timeout=30), "a spawned process outlived its killed main process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run = os.path.dirname(path)
+    assert not os.path.exists(os.path.join(run, "summary.json"))  # it did not finish
+    proc = start(["--resume", run], stderr=subprocess.PIPE)
+    try:
+        actors = wait_for_actors(proc, timeout)
+        checkpoint_after(proc, first["global_step"] + past - 1)
+        actors = {*actors, *spawned(proc.pid)}
+        proc.send_signal(stop_signal)
+        assert proc.wait(timeout=120) == 130
+        err = proc.stderr.read()
+        assert wait_gone(actors, timeout=30), "a spawned process outlived the stopped run"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert_only_stop_lines(err)
+    last = torch.load(path, weights_only=False)
+    assert f"checkpoint at step {last['global_step']}: continue with python {script} --resume {run}" in err, err
+    assert glob.glob(os.path.join(str(run_dir), "*")) == [run]  # the same folder, no new one
+    return run, first, last, err

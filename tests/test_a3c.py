@@ -1,14 +1,11 @@
 """a3c.py: n-step returns and the loss against Algorithm S3, shared RMSProp across processes, the Hogwild
 update, the agent, and the script end to end."""
 
-import glob
 import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -20,18 +17,14 @@ import a3c  # noqa: E402
 from a3c import SharedRMSprop, a3c_loss, hogwild_update, n_step_returns  # noqa: E402
 from tests.helpers import (
     learns,
-    ROOT,
-    assert_only_stop_lines,
     assert_killed_process_ends_the_run,
     assert_non_finite_stops_the_run,
     assert_usage_error,
-    kill_after_first_checkpoint,
+    kill_resume_stop,
     evaluate_cli,  # noqa: E402
     events_tags,
     imported_envpool_modules,
     run_script,
-    wait_for_actors,
-    wait_gone,
 )
 
 
@@ -583,7 +576,7 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("victim", ["worker", "sigint", "sigint-twice"])
+@pytest.mark.parametrize("victim", ["worker", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
     assert_killed_process_ends_the_run(
         "a3c.py",
@@ -594,31 +587,39 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 
 
 @pytest.mark.e2e
-def test_sigterm_completes_the_update_in_hand_saves_and_says_how_to_continue(tmp_path):
-    """SIGTERM (as Ctrl-C) once the workers have made progress (a first checkpoint): each worker completes its update
-    in hand and returns; the main process saves the shared state at the step they reached, says how to continue and
-    exits with 130, leaving no worker behind."""
-    argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--total-timesteps", "100000000"]
-    argv += ["--checkpoint-interval", "0.5", "--run-dir", str(tmp_path)]
-    proc = subprocess.Popen([sys.executable, "a3c.py", *argv], cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        workers = wait_for_actors(proc)
-        deadline = time.time() + 300  # the workers' start-up (torch, envpool) is slow on a loaded machine
-        while not glob.glob(os.path.join(tmp_path, "*", "checkpoint.pt")) and time.time() < deadline:
-            time.sleep(0.2)
-        assert glob.glob(os.path.join(tmp_path, "*", "checkpoint.pt")), "no checkpoint written"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 130
-        err = proc.stderr.read()
-        assert wait_gone(workers, timeout=15), "a worker outlived the stopped run"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    (path,) = glob.glob(os.path.join(tmp_path, "*", "checkpoint.pt"))
-    saved, run = torch.load(path, weights_only=False), os.path.dirname(path)
-    assert f"checkpoint at step {saved['global_step']}: continue with python a3c.py --resume {run}" in err, err
-    assert saved["global_step"] > 0
-    assert_only_stop_lines(err)
+@pytest.mark.parametrize("method, stop", [("a3c", signal.SIGINT), ("n-step-q", signal.SIGTERM)])
+def test_killed_run_resumes_and_a_stop_saves_the_update_in_hand(tmp_path, method, stop):
+    """A run SIGKILLed after a checkpoint: its workers exit by themselves. `--resume` continues it: the same folder
+    and arguments, the shared weights and RMSProp statistics, the step counter (so the learning-rate schedule goes on
+    where it was) and the curves from the checkpoint's step; a value-based method's target network and ε schedule too.
+    Ctrl-C (A3C) or SIGTERM (n-step Q) then stops the resumed run: each worker completes its update in hand, the
+    main process saves the shared state at the step they reached, says how to continue and exits with 130, leaving
+    no worker behind (`kill_resume_stop`: every step on what the run wrote, none on a clock)."""
+    budget = 2_000_000  # not spent within the test: the runs end by a kill and a stop
+    argv = ["--method", method, "--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2"]
+    argv += ["--total-timesteps", str(budget), "--log-interval", "0.5", "--seed", "3", "--save-model"]
+    run, saved, final, err = kill_resume_stop("a3c.py", argv, tmp_path, stop, kill_past=1000, past=2000)
+    assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the model.pt written with the checkpoints
+    assert 0 < saved["global_step"] < final["global_step"] < budget and final["args"]["num_envs"] == 2
+    square_avg = [s["square_avg"] for s in saved["optimizer"]["state"].values()]
+    assert any(g.abs().sum() > 0 for g in square_avg)  # the shared statistics, not fresh zeros
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run, size_guidance={"scalars": 0})
+    acc.Reload()
+    lr = acc.Scalars("charts/learning_rate")
+    after = [e for e in lr if e.step > saved["global_step"] + 1000]
+    assert any(e.step <= saved["global_step"] for e in lr) and after
+    for e in after:  # the linear annealing of the whole run, not restarted from the resumed step
+        expected = 1e-3 * (1 - (e.step - 5 * 2) / budget)  # step + t_max x envs
+        assert e.value == pytest.approx(expected, rel=1e-6), (e.step, e.value)
+    if method != "a3c":
+        assert set(saved["target"]) == set(saved["agent"]) and not torch.equal(
+            saved["target"]["policy.weight"], final["target"]["policy.weight"]
+        )  # θ⁻ saved, and refreshed every 500 steps after the resume
+        epsilon = acc.Scalars("stats/epsilon")
+        last_before = [e.value for e in epsilon if e.step <= saved["global_step"]][-1]
+        assert all(e.value <= last_before for e in epsilon if e.step > saved["global_step"] + 1000)  # not from 1
 
 
 @pytest.mark.e2e
@@ -670,92 +671,6 @@ def test_learns_inverted_pendulum(tmp_path):
     saved = json.load(open(os.path.join(run, "args.json")))
     assert saved["task_family"] == "mujoco" and saved["num_envs"] == 4
     assert best >= 100, best
-
-
-@pytest.mark.e2e
-def test_workers_exit_when_the_main_process_is_killed(tmp_path):
-    """SIGKILL leaves the main process no chance to stop its workers: they notice and exit by themselves."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "a3c.py",
-            "--env-id",
-            "CartPole-v1",
-            "--num-workers",
-            "2",
-            "--total-timesteps",
-            "100000000",
-            "--run-dir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        workers = wait_for_actors(proc)
-        time.sleep(2.0)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        assert wait_gone(workers, timeout=20), "a worker outlived the killed main process"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("method", ["a3c", "n-step-q"])
-def test_killed_run_resumes_from_its_checkpoint(tmp_path, method):
-    """A run SIGKILLed after a checkpoint continues with --resume: the same folder and arguments, the shared
-    weights and RMSProp statistics, the step counter (so the learning-rate schedule goes on where
-    it was) and the curves from the checkpoint's step; a value-based method's target network and ε schedule too."""
-    budget = 60_000  # long enough that the run is still going when it is killed, on a fast machine too
-    argv = [
-        "--method",
-        method,
-        "--env-id",
-        "CartPole-v1",
-        "--num-workers",
-        "2",
-        "--num-envs",
-        "2",
-        "--total-timesteps",
-        str(budget),
-        "--checkpoint-interval",
-        "0.5",
-        "--eval-episodes",
-        "0",
-        "--log-interval",
-        "0.5",
-        "--seed",
-        "3",
-    ]
-    ckpt = kill_after_first_checkpoint("a3c.py", argv + ["--save-model"], tmp_path, settle=4.0)
-    run = os.path.dirname(ckpt)
-    assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
-    saved = torch.load(ckpt, weights_only=False)
-    assert 0 < saved["global_step"] < budget
-    square_avg = [s["square_avg"] for s in saved["optimizer"]["state"].values()]
-    assert any(g.abs().sum() > 0 for g in square_avg)  # the shared statistics, not fresh zeros
-    assert run_script("a3c.py", ["--resume", run], tmp_path, timeout=600) == run
-    summary = json.load(open(os.path.join(run, "summary.json")))
-    assert summary["total_timesteps"] >= budget
-    final = torch.load(ckpt, weights_only=False)
-    assert final["global_step"] == summary["total_timesteps"] and final["args"]["num_envs"] == 2
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run, size_guidance={"scalars": 0})
-    acc.Reload()
-    lr = acc.Scalars("charts/learning_rate")
-    after = [e for e in lr if e.step > saved["global_step"] + 1000]
-    assert any(e.step <= saved["global_step"] for e in lr) and after
-    for e in after:  # the linear annealing of the whole run, not restarted from the resumed step
-        assert abs(e.value - 1e-3 * (1 - (e.step - 5 * 2) / budget)) < 1e-7, (e.step, e.value)  # step + t_max x envs
-    if method != "a3c":
-        assert set(saved["target"]) == set(saved["agent"])
-        epsilon = acc.Scalars("stats/epsilon")
-        last_before = [e.value for e in epsilon if e.step <= saved["global_step"]][-1]
-        assert all(e.value <= last_before for e in epsilon if e.step > saved["global_step"] + 1000)  # not from 1
 
 
 @pytest.mark.e2e
