@@ -271,9 +271,9 @@ def test_smoke_breakout(tmp_path, extra):
 
 @pytest.mark.e2e
 def test_smoke_multitask_three_games(tmp_path):
-    """One agent on Pong, Breakout and Boxing (one actor each, the full 18 actions, PopArt by default): per-game
+    """One agent on Breakout, Qbert and Asterix (one actor each, the full 18 actions, PopArt by default): per-game
     curves, per-game PopArt statistics, and the per-game evaluation table with human-normalised scores."""
-    games = ["Pong-v5", "Breakout-v5", "Boxing-v5"]
+    games = ["Breakout-v5", "Qbert-v5", "Asterix-v5"]  # 120-340 steps a game with random play
     run_path = run_script(
         "impala_vtrace.py",
         [
@@ -286,7 +286,7 @@ def test_smoke_multitask_three_games(tmp_path):
             "--batch-size",
             "6",
             "--total-timesteps",
-            "12000",
+            "3000",
             "--save-model",
             "--eval-episodes",
             "1",
@@ -317,15 +317,15 @@ def test_smoke_multitask_three_games(tmp_path):
         [
             os.path.join(run_path, "model.pt"),
             "--env-ids",
-            "Pong-v5",
+            "MsPacman-v5",
             "Qbert-v5",
             "--episodes",
             "1",
             "--out",
             str(tmp_path / "other"),
         ]
-    )  # any Atari game: the full action set
-    assert set(scores) == {"Pong-v5", "Qbert-v5"} and os.path.isfile(tmp_path / "other.csv")
+    )  # any Atari game, one it did not train on too: the full action set
+    assert set(scores) == {"MsPacman-v5", "Qbert-v5"} and os.path.isfile(tmp_path / "other.csv")
 
 
 @pytest.mark.e2e
