@@ -346,12 +346,12 @@ def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=T
     return line, state
 
 
-def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadline_s=900, update_s=60):
+def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadline_s=900):
     """Runs `script` with `--log-interval 0` (one progress line per update) and sends Ctrl-C once the first update
-    is done, while the next is collected or in progress. Asserts that the run finishes the update in hand (within
-    `update_s` seconds), starts no other, checkpoints the last completed one (k or k + 1 updates of `steps_per_update`
-    steps, k those done when Ctrl-C is sent: a fast machine may finish a second update between two looks at the log)
-    and exits with 130, saying how to continue."""
+    is done, while the next is collected or in progress. Asserts that the run finishes the update in hand and starts
+    no other (what makes a stop take seconds, whatever the machine's speed), checkpoints the last completed one (k or
+    k + 1 updates of `steps_per_update` steps, k those done when Ctrl-C is sent: a fast machine may finish a second
+    update between two looks at the log), exits with 130, says how to continue and leaves no actor behind."""
     import signal
 
     def updates_done(text):  # complete lines only: a line still being written may not show "collecting" yet
@@ -383,16 +383,15 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
             time.sleep(0.05)
         seen = updates_done(open(log).read())
         assert seen >= 1, open(log).read()[-3000:]  # the first update is done
-        t0 = time.time()
+        actors = spawned(proc.pid)
         os.kill(proc.pid, signal.SIGINT)
-        proc.wait(timeout=update_s + 60)
-        waited = time.time() - t0
+        proc.wait(timeout=deadline_s)  # a hang guard: what is asserted is the count of updates below
     finally:
         if proc.poll() is None:
             proc.kill()
     text = open(log).read()
     assert proc.returncode == 130, text[-3000:]
-    assert waited <= update_s, f"Ctrl-C took {waited:.1f} s"
+    assert wait_gone(actors, timeout=30), "an actor outlived the stopped run"
     done = updates_done(text)
     assert done in (seen, seen + 1), text[-3000:]  # the update in hand completed, no other started
     assert "continue with" in text and "--resume" in text, text[-3000:]
