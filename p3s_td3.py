@@ -508,9 +508,10 @@ def main(args: Args):
             if t % M == 0 and N > 1 and learning:  # lines 24-26: every M steps
                 synchronise(state, args, log, step)
                 guided = guided_learners(state, args, device)
-            if stop.requested or log.save_due() or t == T:
+            stopping = stop.requested  # read once: a signal between two reads would stop the run unsaved
+            if stopping or log.save_due() or t == T:
                 save(log, state)
-            if stop.requested:
+            if stopping:
                 stopped(log, step)
             if log.due():
                 log_learners(log, step, state, stats, guided, last_eval)

@@ -154,6 +154,12 @@ PRESETS = {
         Entry("a3c", "Breakout-v5", 1_000_000, ("--method", m), label=m)
         for m in ("a3c", "one-step-q", "one-step-sarsa", "n-step-q")
     ],
+    # the four methods on CartPole-v1 to the end of the classic family's 300k steps: where a run ends, which the
+    # learning tests (stopped at a threshold) do not see (docs/a3c.md: n-step Q against 5cd1f91)
+    "a3c-cartpole": [
+        Entry("a3c", "CartPole-v1", 300_000, ("--method", m), label=m)
+        for m in ("a3c", "one-step-q", "one-step-sarsa", "n-step-q")
+    ],
     # A3C on MuJoCo locomotion (the paper's Supp. 9 domain) on 2 CPU cores, `--env-id` and the budget alone (the
     # MuJoCo family: 2 workers x 4 envs, tanh-bounded mean, learned σ, scaled rewards), against Tianshou's A2C
     "a3c-mujoco-cpu": [Entry("a3c", env, 1_000_000) for env in ("Hopper-v4", "HalfCheetah-v4")],
@@ -329,6 +335,19 @@ def curve_on_grid(steps, returns, grid, window=WINDOW):
     return np.where(pos >= 0, mean[np.maximum(pos, 0)], np.nan)
 
 
+def state_dependence(run_path, lo=120_000, hi=160_000):
+    """Medians of `stats/logits_std_across_states` and `stats/dead_units` over steps (lo, hi] (None where the run logs
+    neither): whether an Atari policy has come to depend on the state. With PyTorch's default initialisation
+    IMPALA's Breakout agent read about 2e-4 and 0.77 there (state-blind, entropy at ln 4), with the scripts'
+    orthogonal one 0.11-0.15 and 0.16-0.25 (docs/impala_vtrace.md)."""
+    medians = []
+    for tag in ("stats/logits_std_across_states", "stats/dead_units"):
+        steps, values, _ = episode_returns(run_path, tag)
+        inside = values[(steps > lo) & (steps <= hi)]
+        medians.append(float(np.median(inside)) if len(inside) else None)
+    return medians
+
+
 def collect(out, entry, seeds, tag="charts/episodic_return", share=1, game=None):
     """Per seed: the run's folder, its curve and its summary (None when it has no log); with `share` > 1, one game
     of a multi-game run (`game`): its curve over its own steps (the run's / share), its own evaluation."""
@@ -396,6 +415,7 @@ def report(out, preset, entries, seeds, settings):
                 eval_mean_return=evals,
                 wall_time_s=walls,
                 evals_at={m: [evaluation_at(r["evals"], m) for r in runs] for m in MILESTONES if m <= entry.steps},
+                state_dependence=[state_dependence(r["path"]) for r in runs] if not game else [],
             )
         )
         grid = np.linspace(0, max(reached), 101)[1:]
@@ -447,6 +467,15 @@ def report(out, preset, entries, seeds, settings):
         for r in with_evals:
             cells = [fmt(r["evals_at"].get(m, [])) for m in milestones]
             lines.append(f"| {r['script']} | {r['env_id']} | " + " | ".join(cells) + " |")
+    atari = [r for r in rows if any(m[0] is not None for m in r["state_dependence"])]
+    if atari:  # the Atari runs' state dependence early on: spread at least 0.004 and fewer than 60% units dead
+        lines += ["", "State dependence at 120k-160k steps (medians of the logits' spread across states / dead torso "]
+        lines[-1] += "units; a state-blind policy reads about 2e-4 / 0.77):"
+        lines += ["", "| script | env | per seed |", "|---|---|---|"]
+        for r in atari:
+            pairs = zip(r["seeds"], r["state_dependence"])
+            cells = [f"{s}: {a:.3f} / {d:.2f}" for s, (a, d) in pairs if None not in (a, d)]
+            lines.append(f"| {r['script']} | {r['env_id']} | {', '.join(cells)} |")
     table = "\n".join(lines) + "\n"
     base = os.path.join(out, f"learning_{preset}")
     with open(base + ".md", "w") as f:

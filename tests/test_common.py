@@ -726,54 +726,64 @@ def test_common_never_imports_a_script():
         assert not names & {*SCRIPTS, "evaluate"}, (path, names & {*SCRIPTS, "evaluate"})
 
 
+# The scripts with continuous actions run a MuJoCo task, the others CartPole-v1; each run as small as it can be.
+COPIED_RUNS = {
+    "impala_vtrace": ["--env-id", "CartPole-v1", "--total-timesteps", "640", "--num-envs", "4", "--batch-size", "4"],
+    "vmpo_atari": ["--env-id", "CartPole-v1", "--total-timesteps", "640", "--num-envs", "4", "--batch-size", "4"],
+    "vmpo_mujoco": ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "800", "--num-envs", "4"]
+    + ["--batch-size", "4", "--unroll-length", "20"],
+    "a3c": ["--env-id", "InvertedPendulum-v4", "--num-workers", "1", "--num-envs", "2", "--total-timesteps", "2000"],
+    "acer": ["--env-id", "InvertedPendulum-v4", "--num-workers", "1", "--total-timesteps", "400"],
+    "p3s_td3": ["--env-id", "InvertedPendulum-v4", "--num-learners", "1", "--total-timesteps", "600"]
+    + ["--t-initial", "200", "--learning-starts", "0"],
+}
+CAN_FILM_MUJOCO = ctypes.util.find_library("EGL") is not None  # libEGL: Mesa's or a GPU driver's
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize(
-    "script,argv",
-    [
-        (
-            "impala_vtrace",
-            ["--env-id", "CartPole-v1", "--total-timesteps", "640", "--num-envs", "4", "--batch-size", "4"],
-        ),
-        ("vmpo_atari", ["--env-id", "CartPole-v1", "--total-timesteps", "640", "--num-envs", "4", "--batch-size", "4"]),
-        ("vmpo_mujoco", ["--env-id", "Pendulum-v1", "--total-timesteps", "1600"]),
-        ("a3c", ["--env-id", "CartPole-v1", "--total-timesteps", "2000", "--num-workers", "1"]),
-        ("acer", ["--env-id", "CartPole-v1", "--total-timesteps", "2000", "--num-workers", "1"]),
-        (
-            "p3s_td3",
-            [
-                "--env-id",
-                "Pendulum-v1",
-                "--total-timesteps",
-                "1200",
-                "--num-learners",
-                "1",
-                "--t-initial",
-                "200",
-                "--learning-starts",
-                "200",
-            ],
-        ),
-    ],
-)
-def test_a_script_copied_with_common_into_an_empty_folder_trains_resumes_and_evaluates(tmp_path, script, argv):
+@pytest.mark.parametrize("script", list(COPIED_RUNS))
+def test_a_script_copied_with_common_into_an_empty_folder_trains_films_resumes_and_evaluates(tmp_path, script):
     """The script and common/ alone, in a folder of their own: a run trains, saves its model and checkpoint and
-    evaluates itself; `--resume` loads that checkpoint and ends the run again (its budget is spent)."""
+    evaluates itself; `--resume` loads that checkpoint and ends the run again (its budget is spent). The scripts with
+    continuous actions (a3c, acer, p3s_td3, vmpo_mujoco) run InvertedPendulum-v4 with `--capture-video` where libEGL
+    is: the run's first evaluation episode as an animated PNG of MuJoCo frames; and `evaluate.py --capture-video` of
+    the saved model writes one too."""
     import glob
     import json
     import shutil
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    shutil.copy(os.path.join(root, f"{script}.py"), tmp_path)
-    shutil.copytree(os.path.join(root, "common"), tmp_path / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    from PIL import Image
+
+    from common.envs import MUJOCO_FRAME
+    from tests.helpers import ROOT
+
+    shutil.copy(os.path.join(ROOT, f"{script}.py"), tmp_path)
+    shutil.copytree(os.path.join(ROOT, "common"), tmp_path / "common", ignore=shutil.ignore_patterns("__pycache__"))
     assert sorted(os.listdir(tmp_path)) == sorted(["common", f"{script}.py"])
-    cmd = [sys.executable, f"{script}.py", *argv, "--save-model", "--eval-episodes", "2", "--run-dir", "runs"]
+    film = CAN_FILM_MUJOCO and "InvertedPendulum-v4" in COPIED_RUNS[script]
+    argv = [*COPIED_RUNS[script], *(["--capture-video"] if film else []), "--save-model", "--eval-episodes", "2"]
+    cmd = [sys.executable, f"{script}.py", *argv, "--run-dir", "runs"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]  # the end of a run: no warning either
     (run,) = glob.glob(str(tmp_path / "runs" / "*"))
     assert {"model.pt", "checkpoint.pt", "summary.json", "args.json"} <= set(os.listdir(run))
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["eval_mean_return"] is not None and summary["total_timesteps"] > 0
+
+    def check_video(path):
+        with Image.open(path) as v:
+            assert v.size == (MUJOCO_FRAME, MUJOCO_FRAME) and v.n_frames >= 2
+            assert np.asarray(v.convert("RGB")).std() > 10  # the pole and the rail, not a blank frame
+
+    if film:
+        video = os.path.join(run, "videos", "eval_episode_0.png")
+        check_video(video)
+        os.remove(video)
+        cmd = [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", "1", "--capture-video"]
+        filmed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert filmed.returncode == 0, filmed.stderr
+        check_video(video)
     resumed = subprocess.run(
         [sys.executable, f"{script}.py", "--resume", run], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
@@ -831,13 +841,26 @@ def test_evaluation_cli_of_a_damaged_or_wrong_file_is_one_line(tmp_path):
         "missing.pt": "no_such_script.py, which is not beside evaluate.py",
         "absent.pt": "no such file",
     }
-    for name, needle in cases.items():
-        out = subprocess.run(
-            [sys.executable, "evaluate.py", str(tmp_path / name)], cwd=root, capture_output=True, text=True, timeout=120
+    procs = {  # side by side: each is a process of its own that reads its file and writes nothing
+        name: subprocess.Popen(
+            [sys.executable, "evaluate.py", str(tmp_path / name)],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        lines = out.stderr.strip().splitlines()
-        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), out.stderr
-        assert needle in lines[0], out.stderr
+        for name in cases
+    }
+    try:
+        for name, needle in cases.items():
+            _, err = procs[name].communicate(timeout=240)
+            lines = err.strip().splitlines()
+            assert procs[name].returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), err
+            assert needle in lines[0], err
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
 
 
 def test_check_render_names_what_to_install_when_egl_is_missing(monkeypatch):
@@ -868,39 +891,3 @@ def test_envpool_renders_mujoco_once_egl_is_loaded(env_id):
     for _ in range(20):
         env.step(np.stack([env.action_space.sample() for _ in range(2)]))
     assert np.abs(env.render().astype(int) - first).mean() > 0.1
-
-
-@pytest.mark.e2e
-@pytest.mark.skipif(ctypes.util.find_library("EGL") is None, reason="no libEGL (Mesa's or a GPU driver's)")
-@pytest.mark.parametrize("where", ["a3c", "acer", "p3s_td3", "vmpo_mujoco"])
-def test_capture_video_of_a_mujoco_task(tmp_path, where):
-    """`--capture-video` on InvertedPendulum-v4: the run's first evaluation episode as an animated PNG of
-    MuJoCo frames; and `evaluate.py --capture-video` of the saved model writes one too."""
-    import subprocess
-
-    from PIL import Image
-
-    from common.envs import MUJOCO_FRAME
-    from tests.helpers import ROOT, run_script
-
-    tiny = {
-        "a3c": ["--num-workers", "2", "--num-envs", "2", "--total-timesteps", "2000"],
-        "acer": ["--num-workers", "2", "--total-timesteps", "400"],
-        "p3s_td3": ["--num-learners", "1", "--total-timesteps", "600", "--t-initial", "200", "--learning-starts", "0"],
-        "vmpo_mujoco": ["--total-timesteps", "800", "--num-envs", "4", "--batch-size", "4", "--unroll-length", "20"],
-    }[where]
-    flags = ["--env-id", "InvertedPendulum-v4", *tiny, "--eval-episodes", "1", "--capture-video", "--save-model"]
-    run = run_script(f"{where}.py", flags, tmp_path)
-    video = os.path.join(run, "videos", "eval_episode_0.png")
-
-    def check(path):
-        with Image.open(path) as v:
-            assert v.size == (MUJOCO_FRAME, MUJOCO_FRAME) and v.n_frames >= 2
-            assert np.asarray(v.convert("RGB")).std() > 10  # the pole and the rail, not a blank frame
-
-    check(video)
-    os.remove(video)
-    cmd = [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", "1", "--capture-video"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    check(video)
