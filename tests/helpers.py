@@ -114,8 +114,9 @@ def imported_envpool_modules(module):
 
 def assert_usage_error(script, argv, run_dir, needle, process=None):
     """Bad input: exit status 2, one line `error: ...` naming `needle`, no traceback, no run folder. With `process`
-    (by default the first bad input of each script in a session) as `python script ...` runs it, within 60 s; else
-    the script's `cli()` in this process, as its `__main__` calls it, its `RunLog` a tripwire (the run would begin)."""
+    (by default the first bad input of each script in a session) as `python script ...` runs it (a hang guard, no
+    time bound: what is checked is the exit before any work); else the script's `cli()` in this process, as its
+    `__main__` calls it, its `RunLog` a tripwire (the run would begin)."""
     import contextlib
     import importlib
     import io
@@ -123,11 +124,9 @@ def assert_usage_error(script, argv, run_dir, needle, process=None):
     process = script not in AS_A_PROCESS if process is None else process
     AS_A_PROCESS.add(script)
     if process:
-        t = time.time()
         cmd = [sys.executable, script, *argv, "--run-dir", str(run_dir)]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
         code, err = out.returncode, out.stderr
-        assert time.time() - t < 60
     else:
         module, err_io, threads = importlib.import_module(script.removesuffix(".py")), io.StringIO(), torch_threads()
         saved_argv, saved_log, code = sys.argv, module.RunLog, None
