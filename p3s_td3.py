@@ -508,8 +508,7 @@ def main(args: Args):
             if t % M == 0 and N > 1 and learning:  # lines 24-26: every M steps
                 synchronise(state, args, log, step)
                 guided = guided_learners(state, args, device)
-            stopping = stop.requested  # read once: a signal between two reads would stop the run unsaved
-            if stopping or log.save_due() or t == T:
+            if (stopping := stop.requested) or log.save_due() or t == T:  # one read of the flag: saved, then stopped
                 save(log, state)
             if stopping:
                 stopped(log, step)
