@@ -22,8 +22,8 @@ as it goes (p3s_td3's `evaluations.jsonl`, every R_eval steps) their mean over s
 entry: seeds, the steps each run reached, the final 20-episode mean (mean ± std over seeds), the evaluation
 return from `summary.json` (deterministic or greedy policy, `--eval-episodes` episodes) and the wall time.
 
-`--time-limit S` stops each run after S seconds with Ctrl-C (the scripts finish the update in progress,
-write their checkpoint and stop); such a run has no evaluation, and the table says how far it got. This
+`--time-limit S` stops each run with Ctrl-C S seconds after its first progress line (the scripts finish the update
+in progress, write their checkpoint and stop); such a run has no evaluation, and the table says how far it got. This
 makes a fixed-time comparison on a machine whose speed is not known in advance. The plot needs matplotlib;
 without it the table is still written.
 """
@@ -36,10 +36,12 @@ import glob
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -252,35 +254,43 @@ def launch(entry, seed, out, extra):
 
 
 def run_all(jobs, out, parallel, time_limit, extra):
-    """Runs (entry, seed) jobs, `parallel` at a time; a run past `time_limit` seconds gets SIGINT."""
+    """Runs (entry, seed) jobs, `parallel` at a time; a run gets SIGINT `time_limit` seconds after its first progress
+    line (its start-up, which a loaded machine stretches, does not count), and SIGKILL two minutes later."""
     pending, running, failed = list(jobs), [], []
     while pending or running:
         while pending and len(running) < parallel:
             entry, seed = pending.pop(0)
             proc, log = launch(entry, seed, out, extra)
-            running.append((entry, seed, proc, log, time.time(), False))
+            run = SimpleNamespace(entry=entry, seed=seed, proc=proc, log=log, offset=log.tell(), t0=time.time())
+            running.append(run)
+            run.began, run.stopped = None, False
         time.sleep(1.0)
-        still = []
-        for entry, seed, proc, log, t0, stopped in running:
-            if proc.poll() is None:
-                if time_limit and not stopped and time.time() - t0 > time_limit:
-                    proc.send_signal(signal.SIGINT)
-                    stopped = True
-                elif stopped and time.time() - t0 > time_limit + 120:
-                    proc.kill()
-                still.append((entry, seed, proc, log, t0, stopped))
-                continue
-            log.close()
-            ok = proc.returncode == 0 or (stopped and proc.returncode == 130)
+        for run in [r for r in running if r.proc.poll() is None and time_limit]:
+            run.began = run.began or (progressed(run.log.name, run.offset) and time.time())
+            if run.began and time.time() - run.began > time_limit and not run.stopped:
+                run.proc.send_signal(signal.SIGINT)
+                run.stopped = True
+            elif run.stopped and time.time() - run.began > time_limit + 120:
+                run.proc.kill()
+        for run in [r for r in running if r.proc.poll() is not None]:
+            running.remove(run)
+            run.log.close()
+            ok = run.proc.returncode == 0 or (run.stopped and run.proc.returncode == 130)
             print(
-                f"{entry.name} seed {seed}: exit {proc.returncode} after {time.time() - t0:.0f} s"
-                + ("" if ok else f" (see {run_folder(out, entry, seed)}/console.log)"),
+                f"{run.entry.name} seed {run.seed}: exit {run.proc.returncode} after {time.time() - run.t0:.0f} s"
+                + ("" if ok else f" (see {run_folder(out, run.entry, run.seed)}/console.log)"),
                 flush=True,
             )
             if not ok:
-                failed.append((entry, seed))
-        running = still
+                failed.append((run.entry, run.seed))
     return failed
+
+
+def progressed(path, offset) -> bool:
+    """Whether a console log has a progress line (`step N/M | SPS ...`) past `offset`."""
+    with open(path) as f:
+        f.seek(offset)
+        return re.search(r"^step +\d+/\d+ \| SPS", f.read(), re.M) is not None
 
 
 def episode_returns(run_path, tag="charts/episodic_return"):
@@ -645,7 +655,9 @@ def main():
         "--only", nargs="+", default=[], help="entries whose script, env id, name or one of whose games is one of these"
     )
     p.add_argument("--parallel", type=int, default=1, help="runs at a time")
-    p.add_argument("--time-limit", type=float, default=0.0, help="seconds per run, then Ctrl-C (0: none)")
+    p.add_argument(
+        "--time-limit", type=float, default=0.0, help="seconds from a run's first progress line to its Ctrl-C (0: none)"
+    )
     p.add_argument(
         "--out", default=None, help="folder of the runs and the results (default benchmarks/learning_<preset>)"
     )

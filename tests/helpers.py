@@ -466,3 +466,69 @@ def kill_resume_stop(script, argv, run_dir, stop_signal, kill_past=0, past=1, ti
     assert f"checkpoint at step {last['global_step']}: continue with python {script} --resume {run}" in err, err
     assert glob.glob(os.path.join(str(run_dir), "*")) == [run]  # the same folder, no new one
     return run, first, last, err
+
+
+def acted_unrolls(script, agent, argv, num_unrolls):
+    """Runs `script.act` (impala_vtrace, vmpo_atari) in this process with `agent` and `argv`'s actor settings until it
+    has sent `num_unrolls` full unrolls; returns each env's unrolls in the order it sent them, as {name: [T+1, ...]}."""
+    import queue
+
+    import numpy as np
+    import torch
+
+    args = script.parse_args(argv)
+    specs = script.buffer_specs(script.env_spec(args.env_id).observation_space, agent.policy.out_features, args)
+    slots = args.num_envs + 2
+    buffers = {k: torch.zeros((slots, *shape), dtype=dt) for k, (shape, dt) in specs.items()}
+    sent = {e: [] for e in range(args.num_envs)}
+
+    class Enough(Exception):
+        pass
+
+    class FullQueue:  # the learner's end: keeps a copy of each full unroll, frees its slot, stops the actor
+        def put(self, slot):
+            (env,) = np.flatnonzero(link.slot == slot)  # `write` hands the env a new slot after this
+            sent[env].append({k: v[slot].clone() for k, v in buffers.items()})
+            link.free_q.put(slot)
+            if sum(map(len, sent.values())) == num_unrolls:
+                raise Enough
+
+    link = script.ActorLink(agent, torch.zeros(1, dtype=torch.long), buffers, queue.Queue(), FullQueue(), queue.Queue())
+    for i in range(slots):
+        link.free_q.put(i)
+    (cfg,) = script.actor_configs(args, 0, torch.device("cpu"))
+    try:
+        script.act(cfg, link)
+    except Enough:
+        return sent
+    raise AssertionError("act returned")
+
+
+def assert_lstm_state_carried_and_zeroed(agent, chains, readout):
+    """A plain loop over each env's rows from a zero state, one LSTMCell step per row with the state zeroed where a
+    row is the first of an episode, against what the actor stored: the state before each unroll (so the state crosses
+    from one unroll to the next) and the logits at every row (`readout`: the LSTM's output to logits). The learner's
+    one pass over an unroll from its stored state gives those logits too. Returns how many rows were firsts."""
+    import torch
+    import torch.nn.functional as F
+
+    core, firsts, carried = agent.core, 0, 0
+    with torch.no_grad():
+        for unrolls in chains.values():
+            h = c = torch.zeros(1, core.hidden)
+            for u in unrolls:
+                torch.testing.assert_close((u["core_h"][None], u["core_c"][None]), (h, c))  # state before the unroll
+                carried += bool(h.abs().sum() > 0)
+                for t in range(len(u["first"]) - 1):  # row T is the next unroll's row 0
+                    if u["first"][t]:
+                        h, c, firsts = torch.zeros_like(h), torch.zeros_like(c), firsts + 1
+                    action = F.one_hot(u["prev_action"][t], core.num_actions).float()
+                    x = torch.cat([agent.torso(u["obs"][t : t + 1]), action[None], u["reward"][t].view(1, 1)], -1)
+                    h, c = core.cell(x, (h, c))
+                    torch.testing.assert_close(readout(h)[0], u["logits"][t])
+                pass_logits = agent(*(u[k][:, None] for k in ("obs", "prev_action", "reward", "first")),
+                                    (u["core_h"][None], u["core_c"][None]))[0]  # fmt: skip
+                torch.testing.assert_close(pass_logits[:, 0], u["logits"])
+                assert torch.equal(u["first"][1:], u["ended"][:-1])  # a row after an episode's end starts the next
+    assert carried > 0
+    return firsts

@@ -108,8 +108,8 @@ def test_report_from_logs(tmp_path):
 def test_time_limit_stops_a_run_with_ctrl_c(tmp_path):
     """A run past --time-limit gets Ctrl-C: it saves a checkpoint and stops, and the table says how far it got.
 
-    The budget is raised far past what 20 s can reach, and 20 s leaves room for a cold start (the first import of
-    torch in three processes on a fresh machine took most of 8 s)."""
+    The budget is raised far past what 20 s can reach; the 20 s count from the run's first progress line, so that a
+    start-up slowed by a loaded machine (three processes importing torch) cannot use them up (it did once)."""
     res = subprocess.run(
         [
             sys.executable,

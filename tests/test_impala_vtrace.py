@@ -13,6 +13,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import impala_vtrace  # noqa: E402
 from impala_vtrace import vtrace  # noqa: E402
 from tests.helpers import (
+    acted_unrolls,
+    assert_lstm_state_carried_and_zeroed,
     assert_killed_process_ends_the_run,
     learns,
     ROOT,
@@ -204,6 +206,18 @@ def test_popart_learner_loss_is_the_plain_loss_in_normalised_units():
     expected = torch.where(real, -args.baseline_cost * ((vs - mu[:-1]) / sigma[:-1] - n_own[:-1]), 0.0)
     torch.testing.assert_close(own[:-1], expected)
     torch.testing.assert_close(own[:-1], plain_values.grad[:-1] / sigma[:-1])  # the plain value gradient / σ
+
+
+def test_actor_carries_the_lstm_state_across_unrolls_and_zeroes_it_where_an_episode_starts():
+    """`act` with an LSTM, in this process on CartPole-v1 (4 envs stepped 2 at a time, unrolls of 5): the state
+    stored before each unroll, and the logits of every row, are a plain step-by-step loop's over the env's rows from a
+    zero state (`assert_lstm_state_carried_and_zeroed`); the learner's pass over an unroll from that state agrees."""
+    torch.manual_seed(0)
+    argv = ["--env-id", "CartPole-v1", "--use-lstm", "--lstm-size", "16", "--unroll-length", "5", "--num-envs", "4"]
+    agent = impala_vtrace.Agent((4,), 2, use_lstm=True, lstm_size=16)
+    torch.nn.init.normal_(agent.policy.weight)  # logits of order 1 that depend on the state
+    chains = acted_unrolls(impala_vtrace, agent, [*argv, "--env-batch-size", "2"], num_unrolls=48)
+    assert assert_lstm_state_carried_and_zeroed(agent, chains, agent.policy) > 0  # episodes ended inside unrolls
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, n_step_returns, vmpo_weights  # noqa: E402
 from tests.helpers import (
+    acted_unrolls,
+    assert_lstm_state_carried_and_zeroed,
     learns,
     assert_killed_process_ends_the_run,
     ctrl_c_during_second_update,
@@ -386,6 +388,19 @@ def test_vmpo_loss_multitask_popart_per_game():
     loss.backward()
     other_rows = agent.popart.linear.weight.grad  # both games' outputs were trained, each by its own rows
     assert (other_rows.abs().sum(-1) > 0).all()
+
+
+def test_actor_carries_the_lstm_state_across_unrolls_and_zeroes_it_where_an_episode_starts():
+    """`act` with the LSTM core, in this process on CartPole-v1 (4 envs stepped 2 at a time, unrolls of 5): the state
+    stored before each unroll, and the logits of every row, are a plain step-by-step loop's over the env's rows from a
+    zero state (`assert_lstm_state_carried_and_zeroed`); the learner's pass over an unroll from that state agrees."""
+    torch.manual_seed(0)
+    argv = ["--env-id", "CartPole-v1", "--use-lstm", "--lstm-size", "16", "--unroll-length", "5", "--num-envs", "4"]
+    agent = vmpo_atari.Agent((4,), 2, use_lstm=True, lstm_size=16, head_hidden=16, mlp_hidden=(16,))
+    torch.nn.init.normal_(agent.policy.weight)  # the zero readout's logits would not depend on the state
+    chains = acted_unrolls(vmpo_atari, agent, [*argv, "--env-batch-size", "2"], num_unrolls=48)
+    readout = lambda h: agent.policy(agent.policy_mlp(h))  # noqa: E731
+    assert assert_lstm_state_carried_and_zeroed(agent, chains, readout) > 0  # episodes ended inside unrolls
 
 
 # --------------------------------------------------------------------------------------------------------
