@@ -73,8 +73,7 @@ class Args:
     learning_rate: float = 6e-4  # learning rate (Table G.1)
     lr_anneal_steps: int = 50_000_000  # steps to anneal over: 200M frames (Table G.1); 0: the run's length
     rmsprop_decay: float = 0.99  # RMSProp decay (the paper's code default)
-    rmsprop_eps: float = 0.01  # RMSProp ε (Table G.1)
-    rmsprop_momentum: float = 0.0  # RMSProp momentum (Table G.1)
+    rmsprop_eps: float = 0.01  # RMSProp ε (Table G.1; its momentum: 0)
     max_grad_norm: float = 40.0  # global gradient-norm clipping threshold (Table G.1)
     gamma: float = 0.99  # γ, discount (Table G.1)
     baseline_cost: float = 0.5  # baseline loss scaling (Table G.1)
@@ -99,7 +98,10 @@ class Args:
 
 # Defaults by task family, the same on every device (a flag the user gives wins; `--preset paper`: Table G.1 as it is).
 FAMILY_DEFAULTS = {
-    "atari": ("Table G.1 with 4x its learning rate, measured on Breakout-v5 (docs)", dict(learning_rate=2.4e-3)),
+    "atari": (
+        "Table G.1; 4x its learning rate for the shallow agent, measured on Breakout-v5 (docs)",
+        dict(learning_rate=2.4e-3),
+    ),
     "classic": (
         "settings measured on CartPole-v1 (docs)",
         dict(total_timesteps=300_000, num_envs=16, batch_size=8, learning_rate=3e-3, baseline_cost=0.1)
@@ -116,6 +118,8 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper", {}
     source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
+    if family == "atari" and args.network == "deep":  # Table G.1's: at 4x the deep agent's policy turns deterministic
+        values = {k: v for k, v in values.items() if k != "learning_rate"}
     if args.env_ids:
         actors = args.num_actors if "--num-actors" in given else len(expand_env_ids(args.env_ids))
         envs = args.num_envs if "--num-envs" in given else -(-values.get("num_envs", Args.num_envs) // actors) * actors
@@ -322,13 +326,9 @@ def main(args: Args):
     net = (args.network, args.channels, args.use_lstm, args.lstm_size, max(1, len(games)), use_popart)
     agent = Agent(spec.observation_space.shape, num_actions, *net).to(device)
     same_start(agent)
-    rmsprop = dict(alpha=args.rmsprop_decay, eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # PyTorch's (docs)
-    optimizer = torch.optim.RMSprop(agent.parameters(), lr=args.learning_rate, **rmsprop)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
-    anneal_updates = max(num_updates, args.lr_anneal_steps // steps_per_update)  # to 0 linearly (Table G.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates)
-    state = load_state(dict(agent=agent, optimizer=optimizer, schedule=schedule, update=0), resumed)
+    state = load_state(dict(agent=agent, **make_optimizer(args, agent, num_updates), update=0), resumed)
     describe = f"device {device}, {world} learner process(es), {args.num_actors * world} actor process(es), "
     describe += f"{args.num_envs * world} envs" + (f", {len(games)} games" if games else "") + ", PopArt" * use_popart
     log = RunLog(args, resumed, describe, f"{len(games)}games" if games else None, write=rank == 0)
@@ -359,6 +359,17 @@ def main(args: Args):
         torch.distributed.destroy_process_group()
     if state["update"] < num_updates:
         stopped(log if rank == 0 else None, step, world)
+
+
+def make_optimizer(args, agent, num_updates) -> dict:
+    """RMSProp (Table G.1) with its mean square bias-corrected, i.e. Adam without momentum: PyTorch's RMSprop starts
+    it at 0, so that its first steps are up to 10x the steady ones, and they turned the deep agent's policy
+    deterministic (docs). The learning rate anneals linearly to 0 over the paper's 50M steps, or the run if longer."""
+    optimizer = torch.optim.Adam(agent.parameters(), args.learning_rate, (0.0, args.rmsprop_decay), args.rmsprop_eps)
+    anneal_updates = max(num_updates, args.lr_anneal_steps // (args.batch_size * args.unroll_length))
+    return dict(
+        optimizer=optimizer, schedule=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / anneal_updates)
+    )
 
 
 def save(log, state) -> None:

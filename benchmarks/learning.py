@@ -150,6 +150,20 @@ PRESETS = {
         Entry("impala_vtrace", "Breakout-v5", 1_000_000, ()),
         Entry("vmpo_atari", "Breakout-v5", 1_000_000, ()),
     ],
+    # the papers' own Atari agents on 2 CPU cores, `--env-id`, a budget and the agent's flags alone, beside atari-cpu's
+    # shallow ones: IMPALA's deep ResNet (Fig. 3) without and with its LSTM, V-MPO's ResNet + LSTM (App. F) at
+    # IMPALA's channels (its own 64, 128, 128 are 4x the compute)
+    "atari-deep-cpu": [
+        Entry("impala_vtrace", "Breakout-v5", 1_000_000, ("--network", "deep"), label="deep"),
+        Entry("impala_vtrace", "Breakout-v5", 500_000, ("--network", "deep", "--use-lstm"), label="deep-lstm"),
+        Entry(
+            "vmpo_atari",
+            "Breakout-v5",
+            250_000,
+            ("--network", "deep", "--channels", "16", "32", "32", "--use-lstm"),
+            label="deep-lstm",
+        ),
+    ],
     # the A3C paper's Fig. 1 comparison on 2 CPU cores: its four asynchronous methods on Breakout, 1M steps each,
     # `--env-id`, the budget and `--method` alone (the Atari family: 2 workers x 1 env, θ⁻ every 10k steps, ε over 1M)
     "a3c-atari-cpu": [

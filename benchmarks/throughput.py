@@ -85,7 +85,7 @@ def make_learner(script, envs, network, script_args, device):
 
             args = m.Args(network=network, use_lstm=script_args.get("use_lstm", False))
             agent = m.Agent(obs_shape, num_actions, network, args.channels, args.use_lstm).to(device)
-            opt = torch.optim.RMSprop(agent.parameters(), lr=1e-4, alpha=0.99, eps=0.01)
+            opt = torch.optim.Adam(agent.parameters(), lr=1e-4, betas=(0.0, 0.99), eps=0.01)  # its RMSProp
             costs = (args.gamma, args.baseline_cost, args.entropy_cost)
             loss = lambda logits, values, mb: m.learner_loss(logits, values, mb, *costs).loss  # noqa: E731
         else:

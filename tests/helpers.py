@@ -532,3 +532,27 @@ def assert_lstm_state_carried_and_zeroed(agent, chains, readout):
                 assert torch.equal(u["first"][1:], u["ended"][:-1])  # a row after an episode's end starts the next
     assert carried > 0
     return firsts
+
+
+def breakout_unrolls(num_envs=8, unroll_length=20, seed=0):
+    """Real Breakout-v5 frames of random play as a batch of unrolls (the keys `next_batch` gives, time-major
+    `[T+1, B]`), with the training settings of the CPU Atari defaults (a lost life ends the episode)."""
+    import numpy as np
+    import torch
+
+    from common.envs import make_env
+
+    envs = make_env("Breakout-v5", num_envs, seed, episodic_life=True, reward_clip=False)
+    obs, _ = envs.reset()
+    rng = np.random.default_rng(seed)
+    reward, term, ended = np.zeros(num_envs, np.float32), np.zeros(num_envs, bool), np.zeros(num_envs, bool)
+    rows = []
+    for _ in range(unroll_length + 1):
+        action = rng.integers(0, 4, num_envs)
+        rows.append([obs, reward, ended, term, action])
+        obs, reward, term, trunc, _ = envs.step(action)
+        ended = term | trunc
+    obs, reward, ended, term, action = (torch.from_numpy(np.stack(col)) for col in zip(*rows))
+    zeros = torch.zeros(unroll_length + 1, num_envs, dtype=torch.long)
+    batch = dict(obs=obs, reward=reward.float(), ended=ended, terminated=term, action=action.long())
+    return {**batch, "first": zeros.bool(), "prev_action": zeros, "task": zeros, "version": zeros}

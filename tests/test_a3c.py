@@ -645,13 +645,13 @@ def test_value_based_methods_learn_cartpole(tmp_path, method, target):
 @pytest.mark.e2e
 def test_learns_inverted_pendulum(tmp_path):
     """Continuous actions: InvertedPendulum-v4 with `--env-id` and a budget alone (the MuJoCo family: the paper's
-    settings with 4 envs per worker) balances the pole for 100 steps on average over 100 episodes within 500k steps
-    (a random policy lasts 5-10). Most runs reach 1000, but some let σ collapse early and stay near 200 (docs/a3c.md),
-    so the test asserts learning, not mastery."""
-    best, run = learns("a3c.py", ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "500000"], tmp_path, 100)
+    settings with 4 envs per worker) balances the pole for 500 steps on average over 100 episodes within 500k steps
+    (a random policy lasts 5-10). Ten runs on 2 loaded cores, seeds 1-10 one at a time, first reached 500 at 68k-74k
+    steps (100 at 14k-25k, 900 at 120k-242k: all ten), 54-67 s each."""
+    best, run = learns("a3c.py", ["--env-id", "InvertedPendulum-v4", "--total-timesteps", "500000"], tmp_path, 500)
     saved = json.load(open(os.path.join(run, "args.json")))
     assert saved["task_family"] == "mujoco" and saved["num_envs"] == 4
-    assert best >= 100, best
+    assert best >= 500, best
 
 
 @pytest.mark.e2e

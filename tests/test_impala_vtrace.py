@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import impala_vtrace  # noqa: E402
 from impala_vtrace import vtrace  # noqa: E402
 from tests.helpers import (
+    breakout_unrolls,
     acted_unrolls,
     assert_lstm_state_carried_and_zeroed,
     assert_killed_process_ends_the_run,
@@ -206,6 +207,31 @@ def test_popart_learner_loss_is_the_plain_loss_in_normalised_units():
     expected = torch.where(real, -args.baseline_cost * ((vs - mu[:-1]) / sigma[:-1] - n_own[:-1]), 0.0)
     torch.testing.assert_close(own[:-1], expected)
     torch.testing.assert_close(own[:-1], plain_values.grad[:-1] / sigma[:-1])  # the plain value gradient / σ
+
+
+@pytest.mark.parametrize("use_lstm", [False, True], ids=["deep", "deep-lstm"])
+def test_deep_agent_keeps_its_entropy_over_its_first_updates_at_the_family_defaults(use_lstm):
+    """`--env-id Breakout-v5 --network deep` (with and without `--use-lstm`) at the Atari family's defaults, on real
+    frames (random play, unrolls of 20; 8 of them, not 32, to keep it short) with μ the current policy: the policy's
+    entropy stays near ln 4 = 1.386 over the first 6 updates. With PyTorch's RMSprop and the shallow agent's 4x
+    learning rate it read 1.385, 0.000, 0.000, 0.000, 0.000, then a non-finite gradient; with the bias-corrected mean
+    square and Table G.1's learning rate, 1.385, 1.293, 1.279, 1.225, 1.371, 1.347 (docs/impala_vtrace.md)."""
+    torch.manual_seed(0)
+    argv = ["--env-id", "Breakout-v5", "--network", "deep", "--batch-size", "8", *["--use-lstm"] * use_lstm]
+    args = impala_vtrace.parse_args(argv)
+    assert args.learning_rate == 6e-4  # Table G.1's
+    agent = impala_vtrace.Agent((4, 84, 84), 4, args.network, args.channels, args.use_lstm, args.lstm_size)
+    state = dict(agent=agent, **impala_vtrace.make_optimizer(args, agent, num_updates=100), update=0)
+    batch = breakout_unrolls(args.batch_size, args.unroll_length)
+    batch["reward"] = batch["reward"].clamp(-1, 1)
+    core = agent.initial_state(args.batch_size)
+    batch.update(zip(("core_h", "core_c"), core))
+    entropies = []
+    for _ in range(6):
+        with torch.no_grad():
+            batch["logits"] = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], core)[0]
+        entropies.append(float(impala_vtrace.learner_step(state, batch, args)[1]["stats/entropy"]))
+    assert min(entropies) > 1.1, entropies
 
 
 def test_actor_carries_the_lstm_state_across_unrolls_and_zeroes_it_where_an_episode_starts():

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, n_step_returns, vmpo_weights  # noqa: E402
 from tests.helpers import (
+    breakout_unrolls,
     acted_unrolls,
     assert_lstm_state_carried_and_zeroed,
     learns,
@@ -187,29 +188,6 @@ def test_multipliers_are_projected():
         m.alpha.fill_(0.5)
     m.project()
     assert float(m.eta.detach()) == pytest.approx(1e-8) and float(m.alpha.detach()) == 0.5
-
-
-def breakout_unrolls(num_envs=8, unroll_length=20, seed=0):
-    """Real Breakout-v5 frames of random play as a batch of unrolls (the keys `next_batch` gives, time-major
-    `[T+1, B]`), with the training settings of the CPU Atari defaults (a lost life ends the episode)."""
-    import numpy as np
-
-    from common.envs import make_env
-
-    envs = make_env("Breakout-v5", num_envs, seed, episodic_life=True, reward_clip=False)
-    obs, _ = envs.reset()
-    rng = np.random.default_rng(seed)
-    reward, term, ended = np.zeros(num_envs, np.float32), np.zeros(num_envs, bool), np.zeros(num_envs, bool)
-    rows = []
-    for _ in range(unroll_length + 1):
-        action = rng.integers(0, 4, num_envs)
-        rows.append([obs, reward, ended, term, action])
-        obs, reward, term, trunc, _ = envs.step(action)
-        ended = term | trunc
-    obs, reward, ended, term, action = (torch.from_numpy(np.stack(col)) for col in zip(*rows))
-    zeros = torch.zeros(unroll_length + 1, num_envs, dtype=torch.long)
-    batch = dict(obs=obs, reward=reward.float(), ended=ended, terminated=term, action=action.long())
-    return {**batch, "first": zeros.bool(), "prev_action": zeros, "task": zeros, "version": zeros}
 
 
 def learner_state(args):
