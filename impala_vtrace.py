@@ -17,8 +17,9 @@ truncated importance weights ρ_t = min(ρ̄, π/μ) and c_t = λ min(c̄, π/μ
 | Sec. 5.3 multi-task Atari; PopArt-IMPALA (Hessel et al. 2019)  | `--env-ids`, `--popart`                 |
 
 Each learner (one, or K under torchrun, gradients summed in one all-reduce) starts `--num-actors` actor processes
-that write unrolls into shared-memory slots, and publishes its weights after every update. Departures from the
-paper (initialisation, optimiser, learning rate and its horizon) and their measurements: docs/impala_vtrace.md.
+that write unrolls into shared-memory slots, and publishes its weights after every update. The paper's headline
+agent is the deep one (Fig. 3, Table 4), `--network deep`; the defaults run the shallow one, about 20x cheaper on a CPU.
+Departures from the paper (initialisation, optimiser, learning rate and its horizon), measured: docs/impala_vtrace.md.
 
     python impala_vtrace.py --env-id Breakout-v5
     torchrun --nproc_per_node 2 impala_vtrace.py --env-id Pong-v5 --network deep --use-lstm

@@ -19,8 +19,10 @@ region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopAr
 | Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
 | Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target              | `Args` defaults                          |
 
-Multi-task: `--env-ids` (Table 4), one PopArt output per game. What departs from the paper (softplus multipliers,
-initialisation, the Atari settings measured on 2 CPU cores, an LSTM for the Transformer-XL): docs/vmpo_atari.md.
+Multi-task: `--env-ids` (Table 4), one PopArt output per game. The paper's agent is `--preset paper`'s ResNet + LSTM;
+`--env-id` on Atari runs the shallow one without an LSTM, about 20x cheaper on a CPU. What departs from the paper
+(softplus multipliers, initialisation, the Atari settings measured on 2 CPU cores, an LSTM for the Transformer-XL):
+docs/vmpo_atari.md.
 
     python vmpo_atari.py --env-id Breakout-v5
     torchrun --nproc_per_node 2 vmpo_atari.py --env-id Pong-v5 --num-envs 128
