@@ -301,6 +301,15 @@ def all_settings(cuda):
             **atari,
             extra=["--no-use-lstm", "--batch-size", str(envs), "--num-minibatches", "1"],
         ),
+        # the papers' own agents: IMPALA's deep ResNet (Fig. 3), with its LSTM, and V-MPO's ResNet + LSTM (App. F) at
+        # IMPALA's channels; learning-bound on a CPU, so a short run
+        dict(script="impala_vtrace", **{**atari, "network": "deep", "timesteps": 6_400}, extra=[]),
+        dict(script="impala_vtrace", **{**atari, "network": "deep", "timesteps": 6_400}, extra=["--use-lstm"]),
+        dict(
+            script="vmpo_atari",
+            **{**atari, "network": "deep", "timesteps": 3_200},
+            extra=["--use-lstm", "--channels", "16", "32", "32", "--batch-size", str(envs), "--num-minibatches", "1"],
+        ),
         dict(
             script="vmpo_mujoco",
             env_id="HalfCheetah-v4",

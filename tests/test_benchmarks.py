@@ -164,6 +164,9 @@ def test_throughput_all_runs_every_script_with_flags_it_accepts(cuda):
     assert [s["script"] for s in settings] == [
         "impala_vtrace",
         "vmpo_atari",
+        "impala_vtrace",
+        "impala_vtrace",
+        "vmpo_atari",
         "vmpo_mujoco",
         "a3c",
         "acer",
