@@ -818,13 +818,13 @@ class RunLog:
             self.last_line = now
 
     def save(self, step: int, state: dict, model: dict = None) -> None:
-        """checkpoint.pt: the training `state`, the log's own and the arguments (and model.pt with --save-model), each
-        through a temporary file and a rename: a run killed while saving keeps its last good file."""
+        """checkpoint.pt: the training `state`, the log's own and the arguments (and model.pt with --save-model, first:
+        a checkpoint on disk has its model), each through a temporary file and a rename: a killed run keeps its last."""
         wall = self.previous_wall + time.time() - self.start
         log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
         log.update(episodes=self.episodes, wall_time_s=wall, args=dataclasses.asdict(self.args))
         log["script"] = os.path.basename(__file__)
-        for name, obj in (("checkpoint.pt", {**state, **log}), ("model.pt", model)):
+        for name, obj in (("model.pt", model), ("checkpoint.pt", {**state, **log})):
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
                 os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
