@@ -85,7 +85,7 @@ class Args:
     eval_episodes: int = 10  # evaluation episodes at the end of training, sampling from the policy (0: none)
     run_dir: str = "runs"  # folder of the run folders
     log_interval: float = 5.0  # seconds between console progress lines
-    learner_threads: int = 0  # torch threads of a learner process; 0: half the cores (the rest step the envs)
+    learner_threads: int = 0  # torch threads of a learner; 0: half the cores (the rest step the envs), the deep net all
     checkpoint_interval: float = 300.0  # seconds between checkpoints (also at the end and on Ctrl-C); 0: only then
     resume: str = ""  # a run folder to continue from its checkpoint.pt, with its own arguments
 
@@ -557,7 +557,10 @@ def learner_process(args):
     torch.manual_seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_num_threads(args.learner_threads or max(1, (os.cpu_count() or 2) // (2 * world)))
+    cores = (os.cpu_count() or 2) // world  # the deep ResNet's actors need a fifth of its learner's time (benchmarks)
+    torch.set_num_threads(
+        args.learner_threads or max(1, cores if getattr(args, "network", "") == "deep" else cores // 2)
+    )
     return rank, world, device
 
 

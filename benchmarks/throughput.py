@@ -172,6 +172,7 @@ def sync_loop_sps(script, env_id, num_envs, unroll, network, script_args, second
             steps += num_envs
         batch = {k: torch.stack(v) for k, v in rows.items()}
         B = num_envs
+        batch["task"] = torch.zeros(unroll + 1, B, dtype=torch.long, device=device)  # one game (PopArt's output 0)
         for _ in range(epochs):
             for cols in torch.randperm(B).chunk(minibatches):
                 mb = {k: v[:, cols] for k, v in batch.items()}
