@@ -777,11 +777,11 @@ class RunLog:
         log = dict(global_step=step, returns=self.returns[-100:], groups={g: r[-10:] for g, r in self.groups.items()})
         log.update(episodes=self.episodes, wall_time_s=wall, args=dataclasses.asdict(self.args))
         log["script"] = os.path.basename(__file__)
+        self.writer.flush()  # first too: a checkpoint on disk has the curves up to it, which a resumed run continues
         for name, obj in (("model.pt", model), ("checkpoint.pt", {**state, **log})):
             if obj is not None:
                 torch.save(obj, os.path.join(self.path, name + ".tmp"))
                 os.replace(os.path.join(self.path, name + ".tmp"), os.path.join(self.path, name))
-        self.writer.flush()  # the curves on disk reach the checkpoint: a resumed run continues them
         self.last_save = time.time()
 
     def save_due(self) -> bool:

@@ -71,6 +71,16 @@ def events_tags(run_path, values_of=None):
     return [e.value for e in acc.Scalars(values_of)]
 
 
+def logged_by(run_path, tag, step):
+    """Whether a run's TensorBoard events hold `tag` at `step` or before (a `ready` for `kill_resume_stop`: a worker
+    that logs it may start after others have passed the checkpoint's step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
+    acc.Reload()
+    return tag in acc.Tags()["scalars"] and any(e.step <= step for e in acc.Scalars(tag))
+
+
 def wait_gone(pids, timeout):
     """True once none of `pids` is alive (zombies count as gone)."""
     deadline = time.time() + timeout
@@ -411,35 +421,36 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
     assert ckpt["update"] == done and ckpt["global_step"] == done * steps_per_update
 
 
-def kill_resume_stop(script, argv, run_dir, stop_signal, kill_past=0, past=1, timeout=300):
+def kill_resume_stop(script, argv, run_dir, stop_signal, kill_past=0, past=1, timeout=300, ready=None):
     """The life of a long run, each step taken on what the run has written, never on a clock: `script argv` (with a
-    budget it cannot spend within the test) is SIGKILLed once it has saved a checkpoint past step `kill_past`, and its
-    spawned processes must then exit by themselves; `--resume` continues it in the same folder; once the resumed run
-    has saved a checkpoint at least `past` steps beyond that one, `stop_signal` (Ctrl-C or SIGTERM) asks it to stop:
-    it must finish the update in hand, save, say how to continue and exit with 130, with nothing else on stderr and no
-    process left. Returns (run folder, the first checkpoint, the last, the resumed run's stderr)."""
+    budget it cannot spend within the test) is SIGKILLed once it has saved a checkpoint past step `kill_past` (for
+    which `ready(run folder, checkpoint)` holds, if given), and its spawned processes must then exit by themselves;
+    `--resume` continues it in the same folder; once the resumed run has saved a checkpoint at least `past` steps
+    beyond that one, `stop_signal` (Ctrl-C or SIGTERM) asks it to stop: it must finish the update in hand, save, say
+    how to continue and exit with 130, with nothing else on stderr and no process left. Returns (run folder, the first
+    checkpoint, the last, the resumed run's stderr)."""
     import torch
 
     def start(args, **streams):
         cmd = [sys.executable, script, *args]
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, text=True, **streams)
 
-    def checkpoint_after(proc, step):  # the run folder's checkpoint once its step is past `step` (polled)
+    def checkpoint_after(proc, step, ready=None):  # the run folder's checkpoint once its step is past `step` (polled)
         deadline = time.time() + timeout
         while time.time() < deadline and proc.poll() is None:
             found = glob.glob(os.path.join(str(run_dir), "*", "checkpoint.pt"))
             if found:
                 saved = torch.load(found[0], weights_only=False)  # written atomically: whole or not yet there
-                if saved["global_step"] > step:
+                if saved["global_step"] > step and (ready is None or ready(os.path.dirname(found[0]), saved)):
                     return found[0], saved
             time.sleep(0.2)
-        raise AssertionError(f"no checkpoint past step {step} within {timeout} s (exit {proc.poll()})")
+        raise AssertionError(f"no checkpoint past step {step} (and ready) within {timeout} s (exit {proc.poll()})")
 
     argv = [*argv, "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--run-dir", str(run_dir)]
     proc = start(argv, stderr=subprocess.DEVNULL)
     try:
         actors = wait_for_actors(proc, timeout)
-        path, first = checkpoint_after(proc, kill_past)
+        path, first = checkpoint_after(proc, kill_past, ready)
         actors = {*actors, *spawned(proc.pid)}  # those that started after the first
         proc.kill()
         proc.wait(timeout=30)

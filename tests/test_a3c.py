@@ -21,6 +21,7 @@ from tests.helpers import (
     assert_non_finite_stops_the_run,
     assert_usage_error,
     kill_resume_stop,
+    logged_by,
     evaluate_cli,  # noqa: E402
     events_tags,
     imported_envpool_modules,
@@ -577,7 +578,11 @@ def test_killed_run_resumes_and_a_stop_saves_the_update_in_hand(tmp_path, method
     budget = 2_000_000  # not spent within the test: the runs end by a kill and a stop
     argv = ["--method", method, "--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2"]
     argv += ["--total-timesteps", str(budget), "--log-interval", "0.5", "--seed", "3", "--save-model"]
-    run, saved, final, err = kill_resume_stop("a3c.py", argv, tmp_path, stop, kill_past=1000, past=10_000)
+
+    def ready(run, saved):  # worker 0 logs the learning rate: it may start after the other passed the step
+        return logged_by(run, "charts/learning_rate", saved["global_step"])
+
+    run, saved, final, err = kill_resume_stop("a3c.py", argv, tmp_path, stop, kill_past=1000, past=10_000, ready=ready)
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the model.pt written with the checkpoints
     assert 0 < saved["global_step"] < final["global_step"] < budget and final["args"]["num_envs"] == 2
     square_avg = [s["square_avg"] for s in saved["optimizer"]["state"].values()]

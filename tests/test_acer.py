@@ -23,6 +23,7 @@ from tests.helpers import (
     assert_non_finite_stops_the_run,
     assert_usage_error,
     kill_resume_stop,
+    logged_by,
     events_tags,  # noqa: E402
     imported_envpool_modules,
     run_script,
@@ -640,7 +641,13 @@ def test_killed_run_resumes_and_ctrl_c_saves_the_updates_in_hand(tmp_path):
     budget = 2_000_000  # not spent within the test: the runs end by a kill and a Ctrl-C
     argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2", "--total-timesteps", str(budget)]
     argv += ["--log-interval", "0.5", "--seed", "3"]
-    run, saved, final, _ = kill_resume_stop("acer.py", argv, tmp_path, signal.SIGINT, kill_past=1000, past=2000)
+
+    def ready(run, saved):  # worker 0 logs the learning rate: it may start after the other passed the step
+        return logged_by(run, "charts/learning_rate", saved["global_step"])
+
+    run, saved, final, _ = kill_resume_stop(
+        "acer.py", argv, tmp_path, signal.SIGINT, kill_past=1000, past=2000, ready=ready
+    )
     assert "avg_agent" in saved and 0 < saved["global_step"] < final["global_step"] < budget
     assert any(g.abs().sum() > 0 for g in saved["square_avg"])  # the shared statistics, not fresh zeros
     assert final["args"]["num_envs"] == 2
