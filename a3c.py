@@ -367,9 +367,10 @@ class Agent(nn.Module):
 # Acting and learning: a worker runs Algorithm S3 (A3C), or Algorithm 1 or S2 (the value-based methods).
 
 
-def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q, halt=None):
+def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, msg_q, halt=None, started=None):
     """One actor-learner thread, a process here: sync θ' ← θ, act t_max steps, update the shared θ (Algorithm S3; with
-    the shared θ⁻ `target`, Algorithm 1, Sec. 4's Sarsa or S2). Episodes go to `msg_q`; it stops once `halt` is set."""
+    the shared θ⁻ `target`, Algorithm 1, Sec. 4's Sarsa or S2). It starts with the others (`started`), sends
+    its episodes to `msg_q` and stops once `halt` is set."""
     n, T, value_based = args.num_envs, args.t_max, target is not None
     torch.manual_seed(args.seed + worker_id)
     envs = make_env(args.env_id, n, args.seed + worker_id * n, training=True, num_threads=1)
@@ -386,6 +387,8 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     state = local.initial_state(n)
     last_report = 0.0
     discounted_return = np.zeros(n)  # --scale-rewards: each environment's discounted return so far
+    if started is not None:
+        started.wait()  # every worker set up: they take their steps of the budget together, none left to one
     while counter.value < args.total_timesteps and not (halt and halt.is_set()):
         copy_network(local, shared, obs_lock)  # θ' ← θ
         synced_at = counter.value
@@ -488,6 +491,7 @@ def main(args: Args):
 
     ctx = torch.multiprocessing.get_context("spawn")
     counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
+    started = ctx.Barrier(args.num_workers)  # passed once every worker is set up
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
     stop = Stop()
 
@@ -495,7 +499,7 @@ def main(args: Args):
         check_finite(f"at step {step}", **state["agent"])
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
 
-    work = (args, agent, target, optimizer, counter, obs_lock, msg_q, halt)
+    work = (args, agent, target, optimizer, counter, obs_lock, msg_q, halt, started)
     workers = start_workers(train_worker, range(args.num_workers), *work)
     try:
         step = watch_workers(workers, msg_q, halt, steps, log, stop, save)  # the paper's loop runs in the workers

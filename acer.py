@@ -385,7 +385,7 @@ class ContinuousAgent(nn.Module):
 # Replay and the workers: Algorithm 1.
 
 
-def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt):
+def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt, started):
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from but for continuous actions, Sec. 6,
     stored raw), then Poisson(r) segments replayed from its memory. Once `halt` is set, it ends after its updates."""
     n, k = args.num_envs, args.k
@@ -423,6 +423,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
         update_average(avg_agent, shared, args.avg_decay)
         return {**{k: v for k, v in loss_stats(out).items() if not v.isnan()}, "stats/grad_norm": grad_norm}
 
+    started.wait()  # every worker set up: they take their steps of the budget together, none left to one
     while counter.value < args.total_timesteps and not halt.is_set():
         with obs_lock:
             local.load_state_dict(shared.state_dict())
@@ -526,6 +527,7 @@ def main(args: Args):
     log, stop = RunLog(args, resumed, describe + ("" if args.trust_region else "no ") + "trust region"), Stop()
     ctx = torch.multiprocessing.get_context("spawn")
     counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
+    started = ctx.Barrier(args.num_workers)  # passed once every worker is set up
     steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
 
     def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
@@ -533,7 +535,7 @@ def main(args: Args):
         check_finite(f"at step {step}", **weights)
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
 
-    shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt)
+    shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt, started)
     workers = start_workers(train_worker, range(args.num_workers), *shared)
     try:
         step = watch_workers(workers, msg_q, halt, steps, log, stop, save)  # Algorithm 1 runs in the workers
