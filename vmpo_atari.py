@@ -21,7 +21,8 @@ region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopAr
 
 Multi-task: `--env-ids` (Table 4), one PopArt output per game. The paper's agent is `--preset paper`'s ResNet + LSTM;
 `--env-id` on Atari runs the shallow one without an LSTM, about 20x cheaper on a CPU. What departs from the paper
-(softplus multipliers, initialisation, the Atari settings measured on 2 CPU cores, an LSTM for the Transformer-XL):
+(softplus multipliers, initialisation, the Atari settings measured on 2 CPU cores, an LSTM for the Transformer-XL,
+its input layer-normalised):
 docs/vmpo_atari.md.
 
     python vmpo_atari.py --env-id Breakout-v5
@@ -223,6 +224,7 @@ class Agent(nn.Module):
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
+        self.core_norm = nn.LayerNorm(self.torso.out_features) if use_lstm else None  # as TrXL's inputs (App. F)
         n = self.core.out_features if use_lstm else self.torso.out_features
         self.policy_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
         self.policy = nn.Linear(head_hidden, num_actions)
@@ -240,7 +242,7 @@ class Agent(nn.Module):
         T, B = first.shape
         x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
         if self.core is not None:
-            x, state = self.core(x.view(T, B, -1), prev_action, prev_reward, first, state)
+            x, state = self.core(self.core_norm(x).view(T, B, -1), prev_action, prev_reward, first, state)
         x = x.reshape(T, B, -1)
         return self.policy(self.policy_mlp(x)), self.value_mlp(x), state
 
