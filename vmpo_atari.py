@@ -21,8 +21,7 @@ region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopAr
 
 Multi-task: `--env-ids` (Table 4), one PopArt output per game. The paper's agent is `--preset paper`'s ResNet + LSTM;
 `--env-id` on Atari runs the shallow one without an LSTM, about 20x cheaper on a CPU. What departs from the paper
-(softplus multipliers, initialisation, the Atari settings measured on 2 CPU cores, an LSTM for the Transformer-XL,
-its input layer-normalised):
+(softplus multipliers, initialisation, the Atari settings measured on 2 CPU cores, an LSTM for the Transformer-XL):
 docs/vmpo_atari.md.
 
     python vmpo_atari.py --env-id Breakout-v5
@@ -56,7 +55,7 @@ from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import atari_games, evaluate, evaluate_games, expand_env_ids, median_human_normalized
 from common.evaluation import recurrent_policy, resume_checkpoint
 from common.networks import LSTMCore, check_channels, dead_units, grad_norms_by_layer, init_output_, init_weights_
-from common.networks import logits_std_across_states, make_torso
+from common.networks import ResidualBlock, logits_std_across_states, make_torso
 from common.popart import PopArt
 
 
@@ -127,6 +126,9 @@ def defaults_for(args, given=()) -> tuple[str, str, dict]:
     if args.preset == "paper":
         return family, PAPER + ", forced by --preset paper", {}
     source, values = FAMILY_DEFAULTS.get(family, (PAPER, {}))
+    network = args.network if "--network" in given or not given else values.get("network")  # `given`: args not final
+    if family == "atari" and network == "deep":  # the deep torso froze at the shallow agent's 1e-3 (docs)
+        source, values = source + "; --network deep: learning-rate 3e-4", {**values, "learning_rate": 3e-4}
     if args.env_ids:
         actors = args.num_actors if "--num-actors" in given else len(expand_env_ids(args.env_ids))
         envs = args.num_envs if "--num-envs" in given else -(-values.get("num_envs", Args.num_envs) // actors) * actors
@@ -224,13 +226,14 @@ class Agent(nn.Module):
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
         self.torso = make_torso(obs_shape, network, channels or None, mlp_hidden)
         self.core = LSTMCore(self.torso.out_features, num_actions, lstm_size) if use_lstm else None
-        self.core_norm = nn.LayerNorm(self.torso.out_features) if use_lstm else None  # as TrXL's inputs (App. F)
         n = self.core.out_features if use_lstm else self.torso.out_features
         self.policy_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
         self.policy = nn.Linear(head_hidden, num_actions)
         self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
         self.popart = PopArt(head_hidden, num_tasks, popart_beta)  # σ in [1e-2, 1e6] (Sec. 4.1)
         init_weights_(self)  # orthogonal, gain √2, zero biases (not in the paper; docs)
+        for block in (m for m in self.torso.modules() if isinstance(m, ResidualBlock)):
+            nn.init.zeros_(block.conv1.weight)  # each residual block starts as the identity (docs: the deep agent)
         init_output_(self.popart.linear, 1.0)
         init_output_(self.policy, 0.0)  # a uniform policy at the start (App. F)
 
@@ -242,7 +245,7 @@ class Agent(nn.Module):
         T, B = first.shape
         x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
         if self.core is not None:
-            x, state = self.core(self.core_norm(x).view(T, B, -1), prev_action, prev_reward, first, state)
+            x, state = self.core(x.view(T, B, -1), prev_action, prev_reward, first, state)
         x = x.reshape(T, B, -1)
         return self.policy(self.policy_mlp(x)), self.value_mlp(x), state
 

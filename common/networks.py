@@ -38,7 +38,7 @@ class ShallowTorso(nn.Module):
         return F.relu(self.fc(self.convs(_scale(x))))
 
 
-class _ResidualBlock(nn.Module):
+class ResidualBlock(nn.Module):
     def __init__(self, channels):
         super().__init__()
         self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
@@ -59,7 +59,7 @@ class ResNetTorso(nn.Module):
         layers = []
         for out in channels:
             layers += [nn.Conv2d(c, out, 3, padding=1), nn.MaxPool2d(3, stride=2, padding=1)]
-            layers += [_ResidualBlock(out), _ResidualBlock(out)]
+            layers += [ResidualBlock(out), ResidualBlock(out)]
             c = out
         self.sections = nn.Sequential(*layers, nn.ReLU(), nn.Flatten())
         with torch.no_grad():

@@ -515,16 +515,15 @@ def acted_unrolls(script, agent, argv, num_unrolls):
     raise AssertionError("act returned")
 
 
-def assert_lstm_state_carried_and_zeroed(agent, chains, readout, features=None):
+def assert_lstm_state_carried_and_zeroed(agent, chains, readout):
     """A plain loop over each env's rows from a zero state, one LSTMCell step per row with the state zeroed where a
     row is the first of an episode, against what the actor stored: the state before each unroll (so the state crosses
     from one unroll to the next) and the logits at every row (`readout`: the LSTM's output to logits). The learner's
-    one pass over an unroll from its stored state gives those logits too (`features`: the LSTM's input from an
-    observation, the torso's by default). Returns how many rows were firsts."""
+    one pass over an unroll from its stored state gives those logits too. Returns how many rows were firsts."""
     import torch
     import torch.nn.functional as F
 
-    core, firsts, carried, features = agent.core, 0, 0, features or agent.torso
+    core, firsts, carried = agent.core, 0, 0
     with torch.no_grad():
         for unrolls in chains.values():
             h = c = torch.zeros(1, core.hidden)
@@ -535,7 +534,7 @@ def assert_lstm_state_carried_and_zeroed(agent, chains, readout, features=None):
                     if u["first"][t]:
                         h, c, firsts = torch.zeros_like(h), torch.zeros_like(c), firsts + 1
                     action = F.one_hot(u["prev_action"][t], core.num_actions).float()
-                    x = torch.cat([features(u["obs"][t : t + 1]), action[None], u["reward"][t].view(1, 1)], -1)
+                    x = torch.cat([agent.torso(u["obs"][t : t + 1]), action[None], u["reward"][t].view(1, 1)], -1)
                     h, c = core.cell(x, (h, c))
                     torch.testing.assert_close(readout(h)[0], u["logits"][t])
                 pass_logits = agent(*(u[k][:, None] for k in ("obs", "prev_action", "reward", "first")),
