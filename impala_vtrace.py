@@ -231,7 +231,7 @@ class Agent(nn.Module):
         self.policy = nn.Linear(features, num_actions)
         self.popart = PopArt(features, num_tasks, beta=3e-4) if popart else None  # β of Hessel et al. 2019
         self.value = None if popart else nn.Linear(features, 1)
-        init_weights_(self)  # PyTorch's default leaves the torso state-blind on Atari (docs)
+        init_weights_(self)  # orthogonal, residual blocks at identity; PyTorch's default is state-blind on Atari
         init_output_(self.policy, 0.01)
         init_output_(self.popart.linear if popart else self.value, 1.0)
 

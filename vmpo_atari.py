@@ -55,7 +55,7 @@ from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env
 from common.evaluation import atari_games, evaluate, evaluate_games, expand_env_ids, median_human_normalized
 from common.evaluation import recurrent_policy, resume_checkpoint
 from common.networks import LSTMCore, check_channels, dead_units, grad_norms_by_layer, init_output_, init_weights_
-from common.networks import ResidualBlock, logits_std_across_states, make_torso
+from common.networks import logits_std_across_states, make_torso
 from common.popart import PopArt
 
 
@@ -231,9 +231,7 @@ class Agent(nn.Module):
         self.policy = nn.Linear(head_hidden, num_actions)
         self.value_mlp = nn.Sequential(nn.Linear(n, head_hidden), nn.ReLU())
         self.popart = PopArt(head_hidden, num_tasks, popart_beta)  # σ in [1e-2, 1e6] (Sec. 4.1)
-        init_weights_(self)  # orthogonal, gain √2, zero biases (not in the paper; docs)
-        for block in (m for m in self.torso.modules() if isinstance(m, ResidualBlock)):
-            nn.init.zeros_(block.conv1.weight)  # each residual block starts as the identity (docs: the deep agent)
+        init_weights_(self)  # orthogonal, gain √2, zero biases, residual blocks at identity (not in the paper)
         init_output_(self.popart.linear, 1.0)
         init_output_(self.policy, 0.0)  # a uniform policy at the start (App. F)
 

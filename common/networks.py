@@ -174,7 +174,9 @@ class RunningNorm(nn.Module):
 
 def init_weights_(module: nn.Module) -> nn.Module:
     """Every Linear, Conv2d and LSTMCell weight of `module` orthogonal with gain √2 (CleanRL, Cleanba), biases zero,
-    in place; a script re-initialises its output layers afterwards. Why not PyTorch's default: docs/vmpo_atari.md."""
+    in place, and each residual block's last conv zero, so that the block starts as the identity (Goyal et al. 2017;
+    orthogonal, the deep torso's features grew until they saturated the LSTM: docs/vmpo_atari.md); a script
+    re-initialises its output layers afterwards. Why not PyTorch's default: docs/vmpo_atari.md."""
     for m in module.modules():
         weights, biases = [], []
         if isinstance(m, (nn.Linear, nn.Conv2d)):
@@ -186,6 +188,8 @@ def init_weights_(module: nn.Module) -> nn.Module:
         for b in biases:
             if b is not None:
                 nn.init.zeros_(b)
+    for block in (m for m in module.modules() if isinstance(m, ResidualBlock)):
+        nn.init.zeros_(block.conv1.weight)
     return module
 
 

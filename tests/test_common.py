@@ -17,6 +17,7 @@ from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flat
 from common.evaluation import resume_checkpoint, write_apng  # noqa: E402
 from common.networks import (
     LSTMCore,
+    ResidualBlock,
     ResNetTorso,
     RunningNorm,
     ShallowTorso,  # noqa: E402
@@ -412,6 +413,11 @@ def test_orthogonal_init_and_output_layers():
     h = head.weight.detach().double()
     assert torch.allclose(h @ h.T, 1e-4 * torch.eye(6, dtype=torch.float64), atol=1e-9)
     assert torch.all(init_output_(torch.nn.Linear(8, 3), 0.0).weight == 0)
+    block = init_weights_(ResidualBlock(3))  # a residual block starts as the identity, its first conv orthogonal
+    x = torch.randn(2, 3, 5, 5)
+    assert torch.equal(block(x), x) and torch.all(block.conv1.weight == 0)
+    c = block.conv0.weight.detach().double().flatten(1)
+    assert torch.allclose(c @ c.T, 2 * torch.eye(3, dtype=torch.float64), atol=1e-5)
 
 
 def test_logits_std_across_states_and_dead_units_against_loops():
