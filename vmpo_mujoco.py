@@ -9,14 +9,21 @@ trust region around π_target that is *decoupled* (Appendix C): KL(π_target ‖
 covariance part, each with its own bound (ε_αμ ≫ ε_αΣ) and multiplier, so the mean moves fast while the
 covariance shrinks slowly and keeps exploring. PopArt keeps the value loss on one scale.
 
+`--env-id` alone departs from Algorithm 1 where one machine's budget needs it (docs/vmpo_mujoco.md measures each):
+the Gaussian's sample acts through a tanh, so the action taken is the action learned from; each state's Gaussian is
+projected onto the decoupled bounds before the M-step fits it (Otto et al. 2021, "Differentiable Trust Region
+Layers"), which holds the bound in every state rather than on average and lets each batch be used for several
+passes of minibatches; the targets are λ-returns recomputed at every pass. `--preset paper` is Algorithm 1.
+
 | paper                                                                | here                                    |
 |----------------------------------------------------------------------|-----------------------------------------|
 | Algorithm 1: target network, refreshed every T_target steps          | `act`, `pool.publish` in `main`         |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_targets`                        |
-| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt                   | `vmpo_loss`, `batch_loss`               |
+| Eq. (1) n-step returns G^(n) bootstrapped from the online V          | `n_step_targets`, `value_targets`       |
+| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt                   | `vmpo_loss`, `learner_step`             |
 | Eqs. (12)-(13) ψ on the top half of the advantages, L_π; L_η         | `vmpo_weights`, `vmpo_loss`             |
 | Eqs. (23)-(25) KL of Gaussians split into mean and covariance        | `gaussian_kl_parts`                     |
 | Eqs. (14), (26) L_αμ + L_αΣ with stop-gradients                      | `kl_constraint_loss`                    |
+| (not in the paper) each state's Gaussian projected onto the bounds   | `project_gaussian`                      |
 | Sec. 4.2.2: η, α_μ, α_Σ ≥ 1e-8 after every step                      | `LagrangeMultipliers`                   |
 | App. F: 512-256 MLP core, 256-unit policy and value MLP heads        | `Agent`                                 |
 | Tables 1 and 7: initial η, α_μ, α_Σ; ε_η, ε_αμ, ε_αΣ; n; γ; T_target | `Args` defaults, `TABLE7_COLUMNS`       |
@@ -68,10 +75,16 @@ class Args:
     num_actors: int = 1  # actor processes per learner process
     unroll_length: int = 39  # n, unroll length (Table 7: 39 OpenAI Gym, 63 humanoid)
     batch_size: int = 64  # B, unrolls per learning step, over all learner processes (App. F, humanoid)
-    num_minibatches: int = 8  # E-step minibatches, each with its own top half and ψ: the paper's 8 replicas (App. F)
-    target_update_period: int = 100  # T_target, learning steps between target-network refreshes (Table 7)
+    num_minibatches: int = 8  # E-step groups of a gradient step, each its own top half and ψ: the 8 replicas (App. F)
+    update_epochs: int = 1  # passes over each batch against the same π_target (Algorithm 1: one)
+    minibatch_size: int = 0  # states a gradient step (shuffled each pass); 0: the whole batch, one step (Algorithm 1)
+    target_update_period: int = 100  # T_target, updates (passes over a batch) between target refreshes (Table 7)
     learning_rate: float = 1e-4  # Adam learning rate (Sec. 4.3)
     gamma: float = 0.99  # γ, agent discount (Table 7)
+    gae_lambda: float = 1.0  # λ of the value targets, recomputed each pass; 1: Eq. (1)'s n-step returns
+    squash: bool = False  # act with tanh of the Gaussian's sample (the KLs on the Gaussian); the paper clips
+    projection: bool = False  # each state's Gaussian projected onto the decoupled bounds (Otto et al. 2021)
+    regression_coef: float = 0.0  # weight of KL(sg π_projected ‖ π), pulling the network to its projection
     eps_eta: float = 0.01  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 7)
     eps_alpha_mu: float = 0.007  # ε_αμ, bound of the mean part of the KL (Table 7 Gym: middle of [0.005, 0.01])
     eps_alpha_sigma: float = 1.6e-5  # ε_αΣ, bound of the covariance part (Table 7 Gym: middle of [5e-6, 5e-5))
@@ -93,15 +106,19 @@ class Args:
 # Table 7's columns: the Args defaults are the OpenAI Gym column; dm_control's Humanoid* take humanoid-from-state.
 TABLE7_COLUMNS = {"gym": {}, "humanoid-state": dict(unroll_length=63, eps_alpha_mu=0.16, eps_alpha_sigma=2.2e-5)}
 
-# Defaults by task family, the same on every device, measured on 2 CPU cores (docs): short unrolls, a fast PopArt.
-ONE_MACHINE = dict(num_minibatches=1, unroll_length=10, target_update_period=10, learning_rate=1e-3, popart_beta=0.1)
+# Defaults by task family, the same on every device, measured on 2 CPU cores (docs): a tanh-squashed Gaussian
+# projected onto its bounds in every state (Otto et al. 2021's KL bounds), several passes over each batch with
+# λ-returns recomputed each pass, the target refreshed after each batch, a fast PopArt.
+ONE_MACHINE = dict(
+    unroll_length=64, num_minibatches=1, update_epochs=5, minibatch_size=256, target_update_period=1, gae_lambda=0.95,
+    learning_rate=3e-4, popart_beta=0.1, squash=True, projection=True, regression_coef=10.0, eps_alpha_mu=0.03,
+    eps_alpha_sigma=1e-3,
+)  # fmt: skip
 FAMILY_DEFAULTS = {
-    "mujoco": (
-        "settings measured on InvertedPendulum-v4, Hopper-v4 and HalfCheetah-v4 (docs)",
-        dict(num_envs=32, batch_size=32, **ONE_MACHINE),
-    ),
+    "mujoco": ("settings measured on Hopper-v4, Walker2d-v4 and HalfCheetah-v4 (docs)",
+               dict(num_envs=32, batch_size=32, **ONE_MACHINE)),
     "classic": ("settings measured on Pendulum-v1 (docs)", dict(num_envs=16, batch_size=16, **ONE_MACHINE)),
-}
+}  # fmt: skip
 PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
 
 
@@ -153,24 +170,54 @@ def kl_constraint_loss(kl, alpha, eps_alpha, mask):
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
+def project_gaussian(mean, std, target_mean, target_std, eps_mu, eps_sigma):
+    """Otto et al. (2021)'s KL projection of each state's diagonal Gaussian onto the decoupled bounds of Eqs. (24)-(25),
+    `[..., d]`: where KL_μ > ε_μ the mean moves back toward μ_t to the bound, μ̃ = μ_t + (μ − μ_t) sqrt(ε_μ / KL_μ);
+    where KL_Σ > ε_Σ the precision is interpolated, σ̃⁻² = σ_t⁻² + τ (σ⁻² − σ_t⁻²), with τ ∈ (0, 1) the root of
+    KL_Σ(τ) = ε_Σ (bisection on log τ; KL_Σ rises with τ). Differentiable: τ's gradient by the implicit function
+    theorem, one Newton step whose value is τ. Inside its bounds a Gaussian is left as it is."""
+    target_mean, target_var = target_mean.detach(), target_std.detach() ** 2
+    kl_mu, kl_sigma = gaussian_kl_parts(target_mean, target_std, mean, std)
+    scale = (eps_mu / kl_mu.clamp(min=1e-30)).sqrt().clamp(max=1.0)
+    mean = target_mean + scale[..., None] * (mean - target_mean)
+    ratio = target_var / std**2  # σ_t² / σ²: KL_Σ(τ) = ½ Σ (x − log(1 + x)) with x = τ (ratio − 1)
+
+    def kl_at(tau, q):
+        x = tau[..., None] * (q - 1)
+        return 0.5 * (x - x.log1p()).sum(-1)
+
+    with torch.no_grad():
+        low, high, q = torch.full_like(kl_sigma, -80.0), torch.zeros_like(kl_sigma), ratio.detach()
+        for _ in range(40):
+            mid = (low + high) / 2
+            over = kl_at(mid.exp(), q) > eps_sigma
+            low, high = torch.where(over, low, mid), torch.where(over, mid, high)
+        tau = torch.where(kl_sigma > eps_sigma, low.exp(), torch.ones_like(low))
+        slope = (0.5 * (q - 1) ** 2 * tau[..., None] / (1 + tau[..., None] * (q - 1))).sum(-1)  # ∂KL_Σ/∂τ
+    step = (kl_at(tau, ratio) - eps_sigma) / slope.clamp(min=1e-30)
+    tau = torch.where(kl_sigma > eps_sigma, tau - step, tau)
+    return mean, (target_var / (1 + tau[..., None] * (ratio - 1))).sqrt()
+
+
 @torch.no_grad()
-def n_step_targets(values, rewards, terminated, ended, gamma):
+def n_step_targets(values, rewards, terminated, ended, gamma, lambda_=1.0):
     """Eq. (1)'s n-step returns G_ℓ = Σ_{k=ℓ}^{n-1} (Π_{i=ℓ}^{k-1} γ_i) r_k + (Π_{i=ℓ}^{n-1} γ_i) V(x_n) for rows
     0..T-1 of unrolls `[T+1, B]` (row k: x_k and the reward and end flags that came with it), `values` unnormalised,
-    γ_i = 0 after a termination. Where x_k ended an episode, step k is envpool's reset step: G_k = V(x_k), so a
-    truncation bootstraps from its last x."""
+    γ_i = 0 after a termination; with λ < 1 the λ-returns G_ℓ = r_ℓ + γ_ℓ [(1 − λ) V(x_ℓ+1) + λ G_ℓ+1] (GAE's targets,
+    the same at λ = 1). Where x_k ended an episode, step k is envpool's reset step: G_k = V(x_k), so a truncation
+    bootstraps from its last x."""
     reset_step = ended[:-1]
     discounts = torch.where(reset_step, 0.0, gamma * (~terminated[1:]).float())
     rewards = torch.where(reset_step, values[:-1], rewards[1:])
     acc, out = values[-1], []
     for t in reversed(range(rewards.shape[0])):
-        acc = rewards[t] + discounts[t] * acc
+        acc = rewards[t] + discounts[t] * ((1 - lambda_) * values[t + 1] + lambda_ * acc)
         out.append(acc)
     return torch.stack(out[::-1])
 
 
 class VmpoLoss(NamedTuple):
-    """vmpo_loss's result: the loss and its five parts, and diagnostics (means over the real steps)."""
+    """vmpo_loss's result: the loss and its parts, and diagnostics (means over the real steps)."""
 
     loss: torch.Tensor
     value_loss: torch.Tensor
@@ -178,48 +225,58 @@ class VmpoLoss(NamedTuple):
     eta_loss: torch.Tensor
     alpha_mu_loss: torch.Tensor
     alpha_sigma_loss: torch.Tensor
+    regression_loss: torch.Tensor  # KL(π_raw ‖ sg π_projected): 0 without the projection
     kl_mu: torch.Tensor
     kl_sigma: torch.Tensor
-    kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃), averaged over the E-step's minibatches
+    kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃), averaged over the E-step's groups
     policy_std: torch.Tensor
     advantage_mean: torch.Tensor
     advantage_std: torch.Tensor  # the advantages' spread in PopArt units: what η is set against
 
 
-def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_norm, ended, eta, alpha_mu, alpha_sigma,
-              eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, num_minibatches=1) -> VmpoLoss:  # fmt: skip
-    """Eq. (26), L_V + L_π + L_η + L_αμ + L_αΣ in PopArt's normalised units, on a batch of unrolls: `mean, std,
-    target_mean, target_std, actions [T+1, B, d]` the online network's and π_target's Gaussians on rows 0..T (row T
-    only bootstraps), `value_norm, returns_norm [T, B]` V and the targets (G − μ)/σ of rows 0..T-1. The E-step runs
-    on `num_minibatches` groups of columns, each ψ scaled by 1/num_minibatches; reset steps (`ended`) take no part."""
-    mask = ~ended[:-1]
+def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_norm, mask, eta, alpha_mu, alpha_sigma,
+              eps_eta=0.01, eps_alpha_mu=0.007, eps_alpha_sigma=1.6e-5, num_minibatches=1, projection=False,
+              regression_coef=0.0) -> VmpoLoss:  # fmt: skip
+    """Eq. (26), L_V + L_π + L_η + L_αμ + L_αΣ in PopArt's normalised units, on a set of states `[N]`: `mean, std,
+    target_mean, target_std, actions [N, d]` the online network's and π_target's Gaussians and the actions (before any
+    tanh: its Jacobian does not depend on the network), `value_norm, returns_norm [N]` V and the targets (G − μ)/σ,
+    `mask` the real steps (reset steps take no part). The E-step runs on `num_minibatches` contiguous groups, each ψ
+    scaled by 1/num_minibatches. With `projection`, L_π takes each state's Gaussian projected onto the bounds
+    (`project_gaussian`), plus `regression_coef` KL(π ‖ sg π̃); the α terms keep the network's own KLs."""
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
     advantages = returns_norm - value_norm.detach()  # (G − V)/σ
     psi, eta_loss, kl_psi = torch.zeros_like(advantages), 0.0, 0.0
-    for cols in torch.arange(advantages.shape[1], device=advantages.device).chunk(num_minibatches):
-        psi_mb, eta_loss_mb = vmpo_weights(advantages[:, cols], eta, eps_eta, mask[:, cols])
-        psi[:, cols] = psi_mb / num_minibatches
+    for rows in torch.arange(advantages.shape[0], device=advantages.device).tensor_split(num_minibatches):
+        psi_mb, eta_loss_mb = vmpo_weights(advantages[rows], eta, eps_eta, mask[rows])
+        psi[rows] = psi_mb / num_minibatches
         eta_loss = eta_loss + eta_loss_mb / num_minibatches
         top = psi_mb[psi_mb > 0].detach()
         kl_psi = kl_psi + (top * (top * top.numel()).log()).sum() / num_minibatches
-    log_prob = torch.distributions.Normal(mean[:-1], std[:-1], validate_args=False).log_prob(actions[:-1]).sum(-1)
-    policy_loss = -(psi * log_prob).sum()  # log N(a; μ, diag σ²) of the online Gaussian
-    kl_mu, kl_sigma = gaussian_kl_parts(target_mean[:-1], target_std[:-1], mean[:-1], std[:-1])
+    fit_mean, fit_std = mean, std
+    if projection:
+        fit_mean, fit_std = project_gaussian(mean, std, target_mean, target_std, eps_alpha_mu, eps_alpha_sigma)
+    log_prob = torch.distributions.Normal(fit_mean, fit_std, validate_args=False).log_prob(actions).sum(-1)
+    policy_loss = -(psi * log_prob).sum()  # log N(a; μ, diag σ²) of the online (projected) Gaussian
+    kl_mu, kl_sigma = gaussian_kl_parts(target_mean, target_std, mean, std)
     alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, alpha_mu, eps_alpha_mu, mask)
     alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, alpha_sigma, eps_alpha_sigma, mask)
+    regression_loss = torch.zeros((), device=mean.device)
+    if projection:  # KL(π̃ ‖ π), π̃ held fixed: zero where no bound bit
+        regression_loss = (mask * sum(gaussian_kl_parts(fit_mean, fit_std, mean, std))).sum() / n
     advantage_mean = ((mask * advantages).sum() / n).detach()
     return VmpoLoss(
-        loss=value_loss + policy_loss + eta_loss + alpha_mu_loss + alpha_sigma_loss,
+        loss=value_loss + policy_loss + eta_loss + alpha_mu_loss + alpha_sigma_loss + regression_coef * regression_loss,
         value_loss=value_loss,
         policy_loss=policy_loss,
         eta_loss=torch.as_tensor(eta_loss),
         alpha_mu_loss=alpha_mu_loss,
         alpha_sigma_loss=alpha_sigma_loss,
+        regression_loss=regression_loss,
         kl_mu=kl_mu_mean,
         kl_sigma=kl_sigma_mean,
         kl_psi=torch.as_tensor(kl_psi),
-        policy_std=((mask[..., None] * std[:-1]).sum() / (n * std.shape[-1])).detach(),
+        policy_std=((mask[..., None] * std).sum() / (n * std.shape[-1])).detach(),
         advantage_mean=advantage_mean,
         advantage_std=((mask * (advantages.detach() - advantage_mean) ** 2).sum() / n).sqrt(),
     )
@@ -244,10 +301,10 @@ class Agent(nn.Module):
 
     MIN_STD = 1e-4
 
-    def __init__(self, obs_dim, action_dim, hidden=(512, 256), init_std=0.5, popart_beta=1e-4):
+    def __init__(self, obs_dim, action_dim, hidden=(512, 256), init_std=0.5, popart_beta=1e-4, squash=False):
         super().__init__()
         self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for model.pt
-        self.action_dim = action_dim
+        self.action_dim, self.squash = action_dim, squash
         self.obs_norm = RunningNorm(obs_dim)
         self.core = MLPTorso(obs_dim, hidden, activation=nn.ELU)
         n = self.core.out_features
@@ -265,15 +322,19 @@ class Agent(nn.Module):
         mean, raw_std = self.policy(self.policy_mlp(x)).split(self.action_dim, dim=-1)
         return mean, nn.functional.softplus(raw_std) + self.MIN_STD, self.value_mlp(x)
 
+    def box_action(self, sample):
+        """A sample of the Gaussian as an action in [-1, 1]^d: its tanh (`squash`), or itself, clipped by the env."""
+        return torch.tanh(sample) if self.squash else sample
+
 
 # ---------------------------------------------------------------------------------------------------------
-# Acting (with the target network). Row t of an unroll: obs_t, the reward and end flags that came with it, the action
-# taken there with π_target's mean and std. An unroll has T+1 rows; its row T is the next unroll's row 0.
+# Acting (with the target network). Row t of an unroll: obs_t, the reward and end flags that came with it, the
+# Gaussian's sample taken there (before any tanh). An unroll has T+1 rows; its row T is the next unroll's row 0.
 
 
 def buffer_specs(obs_dim, action_dim, T):
     """The unroll buffers `act` fills: name → (shape of one slot, dtype)."""
-    specs = {k: ((T + 1, action_dim), torch.float32) for k in ("action", "mean", "std")}
+    specs = {"action": ((T + 1, action_dim), torch.float32)}
     specs.update({k: ((T + 1,), torch.bool) for k in ("ended", "terminated")})
     return {**specs, "obs": ((T + 1, obs_dim), torch.float32), "reward": ((T + 1,), torch.float32)}
 
@@ -295,8 +356,8 @@ def act(cfg, link) -> None:
         with torch.no_grad():
             mean, std, _ = agent(obs_t.to(device))
             action = (mean + std * torch.randn(mean.shape, device=device, generator=generator)).cpu()
-        envs.send(to_env_action(action.numpy(), low, high), ids)  # the envs step during the bookkeeping
-        row = dict(obs=obs_t, reward=torch.from_numpy(reward).float(), action=action, mean=mean.cpu(), std=std.cpu())
+        envs.send(to_env_action(agent.box_action(action).numpy(), low, high), ids)  # they step during the bookkeeping
+        row = dict(obs=obs_t, reward=torch.from_numpy(reward).float(), action=action)
         row.update(ended=torch.from_numpy(term | trunc), terminated=torch.from_numpy(term))
         link.write(ids, row)
         for _, score, length in tracker.step(ids, reward, term, trunc, info):
@@ -307,45 +368,68 @@ def act(cfg, link) -> None:
 # Learning: the learner's step, then setup, the learner's loop (Algorithm 1), the end.
 
 
-def learner_step(state, batch, args):
-    """Algorithm 1's update, the training state's `update`-th: observation statistics, one Adam step against π_target
-    (gradients all-reduced), the multipliers projected. Returns its stats."""
+def learner_step(state, target, batch, args):
+    """Algorithm 1's update, the training state's `update`-th: the observation statistics moved, π_target's Gaussian on
+    the batch's states, then `update_epochs` passes over them in Adam steps on shuffled minibatches (gradients
+    all-reduced; the multipliers projected after each), the value targets recomputed by the online V at each pass.
+    Returns the last step's stats, with how far the updated policy moved in each state (the bounds' use)."""
     agent, multipliers, optimizer = state["agent"], state["multipliers"], state["optimizer"]
     state["update"] += 1
     agent.obs_norm.update(batch["obs"][:-1])  # rows 0..T-1: row T is the next unroll's row 0
-    mean, std, value_features = agent(batch["obs"])
-    groups = args.num_minibatches // world_size()  # this learner's share of the E-step's minibatches
-    out, stats = batch_loss(mean, std, value_features, batch, agent, multipliers, args, groups)
-    optimizer.zero_grad(set_to_none=False)
-    out.loss.backward()
-    reduce_gradients([*agent.parameters(), *multipliers.parameters()], mean=True)
-    grad_norm = nn.utils.get_total_norm([p.grad for p in agent.parameters()])  # for the logs (the paper clips none)
-    check_finite(f"at update {state['update']}", loss=out.loss, gradient=grad_norm, **stats)
-    optimizer.step()
-    multipliers.project()
-    return {**stats, "stats/grad_norm": grad_norm}
-
-
-def batch_loss(mean, std, value_features, batch, agent, multipliers, args, num_minibatches=1):
-    """vmpo_loss on a batch of unrolls: the n-step targets from the online V, PopArt's statistics moved toward them
-    (V(s) unchanged), the loss in the new normalised units. Returns (VmpoLoss, stats)."""
-    popart = agent.popart
+    flat = lambda x: x[:-1].transpose(0, 1).reshape(-1, *x.shape[2:])  # noqa: E731  [T+1, B] -> [B·T], unroll by unroll
+    obs, actions, mask = flat(batch["obs"]), flat(batch["action"]), ~flat(batch["ended"])
     with torch.no_grad():
-        values = popart.unnormalize(popart(value_features)[..., 0], 0)  # online V, unnormalised (the one task: 0)
-    returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma)
+        target_mean, target_std, _ = target(obs)
+    n = obs.shape[0]
+    steps = max(1, n // args.minibatch_size) if args.minibatch_size else 1
+    eps = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma)
+    settings = dict(num_minibatches=args.num_minibatches // world_size(), projection=args.projection)
+    settings.update(regression_coef=args.regression_coef)  # this learner's share of the E-step's groups first
+    for epoch in range(args.update_epochs):
+        returns, stats = value_targets(agent, batch, args, move_popart=epoch == 0)
+        returns = returns.transpose(0, 1).reshape(-1)  # unroll by unroll, as `flat`
+        order = torch.randperm(n, device=obs.device) if steps > 1 else torch.arange(n, device=obs.device)
+        for idx in order.tensor_split(steps):
+            mean, std, value_features = agent(obs[idx])
+            value_norm, returns_norm = agent.popart(value_features)[..., 0], agent.popart.normalize(returns[idx], 0)
+            gaussians = (mean, std, target_mean[idx], target_std[idx], actions[idx])
+            duals = (*multipliers.parameters(), *eps)  # η, α_μ, α_Σ, then their ε's
+            out = vmpo_loss(*gaussians, value_norm, returns_norm, mask[idx], *duals, **settings)
+            optimizer.zero_grad(set_to_none=False)
+            out.loss.backward()
+            reduce_gradients([*agent.parameters(), *multipliers.parameters()], mean=True)
+            grad_norm = nn.utils.get_total_norm([p.grad for p in agent.parameters()])  # for the logs (none is clipped)
+            check_finite(f"at update {state['update']}", loss=out.loss, gradient=grad_norm)
+            optimizer.step()
+            multipliers.project()
+    stats.update(loss_stats(out))
+    stats.update({f"stats/{k}": v.detach().clone() for k, v in multipliers.named_parameters()})
+    stats |= {f"stats/{k}_ratio": stats[f"stats/{k}"] / e for k, e in zip(("kl_psi", "kl_mu", "kl_sigma"), eps)}
+    with torch.no_grad():  # the updated policy against π_target in each state of the batch
+        mean, std, _ = agent(obs)
+        kl_mu, kl_sigma = (torch.where(mask, kl, 0.0) for kl in gaussian_kl_parts(target_mean, target_std, mean, std))
+        std, mean = std[mask], mean[mask]
+    stats.update({"stats/kl_mu_max_ratio": kl_mu.max() / eps[1], "stats/kl_sigma_max_ratio": kl_sigma.max() / eps[2]})
+    outside = (mean.abs() > (2.0 if args.squash else 1.0)).float().mean()  # beyond the box, or where tanh saturates
+    stats.update({"stats/policy_std_max": std.mean(0).max(), "stats/outside_box": outside})
+    return {**stats, "stats/grad_norm": grad_norm, "stats/passes": torch.tensor(float(args.update_epochs * steps))}
+
+
+@torch.no_grad()
+def value_targets(agent, batch, args, move_popart=False):
+    """The λ-returns (Eq. 1's n-step returns at λ = 1) of a batch of unrolls from the online V, `[T, B]`, unnormalised;
+    with `move_popart`, PopArt's statistics moved toward them (V(s) unchanged). Returns them and their stats."""
+    popart = agent.popart
+    values = popart.unnormalize(popart(agent(batch["obs"])[2])[..., 0], 0)  # online V, unnormalised (the one task: 0)
+    returns = n_step_targets(values, batch["reward"], batch["terminated"], batch["ended"], args.gamma, args.gae_lambda)
     real = ~batch["ended"][:-1]
-    popart.update(returns[real], torch.zeros_like(returns[real], dtype=torch.long))
-    value_norm, returns_norm = popart(value_features[:-1])[..., 0], popart.normalize(returns, 0)
-    target = (batch["mean"], batch["std"], batch["action"])  # π_target's Gaussian and the actions taken
-    settings = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma, num_minibatches)  # the ε's first
-    out = vmpo_loss(mean, std, *target, value_norm, returns_norm, batch["ended"], *multipliers.parameters(), *settings)
-    stats = {**loss_stats(out), **{f"stats/{k}": v.detach().clone() for k, v in multipliers.named_parameters()}}
-    stats.update({"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()})
-    stats |= {f"stats/{k}_ratio": stats[f"stats/{k}"] / e for k, e in zip(("kl_psi", "kl_mu", "kl_sigma"), settings)}
+    if move_popart:
+        popart.update(returns[real], torch.zeros_like(returns[real], dtype=torch.long))
+    stats = {"stats/popart_mu": popart.mu[0].clone(), "stats/popart_sigma": popart.sigma[0].clone()}
     g, v = returns[real], values[:-1][real]  # CleanRL's explained variance, 1 − Var(G − V)/Var(G); 1 on < 2 steps
     unexplained = (g - v).var(correction=0) / g.var(correction=0).clamp(min=1e-8)
     stats["losses/explained_variance"] = 1 - unexplained.nan_to_num(0.0)
-    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / real.sum().clamp(min=1)}
+    return returns, {**stats, "stats/value_mean": (real * values[:-1]).sum() / real.sum().clamp(min=1)}
 
 
 def main(args: Args):
@@ -353,13 +437,16 @@ def main(args: Args):
     spec = check_args(args)
     rank, world, device = learner_process(args)
     obs_dim, action_dim = flat_obs_dim(spec), int(spec.action_space.shape[0])
-    agent = Agent(obs_dim, action_dim, args.hidden, popart_beta=args.popart_beta).to(device)
+    agent = Agent(obs_dim, action_dim, args.hidden, popart_beta=args.popart_beta, squash=args.squash).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha_mu, args.init_alpha_sigma).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update
     describe = f"{device}, {world} learner(s) of {args.num_actors} actor(s), {args.num_envs} envs"
-    describe += f", {1000 / steps_per_update:.1f} gradient steps per 1,000 samples"
+    steps = args.update_epochs * (
+        max(1, steps_per_update // world // args.minibatch_size) if args.minibatch_size else 1
+    )
+    describe += f", {1000 * steps / steps_per_update:.1f} gradient steps per 1,000 samples"
     log = RunLog(args, resumed, describe, write=rank == 0)
     specs, cfgs = buffer_specs(obs_dim, action_dim, args.unroll_length), actor_configs(args, rank, device)
     pool, stop = ActorPool(cfgs, agent, specs, args.batch_size // world, device), Stop()
@@ -368,14 +455,16 @@ def main(args: Args):
     state = dict(agent=agent, target_agent=pool.agent, multipliers=multipliers, optimizer=optimizer, update=0)
     load_state(state, resumed)
     pool.version += resumed is not None  # the actors load the θ_target resumed
+    target = copy.deepcopy(pool.agent).to(device)  # θ_target on the learner's device: the KLs' π_target
     try:
         while state["update"] < num_updates:
             batch = pool.next_batch(stop, log if rank == 0 else None, state["update"] * steps_per_update)
             if agreed(batch is None, device):  # a stop: every learner after the same update
                 break
-            stats, update = learner_step(state, batch, args), state["update"]
+            stats, update = learner_step(state, target, batch, args), state["update"]
             if update % args.target_update_period == 0:
                 pool.publish(agent.state_dict())  # θ_target ← θ_online
+                target.load_state_dict(agent.state_dict())
             log_update(log, pool, update, stats if log.due() or update == num_updates else None)
             if rank == 0 and log.save_due():
                 save(log, state)
@@ -412,7 +501,9 @@ def log_update(log, pool, update, stats) -> None:
     stats.update({"stats/target_version": pool.version.item(), "charts/learning_rate": log.args.learning_rate})
     log.scalars(stats, step)
     eta, alpha_mu, alpha_sigma, std = (stats[f"stats/{k}"] for k in ("eta", "alpha_mu", "alpha_sigma", "policy_std"))
-    log.console(step, f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f}")
+    kl_mu, kl_sigma = stats["stats/kl_mu_max_ratio"], stats["stats/kl_sigma_max_ratio"]
+    line = f"η {eta:.3f} α_μ {alpha_mu:.3f} α_Σ {alpha_sigma:.3f} σ {std:.3f} max KL/ε {kl_mu:.2f} {kl_sigma:.2f}"
+    log.console(step, line)
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -425,7 +516,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     def policy(obs, rewards, first):
         mean, std, _ = agent(torch.as_tensor(flatten_obs(obs), device=device))
         action = mean if greedy else mean + std * torch.randn_like(mean)
-        return to_env_action(action.cpu().numpy(), box.low, box.high)
+        return to_env_action(agent.box_action(action).cpu().numpy(), box.low, box.high)
 
     return policy
 
@@ -449,9 +540,13 @@ def check_args(args):
     fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
     require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
     positive = ("batch_size", "unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu")
+    positive += ("update_epochs",)
     for name in (*positive, "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
+    require(0 <= args.minibatch_size, "--minibatch-size must be 0 (the whole batch) or positive")
+    require(args.regression_coef >= 0, f"--regression-coef must be 0 or positive, got {args.regression_coef}")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")
     if args.capture_video:
         check_render(args.env_id)

@@ -117,28 +117,48 @@ def make_learner(script, envs, network, script_args, device):
             logits, out, _ = agent(mb["obs"], z.long(), mb["reward"], z.bool(), agent.initial_state(B, device))
             return loss(logits, out, mb)
     elif script == "vmpo_mujoco":
+        import copy
+
         import vmpo_mujoco as m
         from common.envs import flat_obs_dim, flatten_obs
 
         args = m.Args()
-        agent = m.Agent(flat_obs_dim(spec), envs.action_space.shape[0], args.hidden).to(device)
+        agent = m.Agent(flat_obs_dim(spec), envs.action_space.shape[0], args.hidden, squash=args.squash).to(device)
+        target = copy.deepcopy(agent)  # θ_target: acts, and gives π_target's Gaussian on the batch
         multipliers = m.LagrangeMultipliers().to(device)
         opt = torch.optim.Adam([*agent.parameters(), *multipliers.parameters()], lr=1e-4)
         low, high = envs.action_space.low, envs.action_space.high
+        updates = [0]
 
         def policy_step(obs, state):
             o = torch.as_tensor(flatten_obs(obs), device=device)
             with torch.no_grad():
-                mean, std, _ = agent(o)
+                mean, std, _ = target(o)
             a = mean + std * torch.randn_like(mean)
-            return m.to_env_action(a.cpu().numpy(), low, high), {"obs": o, "action": a, "mean": mean, "std": std}, state
+            return m.to_env_action(target.box_action(a).cpu().numpy(), low, high), {"obs": o, "action": a}, state
 
         def loss_fn(mb):
+            """learner_step's loss on a minibatch of unrolls: λ-returns from the online V (PopArt moved), then
+            vmpo_loss on the flattened states against θ_target, refreshed every T_target calls."""
+            multipliers.project()  # after the previous Adam step, as learner_step does
+            if updates[0] % args.target_update_period == 0:
+                target.load_state_dict(agent.state_dict())
+            updates[0] += 1
             agent.obs_norm.update(mb["obs"][:-1])
-            mean, std, feats = agent(mb["obs"])
+            returns, _ = m.value_targets(agent, mb, args, move_popart=True)
+            flat = lambda x: x[:-1].transpose(0, 1).reshape(-1, *x.shape[2:])  # noqa: E731  [T+1, B] -> [B·T]
+            obs = flat(mb["obs"])
+            with torch.no_grad():
+                target_mean, target_std, _ = target(obs)
+            mean, std, feats = agent(obs)
+            value_norm = agent.popart(feats)[..., 0]
+            returns_norm = agent.popart.normalize(returns.transpose(0, 1).reshape(-1), 0)
             B = mb["obs"].shape[1]
             groups = args.num_minibatches if B % args.num_minibatches == 0 else 1
-            return m.batch_loss(mean, std, feats, mb, agent, multipliers, args, groups)[0].loss
+            gaussians = (mean, std, target_mean, target_std, flat(mb["action"]))
+            duals = (*multipliers.parameters(), args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma)
+            settings = dict(num_minibatches=groups, projection=args.projection, regression_coef=args.regression_coef)
+            return m.vmpo_loss(*gaussians, value_norm, returns_norm, ~flat(mb["ended"]), *duals, **settings).loss
     else:
         raise SystemExit(f"error: unknown --script {script!r}")
     return opt, policy_step, loss_fn
