@@ -225,7 +225,7 @@ class VmpoLoss(NamedTuple):
     eta_loss: torch.Tensor
     alpha_mu_loss: torch.Tensor
     alpha_sigma_loss: torch.Tensor
-    regression_loss: torch.Tensor  # KL(π_raw ‖ sg π_projected): 0 without the projection
+    regression_loss: torch.Tensor  # KL(sg π_projected ‖ π): 0 without the projection
     kl_mu: torch.Tensor
     kl_sigma: torch.Tensor
     kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃), averaged over the E-step's groups
@@ -265,21 +265,12 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
     if projection:  # KL(π̃ ‖ π), π̃ held fixed: zero where no bound bit
         regression_loss = (mask * sum(gaussian_kl_parts(fit_mean, fit_std, mean, std))).sum() / n
     advantage_mean = ((mask * advantages).sum() / n).detach()
-    return VmpoLoss(
-        loss=value_loss + policy_loss + eta_loss + alpha_mu_loss + alpha_sigma_loss + regression_coef * regression_loss,
-        value_loss=value_loss,
-        policy_loss=policy_loss,
-        eta_loss=torch.as_tensor(eta_loss),
-        alpha_mu_loss=alpha_mu_loss,
-        alpha_sigma_loss=alpha_sigma_loss,
-        regression_loss=regression_loss,
-        kl_mu=kl_mu_mean,
-        kl_sigma=kl_sigma_mean,
-        kl_psi=torch.as_tensor(kl_psi),
-        policy_std=((mask[..., None] * std).sum() / (n * std.shape[-1])).detach(),
-        advantage_mean=advantage_mean,
-        advantage_std=((mask * (advantages.detach() - advantage_mean) ** 2).sum() / n).sqrt(),
-    )
+    policy_std = ((mask[..., None] * std).sum() / (n * std.shape[-1])).detach()
+    advantage_std = ((mask * (advantages.detach() - advantage_mean) ** 2).sum() / n).sqrt()
+    loss = value_loss + policy_loss + eta_loss + alpha_mu_loss + alpha_sigma_loss + regression_coef * regression_loss
+    parts = (value_loss, policy_loss, torch.as_tensor(eta_loss), alpha_mu_loss, alpha_sigma_loss, regression_loss)
+    return VmpoLoss(loss, *parts, kl_mu_mean, kl_sigma_mean, torch.as_tensor(kl_psi), policy_std, advantage_mean,
+                    advantage_std)  # fmt: skip
 
 
 class LagrangeMultipliers(nn.Module):
@@ -540,13 +531,14 @@ def check_args(args):
     fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
     require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
     positive = ("batch_size", "unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu")
-    positive += ("update_epochs",)
-    for name in (*positive, "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma"):
+    for name in (*positive, "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma", "update_epochs"):
         require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    require(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
-    require(0 <= args.minibatch_size, "--minibatch-size must be 0 (the whole batch) or positive")
-    require(args.regression_coef >= 0, f"--regression-coef must be 0 or positive, got {args.regression_coef}")
+    for name in ("minibatch_size", "regression_coef"):  # 0: the whole batch in one step; no regression
+        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    for name in ("gamma", "gae_lambda"):
+        require(
+            0 <= getattr(args, name) <= 1, f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}"
+        )
     require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")
     if args.capture_video:
         check_render(args.env_id)
