@@ -1016,7 +1016,7 @@ def test_every_state_s_fitted_gaussian_stays_within_its_bounds_in_a_short_hopper
     def spy(mean, std, target_mean, target_std, eps_mu, eps_sigma):
         out = original(mean, std, target_mean, target_std, eps_mu, eps_sigma)
         kl_mu, kl_sigma = gaussian_kl_parts(target_mean, target_std, *out)
-        fitted.append((float(kl_mu.max()) / eps_mu, float(kl_sigma.max()) / eps_sigma))
+        fitted.append((float(kl_mu.detach().max()) / eps_mu, float(kl_sigma.detach().max()) / eps_sigma))
         return out
 
     network = []
