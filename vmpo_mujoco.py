@@ -82,7 +82,7 @@ class Args:
     learning_rate: float = 1e-4  # Adam learning rate (Sec. 4.3)
     gamma: float = 0.99  # γ, agent discount (Table 7)
     gae_lambda: float = 1.0  # λ of the value targets, recomputed each pass; 1: Eq. (1)'s n-step returns
-    squash: bool = False  # act with tanh of the Gaussian's sample (the KLs on the Gaussian); the paper clips
+    squash: bool = False  # act with tanh of the Gaussian's sample (not in the paper; off: the sample, clipped)
     projection: bool = False  # each state's Gaussian projected onto the decoupled bounds (Otto et al. 2021)
     regression_coef: float = 0.0  # weight of KL(sg π_projected ‖ π), pulling the network to its projection
     eps_eta: float = 0.01  # ε_η, bound of the temperature dual: KL of ψ from the data (Table 7)
