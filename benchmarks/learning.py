@@ -85,8 +85,9 @@ class Entry:
 # IMPALA on Breakout (ray-project/rl-experiments, atari-impala, progress.csv; agent steps of 4 frames, game scores).
 # MuJoCo: TD3's evaluation curve as its paper reports it (Fujimoto et al. 2018, v1 tasks, 10 seeds: at 100k, 300k,
 # 1M steps), PPO's return at 1M (CleanRL's ppo_continuous_action, v4 tasks) and A2C's (Tianshou's MuJoCo benchmark,
-# v3 tasks, mean of 10 seeds). Qbert and BeamRider: RLlib's IMPALA and A2C (rl-experiments, one seed each) at 1M
-# and 2M steps.
+# v3 tasks, mean of 10 seeds); Sample Factory 2.0's APPO at 10M, drawn at its budget (the mean reward of its
+# Hugging Face model cards, andrewzhang505/sample-factory-2-mujoco-*). Qbert and BeamRider: RLlib's IMPALA and A2C
+# (rl-experiments, one seed each) at 1M and 2M steps.
 REFERENCES = {
     "Breakout-v5": [
         ("RLlib IMPALA", [(242_000, 4.1), (473_000, 7.9), (786_000, 14.3), (1_030_000, 19.7), (2_040_000, 49.8)]),
@@ -103,16 +104,21 @@ REFERENCES = {
         ("TD3 paper (eval)", [(100_000, 660), (300_000, 2410), (1_000_000, 3391)]),
         ("CleanRL PPO", [(1_000_000, 2383)]),
         ("Tianshou A2C", [(1_000_000, 1253)]),
+        ("Sample Factory APPO", [(10_000_000, 2793)]),
     ],
     "Walker2d-v4": [
         ("TD3 paper (eval)", [(100_000, 770), (300_000, 3336), (1_000_000, 4413)]),
         ("CleanRL PPO", [(1_000_000, 2288)]),
+        ("Sample Factory APPO", [(10_000_000, 5488)]),
     ],
     "HalfCheetah-v4": [
         ("TD3 paper (eval)", [(100_000, 5514), (300_000, 7697), (1_000_000, 9567)]),
         ("CleanRL PPO", [(1_000_000, 1443)]),
         ("Tianshou A2C", [(1_000_000, 1830)]),
+        ("Sample Factory APPO", [(10_000_000, 6263)]),
     ],
+    "Ant-v4": [("Sample Factory APPO", [(10_000_000, 5876)])],
+    "Humanoid-v4": [("Sample Factory APPO", [(10_000_000, 5439)])],
     # delayed MuJoCo (`--reward-delay`): P3S-TD3's and TD3's steady state in the P3S paper (Table 1, v1 tasks),
     # at no step in particular (None: a level across the panel)
     **{
