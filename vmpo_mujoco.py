@@ -376,8 +376,10 @@ def learner_step(state, target, batch, args):
     eps = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma)
     settings = dict(num_minibatches=args.num_minibatches // world_size(), projection=args.projection)
     settings.update(regression_coef=args.regression_coef)  # this learner's share of the E-step's groups first
+    stats = {}
     for epoch in range(args.update_epochs):
-        returns, stats = value_targets(agent, batch, args, move_popart=epoch == 0)
+        returns, value_stats = value_targets(agent, batch, args, move_popart=epoch == 0)
+        stats = stats or value_stats  # the first pass's: the explained variance of the batch before any step
         returns = returns.transpose(0, 1).reshape(-1)  # unroll by unroll, as `flat`
         order = torch.randperm(n, device=obs.device) if steps > 1 else torch.arange(n, device=obs.device)
         for idx in order.tensor_split(steps):
