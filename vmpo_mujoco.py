@@ -242,7 +242,7 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
     tanh: its Jacobian does not depend on the network), `value_norm, returns_norm [N]` V and the targets (G − μ)/σ,
     `mask` the real steps (reset steps take no part). The E-step runs on `num_minibatches` contiguous groups, each ψ
     scaled by 1/num_minibatches. With `projection`, L_π takes each state's Gaussian projected onto the bounds
-    (`project_gaussian`), plus `regression_coef` KL(π ‖ sg π̃); the α terms keep the network's own KLs."""
+    (`project_gaussian`), plus `regression_coef` KL(sg π̃ ‖ π); the α terms keep the network's own KLs."""
     n = mask.sum().clamp(min=1)
     value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
     advantages = returns_norm - value_norm.detach()  # (G − V)/σ
@@ -253,17 +253,15 @@ def vmpo_loss(mean, std, target_mean, target_std, actions, value_norm, returns_n
         eta_loss = eta_loss + eta_loss_mb / num_minibatches
         top = psi_mb[psi_mb > 0].detach()
         kl_psi = kl_psi + (top * (top * top.numel()).log()).sum() / num_minibatches
-    fit_mean, fit_std = mean, std
-    if projection:
+    fit_mean, fit_std, regression_loss = mean, std, torch.zeros((), device=mean.device)
+    if projection:  # the M-step fits π̃; KL(π̃ ‖ π), π̃ held fixed, is zero where no bound binds
         fit_mean, fit_std = project_gaussian(mean, std, target_mean, target_std, eps_alpha_mu, eps_alpha_sigma)
+        regression_loss = (mask * sum(gaussian_kl_parts(fit_mean, fit_std, mean, std))).sum() / n
     log_prob = torch.distributions.Normal(fit_mean, fit_std, validate_args=False).log_prob(actions).sum(-1)
     policy_loss = -(psi * log_prob).sum()  # log N(a; μ, diag σ²) of the online (projected) Gaussian
     kl_mu, kl_sigma = gaussian_kl_parts(target_mean, target_std, mean, std)
     alpha_mu_loss, kl_mu_mean = kl_constraint_loss(kl_mu, alpha_mu, eps_alpha_mu, mask)
     alpha_sigma_loss, kl_sigma_mean = kl_constraint_loss(kl_sigma, alpha_sigma, eps_alpha_sigma, mask)
-    regression_loss = torch.zeros((), device=mean.device)
-    if projection:  # KL(π̃ ‖ π), π̃ held fixed: zero where no bound bit
-        regression_loss = (mask * sum(gaussian_kl_parts(fit_mean, fit_std, mean, std))).sum() / n
     advantage_mean = ((mask * advantages).sum() / n).detach()
     policy_std = ((mask[..., None] * std).sum() / (n * std.shape[-1])).detach()
     advantage_std = ((mask * (advantages.detach() - advantage_mean) ** 2).sum() / n).sqrt()
