@@ -649,7 +649,7 @@ def fail(error: Exception, run_path: str) -> None:
     print(f"error: {error}", file=sys.stderr)
     if "NonFiniteError" in f"{type(error).__name__} {error}":  # here, or in a worker's traceback
         path = os.path.join(run_path, "checkpoint.pt")
-        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        step = torch.load(path, map_location="cpu", weights_only=False)["global_step"] if os.path.isfile(path) else None
         kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
         advice = kept if step is not None else "no checkpoint was written before it"
         print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -247,8 +248,8 @@ class Actor(nn.Module):
         return mlp_forward(self.net, obs, self.bf16, 2)
 
     def learner_state(self, i):
-        """Learner i's policy as the state of an `Actor` with N = 1."""
-        return {k: v[i : i + 1].detach().clone() for k, v in self.state_dict().items()}
+        """Learner i's policy as the state of an `Actor` with N = 1, on the CPU (model.pt loads anywhere)."""
+        return {k: v[i : i + 1].detach().to("cpu", copy=True) for k, v in self.state_dict().items()}
 
 
 class TwinQ(nn.Module):
@@ -285,9 +286,9 @@ class SharedReplay:
         the next places of its ring, in order (k may be 0)."""
         mine = nn.functional.one_hot(learners, self.num_learners)  # [k, N]
         rank = (mine.cumsum(0) - 1).gather(1, learners[:, None])[:, 0]  # earlier rows of the same learner
-        place = ((self.writes[learners] + rank) % self.part).to(self.device)
-        for k, v in zip(self.FIELDS, (obs, actions, rewards, next_obs, terminated)):
-            getattr(self, k)[learners.to(self.device), place] = v.to(self.device)
+        rows = torch.stack([learners, (self.writes[learners] + rank) % self.part]).to(self.device, non_blocking=True)
+        for k, v in zip(self.FIELDS, (obs, actions, rewards, next_obs, terminated)):  # copies without a stream sync
+            getattr(self, k)[rows[0], rows[1]] = v.to(self.device, non_blocking=True)
         self.writes += mine.sum(0)
 
     def sizes(self):
@@ -300,8 +301,8 @@ class SharedReplay:
         ends = sizes.cumsum(0)
         u = torch.randint(int(ends[-1]), shape, generator=generator)
         writer = torch.searchsorted(ends, u.flatten(), right=True).view(shape)
-        place = (u - (ends[writer] - sizes[writer])).to(self.device)
-        return tuple(getattr(self, k)[writer.to(self.device), place] for k in self.FIELDS), writer
+        rows = torch.stack([writer, u - (ends[writer] - sizes[writer])]).to(self.device, non_blocking=True)
+        return tuple(getattr(self, k)[rows[0], rows[1]] for k in self.FIELDS), writer
 
     def state_dict(self):
         """Every learner's rows and write count, for a checkpoint (on the CPU)."""
@@ -342,7 +343,7 @@ class Learners:
     @torch.no_grad()
     def act(self, obs, noise_std):
         """π_i(s) + N(0, σ²), kept in [-1, 1] (Algorithm 1, line 9), for every learner's states `[N, n, obs]`."""
-        a = self.actor(obs.to(self.device))
+        a = self.actor(obs.to(self.device, non_blocking=True))
         if noise_std > 0:
             a = a + noise_std * torch.randn(a.shape, generator=self.generator, device=self.device)
         return a.clamp(-1.0, 1.0)
@@ -358,7 +359,6 @@ class Learners:
             y = td3_target(rewards, terminated, *self.qf_target(next_obs, next_actions), a.gamma)
         q1, q2 = self.qf(obs, actions)
         qf_loss = critic_loss(q1, q2, y)
-        check_finite(f"at update {self.updates + 1} (nothing applied)", critic_loss=qf_loss)
         self.qf_opt.zero_grad(set_to_none=True)
         qf_loss.sum().backward()
         self.qf_opt.step()
@@ -377,7 +377,6 @@ class Learners:
                     old = policy_distance(pi.detach(), self.old_actor(obs), a.distance)
                 self.period_sums += torch.stack([distance, old])
                 self.period_count += 1
-            check_finite(f"at update {self.updates} (policy step not applied)", actor_loss=actor_loss)
             self.actor_opt.zero_grad(set_to_none=True)
             actor_loss.sum().backward()
             self.actor_opt.step()
@@ -539,7 +538,8 @@ def learn(state, args, guided, stats, threads) -> bool:
         batch, writers = replay.sample((N, args.batch_size), state["cpu_generator"])
         counts["foreign"] += (writers != torch.arange(N)[:, None]).sum(1)
         stats.update(state["learners"].update(batch, state["beta"], guided))
-    if learning:
+    if learning:  # one host sync for the step's updates; `save` checks the networks before a checkpoint
+        check_finite(f"at update {state['learners'].updates}", **stats)
         threads.record(time.perf_counter() - started, started)
     return learning
 
@@ -705,7 +705,7 @@ def fail(error: Exception, run_path: str) -> None:
     print(f"error: {error}", file=sys.stderr)
     if "NonFiniteError" in f"{type(error).__name__} {error}":  # here, or in a worker's traceback
         path = os.path.join(run_path, "checkpoint.pt")
-        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        step = torch.load(path, map_location="cpu", weights_only=False)["global_step"] if os.path.isfile(path) else None
         kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
         advice = kept if step is not None else "no checkpoint was written before it"
         print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
@@ -725,9 +725,12 @@ def stopped(log, step: int, world: int = 1) -> None:
 
 
 def load_state(state: dict, resumed) -> dict:
-    """The training state (modules, optimisers, generators, counters) set to `--resume`'s checkpoint, if any."""
+    """The training state (modules, optimisers, generators, counters) set to `--resume`'s checkpoint, if any; a
+    generator whose saved state was written on another device (a CPU's is 5,056 bytes, CUDA's 16) is seeded from it."""
     for k, part in state.items() if resumed else ():
-        if isinstance(part, torch.Generator):
+        if isinstance(part, torch.Generator) and resumed[k].numel() != part.get_state().numel():
+            part.manual_seed(int.from_bytes(hashlib.sha256(resumed[k].numpy().tobytes()).digest()[:8], "little"))
+        elif isinstance(part, torch.Generator):
             part.set_state(resumed[k])
         elif hasattr(part, "load_state_dict"):
             part.load_state_dict(resumed[k])

@@ -34,6 +34,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -68,6 +69,7 @@ class Args:
     seed: int = 1  # seed of torch, numpy and the envs (actor a of learner r: seed + 1000 r + a)
     torch_deterministic: bool = True  # torch.backends.cudnn.deterministic
     cuda: bool = True  # learner and actors' inference on the GPU when there is one
+    cuda_actors: bool = True  # with --cuda, the actors act on the GPU too (--no-cuda-actors: on the CPU, no context)
     total_timesteps: int = 50_000_000  # environment steps in all (200M frames at action repeat 4)
     num_envs: int = 64  # environments per learner process, split evenly over its actors
     env_batch_size: int = 0  # envs per envpool step (async below envs per actor); 0: half of an actor's envs
@@ -266,14 +268,14 @@ def act(cfg, link: ActorLink) -> None:
         obs, reward, term, trunc, info = envs.recv()
         ids = info["env_id"]
         version = link.refresh(agent)
-        ids_dev, first = torch.from_numpy(ids).long().to(device), torch.from_numpy(ended[ids])
+        ids_dev, first = torch.from_numpy(ids).long().to(device, non_blocking=True), torch.from_numpy(ended[ids])
         obs_t, reward_t = torch.from_numpy(obs), torch.from_numpy(reward).float()
         prev = torch.from_numpy(np.where(ended[ids], 0, prev_action[ids]))
         state_before = tuple(s[ids_dev] for s in state)
         with torch.no_grad():
-            inputs = (x.to(device)[None] for x in (obs_t, prev, reward_t, first))
+            inputs = (x.to(device, non_blocking=True)[None] for x in (obs_t, prev, reward_t, first))  # no stream sync
             logits, _, state_after = agent(*inputs, state_before)
-            action = torch.distributions.Categorical(logits=logits[0]).sample().cpu()
+            action = torch.distributions.Categorical(logits=logits[0], validate_args=False).sample().cpu()  # one sync
         envs.send(action.numpy(), ids)  # the envs step while this process does the bookkeeping
         done = term | trunc
         row = dict(obs=obs_t, reward=reward_t, ended=torch.from_numpy(done), terminated=torch.from_numpy(term))
@@ -528,7 +530,7 @@ def fail(error: Exception, run_path: str) -> None:
     print(f"error: {error}", file=sys.stderr)
     if "NonFiniteError" in f"{type(error).__name__} {error}":  # here, or in a worker's traceback
         path = os.path.join(run_path, "checkpoint.pt")
-        step = torch.load(path, weights_only=False)["global_step"] if os.path.isfile(path) else None
+        step = torch.load(path, map_location="cpu", weights_only=False)["global_step"] if os.path.isfile(path) else None
         kept = f"the last good checkpoint (step {step}) is kept: continue with --resume {run_path}, or start again"
         advice = kept if step is not None else "no checkpoint was written before it"
         print(f"{advice}: try a lower --learning-rate", file=sys.stderr, flush=True)
@@ -548,9 +550,12 @@ def stopped(log, step: int, world: int = 1) -> None:
 
 
 def load_state(state: dict, resumed) -> dict:
-    """The training state (modules, optimisers, generators, counters) set to `--resume`'s checkpoint, if any."""
+    """The training state (modules, optimisers, generators, counters) set to `--resume`'s checkpoint, if any; a
+    generator whose saved state was written on another device (a CPU's is 5,056 bytes, CUDA's 16) is seeded from it."""
     for k, part in state.items() if resumed else ():
-        if isinstance(part, torch.Generator):
+        if isinstance(part, torch.Generator) and resumed[k].numel() != part.get_state().numel():
+            part.manual_seed(int.from_bytes(hashlib.sha256(resumed[k].numpy().tobytes()).digest()[:8], "little"))
+        elif isinstance(part, torch.Generator):
             part.set_state(resumed[k])
         elif hasattr(part, "load_state_dict"):
             part.load_state_dict(resumed[k])
@@ -575,20 +580,40 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_world_size() -> int:  # the learners on this machine
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def learner_process(args):
-    """(rank, world, device) of this learner: the process group under torchrun, seeds, determinism, threads."""
+    """(rank, world, device) of this learner: its device and threads, the process group under torchrun, seeds,
+    determinism."""
     rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if args.cuda and torch.cuda.is_available() else "cpu")
+    gpus = torch.cuda.device_count() if args.cuda else 0
+    device, backend, threads = placement(args, local_rank, local_world_size(), gpus, os.cpu_count() or 2)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the process group: NCCL, pinned memory and streams use it
     if world > 1:
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        torch.distributed.init_process_group(backend)
     torch.manual_seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    cores = (os.cpu_count() or 2) // world  # the deep ResNet's actors need a fifth of its learner's time (benchmarks)
-    torch.set_num_threads(
-        args.learner_threads or max(1, cores if getattr(args, "network", "") == "deep" else cores // 2)
-    )
+    torch.set_num_threads(threads)
     return rank, world, device
+
+
+def placement(args, local_rank: int, local_world: int, gpus: int, cores: int):
+    """(device, process-group backend, torch threads) of learner `local_rank` of `local_world` on a machine with
+    `gpus` GPUs and `cores` cores. GPU `local_rank` mod `gpus` (learners may share one); NCCL where each learner has
+    a GPU of its own, else gloo (NCCL refuses two ranks on one GPU; gloo all-reduces CUDA tensors too). Threads: one
+    where the work is on a GPU (it launches the kernels: the cores step the envs); on a CPU, of the learner's share
+    of the cores, all with the deep ResNet (its actors need a fifth of its time: benchmarks), else half."""
+    if args.cuda and gpus > 0:
+        device, backend = torch.device("cuda", local_rank % gpus), "nccl" if local_world <= gpus else "gloo"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    share = max(1, cores // local_world)
+    threads = 1 if device.type == "cuda" else share if getattr(args, "network", "") == "deep" else share // 2
+    return device, backend, args.learner_threads or max(1, threads)
 
 
 def same_start(*modules) -> None:
@@ -659,10 +684,10 @@ def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNam
     """The actors of learner `rank`: actor a plays game a mod G (every game the same share, all 18 actions), its
     envs stepped `--env-batch-size` at a time (0: half of them) by the cores the learner leaves free."""
     n, tasks = args.num_envs // args.num_actors, list(games) or [args.env_id]
-    threads = max(1, ((os.cpu_count() or 2) // world_size() - torch.get_num_threads()) // args.num_actors)
+    threads = max(1, ((os.cpu_count() or 2) // local_world_size() - torch.get_num_threads()) // args.num_actors)
     options = {**env_options, "full_action_space": True} if games else env_options
     shared = dict(num_envs=n, unroll_length=args.unroll_length, env_batch_size=args.env_batch_size or max(1, n // 2))
-    shared.update(device=str(device), env_threads=threads, env_options=options)
+    shared.update(device=str(device) if args.cuda_actors else "cpu", env_threads=threads, env_options=options)
     return [
         SimpleNamespace(env_id=tasks[a % len(tasks)], task=a % len(tasks), seed=args.seed + 1000 * rank + a, **shared)
         for a in range(args.num_actors)

@@ -356,3 +356,26 @@ def test_a_multi_game_run_gets_a_row_and_a_curve_per_game(tmp_path):
         assert row["eval_mean_return"] == [1000.0 + g]
     assert rows[("impala_vtrace", "Qbert-v5")]["final_mean_20"] == [7.0]
     assert os.path.getsize(os.path.join(out, "learning_impala-multi-cpu.png")) > 10_000
+
+
+@pytest.mark.e2e
+def test_gpu_check_runs_every_step_where_no_gpu_is_seen(tmp_path):
+    """benchmarks/gpu_check.sh --cpu: the GPU check's steps, each a few seconds where no GPU is seen, all ok; every
+    run stopped by SIGINT kept its checkpoint, the resumed runs went on from theirs, each model.pt was evaluated."""
+    out = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", str(tmp_path), "--cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [json.loads(x) for x in open(tmp_path / "gpu_check.jsonl")]
+    assert out.returncode == 0 and out.stdout.strip().endswith(f"{len(lines)}/{len(lines)} steps ok"), out.stdout
+    names = {x["name"] for x in lines}
+    scripts = {"impala_vtrace", "vmpo_atari", "vmpo_mujoco", "p3s_td3", "a3c", "acer"}
+    assert scripts | {f"torchrun_{s}" for s in ("impala_vtrace", "vmpo_atari", "vmpo_mujoco")} <= names
+    assert {f"model_on_cpu_{s}" for s in ("impala_vtrace", "vmpo_atari", "vmpo_mujoco", "p3s_td3")} <= names
+    for s in ("p3s_td3", "vmpo_mujoco"):  # the resumed run continued the stopped one: one folder, its line
+        assert f"--resume {tmp_path}/runs/resume_{s}/" in open(tmp_path / f"resumed_{s}.log").read()
+        assert "checkpoint at step" in open(tmp_path / f"resumed_{s}.log").read()
+    assert all(x["exit_status"] in (0, 130) for x in lines if not x["name"].startswith("torchrun_"))

@@ -707,6 +707,10 @@ def test_actor_configs_share_envs_games_and_seeds():
     actor_configs = importlib.import_module(MACHINERY).actor_configs
 
     args = SimpleNamespace(num_envs=8, num_actors=4, unroll_length=5, env_batch_size=0, seed=10, env_id="Pong-v5")
+    args.cuda_actors = False  # the actors act on the CPU whatever the learner's device
+    assert {c.device for c in actor_configs(args, 0, "cuda:1")} == {"cpu"}
+    args.cuda_actors = True
+    assert {c.device for c in actor_configs(args, 0, "cuda:1")} == {"cuda:1"}
     cfgs = actor_configs(args, 1, "cpu", ("Pong-v5", "Breakout-v5"), reward_clip=False)
     assert [c.env_id for c in cfgs] == ["Pong-v5", "Breakout-v5"] * 2 and [c.task for c in cfgs] == [0, 1, 0, 1]
     assert {c.num_envs for c in cfgs} == {2} and {c.env_batch_size for c in cfgs} == {1}
@@ -714,6 +718,50 @@ def test_actor_configs_share_envs_games_and_seeds():
     assert cfgs[0].env_options == {"reward_clip": False, "full_action_space": True}
     one = actor_configs(args, 0, "cpu")
     assert {c.env_id for c in one} == {"Pong-v5"} and one[0].env_options == {}
+
+
+@pytest.mark.parametrize(
+    "cuda, network, local_rank, local_world, gpus, expected",
+    [  # (device, backend, threads) on 16 cores
+        (True, "shallow", 0, 1, 0, ("cpu", "gloo", 8)),  # no GPU: the CPU rule, half the cores
+        (True, "deep", 1, 2, 0, ("cpu", "gloo", 8)),  # the deep ResNet: all of the learner's share
+        (False, "shallow", 0, 1, 1, ("cpu", "gloo", 8)),  # --no-cuda on a GPU machine
+        (True, "shallow", 1, 2, 1, ("cuda:0", "gloo", 1)),  # two learners on one GPU: gloo, not NCCL
+        (True, "deep", 1, 2, 2, ("cuda:1", "nccl", 1)),  # a GPU each: NCCL; the cores step the envs
+        (True, "shallow", 3, 4, 2, ("cuda:1", "gloo", 1)),  # four learners on two GPUs
+    ],
+)
+def test_placement_of_a_learner_by_the_gpus_and_cores_the_machine_has(
+    cuda, network, local_rank, local_world, gpus, expected
+):
+    """The device is GPU `local_rank` mod the GPUs present, NCCL only where every learner has its own GPU, one torch
+    thread where the learner's work is on a GPU, a given --learner-threads always wins."""
+    from types import SimpleNamespace
+
+    placement = importlib.import_module(MACHINERY).placement
+    args = SimpleNamespace(cuda=cuda, network=network, learner_threads=0)
+    device, backend, threads = placement(args, local_rank, local_world, gpus, 16)
+    assert (str(device), backend, threads) == expected
+    args.learner_threads = 3
+    assert placement(args, local_rank, local_world, gpus, 16)[2] == 3
+
+
+def test_a_generator_saved_on_another_device_is_seeded_from_its_state():
+    """A checkpoint's generator state from a CUDA generator (Philox: 16 bytes) resumes into a CPU one (and the
+    reverse): seeded from the saved state, the same seed every time; a state from the same device is restored."""
+    load_state = importlib.import_module(MACHINERY).load_state
+    cuda_state = torch.arange(16, dtype=torch.uint8)  # the size of `torch.Generator("cuda").get_state()`
+    draws = []
+    for _ in range(2):
+        state = load_state({"generator": torch.Generator().manual_seed(0), "t": 0}, {"generator": cuda_state, "t": 7})
+        draws.append(torch.rand(3, generator=state["generator"]))
+        assert state["t"] == 7
+    fresh = torch.rand(3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], fresh)
+    saved = torch.Generator().manual_seed(5)
+    saved_state, expected = saved.get_state(), torch.rand(3, generator=saved)
+    state = load_state({"generator": torch.Generator()}, {"generator": saved_state})
+    assert torch.equal(torch.rand(3, generator=state["generator"]), expected)
 
 
 # --------------------------------------------------------------------------------------------------------
