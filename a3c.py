@@ -212,19 +212,29 @@ def epsilon_greedy(q, epsilon, generator=None):
     return torch.where(explore, torch.randint(q.shape[-1], q.shape[:-1], generator=generator), q.argmax(-1))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Hogwild (Sec. 4 and Supp. Eqs. S2-S3 of Mnih et al. 2016): the shared RMSProp, the update, what the workers share;
+# one text in a3c.py and acer.py (tests/test_common.py checks it).
+
+
 class SharedRMSprop(torch.optim.Optimizer):
-    """Eqs. (S2)-(S3), elementwise and without locks: g ← α g + (1 − α) Δθ², θ ← θ − η Δθ / √(g + ε). g is made
-    here, not at the first step, so that `share_memory()` shares it with every worker ("Shared RMSProp", Sec. 4)."""
+    """Eqs. (S2)-(S3), elementwise and without locks: g ← α g + (1 − α) Δθ², θ ← θ − η Δθ / √(ĝ + ε), where
+    ĝ = g / (1 − α^t) is g bias-corrected by its t-th update (Adam's correction; the paper gives neither it nor ε).
+    Uncorrected, g starts at 0 and with ε = 1e-5 the first step moves every weight by η/√(1 − α) = 10η, sign(Δθ):
+    the torso can die in the first updates (docs). g and t are made here, not at the first step, so that
+    `share_memory()` shares them with every worker ("Shared RMSProp", Sec. 4); a race on t only delays the
+    correction's end. With ε = 0 this is `Adam(betas=(0, α), eps=0)`."""
 
     def __init__(self, params, lr=1e-3, alpha=0.99, eps=0.1):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p]["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.state[p].update(square_avg=torch.zeros_like(p), step=torch.zeros(()))
 
     def share_memory(self):
         for state in self.state.values():
             state["square_avg"].share_memory_()
+            state["step"].share_memory_()
         return self
 
     @torch.no_grad()
@@ -234,25 +244,9 @@ class SharedRMSprop(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = self.state[p]["square_avg"]
+                g, t = self.state[p]["square_avg"], self.state[p]["step"].add_(1)
                 g.mul_(alpha).addcmul_(p.grad, p.grad, value=1 - alpha)
-                p.addcdiv_(p.grad, (g + eps).sqrt_(), value=-lr)
-
-
-def scale_rewards(rewards, return_var, clip=10.0):
-    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the episode so far (SB3's
-    VecNormalize, not in the paper): the value learns returns of unit scale whatever the task's reward scale."""
-    return np.clip(rewards / math.sqrt(float(return_var[0]) + 1e-8), -clip, clip)
-
-
-@torch.no_grad()
-def copy_network(dst, src, obs_lock):
-    """dst ← src: the parameters without a lock (Hogwild), the observation statistics (buffers) whole, under theirs."""
-    for d, s in zip(dst.parameters(), src.parameters()):
-        d.copy_(s)
-    with obs_lock:
-        for d, s in zip(dst.buffers(), src.buffers()):
-            d.copy_(s)
+                p.addcdiv_(p.grad, (g / (1 - alpha ** t.item()) + eps).sqrt_(), value=-lr)
 
 
 def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
@@ -267,6 +261,27 @@ def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
     optimizer.step()
     shared.zero_grad(set_to_none=True)
     return norm
+
+
+@torch.no_grad()
+def copy_network(dst, src, obs_lock):
+    """dst ← src: the parameters without a lock (Hogwild), the observation statistics (buffers) whole, under theirs."""
+    for d, s in zip(dst.parameters(), src.parameters()):
+        d.copy_(s)
+    with obs_lock:
+        for d, s in zip(dst.buffers(), src.buffers()):
+            d.copy_(s)
+
+
+def scale_rewards(rewards, return_var, clip=10.0):
+    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's episode
+    so far (SB3's VecNormalize, not in the papers): the value learns returns of unit scale whatever the task's."""
+    return (rewards / math.sqrt(float(return_var[0]) + 1e-8)).clip(-clip, clip)
+
+
+def obs_tensor(obs):
+    """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
+    return torch.from_numpy(obs) if getattr(obs, "dtype", None) == np.uint8 else torch.from_numpy(flatten_obs(obs))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -381,7 +396,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     final = final_epsilon() if value_based else None  # this worker's final ε (Supp. 8)
     sarsa_action = None  # one-step Sarsa: a', chosen at the last rollout's s_T, is the next rollout's first action
     tracker = EpisodeTracker(n)
-    obs = obs_tensor(envs.reset()[0], pixels)
+    obs = obs_tensor(envs.reset()[0])
     ended = torch.zeros(n, dtype=torch.bool)  # obs is the last one of an episode: the next step is a reset step
     first = torch.ones(n, dtype=torch.bool)  # obs starts an episode (the LSTM state is zeroed there)
     state = local.initial_state(n)
@@ -409,10 +424,10 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
                     discounted_return = discounted_return * args.gamma + reward
                     returns_seen.append(torch.as_tensor(discounted_return))
                     reward = scale_rewards(reward, local.return_norm.var)
-                    discounted_return[term | trunc] = 0.0
+                    discounted_return = np.where(term | trunc, 0.0, discounted_return)  # a new array: R kept above
                 rollout.append([torch.as_tensor(v) for v in (obs, first, action, reward, term, ended)])
                 first, ended = ended, torch.as_tensor(term | trunc)
-                obs = obs_tensor(next_obs, pixels)
+                obs = obs_tensor(next_obs)
         rows_obs, rows_first, actions, rewards, terminated, ends = (torch.stack(column) for column in zip(*rollout))
         # the rollout's rows and the bootstrap observation s_T, through θ' from the rollout's first state
         all_obs, all_first = torch.cat([rows_obs, obs[None]]), torch.cat([rows_first, first[None]])
@@ -489,34 +504,12 @@ def main(args: Args):
     describe += f", θ⁻ every {args.target_update_period} steps" if target is not None else ""
     log = RunLog(args, resumed, describe)
 
-    ctx = torch.multiprocessing.get_context("spawn")
-    counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
-    started = ctx.Barrier(args.num_workers)  # passed once every worker is set up
-    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
-    stop = Stop()
-
     def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
         check_finite(f"at step {step}", **state["agent"])
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
 
-    work = (args, agent, target, optimizer, counter, obs_lock, msg_q, halt, started)
-    workers = start_workers(train_worker, range(args.num_workers), *work)
-    try:
-        step = watch_workers(workers, msg_q, halt, steps, log, stop, save)  # the paper's loop runs in the workers
-        save(step)
-    except (WorkerError, NonFiniteError) as e:
-        fail(e, log.path)
-    finally:
-        end_workers(workers)
-    if stop.requested:
-        stopped(log, step)
-    log.console(step)
+    step = run_workers(train_worker, (agent, target, optimizer), log, save)  # the paper's loop runs in the workers
     log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
-
-
-def obs_tensor(obs, pixels):
-    """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
-    return torch.from_numpy(np.asarray(obs)) if pixels else torch.from_numpy(flatten_obs(obs))
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -524,7 +517,6 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     the most probable / the mean), or for the value-based methods ε-greedy with ε = EVAL_EPSILON (or greedy)."""
     agent = Agent(**checkpoint["agent_config"]).to(device).eval()
     agent.load_state_dict(checkpoint["agent"])
-    pixels = len(agent.config["obs_shape"]) == 3
     state = tuple((h.to(device), c.to(device)) for h, c in agent.initial_state(num_envs))
     low, high = checkpoint.get("action_low"), checkpoint.get("action_high")
 
@@ -532,7 +524,7 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
     def policy(obs, rewards, first):
         nonlocal state
         first_t = torch.as_tensor(first, device=device).bool()[None]
-        out, _, state = agent(obs_tensor(obs, pixels).to(device)[None], first_t, state)
+        out, _, state = agent(obs_tensor(obs).to(device)[None], first_t, state)
         action = agent.sample(out[0].cpu(), greedy).numpy()
         return to_env_action(action, np.asarray(low), np.asarray(high)) if agent.action_dim else action
 
@@ -661,6 +653,30 @@ def end_workers(workers) -> None:
     for p in workers.processes:
         p.kill()
         p.join()
+
+
+def run_workers(train_worker, parts, log, save) -> int:
+    """A Hogwild run's workers: `train_worker(i, args, *parts, counter, obs_lock, msg_q, halt, started)` in
+    --num-workers processes, sharing the step counter (from the log's step), the observation statistics' lock, a
+    message queue, the halt flag and a start barrier; watched to their end, then saved (`save(step)`) and ended. A
+    failed worker or a non-finite value ends the run (`fail`), a stop after the save (`stopped`). Returns the step."""
+    args, ctx, stop = log.args, torch.multiprocessing.get_context("spawn"), Stop()
+    counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
+    started = ctx.Barrier(args.num_workers)  # passed once every worker is set up
+    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
+    shared = (args, *parts, counter, obs_lock, msg_q, halt, started)
+    workers = start_workers(train_worker, range(args.num_workers), *shared)
+    try:
+        step = watch_workers(workers, msg_q, halt, steps, log, stop, save)
+        save(step)
+    except (WorkerError, NonFiniteError) as e:
+        fail(e, log.path)
+    finally:
+        end_workers(workers)
+    log.console(step)
+    if stop.requested:
+        stopped(log, step)
+    return step
 
 
 def watch_workers(workers, msg_q, halt, steps, log, stop, save) -> int:

@@ -382,10 +382,82 @@ class ContinuousAgent(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Hogwild (Sec. 4 and Supp. Eqs. S2-S3 of Mnih et al. 2016): the shared RMSProp, the update, what the workers share;
+# one text in a3c.py and acer.py (tests/test_common.py checks it).
+
+
+class SharedRMSprop(torch.optim.Optimizer):
+    """Eqs. (S2)-(S3), elementwise and without locks: g ← α g + (1 − α) Δθ², θ ← θ − η Δθ / √(ĝ + ε), where
+    ĝ = g / (1 − α^t) is g bias-corrected by its t-th update (Adam's correction; the paper gives neither it nor ε).
+    Uncorrected, g starts at 0 and with ε = 1e-5 the first step moves every weight by η/√(1 − α) = 10η, sign(Δθ):
+    the torso can die in the first updates (docs). g and t are made here, not at the first step, so that
+    `share_memory()` shares them with every worker ("Shared RMSProp", Sec. 4); a race on t only delays the
+    correction's end. With ε = 0 this is `Adam(betas=(0, α), eps=0)`."""
+
+    def __init__(self, params, lr=1e-3, alpha=0.99, eps=0.1):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].update(square_avg=torch.zeros_like(p), step=torch.zeros(()))
+
+    def share_memory(self):
+        for state in self.state.values():
+            state["square_avg"].share_memory_()
+            state["step"].share_memory_()
+        return self
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, t = self.state[p]["square_avg"], self.state[p]["step"].add_(1)
+                g.mul_(alpha).addcmul_(p.grad, p.grad, value=1 - alpha)
+                p.addcdiv_(p.grad, (g / (1 - alpha ** t.item()) + eps).sqrt_(), value=-lr)
+
+
+def hogwild_update(local, shared, optimizer, loss, max_grad_norm):
+    """Algorithm S3's 'asynchronous update of θ using dθ': this rollout's gradient at θ', clipped, on the shared θ;
+    `.grad` is set anew each time (set once, `zero_grad()` makes it stale). Returns the norm before clipping."""
+    local.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = nn.utils.clip_grad_norm_(local.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+    check_finite("in a worker's update (nothing applied)", loss=loss, gradient=norm)
+    for shared_p, local_p in zip(shared.parameters(), local.parameters()):
+        shared_p.grad = local_p.grad
+    optimizer.step()
+    shared.zero_grad(set_to_none=True)
+    return norm
+
+
+@torch.no_grad()
+def copy_network(dst, src, obs_lock):
+    """dst ← src: the parameters without a lock (Hogwild), the observation statistics (buffers) whole, under theirs."""
+    for d, s in zip(dst.parameters(), src.parameters()):
+        d.copy_(s)
+    with obs_lock:
+        for d, s in zip(dst.buffers(), src.buffers()):
+            d.copy_(s)
+
+
+def scale_rewards(rewards, return_var, clip=10.0):
+    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's episode
+    so far (SB3's VecNormalize, not in the papers): the value learns returns of unit scale whatever the task's."""
+    return (rewards / math.sqrt(float(return_var[0]) + 1e-8)).clip(-clip, clip)
+
+
+def obs_tensor(obs):
+    """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
+    return torch.from_numpy(obs) if getattr(obs, "dtype", None) == np.uint8 else torch.from_numpy(flatten_obs(obs))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Replay and the workers: Algorithm 1.
 
 
-def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lock, msg_q, halt, started):
+def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_lock, msg_q, halt, started):
     """Algorithm 1 for one actor-learner: an on-policy segment (acted, learned from but for continuous actions, Sec. 6,
     stored raw), then Poisson(r) segments replayed from its memory. Once `halt` is set, it ends after its updates."""
     n, k = args.num_envs, args.k
@@ -405,28 +477,18 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
 
     def learn(segment):
         """One update: θ' ← θ, the gradient Δθ of the segment's loss at θ', clipped, applied to the shared θ by A3C's
-        shared RMSProp (Mnih et al. 2016, Eqs. S2-S3: g ← αg + (1 − α)Δθ², θ ← θ − ηΔθ/√(g + ε), elementwise and
-        without locks: Hogwild), then θ_a's soft update."""
-        with obs_lock:  # θ' ← θ, the observation statistics whole
-            local.load_state_dict(shared.state_dict())
+        shared RMSProp without locks (Hogwild), then θ_a's soft update."""
+        copy_network(local, shared, obs_lock)
         if args.scale_rewards:
             segment = {**segment, "reward": scale_rewards(segment["reward"], local.return_norm.var)}  # θ's statistics
         out = segment_loss(local, avg_agent, segment, args)
-        local.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(local.parameters(), args.max_grad_norm or float("inf"))  # 0: none
-        check_finite("in a worker's update (nothing applied)", loss=out.loss, gradient=grad_norm)
-        with torch.no_grad():
-            for p, local_p, g in zip(shared.parameters(), local.parameters(), square_avg):
-                g.mul_(args.rmsprop_alpha).addcmul_(local_p.grad, local_p.grad, value=1 - args.rmsprop_alpha)
-                p.addcdiv_(local_p.grad, (g + args.rmsprop_eps).sqrt_(), value=-args.learning_rate)
+        grad_norm = hogwild_update(local, shared, optimizer, out.loss, args.max_grad_norm)
         update_average(avg_agent, shared, args.avg_decay)
         return {**{k: v for k, v in loss_stats(out).items() if not v.isnan()}, "stats/grad_norm": grad_norm}
 
     started.wait()  # every worker set up: they take their steps of the budget together, none left to one
     while counter.value < args.total_timesteps and not halt.is_set():
-        with obs_lock:
-            local.load_state_dict(shared.state_dict())
+        copy_network(local, shared, obs_lock)
         rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu", "return")}
         with torch.no_grad():
             for _ in range(k):
@@ -444,7 +506,7 @@ def train_worker(worker_id, args, shared, avg_agent, square_avg, counter, obs_lo
                 discounted_return = discounted_return * args.gamma + reward
                 for key, v in zip(rows, (obs, action, reward.astype(np.float32), term, ended, mu, discounted_return)):
                     rows[key].append(torch.as_tensor(v))
-                discounted_return[term | trunc] = 0.0
+                discounted_return = np.where(term | trunc, 0.0, discounted_return)  # a new array: the row keeps R
                 ended = torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs)
         for key, column in rows.items():  # row k: the bootstrap observation (its other fields are never used)
@@ -510,55 +572,29 @@ def main(args: Args):
     avg_agent = copy.deepcopy(agent)  # θ_a starts at θ (and its observation statistics at θ's)
     for net in (agent, avg_agent):  # --bf16: convolutions in channels-last layout, as oneDNN's bfloat16 kernels prefer
         net.to(memory_format=torch.channels_last if args.bf16 else torch.contiguous_format).share_memory()
-    square_avg = [torch.zeros_like(p).share_memory_() for p in agent.parameters()]  # RMSProp's g, shared
+    optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     if resumed is not None:  # in place: the tensors stay in shared memory
         agent.load_state_dict(resumed["agent"])
         avg_agent.load_state_dict(resumed["avg_agent"])
-        for g, saved in zip(square_avg, resumed["square_avg"]):
-            g.copy_(saved)
+        optimizer.load_state_dict(resumed["optimizer"])
+    optimizer.share_memory()  # g and t, read and written by every worker
     # the training state and model.pt: views of the shared tensors, saved as the workers leave them (Hogwild)
     nets = dict(agent_config=agent.config, agent=agent.state_dict(), avg_agent=avg_agent.state_dict())
-    state = dict(nets, square_avg=square_avg)
+    state = dict(nets, optimizer=optimizer.state_dict())
     model = dict(nets, script="acer", env_id=args.env_id, args=dataclasses.asdict(args))
     if not discrete:  # evaluation maps the policy's [-1, 1] actions to the env's box
         low, high = spec.action_space.low, spec.action_space.high
         model.update(action_low=low.astype(np.float32).tolist(), action_high=high.astype(np.float32).tolist())
     describe = f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}, "
-    log, stop = RunLog(args, resumed, describe + ("" if args.trust_region else "no ") + "trust region"), Stop()
-    ctx = torch.multiprocessing.get_context("spawn")
-    counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
-    started = ctx.Barrier(args.num_workers)  # passed once every worker is set up
-    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
+    log = RunLog(args, resumed, describe + ("" if args.trust_region else "no ") + "trust region")
 
     def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
         weights = {f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
         check_finite(f"at step {step}", **weights)
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
 
-    shared = (args, agent, avg_agent, square_avg, counter, obs_lock, msg_q, halt, started)
-    workers = start_workers(train_worker, range(args.num_workers), *shared)
-    try:
-        step = watch_workers(workers, msg_q, halt, steps, log, stop, save)  # Algorithm 1 runs in the workers
-        save(step)
-    except (WorkerError, NonFiniteError) as e:
-        fail(e, log.path)
-    finally:
-        end_workers(workers)
-    log.console(step)
-    if stop.requested:
-        stopped(log, step)
+    step = run_workers(train_worker, (agent, avg_agent, optimizer), log, save)  # Algorithm 1 runs in the workers
     log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
-
-
-def scale_rewards(rewards, return_var, clip=10.0):
-    """--scale-rewards: r / sqrt(Var[R] + 1e-8), clipped to ±10, R the discounted return of the environment's
-    episode so far (as a3c.py; SB3's VecNormalize), with the statistics of the update (replayed segments too)."""
-    return (rewards / math.sqrt(float(return_var[0]) + 1e-8)).clamp(-clip, clip)
-
-
-def obs_tensor(obs):
-    """envpool observations as a tensor: uint8 frames as they are, anything else one float32 vector per env."""
-    return torch.from_numpy(obs) if getattr(obs, "dtype", None) == np.uint8 else torch.from_numpy(flatten_obs(obs))
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -710,6 +746,30 @@ def end_workers(workers) -> None:
     for p in workers.processes:
         p.kill()
         p.join()
+
+
+def run_workers(train_worker, parts, log, save) -> int:
+    """A Hogwild run's workers: `train_worker(i, args, *parts, counter, obs_lock, msg_q, halt, started)` in
+    --num-workers processes, sharing the step counter (from the log's step), the observation statistics' lock, a
+    message queue, the halt flag and a start barrier; watched to their end, then saved (`save(step)`) and ended. A
+    failed worker or a non-finite value ends the run (`fail`), a stop after the save (`stopped`). Returns the step."""
+    args, ctx, stop = log.args, torch.multiprocessing.get_context("spawn"), Stop()
+    counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
+    started = ctx.Barrier(args.num_workers)  # passed once every worker is set up
+    steps = counter.get_obj()  # read without the lock: a worker killed while holding it must not hang this process
+    shared = (args, *parts, counter, obs_lock, msg_q, halt, started)
+    workers = start_workers(train_worker, range(args.num_workers), *shared)
+    try:
+        step = watch_workers(workers, msg_q, halt, steps, log, stop, save)
+        save(step)
+    except (WorkerError, NonFiniteError) as e:
+        fail(e, log.path)
+    finally:
+        end_workers(workers)
+    log.console(step)
+    if stop.requested:
+        stopped(log, step)
+    return step
 
 
 def watch_workers(workers, msg_q, halt, steps, log, stop, save) -> int:

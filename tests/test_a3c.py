@@ -1,6 +1,7 @@
 """a3c.py: n-step returns and the loss against Algorithm S3, shared RMSProp across processes, the Hogwild
 update, the agent, and the script end to end."""
 
+import dataclasses
 import json
 import math
 import os
@@ -249,11 +250,11 @@ def test_q_agent_outputs_one_value_per_action():
 
 
 def rmsprop_reference(theta, grads, lr, alpha, eps):
-    """Eqs. (S2)-(S3) in numpy: g = αg + (1 − α)Δθ², θ ← θ − η Δθ / √(g + ε)."""
+    """Eqs. (S2)-(S3) in numpy, g bias-corrected: g = αg + (1 − α)Δθ², θ ← θ − η Δθ / √(g / (1 − α^t) + ε)."""
     g = np.zeros_like(theta)
-    for d in grads:
+    for t, d in enumerate(grads, 1):
         g = alpha * g + (1 - alpha) * d * d
-        theta = theta - lr * d / np.sqrt(g + eps)
+        theta = theta - lr * d / np.sqrt(g / (1 - alpha**t) + eps)
     return theta, g
 
 
@@ -268,6 +269,32 @@ def test_shared_rmsprop_matches_eq_s2_s3():
     theta, g = rmsprop_reference(theta0, grads, 0.01, 0.9, 0.1)
     np.testing.assert_allclose(p.detach().numpy(), theta, rtol=1e-12)
     np.testing.assert_allclose(opt.state[p]["square_avg"].numpy(), g, rtol=1e-12)
+    assert opt.state[p]["step"].item() == 4
+
+
+def test_shared_rmsprop_is_adam_without_momentum_where_eps_is_zero():
+    """With ε = 0 (where ε inside and outside the root agree) the bias-corrected shared RMSProp is PyTorch's
+    Adam(betas=(0, α), eps=0), step for step."""
+    torch.manual_seed(0)
+    ours, adams = (nn.Parameter(torch.randn(4, 3, dtype=torch.float64)) for _ in range(2))
+    adams.data.copy_(ours.data)
+    opt, adam = SharedRMSprop([ours], lr=0.01, alpha=0.99, eps=0.0), torch.optim.Adam([adams], 0.01, (0.0, 0.99), 0.0)
+    for _ in range(5):
+        ours.grad = torch.randn(4, 3, dtype=torch.float64)
+        adams.grad = ours.grad.clone()
+        opt.step()
+        adam.step()
+        torch.testing.assert_close(ours.detach(), adams.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_shared_rmsprop_first_step_is_of_the_learning_rates_size():
+    """The start the correction fixes: with ε = 1e-5 and α = 0.99 the first step moves each weight by η (|Δθ| ≫ √ε),
+    not by η/√(1 − α) = 10η as the uncorrected g = (1 − α)Δθ² would."""
+    p = nn.Parameter(torch.zeros(1000, dtype=torch.float64))
+    opt = SharedRMSprop([p], lr=1e-3, alpha=0.99, eps=1e-5)
+    p.grad = torch.randn(1000, dtype=torch.float64)
+    opt.step()
+    np.testing.assert_allclose(p.detach().abs().median().item(), 1e-3, rtol=0.05)
 
 
 def _rmsprop_child(model, optimizer, grad, report):
@@ -296,7 +323,7 @@ def test_shared_rmsprop_one_set_of_statistics_across_processes():
         proc.join(timeout=120)
         assert proc.exitcode == 0
     theta, g = rmsprop_reference(theta0, [d.numpy() for d in grads], 0.05, 0.9, 0.1)
-    assert (seen[0] == 0).all()
+    assert (seen[0] == 0).all() and opt.state[model.weight]["step"].item() == 2  # t: shared too
     np.testing.assert_allclose(seen[1], 0.1 * grads[0].numpy() ** 2, rtol=1e-12)  # the first's g
     np.testing.assert_allclose(opt.state[model.weight]["square_avg"].numpy(), g, rtol=1e-12)
     np.testing.assert_allclose(model.weight.detach().numpy(), theta, rtol=1e-12)
@@ -339,7 +366,7 @@ def test_hogwild_update_applies_the_last_rollouts_gradient(max_grad_norm):
             torch.testing.assert_close(applied, e)
         for p, p0, g0, e in zip(shared.parameters(), before, square_avg, expected):
             g = 0.99 * g0 + 0.01 * e * e
-            torch.testing.assert_close(p.detach(), p0 - 0.01 * e / torch.sqrt(g + 0.1))
+            torch.testing.assert_close(p.detach(), p0 - 0.01 * e / torch.sqrt(g / (1 - 0.99 ** (rollout + 1)) + 0.1))
         grads.append(expected)
     # the rollouts' gradients differ, so a sum or a stale gradient would have failed the checks above
     assert not torch.allclose(grads[0][0], grads[2][0])
@@ -699,3 +726,32 @@ def test_scale_rewards_divides_by_the_std_of_the_discounted_return():
         norm.update(torch.tensor([[ret]]))
         ret = 0.0 if d else ret
     assert a3c.scale_rewards(np.array([1e9, -1e9]), norm.var).tolist() == [10.0, -10.0]
+
+
+def _worker_run(args, agent, optimizer, budgets, after_each):
+    """`a3c.train_worker` in this process, one call per budget in `budgets` (the step counter kept), `after_each()`
+    after each call."""
+    import multiprocessing
+    import queue
+
+    counter, lock, msg_q = multiprocessing.Value("q", 0), multiprocessing.Lock(), queue.Queue()
+    for budget in budgets:
+        a3c.train_worker(
+            0, dataclasses.replace(args, total_timesteps=budget), agent, None, optimizer, counter, lock, msg_q
+        )
+        after_each()
+
+
+def test_scale_rewards_statistics_take_every_steps_discounted_return():
+    """--scale-rewards: the return statistics take R_t at every step, the last of an episode too (R_t shares no
+    memory with the array reset after it). Pendulum's rewards are all negative, so is every R_t but at the
+    reset step."""
+    argv = ["--env-id", "Pendulum-v1", "--num-workers", "1", "--num-envs", "1", "--scale-rewards", "--no-lstm"]
+    args, _ = a3c.check_args(a3c.parse_args([*argv, "--t-max", "20"]))
+    agent = a3c.Agent((3,), 0, 1, args.hidden, gaussian=args.gaussian, scale_rewards=True).share_memory()
+    optimizer = a3c.SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
+    seen, update = [], agent.return_norm.update
+    agent.return_norm.update = lambda x: (seen.append(x.clone()), update(x))
+    _worker_run(args, agent, optimizer, [400], lambda: None)  # two episodes of 200 steps
+    returns = torch.cat([x.flatten() for x in seen])  # steps 0-199, envpool's reset step (reward 0), 201-399
+    assert len(returns) == 400 and (returns <= 0).all() and (returns == 0).nonzero().flatten().tolist() == [200]

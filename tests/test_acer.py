@@ -2,6 +2,7 @@
 network against the paper, and the script end to end."""
 
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -653,7 +654,8 @@ def test_killed_run_resumes_and_ctrl_c_saves_the_updates_in_hand(tmp_path):
         "acer.py", argv, tmp_path, signal.SIGINT, kill_past=1000, past=2000, ready=ready
     )
     assert "avg_agent" in saved and 0 < saved["global_step"] < final["global_step"] < budget
-    assert any(g.abs().sum() > 0 for g in saved["square_avg"])  # the shared statistics, not fresh zeros
+    square_avg = [s["square_avg"] for s in saved["optimizer"]["state"].values()]
+    assert any(g.abs().sum() > 0 for g in square_avg)  # the shared statistics, not fresh zeros
     assert final["args"]["num_envs"] == 2
     assert not torch.equal(saved["avg_agent"]["policy.weight"], final["avg_agent"]["policy.weight"])  # it moved on
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -672,3 +674,33 @@ def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
         "acer.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path, checkpoint_expected=False
     )
     assert "policy" in line or "loss" in line or "gradient" in line
+
+
+def _worker_run(args, agent, budgets, after_each):
+    """`acer.train_worker` in this process (its average network and shared RMSProp made here), one call per budget
+    in `budgets` (the step counter kept), `after_each()` after each call."""
+    import multiprocessing
+    import queue
+    import threading
+
+    avg_agent = copy.deepcopy(agent)
+    optimizer = acer.SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
+    counter, lock, msg_q, halt = multiprocessing.Value("q", 0), multiprocessing.Lock(), queue.Queue(), threading.Event()
+    for budget in budgets:
+        run = dataclasses.replace(args, total_timesteps=budget)
+        acer.train_worker(0, run, agent, avg_agent, optimizer, counter, lock, msg_q, halt, threading.Barrier(1))
+        after_each()
+
+
+def test_scale_rewards_statistics_take_every_steps_discounted_return():
+    """--scale-rewards: the return statistics take R_t at every on-policy step, the last of an episode too (the row
+    shares no memory with the array reset after it). Pendulum's rewards are all negative, so is every R_t but
+    at the reset step."""
+    argv = ["--env-id", "Pendulum-v1", "--num-workers", "1", "--num-envs", "1", "--scale-rewards"]
+    args, _ = acer.check_args(acer.parse_args(argv))
+    agent = acer.ContinuousAgent((3,), 1, args.hidden, args.policy_std, scale_rewards=True).share_memory()
+    seen, update = [], agent.return_norm.update
+    agent.return_norm.update = lambda x: (seen.append(x.clone()), update(x))
+    _worker_run(args, agent, [400], lambda: None)  # two episodes of 200 steps
+    returns = torch.cat([x.flatten() for x in seen])  # steps 0-199, envpool's reset step (reward 0), 201-399
+    assert len(returns) == 400 and (returns <= 0).all() and (returns == 0).nonzero().flatten().tolist() == [200]

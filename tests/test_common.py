@@ -492,6 +492,25 @@ def test_the_run_machinery_is_one_text_in_every_script():
     assert len(copies[MACHINERY]) >= 25 and len({n for pieces in copies.values() for n in pieces}) >= 27
 
 
+def test_the_hogwild_pieces_are_one_text_in_a3c_and_acer():
+    """The shared RMSProp, the Hogwild update and what the workers share: the same text, in the same order, under
+    the same banner in a3c.py and acer.py (the run machinery's test above covers `run_workers` and the rest)."""
+    root, names = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), []
+    for script in ("a3c", "acer"):
+        text = open(os.path.join(root, f"{script}.py")).read()
+        start = text.index("# Hogwild (Sec. 4 and Supp. Eqs. S2-S3 of Mnih et al. 2016)")
+        names.append(text[start : text.index("\n# ----", start)])
+    assert names[0] == names[1]
+    for piece in (
+        "class SharedRMSprop",
+        "def hogwild_update",
+        "def copy_network",
+        "def scale_rewards",
+        "def obs_tensor",
+    ):
+        assert piece in names[0]
+
+
 def test_family_defaults_fill_what_the_user_did_not_give(capsys):
     import dataclasses
 
