@@ -6,8 +6,8 @@
 #     bash benchmarks/gpu_check.sh OUT            # on the GPU machine
 #     bash benchmarks/gpu_check.sh OUT --cpu      # the same steps where no GPU is seen, seconds each (CI's smoke)
 #
-# Each run is stopped with SIGINT after its time (it checkpoints and exits with 130; SIGKILL 60 s later if not). A
-# step is ok when its command ended (0) or stopped and saved, leaving a checkpoint. The steps: every script's
+# Each run is stopped with SIGINT once its time is up and it has printed a progress line (it checkpoints and exits with
+# 130; SIGKILL 60 s later if not). A step is ok when its command ended (0) or stopped and saved, leaving a checkpoint. The steps: every script's
 # `--env-id` run; torchrun with two learners on the one GPU; a run started where no GPU is seen, resumed on the GPU;
 # each GPU model.pt loaded by a plain torch.load and evaluated where no GPU is seen; IMPALA's deep agent at the
 # default thread split and with four learner threads; the actors on the CPU (--no-cuda-actors); P3S with --bf16.
@@ -17,20 +17,34 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUT/runs"
 : >"$OUT/gpu_check.jsonl"
 if [ "${2:-}" = "--cpu" ]; then
-    export CUDA_VISIBLE_DEVICES="" S=4 LONG=4 RAW=0 # seconds of a run, of the deep agent's, of raw envpool's (0: none)
+    export CUDA_VISIBLE_DEVICES="" S=2 LONG=2 RAW=0 # seconds of a run, of the deep agent's, of raw envpool's (0: none)
 else
     S=30 LONG=45 RAW=5
 fi
 NOGPU="env CUDA_VISIBLE_DEVICES=" # a process that sees no GPU, as on a CPU-only machine
 P3S="--t-initial 250 --learning-starts 1000"  # P3S's updates from its first seconds (default: from 10,000 rows)
 
-step() { # step NAME SECONDS COMMAND...: the command, SIGINT after SECONDS, its JSON line
-    local name=$1 seconds=$2 start rc ok=false
+step() { # step NAME SECONDS COMMAND...: the command; SIGINT once its time is up and it has shown progress
+    local name=$1 seconds=$2 start pid rc killer= ok=false
     shift 2
     start=$(date +%s)
-    # --foreground: SIGINT once, to the command (not again to its process group: a script reads a second as "now")
-    timeout --foreground --preserve-status -s INT -k 60 "$seconds" "$@" >"$OUT/$name.log" 2>&1
+    "$@" >"$OUT/$name.log" 2>&1 & # SIGINT ignored until the script sets its handler (bash's background jobs)
+    pid=$!
+    # SIGINT to the command alone (not its process group: a script reads a second one as "now"), after SECONDS and
+    # its first progress line, so that it has started and saves (120 s later without one); SIGKILL 60 s after it
+    while kill -0 $pid 2>/dev/null; do
+        if [ $(($(date +%s) - start)) -ge $((seconds + 120)) ] ||
+            { [ $(($(date +%s) - start)) -ge "$seconds" ] && grep -q "^step " "$OUT/$name.log"; }; then
+            kill -INT $pid
+            (sleep 60 && kill -KILL $pid) 2>/dev/null &
+            killer=$!
+            break
+        fi
+        sleep 1
+    done
+    wait $pid
     rc=$?
+    kill "${killer:-}" 2>/dev/null
     # stopped and saved: 130, or torchrun's 1 after rank 0's line that its learners saved
     if { [ $rc = 0 ] || [ $rc = 130 ] || grep -q "^checkpoint at step" "$OUT/$name.log"; } &&
         { [ ! -d "$OUT/runs/$name" ] || ls "$OUT/runs/$name"/*/checkpoint.pt >/dev/null 2>&1; }; then
@@ -57,9 +71,9 @@ train acer $S python acer.py --env-id Breakout-v5
 
 # 2. torchrun with two learners on the one GPU (gloo: NCCL refuses two ranks on one GPU), a minibatch per learner
 TORCHRUN="python -m torch.distributed.run --standalone --nproc_per_node 2"
-train torchrun_impala_vtrace $((S + 3)) $TORCHRUN impala_vtrace.py --env-id Breakout-v5
-train torchrun_vmpo_atari $((S + 3)) $TORCHRUN vmpo_atari.py --env-id Breakout-v5 --num-minibatches 2
-train torchrun_vmpo_mujoco $((S + 3)) $TORCHRUN vmpo_mujoco.py --env-id HalfCheetah-v4 --num-minibatches 2
+train torchrun_impala_vtrace $S $TORCHRUN impala_vtrace.py --env-id Breakout-v5
+train torchrun_vmpo_atari $S $TORCHRUN vmpo_atari.py --env-id Breakout-v5 --num-minibatches 2
+train torchrun_vmpo_mujoco $S $TORCHRUN vmpo_mujoco.py --env-id HalfCheetah-v4 --num-minibatches 2
 
 # 3. a run started where no GPU is seen, resumed on the GPU (P3S's checkpoint holds a CUDA generator's state there);
 # each GPU model.pt read by a plain torch.load and evaluated where no GPU is seen
