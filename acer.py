@@ -389,8 +389,8 @@ class ContinuousAgent(nn.Module):
 class SharedRMSprop(torch.optim.Optimizer):
     """Eqs. (S2)-(S3), elementwise and without locks: g ← α g + (1 − α) Δθ², θ ← θ − η Δθ / √(ĝ + ε), where
     ĝ = g / (1 − α^t) is g bias-corrected by its t-th update (Adam's correction; the paper gives neither it nor ε).
-    Uncorrected, g starts at 0 and with ε = 1e-5 the first step moves every weight by η/√(1 − α) = 10η, sign(Δθ):
-    the torso can die in the first updates (docs). g and t are made here, not at the first step, so that
+    Uncorrected, g starts at 0 and with ε = 1e-5 the first step moves every weight by η/√(1 − α) = 10η, whatever
+    the size of its gradient. g and t are made here, not at the first step, so that
     `share_memory()` shares them with every worker ("Shared RMSProp", Sec. 4); a race on t only delays the
     correction's end. With ε = 0 this is `Adam(betas=(0, α), eps=0)`."""
 
