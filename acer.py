@@ -1,6 +1,5 @@
-"""ACER, actor-critic with experience replay, discrete (Atari, any envpool discrete task) and continuous actions:
-Wang, Bapst, Heess, Mnih, Munos, Kavukcuoglu, de Freitas (2017), "Sample Efficient Actor-Critic with Experience
-Replay".
+"""ACER, actor-critic with experience replay, discrete (Atari, any envpool discrete task) and continuous actions: Wang,
+Bapst, Heess, Mnih, Munos, Kavukcuoglu, de Freitas (2017), "Sample Efficient Actor-Critic with Experience Replay".
 
 The off-policy counterpart of A3C. Hogwild workers (processes sharing one network and RMSProp's statistics) act for
 k steps, learn from that segment, store it with the behaviour policy μ(·|x) in their own replay memory, then learn
@@ -29,8 +28,6 @@ network) and the measurements behind the defaults: docs/acer.md.
     python acer.py --env-id CartPole-v1 --num-workers 2 --num-envs 4
 """
 
-from __future__ import annotations
-
 import collections
 import contextlib
 import copy
@@ -44,7 +41,6 @@ import queue
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -58,7 +54,7 @@ from common.evaluation import evaluate, resume_checkpoint
 from common.networks import MLPTorso, RunningNorm, init_output_, init_weights_
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     env_id: str = "Breakout-v5"  # envpool task id, discrete (Atari *-v5, CartPole-v1) or continuous (HalfCheetah-v4)
     preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
@@ -171,9 +167,8 @@ def acer_policy_gradient(probs, actions, behaviour_probs, q, q_ret, c, ent_coef=
     rho_all = probs / behaviour_probs.detach().clamp(min=PROB_FLOOR)
     rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     rho_bar = rho.clamp(max=c)
-    g = (1 - c / rho_all).clamp(min=0) * (q - v)
     taken = rho_bar * (q_ret.detach() - v.squeeze(-1)) / probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
-    g = g.scatter_add(-1, actions.unsqueeze(-1), taken.unsqueeze(-1))
+    g = ((1 - c / rho_all).clamp(min=0) * (q - v)).scatter_add(-1, actions.unsqueeze(-1), taken.unsqueeze(-1))
     if ent_coef:
         g = g - ent_coef * (probs.log() + 1)  # ∇_φ of H = −Σ φ log φ
     return g, rho_bar, rho
@@ -217,25 +212,22 @@ def acer_loss(logits, q, avg_logits, actions, rewards, terminated, ended, behavi
     (step t is envpool's reset step) `[k+1, B]`. The policy part back-propagates −z (Eq. 12; −ĝ without the trust
     region) through the softmax; the critic part is value_coef · Σ (Q^ret − Q(x, a))²."""
     probs = F.softmax(logits, dim=-1)
-    T, B, A = probs[:-1].shape
+    T, B = actions[:-1].shape
     actions, ended = actions[:-1].long(), ended[:-1]
     mask = (~ended).float()
     q_sa = q[:-1].gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
-        p = probs.detach().clamp(min=PROB_FLOOR)
-        values = (probs.detach() * q.detach()).sum(-1)
-        rho_all = p[:-1] / behaviour_probs[:-1].clamp(min=PROB_FLOOR)
-        rho = rho_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        p, values = probs[:-1].detach().clamp(min=PROB_FLOOR), (probs.detach() * q.detach()).sum(-1)
+        rho = (p / behaviour_probs[:-1].clamp(min=PROB_FLOOR)).gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         truncated = torch.where(ended, 0.0, rho.clamp(max=1.0))  # ρ̄ = min(1, ρ); 0 cuts the trace at a reset step
         discounts = gamma * (~terminated[:-1]).float()
         q_ret = retrace(rewards[:-1], discounts, q_sa.detach(), values[:-1], truncated, values[-1])
-        per_state = [x.flatten(0, 1) for x in (p[:-1], actions, behaviour_probs[:-1], q.detach()[:-1], q_ret)]
+        per_state = [x.flatten(0, 1) for x in (p, actions, behaviour_probs[:-1], q.detach()[:-1], q_ret)]
         g, rho_bar, _ = acer_policy_gradient(*per_state, c, ent_coef)
-        avg_probs = F.softmax(avg_logits[:-1], dim=-1).reshape(-1, A).clamp(min=PROB_FLOOR)
-        k = kl_gradient(avg_probs, p[:-1].reshape(-1, A))
-        kl = (avg_probs * (avg_probs.log() - p[:-1].reshape(-1, A).log())).sum(-1).view(T, B)
-        per_step = dict(rho_mean=rho_bar.view(T, B), truncated_fraction=(rho > c).float(), kl_avg=kl)
-        per_step.update(value_mean=values[:-1], entropy=-(p[:-1] * p[:-1].log()).sum(-1))
+        avg_probs = F.softmax(avg_logits[:-1], dim=-1).clamp(min=PROB_FLOOR)
+        k = kl_gradient(avg_probs, p).flatten(0, 1)
+        per_step = dict(rho_mean=rho_bar.view(T, B), truncated_fraction=(rho > c).float(), value_mean=values[:-1])
+        per_step.update(kl_avg=(avg_probs * (avg_probs.log() - p.log())).sum(-1), entropy=-(p * p.log()).sum(-1))
     value_loss = (mask * (q_ret - q_sa) ** 2).sum() / B
     return acer_result(probs[:-1], g, k, mask, delta, trust_region, value_coef * value_loss, value_loss, **per_step)
 
@@ -253,8 +245,7 @@ def gaussian_policy_gradient(mean, actions, behaviour_mean, q_opc, values, sampl
     with ∇_φ log f(a|φ) = (a − φ)/σ², ρ_t = f(a_t|φ)/μ(a_t|x), a'_t ~ π a fresh sample and ρ'_t its ratio; the
     behaviour policy μ is N(behaviour_mean, σ²I). Inputs are constants. Returns (g, min(c, ρ_t), ρ_t)."""
     var = std * std
-    rho = gaussian_ratio(actions, mean, behaviour_mean, std)
-    rho_sampled = gaussian_ratio(sampled_actions, mean, behaviour_mean, std)
+    rho, rho_sampled = (gaussian_ratio(a, mean, behaviour_mean, std) for a in (actions, sampled_actions))
     rho_bar = rho.clamp(max=c)
     g = (rho_bar * (q_opc - values))[:, None] * (actions - mean) / var
     correction = (1 - c / rho_sampled).clamp(min=0) * (q_sampled - values)
@@ -272,19 +263,17 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
     fresh a'_i ~ π `[k, B]`. Q^ret's traces are c_i = min(1, ρ_i^(1/d)) (Sec. 5.1), Q^opc's 1 (App. B); the critic
     gets (Q^ret − Q̃)∇Q̃ + min(1, ρ)(Q^ret − Q̃)∇V (Algorithm 3) times 2 value_coef; `entropy` is NaN (σ is fixed)."""
     T, B, d = mean[:-1].shape
-    actions, ended = actions[:-1], ended[:-1]
-    mask = (~ended).float()
+    mask = (~ended[:-1]).float()
     with torch.no_grad():
-        m, v, qt = mean.detach(), values.detach(), q_taken.detach()
-        rho = gaussian_ratio(actions, m[:-1], behaviour_mean[:-1], std)
-        traces = torch.where(ended, 0.0, rho.pow(1.0 / d).clamp(max=1.0))  # c_i; 0 cuts at a reset step
+        m, v, qt = mean[:-1].detach(), values.detach(), q_taken.detach()
+        rho = gaussian_ratio(actions[:-1], m, behaviour_mean[:-1], std)
+        traces = torch.where(ended[:-1], 0.0, rho.pow(1.0 / d).clamp(max=1.0))  # c_i; 0 cuts at a reset step
         discounts = gamma * (~terminated[:-1]).float()
-        q_ret = retrace(rewards[:-1], discounts, qt, v[:-1], traces, v[-1])
-        q_opc = retrace(rewards[:-1], discounts, qt, v[:-1], mask, v[-1])
-        per_state = (m[:-1], actions, behaviour_mean[:-1], q_opc, v[:-1], sampled_actions, q_sampled)
+        q_ret, q_opc = (retrace(rewards[:-1], discounts, qt, v[:-1], x, v[-1]) for x in (traces, mask))
+        per_state = (m, actions[:-1], behaviour_mean[:-1], q_opc, v[:-1], sampled_actions, q_sampled)
         g, rho_bar, _ = gaussian_policy_gradient(*[x.flatten(0, 1) for x in per_state], std, c)
-        k = (m[:-1] - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
-        kl = 0.5 * ((m[:-1] - avg_mean[:-1]) ** 2).sum(-1) / (std * std)
+        k = (m - avg_mean[:-1]).reshape(-1, d) / (std * std)  # ∇_φ KL(N(φ_a, σ²) ‖ N(φ, σ²))
+        kl = 0.5 * ((m - avg_mean[:-1]) ** 2).sum(-1) / (std * std)
         per_step = dict(rho_mean=rho_bar.view(T, B), truncated_fraction=(rho > c).float(), kl_avg=kl, value_mean=v[:-1])
     td = q_ret - q_taken
     value_loss = (mask * (td**2 - 2 * rho.clamp(max=1.0) * td.detach() * values[:-1])).sum() / B
@@ -294,8 +283,7 @@ def acer_loss_continuous(mean, values, q_taken, q_sampled, sampled_actions, avg_
 
 @torch.no_grad()
 def update_average(avg_agent, agent, decay):
-    """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ, after every update of θ (the workers copy the observation statistics
-    whole, where they change)."""
+    """Sec. 3.3: θ_a ← α θ_a + (1 − α) θ after every update of θ, the weights only (the workers copy the statistics)."""
     for pa, p in zip(avg_agent.parameters(), agent.parameters()):
         pa.mul_(decay).add_(p, alpha=1 - decay)
 
@@ -338,9 +326,8 @@ class Agent(nn.Module):
             init_output_(self.q, 1.0)
 
     def forward(self, obs):
-        T, B = obs.shape[:2]
-        x = self.torso(obs.reshape(T * B, *obs.shape[2:]))
-        return self.policy(x).view(T, B, -1), self.q(x).view(T, B, -1)
+        x = self.torso(obs.flatten(0, 1))
+        return self.policy(x).view(*obs.shape[:2], -1), self.q(x).view(*obs.shape[:2], -1)
 
 
 class ContinuousAgent(nn.Module):
@@ -365,18 +352,15 @@ class ContinuousAgent(nn.Module):
         init_output_(self.mean, 0.01)  # pfrl's train_acer_mujoco.py
 
     def forward(self, obs):
-        T, B = obs.shape[:2]
-        x = self.obs_norm(obs.reshape(T * B, -1))
-        return self.mean(self.torso(x)).view(T, B, -1), self.value(self.value_torso(x)).view(T, B)
+        x = self.obs_norm(obs.flatten(0, 1))
+        return self.mean(self.torso(x)).view(*obs.shape[:2], -1), self.value(self.value_torso(x)).view(obs.shape[:2])
 
     def q_tilde(self, obs, actions, mean, values, n):
         """Eq. (13): Q̃(x, a) = V(x) + A(x, a) − (1/n) Σ_i A(x, u_i), u_i ~ π(·|x) (no gradient through them), for
         `[..., D]` raw observations (normalised here as in `forward`) and `[..., d]` actions."""
-        noise = torch.randn(*mean.shape[:-1], n, self.action_dim)
-        u = mean.detach().unsqueeze(-2) + self.std * noise
+        u = mean.detach().unsqueeze(-2) + self.std * torch.randn(*mean.shape[:-1], n, self.action_dim)
         a_all = torch.cat([actions.unsqueeze(-2), u], dim=-2)  # [..., 1 + n, d]
-        obs = self.obs_norm(obs)
-        obs_all = obs.unsqueeze(-2).expand(*obs.shape[:-1], n + 1, obs.shape[-1])
+        obs_all = self.obs_norm(obs).unsqueeze(-2).expand(*obs.shape[:-1], n + 1, obs.shape[-1])
         adv = self.advantage(torch.cat([obs_all.float(), a_all], dim=-1)).squeeze(-1)
         return values + adv[..., 0] - adv[..., 1:].mean(-1)
 
@@ -495,10 +479,7 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
                 # μ is stored as the behaviour mean (continuous: σ is fixed) or the behaviour probabilities
                 mu = local(obs[None])[0][0] if continuous else F.softmax(local(obs[None])[0][0], dim=-1)
                 check_finite(f"while acting at step {counter.value}", policy=mu)  # before sampling from it
-                if continuous:
-                    action = mu + local.std * torch.randn(mu.shape)
-                else:
-                    action = torch.multinomial(mu, 1).squeeze(-1)
+                action = mu + local.std * torch.randn(mu.shape) if continuous else torch.multinomial(mu, 1).squeeze(-1)
                 env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
@@ -509,9 +490,8 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
                 discounted_return = np.where(term | trunc, 0.0, discounted_return)  # a new array: the row keeps R
                 ended = torch.as_tensor(term | trunc)
                 obs = obs_tensor(next_obs)
-        for key, column in rows.items():  # row k: the bootstrap observation (its other fields are never used)
-            column.append(obs if key == "obs" else torch.zeros_like(column[-1]))
-        segment = {key: torch.stack(v) for key, v in rows.items()}
+        # row k: the bootstrap observation (its other fields are never used)
+        segment = {key: torch.stack([*v, obs if key == "obs" else torch.zeros_like(v[-1])]) for key, v in rows.items()}
         with counter.get_lock():
             step = counter.value
             counter.value += k * n
@@ -574,11 +554,9 @@ def main(args: Args):
         net.to(memory_format=torch.channels_last if args.bf16 else torch.contiguous_format).share_memory()
     optimizer = SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     if resumed is not None:  # in place: the tensors stay in shared memory
-        agent.load_state_dict(resumed["agent"])
-        avg_agent.load_state_dict(resumed["avg_agent"])
-        optimizer.load_state_dict(resumed["optimizer"])
+        for name, part in (("agent", agent), ("avg_agent", avg_agent), ("optimizer", optimizer)):
+            part.load_state_dict(resumed[name])
     optimizer.share_memory()  # g and t, read and written by every worker
-    # the training state and model.pt: views of the shared tensors, saved as the workers leave them (Hogwild)
     nets = dict(agent_config=agent.config, agent=agent.state_dict(), avg_agent=avg_agent.state_dict())
     state = dict(nets, optimizer=optimizer.state_dict())
     model = dict(nets, script="acer", env_id=args.env_id, args=dataclasses.asdict(args))
@@ -588,7 +566,7 @@ def main(args: Args):
     describe = f"{args.num_workers} workers x {args.num_envs} env(s), k {args.k}, replay ratio {args.replay_ratio}, "
     log = RunLog(args, resumed, describe + ("" if args.trust_region else "no ") + "trust region")
 
-    def save(step):  # the shared state as the workers leave it (read without locks, as they read it)
+    def save(step):  # `state` and `model`: views of the shared tensors as the workers leave them (read without locks)
         weights = {f"{net}.{k}": v for net in ("agent", "avg_agent") for k, v in state[net].items()}
         check_finite(f"at step {step}", **weights)
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
