@@ -12,8 +12,8 @@ region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopAr
 |------------------------------------------------------------------|------------------------------------------|
 | Algorithm 1: target network, refreshed every T_target steps      | `act`, `pool.publish` in `main`          |
 | Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `n_step_returns`, `batch_loss`           |
-| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `batch_loss`, common/popart              |
-| Eqs. (12)-(13) ψ on the top half of the advantages, L_π; L_η     | `vmpo_weights`, `batch_loss`             |
+| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `vmpo_loss`; `batch_loss`, common/popart |
+| Eqs. (10), (12)-(13) ψ on the top half of A, L_π; L_η; their sum | `vmpo_weights`, `vmpo_loss`              |
 | Eq. (14) KL trust region L_α with stop-gradients                 | `categorical_kl`, `kl_constraint_loss`   |
 | Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step         | `LagrangeMultipliers` (`--multipliers`)  |
 | Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
@@ -186,7 +186,7 @@ def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
 
 
 class VmpoLoss(NamedTuple):
-    """batch_loss's result: the loss and its four parts, and diagnostics (means over the real steps)."""
+    """vmpo_loss's result: the loss and its four parts, and diagnostics (means over the real steps)."""
 
     loss: torch.Tensor
     value_loss: torch.Tensor
@@ -320,10 +320,29 @@ def learner_step(state, batch, args, diagnose=False):
     return stats
 
 
+def vmpo_loss(logits, target_logits, actions, value_norm, returns_norm, mask, eta, alpha, eps_eta=0.1, eps_alpha=0.007):
+    """Eq. (10), L_V + L_π + L_η + L_α, in PopArt's normalised units on states `[T, B]`: `logits` and π_target's
+    `target_logits` `[T, B, A]`, the `actions` taken, `value_norm` V and `returns_norm` the targets (G − μ)/σ, `mask`
+    the real steps (a reset step takes no part); A = (G − V)/σ, ψ on its top half (Sec. 4.2.1). Means over the real
+    steps but L_π, whose ψ sums to 1."""
+    n = mask.sum().clamp(min=1)
+    value_loss = 0.5 * (mask * (returns_norm - value_norm) ** 2).sum() / n
+    psi, eta_loss = vmpo_weights(returns_norm - value_norm.detach(), eta, eps_eta, mask)
+    logp_all = F.log_softmax(logits, dim=-1)
+    policy_loss = -(psi * logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)).sum()
+    alpha_loss, kl_mean = kl_constraint_loss(categorical_kl(target_logits, logits), alpha, eps_alpha, mask)
+    with torch.no_grad():
+        selected = psi > 0
+        kl_psi = (psi[selected] * (psi[selected] * selected.sum().clamp(min=1)).log()).sum()
+        entropy = (mask * -(logp_all.exp() * logp_all).sum(-1)).sum() / n
+    parts = (value_loss, policy_loss, eta_loss, alpha_loss)
+    return VmpoLoss(sum(parts), *parts, kl_mean, kl_psi, entropy)
+
+
 def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_beta=None):
-    """Eq. (10), L_V + L_π + L_η + L_α, on unrolls `[T+1, B]` as means in PopArt's normalised units: Sec. 4.1's targets
-    G from the online V, PopArt's statistics moved toward them first (step `popart_beta`; outputs preserved), advantages
-    A = (G − V)/σ. Row T only bootstraps, a reset step takes no part. Returns (VmpoLoss, stats)."""
+    """`vmpo_loss` on unrolls `[T+1, B]`: Sec. 4.1's targets G from the online V, PopArt's statistics moved toward
+    them first (step `popart_beta`; outputs preserved), π_target's logits as the actors stored them. Row T only
+    bootstraps, a reset step takes no part. Returns (VmpoLoss, stats)."""
     popart, task, (eta, alpha) = agent.popart, batch["task"], multipliers.values()  # task: each row's game
     own = task.unsqueeze(-1)  # each row reads its own game's output
     with torch.no_grad():
@@ -335,23 +354,11 @@ def batch_loss(logits, value_features, batch, agent, multipliers, args, popart_b
     returns = n_step_returns(torch.where(real, batch["reward"][1:], values[:-1]), discounts, values[-1])
     popart.update(returns[real], task[:-1][real], popart_beta)
     value_norm = popart(value_features[:-1]).gather(-1, own[:-1]).squeeze(-1)
-    returns_norm, n = popart.normalize(returns, task[:-1]), real.sum().clamp(min=1)
-    value_loss = 0.5 * (real * (returns_norm - value_norm) ** 2).sum() / n
-    advantages = returns_norm - value_norm.detach()
-    psi, eta_loss = vmpo_weights(advantages, eta, args.eps_eta, real)  # the top half (Sec. 4.2.1)
-    logp_all = F.log_softmax(logits[:-1], dim=-1)
-    logp = logp_all.gather(-1, batch["action"][:-1].unsqueeze(-1)).squeeze(-1)
-    policy_loss = -(psi * logp).sum()
-    kl = categorical_kl(batch["logits"][:-1], logits[:-1])  # against π_target's logits, which the actors stored
-    alpha_loss, kl_mean = kl_constraint_loss(kl, alpha, args.eps_alpha, real)
-    with torch.no_grad():
-        selected = psi > 0
-        kl_psi = (psi[selected] * (psi[selected] * selected.sum().clamp(min=1)).log()).sum()
-        entropy = (real * -(logp_all.exp() * logp_all).sum(-1)).sum() / n
-    parts = (value_loss, policy_loss, eta_loss, alpha_loss)
-    out = VmpoLoss(sum(parts), *parts, kl_mean, kl_psi, entropy)
+    normalised = (value_norm, popart.normalize(returns, task[:-1]), real)
+    out = vmpo_loss(logits[:-1], batch["logits"][:-1], batch["action"][:-1], *normalised, eta, alpha, args.eps_eta,
+                    args.eps_alpha)  # fmt: skip
     stats = {**loss_stats(out), "stats/eta": eta.detach(), "stats/alpha": alpha.detach()}
-    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / n}
+    return out, {**stats, "stats/value_mean": (real * values[:-1]).sum() / real.sum().clamp(min=1)}
 
 
 def main(args: Args):

@@ -298,6 +298,90 @@ def _args(**kw):
     return SimpleNamespace(**base)
 
 
+def _vmpo_loss_inputs(seed, T=6, B=4, A=5):
+    """vmpo_loss's arguments on random states `[T, B]` in float64, about a fifth of the steps reset steps."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(T, B, generator=g) > 0.2
+    mask[0, 0] = True
+    inputs = dict(actions=torch.randint(A, (T, B), generator=g), mask=mask)
+    for name, shape in (("logits", (T, B, A)), ("target_logits", (T, B, A)), ("value_norm", (T, B))):
+        inputs[name] = torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(name != "target_logits")
+    inputs["returns_norm"] = torch.randn(T, B, generator=g, dtype=torch.float64)
+    for name, value in (("eta", 0.7), ("alpha", 3.0)):
+        inputs[name] = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+    return inputs
+
+
+def test_vmpo_loss_matches_eq10_plain_loop():
+    """Eq. (10) state by state: L_V = ½ mean (G − V)², ψ on the top half of A = G − V, L_π = −Σ ψ log π(a|s),
+    L_η (Eq. 13), L_α = mean [α (ε_α − sg KL) + sg α KL] (Eq. 14), over the real steps; values and the gradients in
+    the logits, V, η and α against the same sums written as plain loops."""
+    inputs = _vmpo_loss_inputs(0)
+    out = vmpo_atari.vmpo_loss(**inputs, eps_eta=0.1, eps_alpha=0.01)
+    names = ("logits", "value_norm", "eta", "alpha")
+    grads = torch.autograd.grad(out.loss, [inputs[k] for k in names])
+    ref = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in inputs.items()}
+    logits, v, g, eta, alpha = (ref[k] for k in ("logits", "value_norm", "returns_norm", "eta", "alpha"))
+    mask, actions = ref["mask"], ref["actions"]
+    real = [(t, b) for t in range(mask.shape[0]) for b in range(mask.shape[1]) if mask[t, b]]
+    adv = [float(g[s] - v[s]) for s in real]
+    top = sorted(range(len(real)), key=lambda i: -adv[i])[: len(real) // 2]
+    z = sum(torch.exp(adv[i] / eta) for i in top)
+    value_loss = sum(0.5 * (g[s] - v[s]) ** 2 for s in real) / len(real)
+    policy_loss = 0.0
+    for i in top:
+        psi = float(torch.exp(adv[i] / eta) / z)
+        policy_loss = policy_loss - psi * torch.log_softmax(logits[real[i]], -1)[actions[real[i]]]
+    eta_loss = eta * 0.1 + eta * torch.log(z / len(top))
+    kl = 0.0
+    for s in real:
+        p, log_p = torch.softmax(ref["target_logits"][s], -1), torch.log_softmax(ref["target_logits"][s], -1)
+        kl = kl + (p * (log_p - torch.log_softmax(logits[s], -1))).sum() / len(real)
+    alpha_loss = alpha * (0.01 - kl.detach()) + alpha.detach() * kl
+    expected = (value_loss, policy_loss, eta_loss, alpha_loss)
+    for name, mine, theirs in zip(("value", "policy", "eta", "alpha"), out[1:5], expected):
+        assert float(mine) == pytest.approx(float(theirs), rel=1e-10), name
+    assert float(out.kl) == pytest.approx(float(kl), rel=1e-10)
+    for name, mine, theirs in zip(names, grads, torch.autograd.grad(sum(expected), [ref[k] for k in names])):
+        torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_vmpo_loss_matches_rlax():
+    """DeepMind's rlax.vmpo_loss (E-step with top-k fraction ½, M-step with a KL constraint, α and η used as given)
+    on the same states, every step real: the policy, temperature and KL parts and their gradients in the logits, η
+    and α. Runs where rlax and jax are installed (`pip install rlax jax`); skipped elsewhere."""
+    rlax, jax = pytest.importorskip("rlax"), pytest.importorskip("jax")
+    import numpy as np
+
+    jax.config.update("jax_enable_x64", True)
+    inputs = _vmpo_loss_inputs(1)
+    inputs["mask"] = torch.ones_like(inputs["mask"])
+    out = vmpo_atari.vmpo_loss(**inputs, eps_eta=0.1, eps_alpha=0.01)
+    policy_part = out.policy_loss + out.eta_loss + out.alpha_loss
+    names = ("logits", "eta", "alpha")
+    mine = torch.autograd.grad(policy_part, [inputs[k] for k in names])
+    adv = (inputs["returns_norm"] - inputs["value_norm"]).detach().numpy()
+    actions, target = inputs["actions"].numpy(), inputs["target_logits"].numpy()
+
+    def theirs(logits, eta, alpha):
+        logp = jax.nn.log_softmax(logits)
+        sample_logp = jax.numpy.take_along_axis(logp, actions[..., None], -1)[..., 0]
+        kl = rlax.categorical_kl_divergence(target, logits)
+        temperature = rlax.LagrangePenalty(alpha=eta, epsilon=0.1)
+        kl_penalty = rlax.LagrangePenalty(alpha=alpha, epsilon=0.01)
+        loss, extra = rlax.vmpo_loss(sample_logp, adv, temperature, [(kl, kl_penalty)], projection_operator=lambda x: x)
+        return loss.mean(), extra
+
+    arrays = [np.asarray(inputs[k].detach().numpy()) for k in names]
+    (total, extra), grads = jax.value_and_grad(theirs, argnums=(0, 1, 2), has_aux=True)(*arrays)
+    assert float(out.policy_loss) == pytest.approx(float(extra.policy_loss.mean()), rel=1e-9)
+    assert float(out.eta_loss) == pytest.approx(float(extra.temperature_loss.mean()), rel=1e-9)
+    assert float(out.alpha_loss) == pytest.approx(float((extra.kl_loss + extra.alpha_loss).mean()), rel=1e-9)
+    assert float(policy_part) == pytest.approx(float(total), rel=1e-9)
+    for name, a, b in zip(names, mine, grads):
+        np.testing.assert_allclose(a.numpy(), np.asarray(b), rtol=1e-8, atol=1e-12, err_msg=name)
+
+
 def test_vmpo_loss_reset_steps_and_truncation():
     """envpool's reset step gets no weight anywhere; a truncation bootstraps from V of the last observation;
     PopArt's update keeps the unnormalised values; uniform policy and zero KL at the start."""
