@@ -102,7 +102,11 @@ FAMILY_DEFAULTS = {
         "rewards scaled by the return's std and RMSProp ε 1e-5, measured on Hopper-v4 and HalfCheetah-v4",
         dict(num_envs=4, gaussian="tanh", scale_rewards=True, rmsprop_eps=1e-5),
     ),
-    "classic": ("the paper's settings, with a budget measured on CartPole-v1", dict(total_timesteps=300_000)),
+    "classic": (
+        "the paper's settings with 8 envs per worker (2 workers: the paper's 16 actors, each with its own final ε) "
+        "and a budget, measured on CartPole-v1",
+        dict(num_envs=8, total_timesteps=1_000_000),
+    ),
 }
 PAPER = "the paper's settings (the Args defaults)"  # the defaults' source without a family entry
 # The Args defaults are the paper's for Atari (Supp. 8). Vector observations take Supp. 9's LSTM, no clipping, θ⁻
@@ -196,12 +200,14 @@ def q_loss(q_taken, targets, ended):
 EVAL_EPSILON = 0.05  # the value-based methods' evaluation policy: ε-greedy, DQN's ε (greedy with evaluate.py --greedy)
 
 
-def final_epsilon(generator=None) -> float:
-    """A worker's final ε: 0.1, 0.01 or 0.5 with probabilities 0.4, 0.3, 0.3 (Supp. 8)."""
-    return (0.1, 0.01, 0.5)[int(torch.multinomial(torch.tensor((0.4, 0.3, 0.3)), 1, generator=generator))]
+def final_epsilon(n, generator=None) -> torch.Tensor:
+    """Each of n actors' final ε: 0.1, 0.01 or 0.5 with probabilities 0.4, 0.3, 0.3 (Supp. 8 draws one per
+    actor-learner thread; here each environment of a worker is an actor with its own exploration policy)."""
+    draws = torch.multinomial(torch.tensor((0.4, 0.3, 0.3)), n, replacement=True, generator=generator)
+    return torch.tensor((0.1, 0.01, 0.5))[draws]
 
 
-def epsilon_at(step, final, anneal_steps) -> float:
+def epsilon_at(step, final, anneal_steps):
     """ε after `step` steps of all workers: linear from 1 to `final` over `anneal_steps`, then `final` (Supp. 8)."""
     return final + (1.0 - final) * max(0.0, 1.0 - step / anneal_steps)
 
@@ -393,7 +399,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
     continuous, pixels = local.action_dim > 0, len(local.config["obs_shape"]) == 3
     if continuous:
         low, high = envs.action_space.low.astype(np.float32), envs.action_space.high.astype(np.float32)
-    final = final_epsilon() if value_based else None  # this worker's final ε (Supp. 8)
+    final = final_epsilon(n) if value_based else None  # each environment's final ε (Supp. 8)
     sarsa_action = None  # one-step Sarsa: a', chosen at the last rollout's s_T, is the next rollout's first action
     tracker = EpisodeTracker(n)
     obs = obs_tensor(envs.reset()[0])
@@ -439,7 +445,7 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             next_actions = torch.cat([actions[1:], sarsa_action[None]]) if sarsa_action is not None else None
             targets = value_targets(args.method, rewards.float(), terminated, ends, q_target, next_actions, args.gamma)
             loss, stats = q_loss(out[:-1].gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), targets, ends)
-            stats["stats/epsilon"] = epsilon
+            stats["stats/epsilon"] = epsilon.mean()  # over the worker's environments
         else:
             log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
             hyper = (values[-1].detach(), args.gamma, args.ent_coef, args.value_coef)

@@ -192,20 +192,25 @@ def test_q_loss_gradient_is_the_accumulated_td_gradient():
 
 
 def test_epsilon_schedule_and_each_workers_final_value():
-    """Supp. 8: ε from 1 down to the worker's final value over the annealing steps, then flat; the final value is
-    0.1, 0.01 or 0.5 with probabilities 0.4, 0.3, 0.3; ε-greedy takes the greedy action with probability 1 − ε."""
+    """Supp. 8: ε from 1 down to the actor's final value over the annealing steps, then flat; the final value is
+    0.1, 0.01 or 0.5 with probabilities 0.4, 0.3, 0.3, drawn for each actor (each environment of a worker);
+    ε-greedy takes the greedy action with probability 1 − ε, an ε per row where ε is a tensor."""
     assert a3c.epsilon_at(0, 0.1, 1000) == 1.0 and a3c.epsilon_at(500, 0.1, 1000) == pytest.approx(0.55)
     assert a3c.epsilon_at(1000, 0.01, 1000) == pytest.approx(0.01) and a3c.epsilon_at(5000, 0.5, 1000) == 0.5
     g = torch.Generator().manual_seed(0)
-    draws = [a3c.final_epsilon(g) for _ in range(20_000)]
+    draws = a3c.final_epsilon(20_000, g)
     for value, p in zip((0.1, 0.01, 0.5), (0.4, 0.3, 0.3)):
-        assert draws.count(value) / len(draws) == pytest.approx(p, abs=0.015)
+        assert float((draws == value).double().mean()) == pytest.approx(p, abs=0.015)
+    torch.testing.assert_close(a3c.epsilon_at(500, draws[:3], 1000), 0.5 + 0.5 * draws[:3])  # one ε per actor
     q = torch.tensor([[0.0, 2.0, 1.0]]).expand(20_000, 3)
     torch.manual_seed(0)
     for epsilon in (0.0, 0.3, 1.0):
         counts = torch.bincount(a3c.epsilon_greedy(q, epsilon), minlength=3).double() / len(q)
         expected = torch.tensor([epsilon / 3, 1 - epsilon + epsilon / 3, epsilon / 3], dtype=torch.float64)
         torch.testing.assert_close(counts, expected, atol=0.012, rtol=0)
+    per_row = torch.tensor([0.0, 1.0]).repeat(10_000)  # actors greedy and uniform, side by side
+    actions = a3c.epsilon_greedy(q, per_row)
+    assert (actions[per_row == 0] == 1).all() and float((actions[per_row == 1] != 1).double().mean()) > 0.6
 
 
 def test_target_network_follows_the_shared_weights_every_i_target_steps():
@@ -646,7 +651,7 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
     seeds 1-7 ended at 500.0 (docs/a3c.md, `--preset a3c-cartpole` for the end of a run)."""
     best, run = learns("a3c.py", ["--env-id", "CartPole-v1"], tmp_path, 200)
     saved = json.load(open(os.path.join(run, "args.json")))
-    assert saved["task_family"] == "classic" and saved["total_timesteps"] == 300_000
+    assert saved["task_family"] == "classic" and (saved["total_timesteps"], saved["num_envs"]) == (1_000_000, 8)
     assert best >= 200, best
 
 
@@ -670,7 +675,8 @@ def test_value_based_methods_learn_cartpole(tmp_path, method, target):
     assert "losses/policy_loss" not in tags
     saved = json.load(open(os.path.join(run, "args.json")))
     assert (saved["method"], saved["t_max"], saved["target_update_period"]) == (method, 5, 500)
-    assert saved["total_timesteps"] == 300_000 and saved["epsilon_steps"] == 100_000  # a third of the run
+    assert (saved["total_timesteps"], saved["num_envs"]) == (1_000_000, 8)
+    assert saved["epsilon_steps"] == 333_333  # a third of the run
     checkpoint = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
     assert set(checkpoint["target"]) == set(checkpoint["agent"]) and "policy.weight" in checkpoint["agent"]
     assert not any(k.startswith("value") for k in checkpoint["agent"])  # the Q-network: no value head or body
