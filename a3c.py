@@ -598,7 +598,7 @@ class WorkerError(RuntimeError):
     """A worker process raised (its traceback), died (its exit code) or ended before its learner."""
 
 
-def fail(error: Exception, run_path: str) -> None:
+def exit_failed(error: Exception, run_path: str) -> None:
     """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit status 1 (the
     caller's `finally` ends the workers first; torchrun stops the other learners)."""
     print(f"error: {error}", file=sys.stderr)
@@ -611,7 +611,7 @@ def fail(error: Exception, run_path: str) -> None:
     sys.exit(1)
 
 
-def stopped(log, step: int, world: int = 1) -> None:
+def exit_stopped(log, step: int, world: int = 1) -> None:
     """The end of a stopped run whose last update is saved: how to continue, then exit status 130 (a second Ctrl-C is
     ignored from here: the interpreter's shutdown releases the queues' semaphores)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -665,7 +665,8 @@ def run_workers(train_worker, parts, log, save) -> int:
     """A Hogwild run's workers: `train_worker(i, args, *parts, counter, obs_lock, msg_q, halt, started)` in
     --num-workers processes, sharing the step counter (from the log's step), the observation statistics' lock, a
     message queue, the halt flag and a start barrier; watched to their end, then saved (`save(step)`) and ended. A
-    failed worker or a non-finite value ends the run (`fail`), a stop after the save (`stopped`). Returns the step."""
+    failed worker or a non-finite value ends the run (`exit_failed`), a stop after the save (`exit_stopped`).
+    Returns the step."""
     args, ctx, stop = log.args, torch.multiprocessing.get_context("spawn"), Stop()
     counter, obs_lock, msg_q, halt = ctx.Value("q", log.start_step), ctx.Lock(), ctx.Queue(), ctx.Event()
     started = ctx.Barrier(args.num_workers)  # passed once every worker is set up
@@ -676,12 +677,12 @@ def run_workers(train_worker, parts, log, save) -> int:
         step = watch_workers(workers, msg_q, halt, steps, log, stop, save)
         save(step)
     except (WorkerError, NonFiniteError) as e:
-        fail(e, log.path)
+        exit_failed(e, log.path)
     finally:
         end_workers(workers)
     log.console(step)
     if stop.requested:
-        stopped(log, step)
+        exit_stopped(log, step)
     return step
 
 

@@ -256,7 +256,7 @@ class Agent(nn.Module):
 # at obs_t and μ's logits there. An unroll has T+1 rows; its last row is also the first row of the env's next one.
 
 
-def act(cfg, link: ActorLink) -> None:
+def act(cfg, link: ActorChannel) -> None:
     """An actor: the latest published policy μ acts in each batch of envs envpool returns and sends full unrolls."""
     n, device = cfg.num_envs, torch.device(cfg.device)
     envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
@@ -340,7 +340,7 @@ def main(args: Args):
     try:
         while state["update"] < num_updates:
             batch = pool.next_batch(stop, log if rank == 0 else None, state["update"] * steps_per_update)
-            if agreed(batch is None, device):  # a stop: every learner after the same update
+            if any_learner(batch is None, device):  # a stop: every learner after the same update
                 break
             diagnose = rank == 0 and (log.due() or state["update"] + 1 == num_updates)
             logits, stats = learner_step(state, batch, args, diagnose)
@@ -351,7 +351,7 @@ def main(args: Args):
         if rank == 0:  # the last update (after a stop: the one in hand)
             save(log, state)
     except (WorkerError, NonFiniteError) as e:
-        fail(e, log.path)
+        exit_failed(e, log.path)
     finally:
         pool.close()
     step = state["update"] * steps_per_update
@@ -361,7 +361,7 @@ def main(args: Args):
     if world > 1:
         torch.distributed.destroy_process_group()
     if state["update"] < num_updates:
-        stopped(log if rank == 0 else None, step, world)
+        exit_stopped(log if rank == 0 else None, step, world)
 
 
 def make_optimizer(args, agent, num_updates) -> dict:
@@ -484,7 +484,7 @@ class WorkerError(RuntimeError):
     """A worker process raised (its traceback), died (its exit code) or ended before its learner."""
 
 
-def fail(error: Exception, run_path: str) -> None:
+def exit_failed(error: Exception, run_path: str) -> None:
     """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit status 1 (the
     caller's `finally` ends the workers first; torchrun stops the other learners)."""
     print(f"error: {error}", file=sys.stderr)
@@ -497,7 +497,7 @@ def fail(error: Exception, run_path: str) -> None:
     sys.exit(1)
 
 
-def stopped(log, step: int, world: int = 1) -> None:
+def exit_stopped(log, step: int, world: int = 1) -> None:
     """The end of a stopped run whose last update is saved: how to continue, then exit status 130 (a second Ctrl-C is
     ignored from here: the interpreter's shutdown releases the queues' semaphores)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -593,7 +593,7 @@ def reduce_gradients(params, mean: bool) -> None:
             p.grad.copy_(g.view_as(p))
 
 
-def agreed(flag: bool, device) -> bool:
+def any_learner(flag: bool, device) -> bool:
     """Whether `flag` holds in any learner process: under torchrun every learner stops after the same update."""
     if world_size() == 1:
         return flag
@@ -655,7 +655,7 @@ def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNam
 
 
 @dataclass
-class ActorLink:
+class ActorChannel:
     """What an actor shares with its learner (the published network, its version, the unroll slots and queues), and
     the actor's side of the slots: `write(ids, row, core_state)` stores a row for each env in `ids` (any subset:
     envpool's async mode); a slot that reaches T+1 rows goes to the learner and its env goes on in a free slot whose
@@ -711,7 +711,7 @@ class ActorPool:
         num_slots = sum(cfg.num_envs for cfg in cfgs) + 4 * batch_size
         buffers = {k: torch.zeros((num_slots, *shape), dtype=dt).share_memory_() for k, (shape, dt) in specs.items()}
         shared, version = copy.deepcopy(agent).cpu().share_memory(), torch.zeros(1, dtype=torch.long).share_memory_()
-        self.link = ActorLink(shared, version, buffers, ctx.Queue(), ctx.Queue(), ctx.Queue())
+        self.link = ActorChannel(shared, version, buffers, ctx.Queue(), ctx.Queue(), ctx.Queue())
         self.agent, self.version = shared, version  # the network the actors act with, and how often it was published
         for i in range(num_slots):
             self.link.free_q.put(i)

@@ -510,11 +510,11 @@ def main(args: Args):
             if (stopping := stop.requested) or log.save_due() or t == T:  # one read of the flag: saved, then stopped
                 save(log, state)
             if stopping:
-                stopped(log, step)
+                exit_stopped(log, step)
             if log.due():
                 log_learners(log, step, state, stats, guided, last_eval)
     except NonFiniteError as e:
-        fail(e, log.path)
+        exit_failed(e, log.path)
     if args.capture_video:  # one episode of the best policy
         model = saved_model(args, state, step)
         evaluate(lambda k: make_eval_policy(model, k), args.env_id, 1, 1, args.seed + 10_000, log.path)
@@ -699,7 +699,7 @@ def check_finite(where: str, **named) -> None:
         raise NonFiniteError(f"non-finite {list(named)[int((~ok).int().argmax())]} {where}")
 
 
-def fail(error: Exception, run_path: str) -> None:
+def exit_failed(error: Exception, run_path: str) -> None:
     """A failed worker or a non-finite value: the error line, where the last good checkpoint is, exit status 1 (the
     caller's `finally` ends the workers first; torchrun stops the other learners)."""
     print(f"error: {error}", file=sys.stderr)
@@ -712,7 +712,7 @@ def fail(error: Exception, run_path: str) -> None:
     sys.exit(1)
 
 
-def stopped(log, step: int, world: int = 1) -> None:
+def exit_stopped(log, step: int, world: int = 1) -> None:
     """The end of a stopped run whose last update is saved: how to continue, then exit status 130 (a second Ctrl-C is
     ignored from here: the interpreter's shutdown releases the queues' semaphores)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -110,7 +110,7 @@ def profile(script, env_id, num_envs, unroll_length, seconds, device, script_fla
     free_q = queue.Queue()
     for i in range(num_slots):
         free_q.put(i)
-    link = m.ActorLink(agent, torch.zeros(1, dtype=torch.long), buffers, free_q, Recycle(free_q), Messages())
+    link = m.ActorChannel(agent, torch.zeros(1, dtype=torch.long), buffers, free_q, Recycle(free_q), Messages())
     cfg = m.actor_configs(args, 0, device)[0]
     timer = Timer()
     deadline = [None]

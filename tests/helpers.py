@@ -504,7 +504,9 @@ def acted_unrolls(script, agent, argv, num_unrolls):
             if sum(map(len, sent.values())) == num_unrolls:
                 raise Enough
 
-    link = script.ActorLink(agent, torch.zeros(1, dtype=torch.long), buffers, queue.Queue(), FullQueue(), queue.Queue())
+    link = script.ActorChannel(
+        agent, torch.zeros(1, dtype=torch.long), buffers, queue.Queue(), FullQueue(), queue.Queue()
+    )
     for i in range(slots):
         link.free_q.put(i)
     (cfg,) = script.actor_configs(args, 0, torch.device("cpu"))

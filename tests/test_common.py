@@ -481,7 +481,7 @@ def test_the_run_machinery_is_one_text_in_every_script():
     carries it, and any two scripts carry the pieces they share in the same order; every script has the core ones."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     copies = {script: _machinery(os.path.join(root, f"{script}.py")) for script in SCRIPTS}
-    core = {"Stop", "NonFiniteError", "check_finite", "fail", "stopped", "parse_args", "RunLog", "cli"}
+    core = {"Stop", "NonFiniteError", "check_finite", "exit_failed", "exit_stopped", "parse_args", "RunLog", "cli"}
     for script, pieces in copies.items():
         assert core <= set(pieces), (script, core - set(pieces))
         for other, theirs in copies.items():
@@ -574,7 +574,7 @@ def test_actor_link_fills_overlapping_unrolls_in_async_order():
     free_q, full_q = queue.Queue(), queue.Queue()
     for i in range(num_slots):
         free_q.put(i)
-    writer = module.ActorLink(torch.nn.Linear(1, 1), torch.zeros(1), buffers, free_q, full_q, queue.Queue())
+    writer = module.ActorChannel(torch.nn.Linear(1, 1), torch.zeros(1), buffers, free_q, full_q, queue.Queue())
     writer.local_agent(n, T, "cpu")
     rng = np.random.default_rng(0)
     t = np.zeros(n, np.int64)  # rows written per env

@@ -652,7 +652,7 @@ def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
     free_q, full_q = queue.Queue(), queue.Queue()
     for i in range(num_slots):
         free_q.put(i)
-    writer = vmpo_mujoco.ActorLink(torch.nn.Linear(1, 1), torch.zeros(1), buffers, free_q, full_q, None)
+    writer = vmpo_mujoco.ActorChannel(torch.nn.Linear(1, 1), torch.zeros(1), buffers, free_q, full_q, None)
     writer.local_agent(n, T, "cpu")
     rng, t, expected = np.random.default_rng(0), np.zeros(n, np.int64), []
     for _ in range(25):
