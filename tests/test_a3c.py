@@ -221,8 +221,8 @@ def test_target_network_follows_the_shared_weights_every_i_target_steps():
     import multiprocessing
     import queue
 
-    argv = ["--env-id", "CartPole-v1", "--method", "one-step-q", "--target-update-period", "10", "--num-workers", "1"]
-    args = a3c.parse_args([*argv, "--total-timesteps", "10"])
+    argv = ["--env-id", "CartPole-v1", "--method", "one-step-q", "--target-update-period", "10", "--num-envs", "1"]
+    args = a3c.parse_args([*argv, "--num-workers", "1", "--total-timesteps", "10"])
     args, _ = a3c.check_args(args)
     agent = a3c.Agent((4,), 2, hidden=args.hidden, q_values=True)
     target = copy.deepcopy(agent)
