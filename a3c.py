@@ -448,8 +448,9 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
             stats["stats/epsilon"] = epsilon.mean()  # over the worker's environments
         else:
             log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
-            hyper = (values[-1].detach(), args.gamma, args.ent_coef, args.value_coef)
-            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards.float(), terminated, ends, *hyper)
+            coefs = dict(gamma=args.gamma, ent_coef=args.ent_coef, value_coef=args.value_coef)
+            ends_of = dict(terminated=terminated, ended=ends, bootstrap_value=values[-1].detach())
+            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards.float(), **ends_of, **coefs)
         with counter.get_lock():
             step = counter.value
             counter.value += T * n

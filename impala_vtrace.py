@@ -302,8 +302,9 @@ def learner_step(state, batch, args, diagnose=False):
     core = (batch["core_h"], batch["core_c"]) if args.use_lstm else ()
     logits, values, _ = agent(batch["obs"], batch["prev_action"], batch["reward"], batch["first"], core)
     clips = (args.clip_rho_threshold, args.clip_pg_rho_threshold, args.clip_c_threshold)
-    hyper = (args.gamma, args.baseline_cost, args.entropy_cost, clips, args.vtrace_lambda)
-    out = learner_loss(logits, values, batch, *hyper, agent.popart)
+    costs = dict(baseline_cost=args.baseline_cost, entropy_cost=args.entropy_cost)
+    vtrace_settings = dict(clips=clips, lambda_=args.vtrace_lambda, popart=agent.popart)
+    out = learner_loss(logits, values, batch, args.gamma, **costs, **vtrace_settings)
     optimizer.zero_grad(set_to_none=False)
     out.loss.backward()
     reduce_gradients(agent.parameters(), mean=False)  # the loss sums over the batch: the global batch's sum
@@ -326,8 +327,9 @@ def main(args: Args):
     args = dataclasses.replace(args, env_ids=tuple(games), popart="on" if use_popart else "off")
     rank, world, device = learner_process(args)
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
-    net = (args.network, args.channels, args.use_lstm, args.lstm_size, max(1, len(games)), use_popart)
-    agent = Agent(spec.observation_space.shape, num_actions, *net).to(device)
+    net = dict(network=args.network, channels=args.channels, use_lstm=args.use_lstm, lstm_size=args.lstm_size)
+    agent = Agent(spec.observation_space.shape, num_actions, **net, num_tasks=max(1, len(games)), popart=use_popart)
+    agent = agent.to(device)
     same_start(agent)
     steps_per_update = args.batch_size * args.unroll_length
     num_updates = args.total_timesteps // steps_per_update

@@ -367,8 +367,9 @@ def main(args: Args):
     args = dataclasses.replace(args, env_ids=tuple(games))
     rank, world, device = learner_process(args)
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
-    net = (args.network, args.channels, args.use_lstm, args.lstm_size, args.head_hidden)
-    agent = Agent(spec.observation_space.shape, num_actions, *net, max(1, len(games)), args.popart_beta).to(device)
+    net = dict(network=args.network, channels=args.channels, use_lstm=args.use_lstm, lstm_size=args.lstm_size)
+    net.update(head_hidden=args.head_hidden, num_tasks=max(1, len(games)), popart_beta=args.popart_beta)
+    agent = Agent(spec.observation_space.shape, num_actions, **net).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
