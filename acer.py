@@ -60,8 +60,8 @@ class Args:
     preset: Literal["family", "paper"] = "family"  # family: the env id's family defaults; paper: the paper's everywhere
     exp_name: str = "acer"  # name of this experiment, part of the run folder's name
     seed: int = 1  # seed of the initial weights; worker w: torch seed + w, envs from seed + w·num_envs
-    torch_deterministic: bool = True  # torch.backends.cudnn.deterministic (the workers run on CPU)
-    cuda: bool = False  # not available: the workers share their parameters in CPU memory
+    torch_deterministic: bool = True  # the house flag; no effect here: the workers run on the CPU, without cuDNN
+    cuda: bool = False  # the house flag, refused: the workers share their parameters in CPU memory
     total_timesteps: int = 20_000_000  # environment steps over all workers, on-policy steps only (80M frames on Atari)
     num_workers: int = 0  # actor-learner processes; 0: one per CPU core (the paper: 16 threads, Sec. 4)
     num_envs: int = 1  # environments per worker, stepped together (1 in the paper)
@@ -622,7 +622,8 @@ def check_args(args):
 
 # ---------------------------------------------------------------------------------------------------------
 # The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
-# the copies are identical); what differs between scripts comes in as arguments.
+# the copies are identical). Besides its arguments it reads the script's own `Args` (and `args.network` where there
+# is one), `defaults_for`, `main`, `make_eval_policy`, `act` and `__file__`, by name.
 
 
 class Stop:

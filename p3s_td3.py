@@ -642,6 +642,10 @@ def log_evaluation(log, step, means) -> str:
     return f"eval {max(means):.1f} at {step}"
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Speed on a CPU, not the paper's: the updates' thread count, chosen by timing them (docs/p3s_td3.md).
+
+
 class ThreadChoice:
     """torch's thread count for the updates on a CPU, the faster per time step of `options` (the cores, 1) as the run
     goes: each timed for `window` seconds, the other again every `every` seconds. Alone on the machine the cores are
@@ -668,7 +672,8 @@ class ThreadChoice:
 
 # ---------------------------------------------------------------------------------------------------------
 # The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
-# the copies are identical); what differs between scripts comes in as arguments.
+# the copies are identical). Besides its arguments it reads the script's own `Args` (and `args.network` where there
+# is one), `defaults_for`, `main`, `make_eval_policy`, `act` and `__file__`, by name.
 
 
 class Stop:

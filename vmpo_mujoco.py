@@ -550,7 +550,8 @@ def check_args(args):
 
 # ---------------------------------------------------------------------------------------------------------
 # The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
-# the copies are identical); what differs between scripts comes in as arguments.
+# the copies are identical). Besides its arguments it reads the script's own `Args` (and `args.network` where there
+# is one), `defaults_for`, `main`, `make_eval_policy`, `act` and `__file__`, by name.
 
 
 class Stop:
