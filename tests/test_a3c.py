@@ -644,11 +644,11 @@ def test_killed_run_resumes_and_a_stop_saves_the_update_in_hand(tmp_path, method
 
 @pytest.mark.e2e
 def test_learns_cartpole_with_its_family_defaults(tmp_path):
-    """`--env-id CartPole-v1` alone (the classic-control family: the paper's settings, one env per worker, a
-    300k-step budget): the mean return of the last 100 episodes reaches 200 within it (`learns`; a random policy lasts
-    22). Hogwild runs differ from run to run even with one seed (the workers' updates interleave as the OS schedules
-    them): ten runs on 2 loaded cores, seeds 1-10 two at a time, first reached 200 at 34k-64k steps (250 at 64k-126k);
-    seeds 1-7 ended at 500.0 (docs/a3c.md, `--preset a3c-cartpole` for the end of a run)."""
+    """`--env-id CartPole-v1` alone (the classic-control family: the paper's settings, 8 envs per worker, a 1M-step
+    budget): the mean return of the last 100 episodes reaches 200 within it (`learns`; a random policy lasts 22).
+    Hogwild runs differ from run to run even with one seed (the workers' updates interleave as the OS schedules
+    them): seeds 1-3 on 2 loaded cores first reached 200 at 48k-82k steps (13-17 s) and ended at 500.0 (docs/a3c.md,
+    `--preset a3c-cartpole` for the end of a run)."""
     best, run = learns("a3c.py", ["--env-id", "CartPole-v1"], tmp_path, 200)
     saved = json.load(open(os.path.join(run, "args.json")))
     assert saved["task_family"] == "classic" and (saved["total_timesteps"], saved["num_envs"]) == (1_000_000, 8)
@@ -659,14 +659,14 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 @pytest.mark.parametrize("method, target", [("one-step-q", 150), ("one-step-sarsa", 150), ("n-step-q", 150)])
 def test_value_based_methods_learn_cartpole(tmp_path, method, target):
     """Each value-based method learns, as a user runs it: `--env-id CartPole-v1 --method <method>` alone (2 workers x
-    1 env, 300k steps, θ⁻ every 500 steps, ε annealed over the first 100k to each worker's final ε), stopped once the
-    mean return of 100 episodes reaches `target` (`learns`; a random policy lasts 22). Ten runs of each command on 2
-    loaded cores, seeds 1-10 two at a time, first reached 150 at: n-step Q 57k-109k steps, one-step Q 60k-118k,
-    one-step Sarsa 56k-105k. The episodes are ε-greedy: a worker whose final ε is 0.5 (Supp. 8 draws it with
-    probability 0.3) holds the mean below 200 for most of a run. Where a run ends after 300k is a benchmark's
-    business (`--preset a3c-cartpole`: without replay, runs lose what they learned and recover, docs/a3c.md). The run
-    it leaves: the value-based TensorBoard tags, the target network in the checkpoint, the defaults it ran with in
-    args.json, a model that evaluate.py plays greedily (the run's own evaluation plays it ε-greedy)."""
+    8 envs, 1M steps, θ⁻ every 500 steps, ε annealed over the first 333k steps to each env's final ε), stopped once
+    the mean return of 100 episodes reaches `target` (`learns`; a random policy lasts 22). Runs of each command on 2
+    loaded cores, two or three at a time, first reached 150 at: n-step Q 223k-277k steps (seeds 1-10), one-step Q
+    227k-274k (seeds 1-10), one-step Sarsa 235k-266k (seeds 1-3), 15-68 s. The episodes are ε-greedy: the 30% of
+    envs whose final ε is 0.5 (Supp. 8) hold the training mean near 250-360 once the policy plays 500 (docs/a3c.md).
+    Where a run ends is a benchmark's business (`--preset a3c-cartpole`). The run it leaves: the value-based
+    TensorBoard tags, the target network in the checkpoint, the defaults it ran with in args.json, a model that
+    evaluate.py plays greedily (the run's own evaluation plays it ε-greedy)."""
     argv = ["--env-id", "CartPole-v1", "--method", method, "--save-model"]
     best, run = learns("a3c.py", argv, tmp_path, target)
     assert best >= target, best
