@@ -473,19 +473,23 @@ def train_worker(worker_id, args, shared, avg_agent, optimizer, counter, obs_loc
     started.wait()  # every worker set up: they take their steps of the budget together, none left to one
     while counter.value < args.total_timesteps and not halt.is_set():
         copy_network(local, shared, obs_lock)
-        rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "mu", "return")}
+        rows = {key: [] for key in ("obs", "action", "reward", "terminated", "ended", "behaviour", "return")}
         with torch.no_grad():
             for _ in range(k):
-                # μ is stored as the behaviour mean (continuous: σ is fixed) or the behaviour probabilities
-                mu = local(obs[None])[0][0] if continuous else F.softmax(local(obs[None])[0][0], dim=-1)
-                check_finite(f"while acting at step {counter.value}", policy=mu)  # before sampling from it
-                action = mu + local.std * torch.randn(mu.shape) if continuous else torch.multinomial(mu, 1).squeeze(-1)
+                # μ, the behaviour policy, is stored as its mean (continuous: σ is fixed) or its probabilities
+                behaviour = local(obs[None])[0][0] if continuous else F.softmax(local(obs[None])[0][0], dim=-1)
+                check_finite(f"while acting at step {counter.value}", policy=behaviour)  # before sampling from it
+                if continuous:
+                    action = behaviour + local.std * torch.randn(behaviour.shape)
+                else:
+                    action = torch.multinomial(behaviour, 1).squeeze(-1)
                 env_action = to_env_action(action.numpy(), low, high) if continuous else action.numpy()
                 next_obs, reward, term, trunc, info = envs.step(env_action)
                 for _, score, length in tracker.step(info["env_id"], reward, term, trunc, info):
                     msg_q.put(("episode", counter.value, (score, length)))
                 discounted_return = discounted_return * args.gamma + reward
-                for key, v in zip(rows, (obs, action, reward.astype(np.float32), term, ended, mu, discounted_return)):
+                row = (obs, action, reward.astype(np.float32), term, ended, behaviour, discounted_return)
+                for key, v in zip(rows, row):
                     rows[key].append(torch.as_tensor(v))
                 discounted_return = np.where(term | trunc, 0.0, discounted_return)  # a new array: the row keeps R
                 ended = torch.as_tensor(term | trunc)
@@ -523,7 +527,10 @@ def segment_loss(local, avg_agent, segment, args):
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)  # --bf16: the networks' passes only
     with torch.no_grad(), amp:
         avg_out = avg_agent(segment["obs"])[0].float()
-    data = [avg_out, *(segment[key] for key in ("action", "reward", "terminated", "ended", "mu"))]  # θ_a, then data
+    data = [
+        avg_out,
+        *(segment[key] for key in ("action", "reward", "terminated", "ended", "behaviour")),
+    ]  # θ_a, then data
     if isinstance(local, ContinuousAgent):
         mean, values = local(segment["obs"])
         obs = segment["obs"][:-1].float()

@@ -481,9 +481,9 @@ def main(args: Args):
     tracker, delayed = EpisodeTracker(N * n), DelayedReward(N * n, args.reward_delay)
     obs = torch.from_numpy(flatten_obs(envs.reset()[0]))
     ended = np.zeros(N * n, bool)  # the last observation ended an episode: the next step is envpool's reset step
-    T, step, stats, last_eval = args.total_timesteps // (N * n), state["t"] * N * n, {}, ""
+    last_t, step, stats, last_eval = args.total_timesteps // (N * n), state["t"] * N * n, {}, ""
     try:
-        for t in range(state["t"] + 1, T + 1):  # time steps t of Algorithm 1
+        for t in range(state["t"] + 1, last_t + 1):  # time steps t of Algorithm 1
             state["t"], step = t, t * N * n
             if t <= args.t_initial:  # line 7: uniform random actions
                 actions = torch.rand(N * n, action_dim, generator=cpu_generator) * 2.0 - 1.0
@@ -501,13 +501,13 @@ def main(args: Args):
                 log.episode(score, length, step, f"learner_{env // n}")
             ended, obs = term | trunc, next_obs
             learning = learn(state, args, guided, stats, threads)  # lines 13-22
-            if E and (R and step // R > (step - N * n) // R or t == T):  # every R_eval steps, the end (Sec. 4.1)
+            if E and (R and step // R > (step - N * n) // R or t == last_t):  # every R_eval steps, the end (Sec. 4.1)
                 state["means"] = evaluate_learners(learners.actor, args.env_id, E, args.seed + 10_000, low, high)
                 last_eval = log_evaluation(log, step, state["means"])
             if t % M == 0 and N > 1 and learning:  # lines 24-26: every M steps
                 synchronise(state, args, log, step)
                 guided = guided_learners(state, args, device)
-            if (stopping := stop.requested) or log.save_due() or t == T:  # one read of the flag: saved, then stopped
+            if (stopping := stop.requested) or log.save_due() or t == last_t:  # one read of the flag: saved, stopped
                 save(log, state)
             if stopping:
                 exit_stopped(log, step)

@@ -37,7 +37,7 @@ from tests.helpers import (
 
 def segment_fields(batch):
     """A segment's tensors in the order the ACER losses take them."""
-    return tuple(batch[key] for key in ("action", "reward", "terminated", "ended", "mu"))
+    return tuple(batch[key] for key in ("action", "reward", "terminated", "ended", "behaviour"))
 
 
 def hyperparameters(args):
@@ -164,7 +164,7 @@ def loss_inputs(T=6, B=3, A=4, seed=0):
         "reward": torch.randn(T + 1, B, generator=g_, dtype=torch.float64),
         "terminated": terminated,
         "ended": reset,
-        "mu": torch.softmax(torch.randn(T + 1, B, A, generator=g_, dtype=torch.float64) * 2, -1),
+        "behaviour": torch.softmax(torch.randn(T + 1, B, A, generator=g_, dtype=torch.float64) * 2, -1),
     }
     args = SimpleNamespace(gamma=0.9, c=10.0, delta=1.0, ent_coef=0.01, trust_region=True, value_coef=0.5)
     return logits, q, avg_logits, batch, args
@@ -181,7 +181,7 @@ def test_acer_loss_gradients():
     probs = torch.softmax(logits.detach(), -1)
     v = (probs * q.detach()).sum(-1)
     a = batch["action"][:-1]
-    rho = (probs[:-1] / batch["mu"][:-1]).gather(-1, a[..., None])[..., 0]
+    rho = (probs[:-1] / batch["behaviour"][:-1]).gather(-1, a[..., None])[..., 0]
     rho_bar = torch.where(batch["ended"][:-1], 0.0, rho.clamp(max=1))
     q_taken = q.detach()[:-1].gather(-1, a[..., None])[..., 0]
     q_ret = retrace_reference(
@@ -198,7 +198,7 @@ def test_acer_loss_gradients():
     g, _, _ = acer_policy_gradient(
         probs[:-1].reshape(-1, A),
         a.reshape(-1),
-        batch["mu"][:-1].reshape(-1, A),
+        batch["behaviour"][:-1].reshape(-1, A),
         q.detach()[:-1].reshape(-1, A),
         q_ret.reshape(-1),
         args.c,
@@ -287,7 +287,7 @@ def test_acer_loss_continuous_gradients_follow_algorithm_3():
     behaviour = mean.detach() + 0.2 * torch.randn(T + 1, B, d, generator=g_, dtype=torch.float64)
     batch = {
         "action": behaviour + std * torch.randn(T + 1, B, d, generator=g_, dtype=torch.float64),
-        "mu": behaviour,
+        "behaviour": behaviour,
         "reward": torch.randn(T + 1, B, generator=g_, dtype=torch.float64),
         "terminated": terminated,
         "ended": reset,
@@ -302,7 +302,7 @@ def test_acer_loss_continuous_gradients_follow_algorithm_3():
     normal = lambda loc: torch.distributions.Normal(loc, std)  # noqa: E731
     rho = (
         normal(m[:-1]).log_prob(batch["action"][:-1]).sum(-1)
-        - normal(batch["mu"][:-1]).log_prob(batch["action"][:-1]).sum(-1)
+        - normal(batch["behaviour"][:-1]).log_prob(batch["action"][:-1]).sum(-1)
     ).exp()
     keep = (~reset[:-1]).double()
     discounts = 0.9 * (~terminated[:-1]).double()
@@ -458,7 +458,7 @@ def test_bf16_update_follows_the_float32_one():
         reward=torch.randint(-1, 2, (21, 2), generator=g).float(),
         terminated=torch.zeros(21, 2, dtype=torch.bool),
         ended=torch.zeros(21, 2, dtype=torch.bool),
-        mu=torch.softmax(torch.randn(21, 2, 6, generator=g), -1),
+        behaviour=torch.softmax(torch.randn(21, 2, 6, generator=g), -1),
     )
     grads = {}
     for bf16 in (False, True):
