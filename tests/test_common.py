@@ -1,5 +1,6 @@
 """common/ (networks, envs, evaluation helpers) and the run machinery every script carries (one text, tested once)."""
 
+import contextlib
 import ctypes.util
 import importlib
 import math
@@ -7,6 +8,7 @@ import re
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -561,10 +563,11 @@ def test_defaults_are_the_same_with_and_without_a_gpu(where, monkeypatch, capsys
         assert seen[0] == seen[1] and "(default: " in seen[0][1], env_id
 
 
-def test_actor_link_fills_overlapping_unrolls_in_async_order():
-    """Rows arrive for any subset of envs in any order (envpool's async mode). Each env's unroll k must hold its
-    rows kT..kT+T (T+1 rows: the last row of an unroll is the first of the next), its core state must be the one
-    before row kT, and a slot goes to the learner as soon as its env has written row T."""
+def test_actor_channel_fills_overlapping_unrolls_in_async_order():
+    """`ActorChannel.write` (the machinery's, one text in the actor/learner scripts). Rows arrive for any subset of
+    envs in any order (envpool's async mode). Each env's unroll k must hold its rows kT..kT+T (T+1 rows: the last
+    row of an unroll is the first of the next), its core state must be the one before row kT, and a slot goes to the
+    learner as soon as its env has written row T."""
     import queue
 
     module = importlib.import_module(MACHINERY)
@@ -721,8 +724,6 @@ def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics():
 def test_actor_configs_share_envs_games_and_seeds():
     """Envs split evenly over the actors, actor a plays game a mod G with the full action set, seeds apart by
     learner and actor, env batch half an actor's envs by default."""
-    from types import SimpleNamespace
-
     actor_configs = importlib.import_module(MACHINERY).actor_configs
 
     args = SimpleNamespace(num_envs=8, num_actors=4, unroll_length=5, env_batch_size=0, seed=10, env_id="Pong-v5")
@@ -755,8 +756,6 @@ def test_placement_of_a_learner_by_the_gpus_and_cores_the_machine_has(
 ):
     """The device is GPU `local_rank` mod the GPUs present, NCCL only where every learner has its own GPU, one torch
     thread where the learner's work is on a GPU, a given --learner-threads always wins."""
-    from types import SimpleNamespace
-
     placement = importlib.import_module(MACHINERY).placement
     args = SimpleNamespace(cuda=cuda, network=network, learner_threads=0)
     device, backend, threads = placement(args, local_rank, local_world, gpus, 16)
@@ -781,6 +780,136 @@ def test_a_generator_saved_on_another_device_is_seeded_from_its_state():
     saved_state, expected = saved.get_state(), torch.rand(3, generator=saved)
     state = load_state({"generator": torch.Generator()}, {"generator": saved_state})
     assert torch.equal(torch.rand(3, generator=state["generator"]), expected)
+
+
+def test_state_dicts_and_load_state_carry_the_training_state_through_a_checkpoint(tmp_path):
+    """`state_dicts` saves modules and optimisers by their state_dict, a generator by its state, counters as they are;
+    `load_state` puts each back in place (and leaves the state alone where there is no checkpoint)."""
+    module = importlib.import_module(MACHINERY)
+
+    def fresh():
+        net = torch.nn.Linear(3, 2)
+        return dict(net=net, optimizer=torch.optim.Adam(net.parameters()), generator=torch.Generator(), update=0)
+
+    state = fresh()
+    state["net"](torch.randn(4, 3)).sum().backward()
+    state["optimizer"].step()
+    state["generator"].manual_seed(11)
+    state["update"] = 5
+    torch.save(module.state_dicts(state), tmp_path / "checkpoint.pt")
+    expected = torch.rand(2, generator=state["generator"])
+    resumed = module.load_state(fresh(), torch.load(tmp_path / "checkpoint.pt", weights_only=False))
+    assert resumed["update"] == 5 and torch.equal(torch.rand(2, generator=resumed["generator"]), expected)
+    for a, b in zip(resumed["net"].parameters(), state["net"].parameters()):
+        assert torch.equal(a, b)
+    saved, loaded = state["optimizer"].state_dict()["state"], resumed["optimizer"].state_dict()["state"]
+    assert all(torch.equal(saved[k]["exp_avg_sq"], loaded[k]["exp_avg_sq"]) for k in saved)
+    untouched = fresh()
+    assert module.load_state(untouched, None) is untouched and untouched["update"] == 0
+
+
+def _learner(rank, init_file, out_dir):
+    """One of two gloo learners (torchrun's environment by hand) running the machinery's collectives."""
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    module = importlib.import_module(MACHINERY)
+    torch.manual_seed(rank)  # each learner's own initial weights
+    net = torch.nn.Linear(2, 1)
+    module.same_start(net)
+    results = {"weight": net.weight.detach().clone()}
+    for mean in (True, False):
+        for p in net.parameters():
+            p.grad = torch.full_like(p, rank + 1.0)
+        module.reduce_gradients(net.parameters(), mean=mean)
+        results[f"grad_{mean}"] = net.weight.grad.clone()
+    results["any"] = (module.any_learner(rank == 1, "cpu"), module.any_learner(False, "cpu"))
+    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_learners_start_alike_reduce_gradients_and_stop_together(tmp_path):
+    """Under torchrun (two gloo processes here): `same_start` gives every learner rank 0's weights,
+    `reduce_gradients` averages (or sums) the gradients, `any_learner` is true in all once it is true in one."""
+    torch.multiprocessing.spawn(_learner, (str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    first, second = (torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1))
+    assert torch.equal(first["weight"], second["weight"])
+    for results in (first, second):
+        assert torch.equal(results["grad_True"], torch.full((1, 2), 1.5))
+        assert torch.equal(results["grad_False"], torch.full((1, 2), 3.0))
+        assert results["any"] == (True, False)
+
+
+def _worker(kind):
+    """A worker process of `start_workers` that raises, dies, waits or ends."""
+    if kind == "raise":
+        raise ValueError("boom")
+    if kind == "die":
+        os._exit(3)
+    if kind == "wait":
+        time.sleep(120)
+
+
+ENDINGS = [
+    (["end", "wait"], None),
+    (["raise", "wait"], "worker 0 failed:"),
+    (["wait", "die"], "worker 1 died with exit code 3"),
+]
+
+
+@pytest.mark.parametrize("kinds, message", ENDINGS)
+def test_worker_processes_report_how_they_ended_and_leave_none_running(kinds, message):
+    """`check_workers` counts the workers that ended well, or raises WorkerError with a raised worker's traceback or
+    a dead one's exit code; `end_workers` then kills and reaps the rest: no process is left running."""
+    module = importlib.import_module(MACHINERY)
+    workers = module.start_workers(_worker, kinds)
+    try:
+        deadline, ended = time.time() + 60, 0
+        with pytest.raises(module.WorkerError) if message else contextlib.nullcontext() as raised:
+            while time.time() < deadline and ended == 0:
+                ended = module.check_workers(workers)
+                time.sleep(0.1)
+        if message:
+            assert message in str(raised.value) and ("ValueError: boom" in str(raised.value)) == (kinds[0] == "raise")
+        else:
+            assert ended == 1
+    finally:
+        module.end_workers(workers)
+    assert not any(p.is_alive() for p in workers.processes)
+
+
+def test_exit_failed_and_exit_stopped_say_what_to_do_next(tmp_path, capsys):
+    """`exit_failed`: the error line and exit status 1; after a non-finite value, where the last good checkpoint is
+    (or that there is none). `exit_stopped`: the checkpoint's step and the command that continues the run, 130."""
+    import signal
+
+    module = importlib.import_module(MACHINERY)
+    cases = [(module.WorkerError("worker 0 died"), None), (module.NonFiniteError("non-finite loss at update 3"), 42)]
+    cases.append((module.NonFiniteError("non-finite loss at update 1"), None))
+    for error, step in cases:
+        if step is not None:
+            torch.save({"global_step": step}, tmp_path / "checkpoint.pt")
+        with pytest.raises(SystemExit) as ended:
+            module.exit_failed(error, str(tmp_path))
+        err = capsys.readouterr().err
+        assert ended.value.code == 1 and err.startswith(f"error: {error}")
+        if isinstance(error, module.NonFiniteError):
+            expected = f"(step {step}) is kept: continue with --resume {tmp_path}" if step else "no checkpoint was"
+            assert expected in err and "--learning-rate" in err
+        (tmp_path / "checkpoint.pt").unlink(missing_ok=True)
+    log = SimpleNamespace(writer=SimpleNamespace(close=lambda: None), path=str(tmp_path))
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        for world, command in ((1, "python vmpo_atari.py"), (2, "torchrun --standalone --nproc_per_node 2 vmpo_atari")):
+            with pytest.raises(SystemExit) as ended:
+                module.exit_stopped(log, 7, world)
+            err = capsys.readouterr().err
+            assert ended.value.code == 130 and f"checkpoint at step 7: continue with {command}" in err
+            assert f"--resume {tmp_path}" in err
+        with pytest.raises(SystemExit):
+            module.exit_stopped(None, 7, 2)  # a rank above 0: nothing to say
+        assert capsys.readouterr().err == ""
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # --------------------------------------------------------------------------------------------------------

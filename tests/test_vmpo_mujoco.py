@@ -642,32 +642,6 @@ def test_multipliers_are_projected():
     assert m.alpha_mu.item() == 1.0
 
 
-def test_unroll_writer_fills_overlapping_unrolls_in_async_order():
-    """Rows arrive for any subset of envs in any order (envpool's async mode): env e's unroll k holds its rows
-    kT..kT+T (the last row of an unroll is the first of the next) and goes to the learner once it has row T."""
-    import queue
-
-    T, n, num_slots = 3, 3, 64
-    buffers = {"x": torch.zeros(num_slots, T + 1)}
-    free_q, full_q = queue.Queue(), queue.Queue()
-    for i in range(num_slots):
-        free_q.put(i)
-    writer = vmpo_mujoco.ActorChannel(torch.nn.Linear(1, 1), torch.zeros(1), buffers, free_q, full_q, None)
-    writer.local_agent(n, T, "cpu")
-    rng, t, expected = np.random.default_rng(0), np.zeros(n, np.int64), []
-    for _ in range(25):
-        ids = rng.permutation(n)[: rng.integers(1, n + 1)]
-        writer.write(ids, {"x": torch.tensor([100.0 * e + t[e] for e in ids], dtype=torch.float32)})
-        for e in ids:
-            t[e] += 1
-            if t[e] > 1 and (t[e] - 1) % T == 0:
-                expected.append((int(e), int((t[e] - 1) // T - 1)))
-    full = [full_q.get() for _ in range(full_q.qsize())]
-    assert len(full) == len(expected) > 0
-    for slot, (e, k) in zip(full, expected):  # in the order the unrolls were completed
-        torch.testing.assert_close(buffers["x"][slot], 100.0 * e + torch.arange(k * T, k * T + T + 1).float())
-
-
 def test_presets_follow_table_7_and_flags_override_them():
     gym = vmpo_mujoco.parse_args(["--preset", "paper"])
     assert (gym.unroll_length, gym.target_update_period, gym.gamma, gym.eps_eta) == (39, 100, 0.99, 0.01)
