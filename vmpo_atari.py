@@ -28,8 +28,6 @@ docs/vmpo_atari.md.
     torchrun --nproc_per_node 2 vmpo_atari.py --env-id Pong-v5 --num-envs 128
 """
 
-from __future__ import annotations
-
 import contextlib
 import copy
 import dataclasses
@@ -256,7 +254,7 @@ class Agent(nn.Module):
 # is also the first row of the env's next one.
 
 
-def act(cfg, link: ActorChannel) -> None:
+def act(cfg, link: "ActorChannel") -> None:
     """Algorithm 1, 'use π_θtarget to act': the target network acts in each batch of envs that envpool returns."""
     n, device = cfg.num_envs, torch.device(cfg.device)
     envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)
@@ -367,9 +365,8 @@ def main(args: Args):
     args = dataclasses.replace(args, env_ids=tuple(games))
     rank, world, device = learner_process(args)
     num_actions = 18 if games else int(spec.action_space.n)  # the full Atari action set for many games
-    net = dict(network=args.network, channels=args.channels, use_lstm=args.use_lstm, lstm_size=args.lstm_size)
-    net.update(head_hidden=args.head_hidden, num_tasks=max(1, len(games)), popart_beta=args.popart_beta)
-    agent = Agent(spec.observation_space.shape, num_actions, **net).to(device)
+    net = {k: getattr(args, k) for k in ("network", "channels", "use_lstm", "lstm_size", "head_hidden", "popart_beta")}
+    agent = Agent(spec.observation_space.shape, num_actions, num_tasks=max(1, len(games)), **net).to(device)
     multipliers = LagrangeMultipliers(args.init_eta, args.init_alpha, args.multipliers).to(device)
     same_start(agent, multipliers)
     steps_per_update = args.batch_size * args.unroll_length
@@ -423,12 +420,10 @@ def save(log, state) -> None:
 def log_update(log, pool, agent, update, stats, batch) -> None:
     """After each update: the actors' episodes; with `stats` (the learner's diagnostics), π_target's, the console."""
     episodes, step = pool.take_episodes(), update * log.args.batch_size * log.args.unroll_length
-    if log.writer is None:
-        return
     games = log.args.env_ids
-    for score, length, task in episodes:
+    for score, length, task in episodes if log.writer else ():
         log.episode(score, length, step, games[task] if games else None)
-    if stats is None:
+    if log.writer is None or stats is None:
         return
     target = pool.version.item() - (update % log.args.target_update_period == 0)  # the one before this update's refresh
     stats["stats/stale_fraction"] = (batch["version"][:-1] != target).float().mean()
@@ -585,12 +580,8 @@ def loss_stats(result) -> dict:
     return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
 
 
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def local_world_size() -> int:  # the learners on this machine
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+def world_size(local: bool = False) -> int:  # local: the learners on this machine
+    return int(os.environ.get("LOCAL_WORLD_SIZE" if local else "WORLD_SIZE", "1"))
 
 
 def learner_process(args):
@@ -598,7 +589,7 @@ def learner_process(args):
     determinism."""
     rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
     gpus = torch.cuda.device_count() if args.cuda else 0
-    device, backend, threads = placement(args, local_rank, local_world_size(), gpus, os.cpu_count() or 2)
+    device, backend, threads = placement(args, local_rank, world_size(local=True), gpus, os.cpu_count() or 2)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group: NCCL, pinned memory and streams use it
     if world > 1:
@@ -693,7 +684,7 @@ def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNam
     """The actors of learner `rank`: actor a plays game a mod G (every game the same share, all 18 actions), its
     envs stepped `--env-batch-size` at a time (0: half of them) by the cores the learner leaves free."""
     n, tasks = args.num_envs // args.num_actors, list(games) or [args.env_id]
-    threads = max(1, ((os.cpu_count() or 2) // local_world_size() - torch.get_num_threads()) // args.num_actors)
+    threads = max(1, ((os.cpu_count() or 2) // world_size(local=True) - torch.get_num_threads()) // args.num_actors)
     options = {**env_options, "full_action_space": True} if games else env_options
     shared = dict(num_envs=n, unroll_length=args.unroll_length, env_batch_size=args.env_batch_size or max(1, n // 2))
     shared.update(device=str(device) if args.cuda_actors else "cpu", env_threads=threads, env_options=options)

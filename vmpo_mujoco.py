@@ -638,12 +638,8 @@ def loss_stats(result) -> dict:
     return {(f"losses/{k}" if k.endswith("loss") else f"stats/{k}"): v for k, v in items}
 
 
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def local_world_size() -> int:  # the learners on this machine
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+def world_size(local: bool = False) -> int:  # local: the learners on this machine
+    return int(os.environ.get("LOCAL_WORLD_SIZE" if local else "WORLD_SIZE", "1"))
 
 
 def learner_process(args):
@@ -651,7 +647,7 @@ def learner_process(args):
     determinism."""
     rank, world, local_rank = int(os.environ.get("RANK", "0")), world_size(), int(os.environ.get("LOCAL_RANK", "0"))
     gpus = torch.cuda.device_count() if args.cuda else 0
-    device, backend, threads = placement(args, local_rank, local_world_size(), gpus, os.cpu_count() or 2)
+    device, backend, threads = placement(args, local_rank, world_size(local=True), gpus, os.cpu_count() or 2)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group: NCCL, pinned memory and streams use it
     if world > 1:
@@ -746,7 +742,7 @@ def actor_configs(args, rank, device, games=(), **env_options) -> list[SimpleNam
     """The actors of learner `rank`: actor a plays game a mod G (every game the same share, all 18 actions), its
     envs stepped `--env-batch-size` at a time (0: half of them) by the cores the learner leaves free."""
     n, tasks = args.num_envs // args.num_actors, list(games) or [args.env_id]
-    threads = max(1, ((os.cpu_count() or 2) // local_world_size() - torch.get_num_threads()) // args.num_actors)
+    threads = max(1, ((os.cpu_count() or 2) // world_size(local=True) - torch.get_num_threads()) // args.num_actors)
     options = {**env_options, "full_action_space": True} if games else env_options
     shared = dict(num_envs=n, unroll_length=args.unroll_length, env_batch_size=args.env_batch_size or max(1, n // 2))
     shared.update(device=str(device) if args.cuda_actors else "cpu", env_threads=threads, env_options=options)
