@@ -449,8 +449,8 @@ def train_worker(worker_id, args, shared, target, optimizer, counter, obs_lock, 
         else:
             log_probs, entropies = local.log_prob_entropy(out[:-1], actions)
             coefs = dict(gamma=args.gamma, ent_coef=args.ent_coef, value_coef=args.value_coef)
-            ends_of = dict(terminated=terminated, ended=ends, bootstrap_value=values[-1].detach())
-            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards.float(), **ends_of, **coefs)
+            rollout_end = dict(terminated=terminated, ended=ends, bootstrap_value=values[-1].detach())
+            loss, stats = a3c_loss(log_probs, entropies, values[:-1], rewards.float(), **rollout_end, **coefs)
         with counter.get_lock():
             step = counter.value
             counter.value += T * n
