@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import itertools
 import json
 import math
@@ -53,8 +52,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
-from common.envs import make_env, require, task_family, to_env_action
-from common.evaluation import evaluate, resume_checkpoint
+from common.envs import make_env, require, require_in, task_family, to_env_action
+from common.evaluation import evaluate_model, resume_checkpoint
 from common.networks import LSTMCore, MLPTorso, RunningNorm, ShallowTorso, dead_units, init_output_, init_weights_
 
 
@@ -516,7 +515,7 @@ def main(args: Args):
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
 
     step = run_workers(train_worker, (agent, target, optimizer), log, save)  # the paper's loop runs in the workers
-    log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
+    log.end(step, evaluate_model(log, dict(model, global_step=step), make_eval_policy), num_workers=args.num_workers)
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -545,14 +544,11 @@ def check_args(args):
     require(not args.cuda, "--cuda is not available in a3c.py: its Hogwild workers share parameters in CPU memory")
     if args.capture_video:
         check_render(args.env_id)
-    for name in ("num_envs", "t_max", "hidden", "lstm_size", "target_update_period", "epsilon_steps"):
-        require(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("learning_rate", "rmsprop_eps"):
-        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("num_workers", "value_coef", "ent_coef", "max_grad_norm"):
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    require(0 <= args.rmsprop_alpha < 1, f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    require_in("[1, inf)", args, "num_envs t_max hidden lstm_size target_update_period epsilon_steps")
+    require_in("(0, inf)", args, "learning_rate rmsprop_eps")
+    require_in("[0, inf)", args, "num_workers value_coef ent_coef max_grad_norm")
+    require_in("[0, 1)", args, "rmsprop_alpha")
+    require_in("[0, 1]", args, "gamma")
     rollout = f"one rollout (t-max x num-envs = {args.t_max * args.num_envs} steps)"
     require(args.total_timesteps >= args.t_max * args.num_envs, f"--total-timesteps is less than {rollout}")
     if args.method != "a3c":  # the value-based methods
@@ -565,7 +561,7 @@ def check_args(args):
 # ---------------------------------------------------------------------------------------------------------
 # The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
 # the copies are identical). Besides its arguments it reads the script's own `Args` (and `args.network` where there
-# is one), `defaults_for`, `main`, `make_eval_policy`, `act` and `__file__`, by name.
+# is one), `defaults_for`, `main`, `act` and `__file__`, by name.
 
 
 class Stop:
@@ -710,18 +706,6 @@ def watch_workers(workers, msg_q, halt, steps, log, stop, save) -> int:
         if log.due():
             log.console(steps.value)
     return steps.value
-
-
-def evaluate_model(log, model, device="cpu"):
-    """`--eval-episodes` episodes of a saved policy (the first filmed with `--capture-video`): their mean, or None."""
-    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
-    if n == 0:
-        return None
-    policy = functools.partial(make_eval_policy, model, device=str(device))
-    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
-    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
-    log.scalars({"charts/eval_return": mean}, model["global_step"])
-    return mean
 
 
 def parse_args(argv=None):

@@ -32,7 +32,6 @@ import collections
 import contextlib
 import copy
 import dataclasses
-import functools
 import itertools
 import json
 import math
@@ -49,8 +48,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
-from common.envs import make_env, require, task_family, to_env_action
-from common.evaluation import evaluate, resume_checkpoint
+from common.envs import make_env, require, require_in, task_family, to_env_action
+from common.evaluation import evaluate_model, resume_checkpoint
 from common.networks import MLPTorso, RunningNorm, init_output_, init_weights_
 
 
@@ -579,7 +578,7 @@ def main(args: Args):
         log.save(step, state, dict(model, global_step=step) if args.save_model else None)
 
     step = run_workers(train_worker, (agent, avg_agent, optimizer), log, save)  # Algorithm 1 runs in the workers
-    log.end(step, evaluate_model(log, dict(model, global_step=step)), num_workers=args.num_workers)
+    log.end(step, evaluate_model(log, dict(model, global_step=step), make_eval_policy), num_workers=args.num_workers)
 
 
 def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=False):
@@ -609,15 +608,11 @@ def check_args(args):
     if args.capture_video:
         check_render(args.env_id)
     args = dataclasses.replace(args, num_workers=args.num_workers or os.cpu_count() or 1)
-    positive = ("num_workers", "num_envs", "k", "replay_size", "sdn_samples", "hidden", "c", "delta", "learning_rate")
-    for name in (*positive, "rmsprop_eps", "policy_std"):
-        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("avg_decay", "rmsprop_alpha"):
-        value = getattr(args, name)
-        require(0 <= value < 1, f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
-    for name in ("value_coef", "ent_coef", "max_grad_norm", "replay_ratio"):
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    positive = "num_workers num_envs k replay_size sdn_samples hidden c delta learning_rate rmsprop_eps policy_std"
+    require_in("(0, inf)", args, positive)
+    require_in("[0, 1)", args, "avg_decay rmsprop_alpha")
+    require_in("[0, inf)", args, "value_coef ent_coef max_grad_norm replay_ratio")
+    require_in("[0, 1]", args, "gamma")
     segment = args.k * args.num_envs
     require(args.total_timesteps >= segment, f"--total-timesteps must be at least one segment ({segment} steps)")
     require(args.replay_size >= segment or not args.replay_ratio, f"--replay-size is below one segment ({segment})")
@@ -630,7 +625,7 @@ def check_args(args):
 # ---------------------------------------------------------------------------------------------------------
 # The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
 # the copies are identical). Besides its arguments it reads the script's own `Args` (and `args.network` where there
-# is one), `defaults_for`, `main`, `make_eval_policy`, `act` and `__file__`, by name.
+# is one), `defaults_for`, `main`, `act` and `__file__`, by name.
 
 
 class Stop:
@@ -781,18 +776,6 @@ def watch_workers(workers, msg_q, halt, steps, log, stop, save) -> int:
         if log.due():
             log.console(steps.value)
     return steps.value
-
-
-def evaluate_model(log, model, device="cpu"):
-    """`--eval-episodes` episodes of a saved policy (the first filmed with `--capture-video`): their mean, or None."""
-    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
-    if n == 0:
-        return None
-    policy = functools.partial(make_eval_policy, model, device=str(device))
-    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
-    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
-    log.scalars({"charts/eval_return": mean}, model["global_step"])
-    return mean
 
 
 def parse_args(argv=None):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import hashlib
 import itertools
 import json
@@ -49,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.envs import EpisodeTracker, UsageError, env_spec, is_atari, make_env, require, task_family
-from common.evaluation import atari_games, evaluate, evaluate_games, expand_env_ids, median_human_normalized
+from common.evaluation import atari_games, evaluate_games_model, expand_env_ids, median_human_normalized
 from common.evaluation import recurrent_policy, resume_checkpoint
 from common.networks import LSTMCore, check_channels, dead_units, grad_norms_by_layer, init_output_, init_weights_
 from common.networks import logits_std_across_states, make_torso
@@ -358,7 +357,7 @@ def main(args: Args):
         pool.close()
     step = state["update"] * steps_per_update
     if rank == 0 and state["update"] == num_updates:
-        eval_mean, extra = evaluate_games_model(log, saved_model(args, agent, step), device)
+        eval_mean, extra = evaluate_games_model(log, saved_model(args, agent, step), make_eval_policy, device)
         log.end(step, eval_mean, **extra)
     if world > 1:
         torch.distributed.destroy_process_group()
@@ -452,7 +451,7 @@ def check_args(args):
 # ---------------------------------------------------------------------------------------------------------
 # The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
 # the copies are identical). Besides its arguments it reads the script's own `Args` (and `args.network` where there
-# is one), `defaults_for`, `main`, `make_eval_policy`, `act` and `__file__`, by name.
+# is one), `defaults_for`, `main`, `act` and `__file__`, by name.
 
 
 class Stop:
@@ -751,35 +750,6 @@ class ActorPool:
 
     def close(self):
         end_workers(self.workers)
-
-
-def evaluate_model(log, model, device="cpu"):
-    """`--eval-episodes` episodes of a saved policy (the first filmed with `--capture-video`): their mean, or None."""
-    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
-    if n == 0:
-        return None
-    policy = functools.partial(make_eval_policy, model, device=str(device))
-    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
-    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
-    log.scalars({"charts/eval_return": mean}, model["global_step"])
-    return mean
-
-
-def evaluate_games_model(log, model, device) -> tuple:
-    """`evaluate_model`, and for several games each game's episodes with a table (`evaluation/`): (the mean return,
-    summary.json's extra entries)."""
-    n, games, step = log.args.eval_episodes, log.args.env_ids, model["global_step"]
-    if n == 0 or not games:
-        return evaluate_model(log, model, device), {}
-    policy = functools.partial(make_eval_policy, model, device=str(device))
-    film = log.path if log.args.capture_video else None
-    _, table = evaluate_games(policy, games, n, log.args.seed + 10_000, os.path.join(log.path, "evaluation"), film)
-    log.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
-    log.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
-    extra = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
-    last10 = {g: float(np.mean(log.groups[g][-10:])) if log.groups.get(g) else None for g in games}
-    extra.update(eval_per_game=table["games"], env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
-    return float(np.mean([r["mean"] for r in table["games"]])), extra
 
 
 def parse_args(argv=None):

@@ -53,7 +53,7 @@ import torch
 import torch.nn as nn
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, make_env
-from common.envs import require, task_family, to_env_action
+from common.envs import require, require_in, task_family, to_env_action
 from common.evaluation import evaluate, resume_checkpoint
 from common.networks import batched_mlp
 
@@ -601,17 +601,14 @@ def make_eval_policy(checkpoint, num_envs, device="cpu", greedy=True):
 def check_args(args) -> None:
     """Bad input: one clear line before any work (UsageError)."""
     env_spec(args.env_id, discrete=False)
-    at_least = dict(num_learners=1, num_envs=1, updates_per_step=1, best_period=1, recent_episodes=1, batch_size=1)
-    at_least.update(policy_delay=1, threads=0, t_initial=0, learning_starts=0, d_min=0, reward_delay=0)
-    at_least.update(exploration_noise=0, policy_noise=0, noise_clip=0, eval_episodes=0, eval_interval=0)
-    for name, low in at_least.items():
-        value = getattr(args, name)
-        require(value >= low, f"--{name.replace('_', '-')} must be at least {low}, got {value}")
-    for name in ("learning_rate", "rho"):
-        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    require(1e-3 <= args.beta_init <= 1e3, f"--beta-init {args.beta_init} must lie in β's bounds [1e-3, 1e3]")
-    require(0 < args.tau <= 1, f"--tau must be in (0, 1], got {args.tau}")
-    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    at_least_1 = "num_learners num_envs updates_per_step best_period recent_episodes batch_size policy_delay"
+    require_in("[1, inf)", args, at_least_1)
+    at_least_0 = "threads t_initial learning_starts d_min reward_delay exploration_noise policy_noise noise_clip"
+    require_in("[0, inf)", args, at_least_0 + " eval_episodes eval_interval")
+    require_in("(0, inf)", args, "learning_rate rho")
+    require_in("[0.001, 1000]", args, "beta_init")  # β's bounds
+    require_in("(0, 1]", args, "tau")
+    require_in("[0, 1]", args, "gamma")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden needs positive layer sizes, got {args.hidden}")
     rows = args.batch_size * args.num_learners  # each learner's share of D holds a minibatch at least
     require(args.buffer_size >= rows, f"--buffer-size {args.buffer_size}: at least --batch-size x learners, {rows}")

@@ -38,7 +38,6 @@ import contextlib
 import copy
 import dataclasses
 import itertools
-import functools
 import hashlib
 import json
 import math
@@ -56,8 +55,8 @@ import torch
 import torch.nn as nn
 
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, make_env, require
-from common.envs import task_family, to_env_action
-from common.evaluation import evaluate, resume_checkpoint
+from common.envs import require_in, task_family, to_env_action
+from common.evaluation import evaluate_model, resume_checkpoint
 from common.networks import MLPTorso, RunningNorm
 from common.popart import PopArt
 
@@ -470,7 +469,7 @@ def main(args: Args):
         pool.close()
     step = state["update"] * steps_per_update
     if rank == 0 and state["update"] == num_updates:
-        log.end(step, evaluate_model(log, saved_model(args, state, step), device))
+        log.end(step, evaluate_model(log, saved_model(args, state, step), make_eval_policy, device))
     if world > 1:
         torch.distributed.destroy_process_group()
     if state["update"] < num_updates:
@@ -533,15 +532,10 @@ def check_args(args):
     require(args.total_timesteps >= steps, f"--total-timesteps is less than one batch (batch x unroll = {steps} steps)")
     fits = mb >= 1 and mb % world == 0 and args.batch_size % mb == 0
     require(fits, f"--num-minibatches {mb} must divide --batch-size and be a multiple of the learners ({world})")
-    positive = ("batch_size", "unroll_length", "target_update_period", "learning_rate", "eps_eta", "eps_alpha_mu")
-    for name in (*positive, "eps_alpha_sigma", "init_eta", "init_alpha_mu", "init_alpha_sigma", "update_epochs"):
-        require(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("minibatch_size", "regression_coef"):  # 0: the whole batch in one step; no regression
-        require(getattr(args, name) >= 0, f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
-    for name in ("gamma", "gae_lambda"):
-        require(
-            0 <= getattr(args, name) <= 1, f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}"
-        )
+    positive = "batch_size unroll_length target_update_period learning_rate eps_eta eps_alpha_mu eps_alpha_sigma"
+    require_in("(0, inf)", args, positive + " init_eta init_alpha_mu init_alpha_sigma update_epochs")
+    require_in("[0, inf)", args, "minibatch_size regression_coef")  # 0: the whole batch in one step; no regression
+    require_in("[0, 1]", args, "gamma gae_lambda")
     require(args.hidden and min(args.hidden) >= 1, f"--hidden takes positive layer sizes, got {args.hidden}")
     if args.capture_video:
         check_render(args.env_id)
@@ -551,7 +545,7 @@ def check_args(args):
 # ---------------------------------------------------------------------------------------------------------
 # The run machinery: one text, copied verbatim into every script that needs it (tests/test_common.py checks that
 # the copies are identical). Besides its arguments it reads the script's own `Args` (and `args.network` where there
-# is one), `defaults_for`, `main`, `make_eval_policy`, `act` and `__file__`, by name.
+# is one), `defaults_for`, `main`, `act` and `__file__`, by name.
 
 
 class Stop:
@@ -850,18 +844,6 @@ class ActorPool:
 
     def close(self):
         end_workers(self.workers)
-
-
-def evaluate_model(log, model, device="cpu"):
-    """`--eval-episodes` episodes of a saved policy (the first filmed with `--capture-video`): their mean, or None."""
-    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
-    if n == 0:
-        return None
-    policy = functools.partial(make_eval_policy, model, device=str(device))
-    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
-    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
-    log.scalars({"charts/eval_return": mean}, model["global_step"])
-    return mean
 
 
 def parse_args(argv=None):

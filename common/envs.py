@@ -34,6 +34,17 @@ def require(condition, message: str) -> None:
         raise UsageError(message)
 
 
+def require_in(interval: str, args, names: str) -> None:
+    """UsageError for the first of the flags `names` (attribute names of `args`, space-separated) whose value lies
+    outside `interval`, written as in mathematics: "[0, 1)", "(0, inf)"."""
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    for name in names.split():
+        value = getattr(args, name)
+        above = value > low if interval[0] == "(" else value >= low
+        below = value < high if interval[-1] == ")" else value <= high
+        require(above and below, f"--{name.replace('_', '-')} must be in {interval}, got {value}")
+
+
 def _envpool():
     import envpool  # imported lazily so that importing a script touches no environment library
 
@@ -119,18 +130,9 @@ def check_render(env_id: str) -> None:
         )
 
 
-def make_env(
-    env_id: str,
-    num_envs: int,
-    seed: int,
-    batch_size: int | None = None,
-    training: bool = True,
-    render: bool = False,
-    num_threads: int | None = None,
-    episodic_life: bool | None = None,
-    reward_clip: bool | None = None,
-    full_action_space: bool = False,
-):
+def make_env(env_id: str, num_envs: int, seed: int, batch_size: int | None = None, training: bool = True,
+             render: bool = False, num_threads: int | None = None, episodic_life: bool | None = None,
+             reward_clip: bool | None = None, full_action_space: bool = False):  # fmt: skip
     """An envpool (gymnasium API) of `num_envs` copies; async when `batch_size < num_envs`.
 
     Atari (Espeholt et al. 2018, Table G.1; Mnih et al. 2015): 84x84 grey, 4 stacked frames, action repeat 4
@@ -143,24 +145,12 @@ def make_env(
     """
     envpool = _envpool()
     batch_size = batch_size or num_envs
-    kwargs = dict(
-        env_type="gymnasium",
-        num_envs=num_envs,
-        batch_size=batch_size,
-        seed=seed,
-        num_threads=num_threads or min(batch_size, os.cpu_count() or 1),
-    )
+    threads = num_threads or min(batch_size, os.cpu_count() or 1)
+    kwargs = dict(env_type="gymnasium", num_envs=num_envs, batch_size=batch_size, seed=seed, num_threads=threads)
     if is_atari(env_id):
-        kwargs.update(
-            episodic_life=training if episodic_life is None else episodic_life,
-            reward_clip=training if reward_clip is None else reward_clip,
-            noop_max=30,
-            stack_num=4,
-            frame_skip=4,
-            repeat_action_probability=0.0,
-            max_episode_steps=27000,
-            full_action_space=full_action_space,
-        )
+        life, clip = (training if x is None else x for x in (episodic_life, reward_clip))
+        kwargs.update(episodic_life=life, reward_clip=clip, noop_max=30, stack_num=4, frame_skip=4)
+        kwargs.update(repeat_action_probability=0.0, max_episode_steps=27000, full_action_space=full_action_space)
     if render:
         kwargs["render_mode"] = "rgb_array"
         if task_family(env_id) == "mujoco":

@@ -1,5 +1,5 @@
 """Evaluation with envpool: N episodes of a policy callable, game scores per episode; for Atari, human-normalised
-scores over one game or a list. The scripts call `evaluate` at the end of a run; `evaluate.py` (the repository
+scores over one game or a list. The scripts call `evaluate_model` at the end of a run; `evaluate.py` (the repository
 root) reloads a saved model.pt through its script and calls it.
 
 Episodes are played with the evaluation settings (for Atari: no end-of-life episodes, no reward clipping, up to
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -161,23 +162,15 @@ def write_score_table(table: dict, prefix: str) -> str:
     return "\n".join(lines)
 
 
-def evaluate(
-    make_policy,
-    env_id: str,
-    episodes: int = 10,
-    num_envs: int | None = None,
-    seed: int = 0,
-    video_dir: str | None = None,
-    full_action_space: bool = False,
-) -> list[float]:
+def evaluate(make_policy, env_id: str, episodes: int = 10, num_envs: int | None = None, seed: int = 0,
+             video_dir: str | None = None, full_action_space: bool = False) -> list[float]:  # fmt: skip
     """Plays `episodes` episodes of `env_id` with `make_policy(num_envs)`, a callable `policy(obs, rewards, first)
     -> actions`, and returns their game scores. Each env plays a fixed quota of episodes, so short episodes are not
     favoured. With `video_dir`, env 0's first episode is written there."""
     num_envs = num_envs or min(episodes, 8)
     quota = np.full(num_envs, episodes // num_envs) + (np.arange(num_envs) < episodes % num_envs)
-    env = make_env(
-        env_id, num_envs, seed, training=False, render=video_dir is not None, full_action_space=full_action_space
-    )
+    render = video_dir is not None
+    env = make_env(env_id, num_envs, seed, training=False, render=render, full_action_space=full_action_space)
     policy = make_policy(num_envs)
     tracker = EpisodeTracker(num_envs)
     obs, info = env.reset()
@@ -210,6 +203,36 @@ def evaluate_games(make_policy, games, episodes: int, seed: int, prefix: str, vi
     table = score_table(scores)
     print(write_score_table(table, prefix), flush=True)
     return scores, table
+
+
+def evaluate_model(log, model, make_eval_policy, device="cpu"):
+    """The end of a run: `--eval-episodes` episodes of the saved `model`, played by the script's `make_eval_policy`
+    (the first filmed with `--capture-video`), logged to `log` (the script's RunLog): their mean, or None."""
+    n, film = log.args.eval_episodes, log.path if log.args.capture_video else None
+    if n == 0:
+        return None
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    mean = float(np.mean(evaluate(policy, log.args.env_id, n, None, log.args.seed + 10_000, film)))
+    print(f"evaluation over {n} episodes: mean {mean:.1f}", flush=True)
+    log.scalars({"charts/eval_return": mean}, model["global_step"])
+    return mean
+
+
+def evaluate_games_model(log, model, make_eval_policy, device="cpu") -> tuple:
+    """`evaluate_model`, and for several games (`--env-ids`) each game's episodes with a table (`evaluation/`): (the
+    mean return, summary.json's extra entries)."""
+    n, games, step = log.args.eval_episodes, log.args.env_ids, model["global_step"]
+    if n == 0 or not games:
+        return evaluate_model(log, model, make_eval_policy, device), {}
+    policy = functools.partial(make_eval_policy, model, device=str(device))
+    film = log.path if log.args.capture_video else None
+    _, table = evaluate_games(policy, games, n, log.args.seed + 10_000, os.path.join(log.path, "evaluation"), film)
+    log.scalars({f"charts/{r['env_id']}/eval_return": r["mean"] for r in table["games"]}, step)
+    log.scalars({"charts/eval_median_human_normalized": table["median_human_normalized"]}, step)
+    extra = {f"eval_{k}": table[k] for k in ("median_human_normalized", "mean_human_normalized")}
+    last10 = {g: float(np.mean(log.groups[g][-10:])) if log.groups.get(g) else None for g in games}
+    extra.update(eval_per_game=table["games"], env_ids=list(games), mean_episodic_return_last_10_per_game=last10)
+    return float(np.mean([r["mean"] for r in table["games"]])), extra
 
 
 def write_apng(path: str, frames: list, fps: int = 30) -> None:
