@@ -117,9 +117,8 @@ class LSTMCore(nn.Module):
         T, B = first.shape
         x = features.view(T, B, -1)
         if self.action_reward_inputs:
-            x = torch.cat(
-                [x, F.one_hot(prev_action.long(), self.num_actions).float(), prev_reward.view(T, B, 1).float()], dim=-1
-            )
+            one_hot = F.one_hot(prev_action.long(), self.num_actions).float()
+            x = torch.cat([x, one_hot, prev_reward.view(T, B, 1).float()], dim=-1)
         h, c = state
         outs = []
         for t in range(T):

@@ -17,14 +17,7 @@ import torch.nn as nn
 
 
 class PopArt(nn.Module):
-    def __init__(
-        self,
-        in_features: int,
-        num_tasks: int = 1,
-        beta: float = 1e-4,
-        scale_lower: float = 1e-2,
-        scale_upper: float = 1e6,
-    ):
+    def __init__(self, in_features: int, num_tasks: int = 1, beta: float = 1e-4, scale_lower=1e-2, scale_upper=1e6):
         super().__init__()
         self.linear = nn.Linear(in_features, num_tasks)
         self.beta, self.scale_lower, self.scale_upper = beta, scale_lower, scale_upper
