@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from common.envs import EpisodeTracker, UsageError, check_render, env_spec, flat_obs_dim, flatten_obs, is_atari
 from common.envs import make_env, require, require_in, task_family, to_env_action
 from common.evaluation import evaluate_model, resume_checkpoint
-from common.networks import MLPTorso, RunningNorm, init_output_, init_weights_
+from common.networks import NATURE, MLPTorso, RunningNorm, ShallowTorso, init_output_, init_weights_
 
 
 @dataclasses.dataclass
@@ -291,23 +291,6 @@ def update_average(avg_agent, agent, decay):
 # The agent.
 
 
-class NatureTorso(nn.Module):
-    """Sec. 4 (Mnih et al. 2015): conv 32 8x8/4, conv 64 4x4/2, conv 64 3x3/1, fully connected 512, ReLUs."""
-
-    def __init__(self, obs_shape):
-        super().__init__()
-        c, h, w = obs_shape
-        convs = [nn.Conv2d(c, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU()]
-        self.convs = nn.Sequential(*convs, nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten())
-        with torch.no_grad():
-            n = self.convs(torch.zeros(1, c, h, w)).shape[1]
-        self.fc = nn.Linear(n, 512)
-        self.out_features = 512
-
-    def forward(self, x):
-        return F.relu(self.fc(self.convs(x.float() / 255.0)))
-
-
 class Agent(nn.Module):
     """One network with a softmax policy head and a Q head (Sec. 3.1). `forward(obs)` takes `[T, B, ...]` and
     returns logits and Q values, both `[T, B, A]`."""
@@ -316,7 +299,9 @@ class Agent(nn.Module):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, hidden=hidden)
         pixels = len(obs_shape) == 3
-        self.torso = NatureTorso(obs_shape) if pixels else MLPTorso(int(math.prod(obs_shape)), (hidden,), nn.ReLU)
+        self.torso = (
+            ShallowTorso(obs_shape, **NATURE) if pixels else MLPTorso(int(math.prod(obs_shape)), (hidden,), nn.ReLU)
+        )
         self.policy = nn.Linear(self.torso.out_features, num_actions)
         self.q = nn.Linear(self.torso.out_features, num_actions)
         if pixels:  # with PyTorch's default init the torso starts nearly state-blind on Atari frames

@@ -22,20 +22,24 @@ def _scale(x: torch.Tensor) -> torch.Tensor:
 
 class ShallowTorso(nn.Module):
     """The shallow Atari network of A3C (Mnih et al. 2016) used by IMPALA (Espeholt et al. 2018, Fig. 3 left):
-    conv 16 8x8/4, conv 32 4x4/2, fully connected 256, ReLUs."""
+    conv 16 8x8/4, conv 32 4x4/2, fully connected 256, ReLUs; a convolution per (channels, (kernel, stride)) pair.
+    `NATURE` makes it the DQN network of Mnih et al. (2015), conv 32 8x8/4, conv 64 4x4/2, conv 64 3x3/1, fc 512."""
 
-    def __init__(self, obs_shape, channels=(16, 32), hidden=256):
+    def __init__(self, obs_shape, channels=(16, 32), hidden=256, kernels=((8, 4), (4, 2))):
         super().__init__()
-        c, h, w = obs_shape
-        convs = [nn.Conv2d(c, channels[0], 8, stride=4), nn.ReLU(), nn.Conv2d(channels[0], channels[1], 4, stride=2)]
-        self.convs = nn.Sequential(*convs, nn.ReLU(), nn.Flatten())
+        sizes = zip((obs_shape[0], *channels), channels, kernels)
+        convs = [m for c_in, c_out, (k, s) in sizes for m in (nn.Conv2d(c_in, c_out, k, stride=s), nn.ReLU())]
+        self.convs = nn.Sequential(*convs, nn.Flatten())
         with torch.no_grad():
-            n = self.convs(torch.zeros(1, c, h, w)).shape[1]
+            n = self.convs(torch.zeros(1, *obs_shape)).shape[1]
         self.fc = nn.Linear(n, hidden)
         self.out_features = hidden
 
     def forward(self, x):
         return F.relu(self.fc(self.convs(_scale(x))))
+
+
+NATURE = dict(channels=(32, 64, 64), hidden=512, kernels=((8, 4), (4, 2), (3, 1)))  # ShallowTorso's settings
 
 
 class ResidualBlock(nn.Module):
