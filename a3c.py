@@ -30,8 +30,6 @@ What the paper leaves open (RMSProp's ε, gradient clipping, initialisation) and
     python a3c.py --env-id HalfCheetah-v4 --num-workers 8 --lstm
 """
 
-from __future__ import annotations
-
 import contextlib
 import copy
 import dataclasses

@@ -25,8 +25,6 @@ Departures from the paper (initialisation, optimiser, learning rate and its hori
     torchrun --nproc_per_node 2 impala_vtrace.py --env-id Pong-v5 --network deep --use-lstm
 """
 
-from __future__ import annotations
-
 import contextlib
 import copy
 import dataclasses
@@ -202,17 +200,9 @@ def learner_loss(
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     entropy_loss = -entropy_cost * (mask * entropy).sum()
     n, rhos = mask.sum().clamp(min=1), log_rhos.exp()
-    return VtraceLoss(
-        loss=pg_loss + baseline_loss + entropy_loss,
-        policy_loss=pg_loss,
-        value_loss=baseline_loss,
-        entropy_loss=entropy_loss,
-        entropy=(mask * entropy).sum() / n,
-        rho_mean=(mask * rhos).sum() / n,
-        rho_clipped_fraction=(mask * (rhos > clips[0])).sum() / n,
-        value_mean=(mask * v[:-1]).sum() / n,
-        vs=vs,
-    )
+    means = dict(entropy=entropy, rho_mean=rhos, rho_clipped_fraction=rhos > clips[0], value_mean=v[:-1])
+    parts = dict(policy_loss=pg_loss, value_loss=baseline_loss, entropy_loss=entropy_loss)
+    return VtraceLoss(loss=sum(parts.values()), **parts, **{k: (mask * x).sum() / n for k, x in means.items()}, vs=vs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -255,7 +245,7 @@ class Agent(nn.Module):
 # at obs_t and μ's logits there. An unroll has T+1 rows; its last row is also the first row of the env's next one.
 
 
-def act(cfg, link: ActorChannel) -> None:
+def act(cfg, link: "ActorChannel") -> None:
     """An actor: the latest published policy μ acts in each batch of envs envpool returns and sends full unrolls."""
     n, device = cfg.num_envs, torch.device(cfg.device)
     envs = make_env(cfg.env_id, n, cfg.seed, cfg.env_batch_size, num_threads=cfg.env_threads, **cfg.env_options)

@@ -32,8 +32,6 @@ the period's updates, no guidance before the first selection, Xavier weights) an
     python p3s_td3.py --env-id Hopper-v4 --reward-delay 20 --num-learners 1   # TD3 on delayed Hopper
 """
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 import hashlib
