@@ -373,9 +373,8 @@ def learner_step(state, target, batch, args):
     n = obs.shape[0]
     steps = max(1, n // args.minibatch_size) if args.minibatch_size else 1
     eps = (args.eps_eta, args.eps_alpha_mu, args.eps_alpha_sigma)
-    settings = dict(eps_eta=args.eps_eta, eps_alpha_mu=args.eps_alpha_mu, eps_alpha_sigma=args.eps_alpha_sigma)
-    settings.update(num_minibatches=args.num_minibatches // world_size(), projection=args.projection)
-    settings.update(regression_coef=args.regression_coef)  # this learner's share of the E-step's groups first
+    settings = {k: getattr(args, k) for k in "eps_eta eps_alpha_mu eps_alpha_sigma projection regression_coef".split()}
+    settings["num_minibatches"] = args.num_minibatches // world_size()  # this learner's share of the E-step's groups
     stats = {}
     for epoch in range(args.update_epochs):
         returns, value_stats = value_targets(agent, batch, args, move_popart=epoch == 0)
@@ -386,7 +385,7 @@ def learner_step(state, target, batch, args):
             mean, std, value_features = agent(obs[idx])
             value_norm, returns_norm = agent.popart(value_features)[..., 0], agent.popart.normalize(returns[idx], 0)
             gaussians = (mean, std, target_mean[idx], target_std[idx], actions[idx])
-            duals = dict(eta=multipliers.eta, alpha_mu=multipliers.alpha_mu, alpha_sigma=multipliers.alpha_sigma)
+            duals = dict(multipliers.named_parameters())  # eta, alpha_mu, alpha_sigma
             out = vmpo_loss(*gaussians, value_norm, returns_norm, mask[idx], **duals, **settings)
             optimizer.zero_grad(set_to_none=False)
             out.loss.backward()
