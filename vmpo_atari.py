@@ -8,26 +8,25 @@ The E-step weights the top half of the batch's advantages by exp(A/η), the temp
 keeping ψ within ε_η of the data; the M-step fits the policy to ψ by weighted maximum likelihood inside a KL trust
 region KL(π_target ‖ π_online) < ε_α kept by a second multiplier α. PopArt keeps the value loss on one scale.
 
-| paper                                                            | here                                     |
-|------------------------------------------------------------------|------------------------------------------|
-| Algorithm 1: target network, refreshed every T_target steps      | `act`, `pool.publish` in `main`          |
-| Eq. (1) n-step returns G^(n) bootstrapped from the online V      | `n_step_returns`, `batch_loss`           |
-| Eq. (1) L_V, advantages A = G − V; Sec. 4.1 PopArt               | `vmpo_loss`; `batch_loss`, common/popart |
-| Eqs. (10), (12)-(13) ψ on the top half of A, L_π; L_η; their sum | `vmpo_weights`, `vmpo_loss`              |
-| Eq. (14) KL trust region L_α with stop-gradients                 | `categorical_kl`, `kl_constraint_loss`   |
-| Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step         | `LagrangeMultipliers` (`--multipliers`)  |
-| Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads | `Agent`                                  |
-| Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target              | `Args` defaults                          |
+| paper                                                                  | here                                        |
+|------------------------------------------------------------------------|---------------------------------------------|
+| Algorithm 1: target network, refreshed every T_target steps            | `act`, `pool.publish` in `main`             |
+| Eq. (1) n-step returns G^(n) from the online V, L_V, A = G − V; PopArt | `n_step_returns`, `vmpo_loss`; `batch_loss` |
+| Eqs. (10), (12)-(13) ψ on the top half of A, L_π; L_η; their sum       | `vmpo_weights`, `vmpo_loss`                 |
+| Eq. (14) KL trust region L_α with stop-gradients                       | `categorical_kl`, `kl_constraint_loss`      |
+| Sec. 4.2.2: η, α ≥ η_min = α_min = 1e-8 after every step               | `LagrangeMultipliers` (`--multipliers`)     |
+| Fig. 1b, App. F: ResNet (64, 128, 128), LSTM, 256-unit MLP heads       | `Agent`                                     |
+| Tables 1 and 6: initial η, α; ε_η, ε_α; γ; T_target                    | `Args` defaults                             |
 
-Multi-task: `--env-ids` (Table 4), one PopArt output per game. The paper's agent is `--preset paper`'s ResNet + LSTM;
-`--env-id` on Atari runs the shallow one without an LSTM, about 20x cheaper on a CPU. What departs from the paper
-(softplus multipliers, initialisation, the Atari settings measured on 2 CPU cores, an LSTM for the Transformer-XL):
-docs/vmpo_atari.md.
+Multi-task: `--env-ids` (Table 4), one PopArt output per game. `--preset paper` runs the paper's ResNet + LSTM agent;
+Atari's defaults run a shallow one without an LSTM, 20x cheaper on a CPU. What departs from the paper (softplus
+multipliers, initialisation, Atari's settings, an LSTM for the Transformer-XL): docs/vmpo_atari.md.
 
     python vmpo_atari.py --env-id Breakout-v5
     torchrun --nproc_per_node 2 vmpo_atari.py --env-id Pong-v5 --num-envs 128
 """
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -42,7 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import numpy as np
 import torch
@@ -182,17 +181,8 @@ def kl_constraint_loss(kl, alpha, eps_alpha, mask=None):
     return alpha * (eps_alpha - kl_mean.detach()) + alpha.detach() * kl_mean, kl_mean
 
 
-class VmpoLoss(NamedTuple):
-    """vmpo_loss's result: the loss and its four parts, and diagnostics (means over the real steps)."""
-
-    loss: torch.Tensor
-    value_loss: torch.Tensor
-    policy_loss: torch.Tensor
-    eta_loss: torch.Tensor
-    alpha_loss: torch.Tensor
-    kl: torch.Tensor  # KL(π_target ‖ π), the batch mean
-    kl_psi: torch.Tensor  # KL(ψ ‖ uniform on D̃)
-    entropy: torch.Tensor
+# vmpo_loss's result: the loss, its four parts and diagnostics, KL(π_target ‖ π), KL(ψ ‖ uniform on D̃), the entropy.
+VmpoLoss = collections.namedtuple("VmpoLoss", "loss value_loss policy_loss eta_loss alpha_loss kl kl_psi entropy")
 
 
 class LagrangeMultipliers(nn.Module):
