@@ -298,10 +298,8 @@ class Agent(nn.Module):
     def __init__(self, obs_shape, num_actions, hidden=200):
         super().__init__()
         self.config = dict(obs_shape=tuple(obs_shape), num_actions=num_actions, hidden=hidden)
-        pixels = len(obs_shape) == 3
-        self.torso = (
-            ShallowTorso(obs_shape, **NATURE) if pixels else MLPTorso(int(math.prod(obs_shape)), (hidden,), nn.ReLU)
-        )
+        pixels = len(obs_shape) == 3  # Sec. 4: Mnih et al. (2015)'s network; vectors: one hidden layer of `hidden`
+        self.torso = ShallowTorso(obs_shape, **NATURE) if pixels else MLPTorso(math.prod(obs_shape), (hidden,), nn.ReLU)
         self.policy = nn.Linear(self.torso.out_features, num_actions)
         self.q = nn.Linear(self.torso.out_features, num_actions)
         if pixels:  # with PyTorch's default init the torso starts nearly state-blind on Atari frames
