@@ -201,8 +201,9 @@ def learner_loss(
     entropy_loss = -entropy_cost * (mask * entropy).sum()
     n, rhos = mask.sum().clamp(min=1), log_rhos.exp()
     means = dict(entropy=entropy, rho_mean=rhos, rho_clipped_fraction=rhos > clips[0], value_mean=v[:-1])
+    means = {k: (mask * x).sum() / n for k, x in means.items()}  # over the real steps
     parts = dict(policy_loss=pg_loss, value_loss=baseline_loss, entropy_loss=entropy_loss)
-    return VtraceLoss(loss=sum(parts.values()), **parts, **{k: (mask * x).sum() / n for k, x in means.items()}, vs=vs)
+    return VtraceLoss(loss=sum(parts.values()), **parts, **means, vs=vs)
 
 
 # ---------------------------------------------------------------------------------------------------------
