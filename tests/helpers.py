@@ -11,6 +11,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def flags(*parts):
+    """A command line's arguments, as a user types them: each part a string of space-separated flags and values, or
+    a list of them."""
+    return [a for p in parts for a in (p.split() if isinstance(p, str) else p)]
+
+
 def run_script(script, argv, run_dir, timeout=300):
     """Runs `script` (a file name, or a full command) with `--run-dir run_dir` and returns the run folder."""
     cmd = [sys.executable, script] if isinstance(script, str) else list(script)
@@ -60,12 +66,18 @@ def learns(script, argv, run_dir, target, timeout=900, evaluations=False):
     return best, runs[0]
 
 
-def events_tags(run_path, values_of=None):
-    """The scalar tags of a run's TensorBoard events, or the values of one tag in step order."""
+def events(run_path):
+    """A run's TensorBoard events, read whole (`.Scalars(tag)`: a tag's events in step order)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
     acc.Reload()
+    return acc
+
+
+def events_tags(run_path, values_of=None):
+    """The scalar tags of a run's TensorBoard events, or the values of one tag in step order."""
+    acc = events(run_path)
     if values_of is None:
         return set(acc.Tags()["scalars"])
     return [e.value for e in acc.Scalars(values_of)]
@@ -74,10 +86,7 @@ def events_tags(run_path, values_of=None):
 def logged_by(run_path, tag, step):
     """Whether a run's TensorBoard events hold `tag` at `step` or before (a `ready` for `kill_resume_stop`: a worker
     that logs it may start after others have passed the checkpoint's step)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = events(run_path)
     return tag in acc.Tags()["scalars"] and any(e.step <= step for e in acc.Scalars(tag))
 
 
@@ -107,17 +116,8 @@ def children(pid):
 
 def imported_envpool_modules(module):
     """The envpool modules that importing `module` loads (a script's import must touch no environment)."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            f"import {module}, sys; print(sorted(m for m in sys.modules if m.startswith('envpool')))",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    code = f"import {module}, sys; print(sorted(m for m in sys.modules if m.startswith('envpool')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -262,12 +262,8 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
 def kill_after_first_checkpoint(script, argv, run_dir, settle=1.0):
     """Starts `script` for a run, SIGKILLs it `settle` seconds after its first checkpoint.pt appeared (its actors
     must then exit by themselves) and returns that checkpoint's path."""
-    proc = subprocess.Popen(
-        [sys.executable, script, *argv, "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    cmd = [sys.executable, script, *argv, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         actors = wait_for_actors(proc)
         deadline = time.time() + 120
@@ -287,15 +283,15 @@ def kill_after_first_checkpoint(script, argv, run_dir, settle=1.0):
             proc.kill()
 
 
+def evaluate_py(argv, timeout=300):
+    """`python evaluate.py argv` in the repository: the completed process, its output captured as text."""
+    cmd = [sys.executable, "evaluate.py", *argv]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 def evaluate_cli(run, episodes=2, extra=()):
     """Plays a run's model.pt through `python evaluate.py` (with the flags `extra`) and returns its JSON report."""
-    out = subprocess.run(
-        [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", str(episodes), *extra],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = evaluate_py([os.path.join(run, "model.pt"), "--episodes", str(episodes), *extra])
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -307,33 +303,13 @@ def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=T
     behind."""
     import torch
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            script,
-            *argv,
-            "--learning-rate",
-            "1e30",
-            "--checkpoint-interval",
-            "1e-6",
-            "--eval-episodes",
-            "0",
-            "--run-dir",
-            str(run_dir),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=open(os.path.join(str(run_dir), "stderr.txt"), "w"),
-    )
+    cmd = [sys.executable, script, *argv, *flags("--learning-rate 1e30 --checkpoint-interval 1e-6 --eval-episodes 0")]
+    stderr = open(os.path.join(str(run_dir), "stderr.txt"), "w")
+    proc = subprocess.Popen([*cmd, "--run-dir", str(run_dir)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
     workers, deadline = set(), time.time() + 240
     try:
         while proc.poll() is None and time.time() < deadline:  # note the workers while it runs
-            for c in children(proc.pid):
-                try:
-                    if "spawn_main" in open(f"/proc/{c}/cmdline").read():
-                        workers.add(c)
-                except OSError:
-                    pass
+            workers.update(spawned(proc.pid))
             time.sleep(0.1)
         proc.wait(timeout=10)
     finally:
@@ -353,13 +329,8 @@ def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=T
     assert "last good checkpoint" in err, err[-2000:]
     assert len(ckpt) == 1
     state = torch.load(ckpt[0], map_location="cpu", weights_only=False)
-    tensors = [
-        v
-        for part in state.values()
-        if isinstance(part, dict)
-        for v in part.values()
-        if isinstance(v, torch.Tensor) and v.is_floating_point()
-    ]
+    parts = [part for part in state.values() if isinstance(part, dict)]
+    tensors = [v for part in parts for v in part.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
     assert tensors and all(bool(torch.isfinite(v).all()) for v in tensors)
     return line, state
 
@@ -377,24 +348,9 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
 
     log = os.path.join(str(run_dir), "console.log")
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                script,
-                *argv,
-                "--log-interval",
-                "0",
-                "--checkpoint-interval",
-                "0",
-                "--eval-episodes",
-                "0",
-                "--run-dir",
-                os.path.join(str(run_dir), "runs"),
-            ],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        cmd = [sys.executable, script, *argv, *flags("--log-interval 0 --checkpoint-interval 0 --eval-episodes 0")]
+        cmd += ["--run-dir", os.path.join(str(run_dir), "runs")]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + deadline_s
         while time.time() < deadline and proc.poll() is None and not updates_done(open(log).read()):
@@ -446,7 +402,7 @@ def kill_resume_stop(script, argv, run_dir, stop_signal, kill_past=0, past=1, ti
             time.sleep(0.2)
         raise AssertionError(f"no checkpoint past step {step} (and ready) within {timeout} s (exit {proc.poll()})")
 
-    argv = [*argv, "--checkpoint-interval", "0.5", "--eval-episodes", "0", "--run-dir", str(run_dir)]
+    argv = [*argv, *flags("--checkpoint-interval 0.5 --eval-episodes 0 --run-dir"), str(run_dir)]
     proc = start(argv, stderr=subprocess.DEVNULL)
     try:
         actors = wait_for_actors(proc, timeout)
@@ -569,3 +525,102 @@ def breakout_unrolls(num_envs=8, unroll_length=20, seed=0):
     zeros = torch.zeros(unroll_length + 1, num_envs, dtype=torch.long)
     batch = dict(obs=obs, reward=reward.float(), ended=ended, terminated=term, action=action.long())
     return {**batch, "first": zeros.bool(), "prev_action": zeros, "task": zeros, "version": zeros}
+
+
+HOGWILD_LONG_RUN = "--env-id CartPole-v1 --num-workers 2 --total-timesteps 100000000"  # a3c.py, acer.py: not spent
+
+
+def assert_hogwild_non_finite_stops_the_run(script, run_dir):
+    """`assert_non_finite_stops_the_run` for a Hogwild script (a3c.py, acer.py) on CartPole-v1 with 2 workers, which
+    can get there before the first checkpoint: the line names the policy, the loss or a gradient."""
+    argv = flags("--env-id CartPole-v1 --num-workers 2")
+    line, _ = assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=False)
+    assert "policy" in line or "loss" in line or "gradient" in line
+
+
+def learning_rate_logged(run, saved):
+    """A `ready` for `kill_resume_stop` in a Hogwild run: worker 0 logs the learning rate, and may start after the
+    other has passed the checkpoint's step."""
+    return logged_by(run, "charts/learning_rate", saved["global_step"])
+
+
+def assert_every_steps_return_scaled(agent, work):
+    """--scale-rewards on Pendulum-v1, one env: `work()` (a worker's 400 steps in this process, two episodes of 200)
+    puts R_t into `agent`'s return statistics at every step, the last of an episode too (R_t shares no memory with
+    the array reset after it). Pendulum's rewards are all negative, so is every R_t but at envpool's reset step."""
+    import torch
+
+    seen, update = [], agent.return_norm.update
+    agent.return_norm.update = lambda x: (seen.append(x.clone()), update(x))
+    work()
+    returns = torch.cat([x.flatten() for x in seen])  # steps 0-199, envpool's reset step (reward 0), 201-399
+    assert len(returns) == 400 and (returns <= 0).all() and (returns == 0).nonzero().flatten().tolist() == [200]
+
+
+def assert_logged(run_path, *tags):
+    """A run's TensorBoard events hold each of `tags` (strings of space-separated tags); returns all its tags."""
+    logged = events_tags(run_path)
+    for tag in " ".join(tags).split():
+        assert tag in logged, (tag, logged)
+    return logged
+
+
+ENV_IDS_SHARES = [  # impala_vtrace.py, vmpo_atari.py: argv and (actors, envs), None for the script's Args default
+    (flags("--env-ids Breakout-v5 Qbert-v5 BeamRider-v5"), (3, 33)),  # one actor per game, 32 envs rounded up
+    (flags("--env-ids Breakout-v5 Qbert-v5 BeamRider-v5 --num-actors 6"), (6, 36)),
+    (flags("--env-ids Pong-v5 Breakout-v5 --num-envs 8"), (2, 8)),  # a flag given wins
+    (flags("--env-ids Pong-v5 Breakout-v5 --preset paper"), (1, None)),
+    (flags("--env-id Pong-v5"), (1, 32)),
+]
+
+
+def assert_env_ids_share(script, argv, expected):
+    """`--env-ids` alone runs: one actor per game and the family's envs rounded up to a multiple of them (the actors
+    must divide evenly over the games); flags given and `--preset paper` keep theirs (`script`: the module)."""
+    args = script.parse_args(argv)
+    actors, envs = expected
+    assert (args.num_actors, args.num_envs) == (actors, script.Args().num_envs if envs is None else envs)
+    if args.env_ids and args.preset != "paper":
+        script.check_args(args)  # accepted: no UsageError
+
+
+THREE_GAMES = ["Breakout-v5", "Qbert-v5", "Asterix-v5"]  # 120-340 steps a game with random play
+
+
+def three_games_run(script, argv, run_dir):
+    """`script` (impala_vtrace.py, vmpo_atari.py) on THREE_GAMES, one actor each, with `argv` besides: asserts what
+    every multi-game run has (a `3games__` folder; each game's curves, PopArt statistics and evaluation; the full
+    action set and the games in model.pt; the per-game evaluation table) and returns the run folder, its TensorBoard
+    tags and its model.pt."""
+    import torch
+
+    games = flags("--env-ids", THREE_GAMES, "--num-actors 3 --num-envs 6 --batch-size 6")
+    budget = "--total-timesteps 3000 --save-model --eval-episodes 1 --log-interval 1"
+    run_path = run_script(script, flags(games, argv, budget), run_dir, timeout=600)
+    assert os.path.basename(run_path).startswith("3games__")
+    tags = events_tags(run_path)
+    for g in THREE_GAMES:
+        assert {f"charts/{g}/episodic_return", f"stats/popart_sigma/{g}", f"charts/{g}/eval_return"} <= tags, tags
+    checkpoint = torch.load(os.path.join(run_path, "model.pt"), weights_only=False)
+    assert checkpoint["full_action_space"] and checkpoint["env_ids"] == THREE_GAMES
+    table = json.load(open(os.path.join(run_path, "evaluation.json")))
+    assert [r["env_id"] for r in table["games"]] == THREE_GAMES and table["median_human_normalized"] is not None
+    return run_path, tags, checkpoint
+
+
+def assert_lstm_input_in_range_and_torso_gradient(agent, seq, stats):
+    """A deep agent with an LSTM after 10 updates: over its inputs `seq`, under 10% of the LSTM cell's input
+    pre-activations beyond |4|, and the torso's last layer's gradient in `stats` (the last update's diagnostics)
+    above 1e-4."""
+    import torch
+
+    inputs = []  # the LSTM cell's inputs, step by step
+    hook = agent.core.cell.register_forward_pre_hook(lambda cell, x: inputs.append(x[0]))
+    with torch.no_grad():
+        agent(*seq)
+        cell = agent.core.cell
+        saturated = float(((torch.cat(inputs) @ cell.weight_ih.T + cell.bias_ih).abs() > 4).float().mean())
+    hook.remove()
+    assert saturated < 0.1, f"{saturated:.0%} of the LSTM's input pre-activations beyond |4| after 10 updates"
+    grad = float(stats["grad_norm/torso.fc"])
+    assert grad > 1e-4, f"the torso's last layer's gradient {grad:.1e} after 10 updates"

@@ -16,18 +16,10 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import a3c  # noqa: E402
 from a3c import SharedRMSprop, a3c_loss, hogwild_update, n_step_returns  # noqa: E402
-from tests.helpers import (
-    learns,
-    assert_killed_process_ends_the_run,
-    assert_non_finite_stops_the_run,
-    assert_usage_error,
-    kill_resume_stop,
-    logged_by,
-    evaluate_cli,  # noqa: E402
-    events_tags,
-    imported_envpool_modules,
-    run_script,
-)
+from tests.helpers import assert_every_steps_return_scaled, assert_hogwild_non_finite_stops_the_run  # noqa: E402
+from tests.helpers import assert_killed_process_ends_the_run, assert_usage_error, evaluate_cli, events  # noqa: E402
+from tests.helpers import events_tags, flags, HOGWILD_LONG_RUN, imported_envpool_modules, kill_resume_stop  # noqa: E402
+from tests.helpers import learning_rate_logged, learns, run_script  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -489,20 +481,11 @@ def test_smoke_qbert(tmp_path, extra):
     entropy 0.51 at its last update)."""
     run = run_script(
         "a3c.py",
-        [
-            "--env-id",
-            "Qbert-v5",
-            "--num-workers",
-            "2",
-            "--total-timesteps",
-            "1500",
-            "--eval-episodes",
-            "1",
-            "--save-model",
-            "--log-interval",
-            "1",
-            *extra,
-        ],
+        flags(
+            "--env-id Qbert-v5 --num-workers 2 --total-timesteps 1500",
+            "--eval-episodes 1 --save-model --log-interval 1",
+            extra,
+        ),
         tmp_path,
     )
     summary = json.load(open(os.path.join(run, "summary.json")))
@@ -513,19 +496,9 @@ def test_smoke_qbert(tmp_path, extra):
     assert saved["t_max"] == t_max and saved["max_grad_norm"] == 40.0  # the defaults for pixels, as run
     assert saved["task_family"] == "atari" and saved["rmsprop_eps"] == 1e-5
     tags = events_tags(run)
-    assert {
-        "charts/SPS",
-        "charts/learning_rate",
-        "losses/value_loss",
-        "losses/policy_loss",
-        "losses/entropy",
-        "stats/grad_norm",
-        "stats/policy_lag",
-    } <= tags
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run, size_guidance={"scalars": 0})
-    acc.Reload()
+    assert {"charts/SPS", "charts/learning_rate", "losses/value_loss", "losses/policy_loss", "losses/entropy"} <= tags
+    assert {"stats/grad_norm", "stats/policy_lag"} <= tags
+    acc = events(run)
     for e in acc.Scalars("charts/learning_rate"):  # logged at the step after the update: annealed linearly to 0
         assert e.value == pytest.approx(1e-3 * (1 - (e.step - t_max) / 1500), rel=1e-5)
     assert len(acc.Scalars("charts/learning_rate")) >= 2  # worker 0's first and last update at least
@@ -535,19 +508,10 @@ def test_smoke_qbert(tmp_path, extra):
 def test_smoke_halfcheetah(tmp_path):
     run = run_script(
         "a3c.py",
-        [
-            "--env-id",
-            "HalfCheetah-v4",
-            "--num-workers",
-            "2",
-            "--num-envs",
-            "2",
-            "--total-timesteps",
-            "3000",
-            "--eval-episodes",
-            "1",
-            "--save-model",
-        ],
+        flags(
+            "--env-id HalfCheetah-v4 --num-workers 2 --num-envs 2",
+            "--total-timesteps 3000 --eval-episodes 1 --save-model",
+        ),
         tmp_path,
     )
     checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
@@ -594,12 +558,9 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["worker", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    assert_killed_process_ends_the_run(
-        "a3c.py",
-        argv=["--env-id", "CartPole-v1", "--num-workers", "2", "--total-timesteps", "100000000"],
-        run_dir=tmp_path,
-        victim=victim,
-    )
+    """A SIGKILLed worker ends the run non-zero, naming it; two Ctrl-Cs end it with 130 and no traceback; no worker
+    outlives the main process (`assert_killed_process_ends_the_run`)."""
+    assert_killed_process_ends_the_run("a3c.py", flags(HOGWILD_LONG_RUN), tmp_path, victim)
 
 
 @pytest.mark.e2e
@@ -612,21 +573,16 @@ def test_killed_run_resumes_and_a_stop_saves_the_update_in_hand(tmp_path, method
     main process saves the shared state at the step they reached, says how to continue and exits with 130, leaving
     no worker behind (`kill_resume_stop`: every step on what the run wrote, none on a clock)."""
     budget = 2_000_000  # not spent within the test: the runs end by a kill and a stop
-    argv = ["--method", method, "--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2"]
-    argv += ["--total-timesteps", str(budget), "--log-interval", "0.5", "--seed", "3", "--save-model"]
-
-    def ready(run, saved):  # worker 0 logs the learning rate: it may start after the other passed the step
-        return logged_by(run, "charts/learning_rate", saved["global_step"])
-
-    run, saved, final, err = kill_resume_stop("a3c.py", argv, tmp_path, stop, kill_past=1000, past=10_000, ready=ready)
+    argv = flags(f"--method {method} --env-id CartPole-v1 --num-workers 2 --num-envs 2 --total-timesteps {budget}")
+    argv += flags("--log-interval 0.5 --seed 3 --save-model")
+    run, saved, final, err = kill_resume_stop(
+        "a3c.py", argv, tmp_path, stop, kill_past=1000, past=10_000, ready=learning_rate_logged
+    )
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the model.pt written with the checkpoints
     assert 0 < saved["global_step"] < final["global_step"] < budget and final["args"]["num_envs"] == 2
     square_avg = [s["square_avg"] for s in saved["optimizer"]["state"].values()]
     assert any(g.abs().sum() > 0 for g in square_avg)  # the shared statistics, not fresh zeros
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run, size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = events(run)
     lr = acc.Scalars("charts/learning_rate")
     after = [e for e in lr if e.step > saved["global_step"] + 1000]
     assert any(e.step <= saved["global_step"] for e in lr) and after
@@ -698,10 +654,7 @@ def test_learns_inverted_pendulum(tmp_path):
 
 @pytest.mark.e2e
 def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
-    line, _ = assert_non_finite_stops_the_run(
-        "a3c.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path, checkpoint_expected=False
-    )
-    assert "policy" in line or "loss" in line or "gradient" in line
+    assert_hogwild_non_finite_stops_the_run("a3c.py", tmp_path)
 
 
 def test_active_units_statistic_sees_a_dead_layer():
@@ -734,30 +687,18 @@ def test_scale_rewards_divides_by_the_std_of_the_discounted_return():
     assert a3c.scale_rewards(np.array([1e9, -1e9]), norm.var).tolist() == [10.0, -10.0]
 
 
-def _worker_run(args, agent, optimizer, budgets, after_each):
-    """`a3c.train_worker` in this process, one call per budget in `budgets` (the step counter kept), `after_each()`
-    after each call."""
+def test_scale_rewards_statistics_take_every_steps_discounted_return():
+    """--scale-rewards: the return statistics take R_t at every step (`assert_every_steps_return_scaled`), with
+    a3c's worker in this process."""
     import multiprocessing
     import queue
 
-    counter, lock, msg_q = multiprocessing.Value("q", 0), multiprocessing.Lock(), queue.Queue()
-    for budget in budgets:
-        a3c.train_worker(
-            0, dataclasses.replace(args, total_timesteps=budget), agent, None, optimizer, counter, lock, msg_q
-        )
-        after_each()
-
-
-def test_scale_rewards_statistics_take_every_steps_discounted_return():
-    """--scale-rewards: the return statistics take R_t at every step, the last of an episode too (R_t shares no
-    memory with the array reset after it). Pendulum's rewards are all negative, so is every R_t but at the
-    reset step."""
-    argv = ["--env-id", "Pendulum-v1", "--num-workers", "1", "--num-envs", "1", "--scale-rewards", "--no-lstm"]
-    args, _ = a3c.check_args(a3c.parse_args([*argv, "--t-max", "20"]))
+    argv = "--env-id Pendulum-v1 --num-workers 1 --num-envs 1 --scale-rewards --no-lstm --t-max 20".split()
+    args, _ = a3c.check_args(a3c.parse_args(argv))
     agent = a3c.Agent((3,), 0, 1, args.hidden, gaussian=args.gaussian, scale_rewards=True).share_memory()
     optimizer = a3c.SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
-    seen, update = [], agent.return_norm.update
-    agent.return_norm.update = lambda x: (seen.append(x.clone()), update(x))
-    _worker_run(args, agent, optimizer, [400], lambda: None)  # two episodes of 200 steps
-    returns = torch.cat([x.flatten() for x in seen])  # steps 0-199, envpool's reset step (reward 0), 201-399
-    assert len(returns) == 400 and (returns <= 0).all() and (returns == 0).nonzero().flatten().tolist() == [200]
+    counter, lock, msg_q = multiprocessing.Value("q", 0), multiprocessing.Lock(), queue.Queue()
+    run = dataclasses.replace(args, total_timesteps=400)
+    assert_every_steps_return_scaled(
+        agent, lambda: a3c.train_worker(0, run, agent, None, optimizer, counter, lock, msg_q)
+    )

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -17,18 +16,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import acer  # noqa: E402
 from acer import acer_loss, acer_policy_gradient, kl_gradient, retrace, trust_region_step  # noqa: E402
-from tests.helpers import (
-    learns,
-    ROOT,
-    assert_killed_process_ends_the_run,
-    assert_non_finite_stops_the_run,
-    assert_usage_error,
-    kill_resume_stop,
-    logged_by,
-    events_tags,  # noqa: E402
-    imported_envpool_modules,
-    run_script,
-)
+from tests.helpers import assert_every_steps_return_scaled, assert_hogwild_non_finite_stops_the_run  # noqa: E402
+from tests.helpers import assert_killed_process_ends_the_run, assert_usage_error, evaluate_cli, events  # noqa: E402
+from tests.helpers import events_tags, flags, HOGWILD_LONG_RUN, imported_envpool_modules, kill_resume_stop  # noqa: E402
+from tests.helpers import learning_rate_logged, learns, run_script  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -496,47 +487,20 @@ def test_smoke_qbert(tmp_path, extra):
     loaded suite: entropy 0.51 at its last update)."""
     run = run_script(
         "acer.py",
-        [
-            "--env-id",
-            "Qbert-v5",
-            "--num-workers",
-            "2",
-            "--total-timesteps",
-            "800",
-            "--replay-size",
-            "2000",
-            "--eval-episodes",
-            "1",
-            "--save-model",
-            "--replay-ratio",
-            "2",
-            *extra,
-        ],
+        flags(
+            "--env-id Qbert-v5 --num-workers 2 --total-timesteps 800",
+            "--replay-size 2000 --eval-episodes 1 --save-model --replay-ratio 2",
+            extra,
+        ),
         tmp_path,
     )
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert 800 <= summary["total_timesteps"] < 800 + 2 * 20
     tags = events_tags(run)
-    assert {
-        "stats/rho_mean",
-        "stats/truncated_fraction",
-        "stats/trust_region_adjustment",
-        "stats/kl_avg",
-        "losses/value_loss",
-        "losses/policy_loss",
-        "charts/SPS",
-        "charts/episodic_return",
-    } <= tags
+    assert {"stats/rho_mean", "stats/truncated_fraction", "stats/trust_region_adjustment", "stats/kl_avg"} <= tags
+    assert {"losses/value_loss", "losses/policy_loss", "charts/SPS", "charts/episodic_return"} <= tags
     assert all(n == int(n) >= 0 for n in events_tags(run, "stats/replay_updates"))  # Poisson(2) draws
-    out = subprocess.run(
-        [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1])["episodes"] == 2
+    assert evaluate_cli(run)["episodes"] == 2
 
 
 @pytest.mark.e2e
@@ -563,12 +527,7 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["worker", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    assert_killed_process_ends_the_run(
-        "acer.py",
-        argv=["--env-id", "CartPole-v1", "--num-workers", "2", "--total-timesteps", "100000000"],
-        run_dir=tmp_path,
-        victim=victim,
-    )
+    assert_killed_process_ends_the_run("acer.py", flags(HOGWILD_LONG_RUN), tmp_path, victim)
 
 
 def summary_steps(run):
@@ -601,14 +560,7 @@ def test_smoke_continuous_with_scale_rewards(tmp_path):
     assert saved_checkpoint["agent_config"] == checkpoint["agent_config"]
     torch.testing.assert_close(saved_checkpoint["agent"]["obs_norm.mean"], agent["obs_norm.mean"])
     assert {"stats/rho_mean", "stats/kl_avg", "stats/trust_region_adjustment"} <= events_tags(run)
-    out = subprocess.run(
-        [sys.executable, "evaluate.py", os.path.join(run, "model.pt"), "--episodes", "2", "--greedy"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
+    assert evaluate_cli(run, extra=["--greedy"])["episodes"] == 2
 
 
 @pytest.mark.e2e
@@ -644,24 +596,17 @@ def test_killed_run_resumes_and_ctrl_c_saves_the_updates_in_hand(tmp_path):
     run: each worker completes its segment's updates and returns, the main process saves the shared state at the
     step it names, says how to continue and exits with 130, leaving no worker behind (`kill_resume_stop`)."""
     budget = 2_000_000  # not spent within the test: the runs end by a kill and a Ctrl-C
-    argv = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs", "2", "--total-timesteps", str(budget)]
-    argv += ["--log-interval", "0.5", "--seed", "3"]
-
-    def ready(run, saved):  # worker 0 logs the learning rate: it may start after the other passed the step
-        return logged_by(run, "charts/learning_rate", saved["global_step"])
-
+    argv = flags(f"--env-id CartPole-v1 --num-workers 2 --num-envs 2 --total-timesteps {budget}")
+    argv += flags("--log-interval 0.5 --seed 3")
     run, saved, final, _ = kill_resume_stop(
-        "acer.py", argv, tmp_path, signal.SIGINT, kill_past=1000, past=2000, ready=ready
+        "acer.py", argv, tmp_path, signal.SIGINT, kill_past=1000, past=2000, ready=learning_rate_logged
     )
     assert "avg_agent" in saved and 0 < saved["global_step"] < final["global_step"] < budget
     square_avg = [s["square_avg"] for s in saved["optimizer"]["state"].values()]
     assert any(g.abs().sum() > 0 for g in square_avg)  # the shared statistics, not fresh zeros
     assert final["args"]["num_envs"] == 2
     assert not torch.equal(saved["avg_agent"]["policy.weight"], final["avg_agent"]["policy.weight"])  # it moved on
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run, size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = events(run)
     lr = acc.Scalars("charts/learning_rate")
     after = [e for e in lr if e.step > saved["global_step"] + 1000]
     assert any(e.step <= saved["global_step"] for e in lr) and after
@@ -670,37 +615,23 @@ def test_killed_run_resumes_and_ctrl_c_saves_the_updates_in_hand(tmp_path):
 
 @pytest.mark.e2e
 def test_non_finite_policy_or_loss_stops_the_run(tmp_path):
-    line, _ = assert_non_finite_stops_the_run(
-        "acer.py", ["--env-id", "CartPole-v1", "--num-workers", "2"], tmp_path, checkpoint_expected=False
-    )
-    assert "policy" in line or "loss" in line or "gradient" in line
+    assert_hogwild_non_finite_stops_the_run("acer.py", tmp_path)
 
 
-def _worker_run(args, agent, budgets, after_each):
-    """`acer.train_worker` in this process (its average network and shared RMSProp made here), one call per budget
-    in `budgets` (the step counter kept), `after_each()` after each call."""
+def test_scale_rewards_statistics_take_every_steps_discounted_return():
+    """--scale-rewards: the return statistics take R_t at every on-policy step (`assert_every_steps_return_scaled`),
+    with acer's worker in this process (its average network and shared RMSProp made here)."""
     import multiprocessing
     import queue
     import threading
 
+    args, _ = acer.check_args(
+        acer.parse_args("--env-id Pendulum-v1 --num-workers 1 --num-envs 1 --scale-rewards".split())
+    )
+    agent = acer.ContinuousAgent((3,), 1, args.hidden, args.policy_std, scale_rewards=True).share_memory()
     avg_agent = copy.deepcopy(agent)
     optimizer = acer.SharedRMSprop(agent.parameters(), args.learning_rate, args.rmsprop_alpha, args.rmsprop_eps)
     counter, lock, msg_q, halt = multiprocessing.Value("q", 0), multiprocessing.Lock(), queue.Queue(), threading.Event()
-    for budget in budgets:
-        run = dataclasses.replace(args, total_timesteps=budget)
-        acer.train_worker(0, run, agent, avg_agent, optimizer, counter, lock, msg_q, halt, threading.Barrier(1))
-        after_each()
-
-
-def test_scale_rewards_statistics_take_every_steps_discounted_return():
-    """--scale-rewards: the return statistics take R_t at every on-policy step, the last of an episode too (the row
-    shares no memory with the array reset after it). Pendulum's rewards are all negative, so is every R_t but
-    at the reset step."""
-    argv = ["--env-id", "Pendulum-v1", "--num-workers", "1", "--num-envs", "1", "--scale-rewards"]
-    args, _ = acer.check_args(acer.parse_args(argv))
-    agent = acer.ContinuousAgent((3,), 1, args.hidden, args.policy_std, scale_rewards=True).share_memory()
-    seen, update = [], agent.return_norm.update
-    agent.return_norm.update = lambda x: (seen.append(x.clone()), update(x))
-    _worker_run(args, agent, [400], lambda: None)  # two episodes of 200 steps
-    returns = torch.cat([x.flatten() for x in seen])  # steps 0-199, envpool's reset step (reward 0), 201-399
-    assert len(returns) == 400 and (returns <= 0).all() and (returns == 0).nonzero().flatten().tolist() == [200]
+    run = dataclasses.replace(args, total_timesteps=400)
+    sync = (counter, lock, msg_q, halt, threading.Barrier(1))
+    assert_every_steps_return_scaled(agent, lambda: acer.train_worker(0, run, agent, avg_agent, optimizer, *sync))

@@ -11,7 +11,15 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import learning  # noqa: E402
-from tests.helpers import ROOT  # noqa: E402
+from tests.helpers import ROOT, flags  # noqa: E402
+
+
+def benchmark(argv, timeout=120):
+    """Runs `python benchmarks/...` with `argv` (the script first) in the repository; asserts exit 0 and returns the
+    completed process."""
+    res = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
 
 
 def test_running_mean_and_curve_on_grid_match_loops():
@@ -72,27 +80,7 @@ def test_report_from_logs(tmp_path):
     out = str(tmp_path)
     fake_run(out, 1, np.arange(40.0))  # last 20: 20..39, mean 29.5
     fake_run(out, 2, np.arange(40.0) + 10)  # mean 39.5
-    res = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/learning.py",
-            "--preset",
-            "cpu",
-            "--only",
-            "a3c",
-            "--seeds",
-            "1",
-            "2",
-            "--report-only",
-            "--out",
-            out,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert res.returncode == 0, res.stderr
+    benchmark(flags("benchmarks/learning.py --preset cpu --only a3c --seeds 1 2 --report-only --out", [out]))
     table = open(os.path.join(out, "learning_cpu.md")).read()
     row = next(line for line in table.splitlines() if "CartPole-v1" in line)
     # last 100 (all 40): means 19.5 and 29.5
@@ -110,44 +98,18 @@ def test_time_limit_stops_a_run_with_ctrl_c(tmp_path):
 
     The budget is raised far past what 20 s can reach; the 20 s count from the run's first progress line, so that a
     start-up slowed by a loaded machine (three processes importing torch) cannot use them up (it did once)."""
-    res = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/learning.py",
-            "--preset",
-            "cpu",
-            "--only",
-            "a3c",
-            "--seeds",
-            "1",
-            "--time-limit",
-            "20",
-            "--out",
-            str(tmp_path),
-            "--",
-            "--total-timesteps",
-            "100000000",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    argv = flags("benchmarks/learning.py --preset cpu --only a3c --seeds 1 --time-limit 20 --out", [str(tmp_path)])
+    res = benchmark(flags(argv, "-- --total-timesteps 100000000"), timeout=300)
     assert "exit 130" in res.stdout
     saved = json.load(open(os.path.join(str(tmp_path), "learning_cpu.json")))
     reached = {r["env_id"]: r["steps_reached"][0] for r in saved["rows"]}
     assert 0 < reached["CartPole-v1"] < 100_000_000 and 0 < reached["InvertedPendulum-v4"] < 100_000_000
     assert len([p for p in os.listdir(os.path.join(str(tmp_path), "runs"))]) == 2
-    assert all(
-        os.path.exists(p)
-        for p in [
-            os.path.join(str(tmp_path), "runs", d, f, "checkpoint.pt")
-            for d in os.listdir(os.path.join(str(tmp_path), "runs"))
-            for f in os.listdir(os.path.join(str(tmp_path), "runs", d))
-            if "__" in f
-        ]
-    )
+    runs = os.path.join(str(tmp_path), "runs")
+    folders = [
+        os.path.join(runs, d, f) for d in os.listdir(runs) for f in os.listdir(os.path.join(runs, d)) if "__" in f
+    ]
+    assert all(os.path.exists(os.path.join(folder, "checkpoint.pt")) for folder in folders)
 
 
 @pytest.mark.parametrize("cuda", [False, True])
@@ -161,17 +123,8 @@ def test_throughput_all_runs_every_script_with_flags_it_accepts(cuda):
     import tyro
 
     settings = throughput.all_settings(cuda)
-    assert [s["script"] for s in settings] == [
-        "impala_vtrace",
-        "vmpo_atari",
-        "impala_vtrace",
-        "impala_vtrace",
-        "vmpo_atari",
-        "vmpo_mujoco",
-        "a3c",
-        "acer",
-        "p3s_td3",
-    ]
+    expected = "impala_vtrace vmpo_atari impala_vtrace impala_vtrace vmpo_atari vmpo_mujoco a3c acer p3s_td3"
+    assert [s["script"] for s in settings] == expected.split()
     for setting in settings:
         a = argparse.Namespace(cuda=cuda, **setting)
         m = importlib.import_module(a.script)
@@ -199,27 +152,8 @@ def test_actor_profile_times_the_parts_of_the_actor_loop(tmp_path, script, env_i
     """benchmarks/actor_profile.py runs the real actor loop briefly: every part timed, the parts add up to the
     measured rate, and the learner's cost and raw envpool are there."""
     out = tmp_path / "profile.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/actor_profile.py",
-            "--script",
-            script,
-            "--env-id",
-            env_id,
-            "--num-envs",
-            "4",
-            "--seconds",
-            "2",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
+    argv = f"benchmarks/actor_profile.py --script {script} --env-id {env_id} --num-envs 4 --seconds 2 --out"
+    res = benchmark(flags(argv, [str(out)]), timeout=300)
     r = json.load(open(out))
     parts = r["ms_per_batch"]
     assert set(parts) == {"recv", "refresh", "inference", "send", "unroll write", "rest (Python bookkeeping)"}
@@ -246,24 +180,7 @@ def test_evaluation_curves_of_entries_on_one_env_are_drawn_together(tmp_path):
         with open(os.path.join(folder, "evaluations.jsonl"), "w") as f:
             for k, v in enumerate(evals):
                 f.write(json.dumps({"step": 15000 * (k + 1), "eval_return": v, "per_learner": [v]}) + "\n")
-    res = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/learning.py",
-            "--preset",
-            "p3s-cpu",
-            "--seeds",
-            "1",
-            "--report-only",
-            "--out",
-            out,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert res.returncode == 0, res.stderr
+    benchmark(flags("benchmarks/learning.py --preset p3s-cpu --seeds 1 --report-only --out", [out]))
     table = open(os.path.join(out, "learning_p3s-cpu.md")).read()
     assert "| p3s_td3 | Hopper-v4 | 1,000,000 | 1 | 30,000 |" in table
     assert "| p3s_td3 --num-learners 1 | Hopper-v4 | 300,000 | 1 | 30,000 |" in table
@@ -290,24 +207,13 @@ def test_delayed_runs_get_their_evaluations_at_milestones_and_the_population_plo
         if label == "delayed":
             with open(os.path.join(folder, "population.jsonl"), "w") as f:
                 for step in range(1000, last + 1, 1000):
-                    f.write(
-                        json.dumps(
-                            dict(
-                                step=step,
-                                beta=2.0 ** (step // 50_000),
-                                d_spread=0.1,
-                                d_change=0.02,
-                                d_search=0.05,
-                                best=0,
-                            )
-                        )
-                        + "\n"
+                    row = dict(
+                        step=step, beta=2.0 ** (step // 50_000), d_spread=0.1, d_change=0.02, d_search=0.05, best=0
                     )
+                    f.write(json.dumps(row) + "\n")
 
     def report(*only):
-        argv = ["benchmarks/learning.py", "--preset", "p3s-delayed-cpu", "--seeds", "1", "--report-only", "--out", out]
-        res = subprocess.run([sys.executable, *argv, *only], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert res.returncode == 0, res.stderr
+        benchmark(flags("benchmarks/learning.py --preset p3s-delayed-cpu --seeds 1 --report-only --out", [out], only))
         return open(os.path.join(out, "learning_p3s-delayed-cpu.md")).read()
 
     table = report()
@@ -340,9 +246,7 @@ def test_a_multi_game_run_gets_a_row_and_a_curve_per_game(tmp_path):
     for i in range(30):
         writer.add_scalar("charts/episodic_return", 7.0, 1000 * (i + 1))
     writer.close()
-    argv = ["benchmarks/learning.py", "--preset", "impala-multi-cpu", "--seeds", "1", "--report-only", "--out", out]
-    res = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    benchmark(flags("benchmarks/learning.py --preset impala-multi-cpu --seeds 1 --report-only --out", [out]))
     rows = {
         (r["script"], r["env_id"]): r
         for r in json.load(open(os.path.join(out, "learning_impala-multi-cpu.json")))["rows"]

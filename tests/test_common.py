@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env, to_env_action  # noqa: E402
 from common.evaluation import resume_checkpoint, write_apng  # noqa: E402
+from tests.helpers import evaluate_py  # noqa: E402
 from common.networks import (
     LSTMCore,
     ResidualBlock,
@@ -283,15 +284,8 @@ def test_human_normalized_scores_on_known_values():
 def test_score_table_median_and_mean_over_games():
     from common.evaluation import score_table
 
-    table = score_table(
-        {
-            "Breakout-v5": [30.5, 30.5],
-            "Pong-v5": [-20.7],
-            "Boxing-v5": [6.1, 6.1],
-            "Enduro-v5": [860.5 * 3],
-            "CartPole-v1": [500.0],
-        }
-    )
+    scores = {"Breakout-v5": [30.5, 30.5], "Pong-v5": [-20.7], "Boxing-v5": [6.1, 6.1], "Enduro-v5": [860.5 * 3]}
+    table = score_table({**scores, "CartPole-v1": [500.0]})
     hns = {r["env_id"]: r["human_normalized"] for r in table["games"]}
     assert hns["Breakout-v5"] == pytest.approx(100) and hns["Pong-v5"] == pytest.approx(0)
     assert hns["Boxing-v5"] == pytest.approx(50) and hns["Enduro-v5"] == pytest.approx(300)
@@ -340,7 +334,6 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     the human-normalised scores of its mean scores."""
     import csv
     import json
-    import subprocess
 
     from common.evaluation import human_normalized_score
 
@@ -348,14 +341,7 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     torch.save(
         {"script": "tests.random_policy", "env_id": "Pong-v5", "full_action_space": True, "num_actions": 18}, model
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, "evaluate.py", str(model), "--env-ids", "Pong-v5", "Boxing-v5", "--episodes", "2"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = evaluate_py([str(model), *"--env-ids Pong-v5 Boxing-v5 --episodes 2".split()], timeout=600)
     assert out.returncode == 0, out.stderr
     assert "| Pong-v5 | 2 |" in out.stdout and "| Boxing-v5 | 2 |" in out.stdout
     table = json.load(open(tmp_path / "evaluation.json"))
@@ -367,23 +353,11 @@ def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     assert table["median_human_normalized"] == pytest.approx(np.median([r["human_normalized"] for r in rows.values()]))
     with open(tmp_path / "evaluation.csv") as f:
         assert [r["env_id"] for r in csv.DictReader(f)] == ["Pong-v5", "Boxing-v5"]
-    bad = subprocess.run(
-        [sys.executable, "evaluate.py", str(model), "--env-ids", "Pongg-v5"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = evaluate_py([str(model), "--env-ids", "Pongg-v5"], timeout=120)
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: unknown env id")
     one_game = tmp_path / "one_game.pt"  # a model of one game knows its own actions only
     torch.save({"script": "tests.random_policy", "env_id": "Pong-v5", "num_actions": 6}, one_game)
-    bad = subprocess.run(
-        [sys.executable, "evaluate.py", str(one_game), "--env-ids", "Pong-v5", "Boxing-v5"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = evaluate_py([str(one_game), "--env-ids", "Pong-v5", "Boxing-v5"], timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --env-ids plays a multi-task model")
 
 
@@ -1043,16 +1017,9 @@ def test_evaluation_cli_of_a_damaged_or_wrong_file_is_one_line(tmp_path):
         "missing.pt": "no_such_script.py, which is not beside evaluate.py",
         "absent.pt": "no such file",
     }
-    procs = {  # side by side: each is a process of its own that reads its file and writes nothing
-        name: subprocess.Popen(
-            [sys.executable, "evaluate.py", str(tmp_path / name)],
-            cwd=root,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name in cases
-    }
+    pipes = dict(cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # side by side: each is a process of its own that reads its file and writes nothing
+    procs = {name: subprocess.Popen([sys.executable, "evaluate.py", str(tmp_path / name)], **pipes) for name in cases}
     try:
         for name, needle in cases.items():
             _, err = procs[name].communicate(timeout=240)

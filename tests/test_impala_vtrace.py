@@ -13,6 +13,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import impala_vtrace  # noqa: E402
 from impala_vtrace import vtrace  # noqa: E402
 from tests.helpers import (
+    assert_lstm_input_in_range_and_torso_gradient,
+    THREE_GAMES,
+    three_games_run,
+    ENV_IDS_SHARES,
+    assert_env_ids_share,
+    events,
+    flags,
     breakout_unrolls,
     acted_unrolls,
     assert_lstm_state_carried_and_zeroed,
@@ -252,20 +259,11 @@ def test_deep_agent_lstm_input_stays_in_range_and_the_torso_keeps_its_gradient()
     torch.set_num_threads(1)
     args, state, batch, seq = _deep_learner_on_breakout(use_lstm=True)
     agent = state["agent"]
-    inputs = []  # the LSTM cell's inputs, step by step
-    agent.core.cell.register_forward_pre_hook(lambda cell, x: inputs.append(x[0]))
     for _ in range(10):
         with torch.no_grad():
             batch["logits"] = agent(*seq)[0]
         stats = impala_vtrace.learner_step(state, batch, args, diagnose=True)[1]
-    inputs.clear()
-    with torch.no_grad():
-        agent(*seq)
-        cell = agent.core.cell
-        saturated = float(((torch.cat(inputs) @ cell.weight_ih.T + cell.bias_ih).abs() > 4).float().mean())
-    assert saturated < 0.1, f"{saturated:.0%} of the LSTM's input pre-activations beyond |4| after 10 updates"
-    grad = float(stats["grad_norm/torso.fc"])
-    assert grad > 1e-4, f"the torso's last layer's gradient {grad:.1e} after 10 updates"
+    assert_lstm_input_in_range_and_torso_gradient(agent, seq, stats)
 
 
 def test_actor_carries_the_lstm_state_across_unrolls_and_zeroes_it_where_an_episode_starts():
@@ -311,22 +309,11 @@ def check_run(run_path, expect_model=True):
 def test_smoke_breakout(tmp_path, extra):
     run_path = run_script(
         "impala_vtrace.py",
-        [
-            "--env-id",
-            "Breakout-v5",
-            "--total-timesteps",
-            "480",
-            "--num-envs",
-            "4",
-            "--batch-size",
-            "4",
-            "--unroll-length",
-            "20",
-            "--save-model",
-            "--eval-episodes",
-            "1",
-            *extra,
-        ],
+        flags(
+            "--env-id Breakout-v5 --total-timesteps 480 --num-envs 4",
+            "--batch-size 4 --unroll-length 20 --save-model --eval-episodes 1",
+            extra,
+        ),
         tmp_path,
     )
     check_run(run_path)
@@ -342,58 +329,20 @@ def test_smoke_breakout(tmp_path, extra):
 def test_smoke_multitask_three_games(tmp_path):
     """One agent on Breakout, Qbert and Asterix (one actor each, the full 18 actions, PopArt by default): per-game
     curves, per-game PopArt statistics, and the per-game evaluation table with human-normalised scores."""
-    games = ["Breakout-v5", "Qbert-v5", "Asterix-v5"]  # 120-340 steps a game with random play
-    run_path = run_script(
-        "impala_vtrace.py",
-        [
-            "--env-ids",
-            *games,
-            "--num-actors",
-            "3",
-            "--num-envs",
-            "6",
-            "--batch-size",
-            "6",
-            "--total-timesteps",
-            "3000",
-            "--save-model",
-            "--eval-episodes",
-            "1",
-            "--log-interval",
-            "1",
-        ],
-        tmp_path,
-        timeout=600,
-    )
-    assert os.path.basename(run_path).startswith("3games__")
-    tags = events_tags(run_path)
-    for g in games:
-        assert {f"charts/{g}/episodic_return", f"stats/popart_sigma/{g}", f"charts/{g}/eval_return"} <= tags, tags
+    games = THREE_GAMES
+    run_path, tags, checkpoint = three_games_run("impala_vtrace.py", [], tmp_path)
     assert "charts/eval_median_human_normalized" in tags
-    checkpoint = torch.load(os.path.join(run_path, "model.pt"), weights_only=False)
-    assert checkpoint["full_action_space"] and checkpoint["env_ids"] == games
     assert checkpoint["agent_config"]["num_actions"] == 18 and checkpoint["agent_config"]["popart"]
     mu, sigma = checkpoint["agent"]["popart.mu"], checkpoint["agent"]["popart.sigma"]
     assert mu.shape == (3,) and len(set(mu.tolist())) == 3 and len(set(sigma.tolist())) == 3  # one pair per game
     assert (mu != 0).all() and (sigma != 1).all()  # every game's statistics moved
-    table = json.load(open(os.path.join(run_path, "evaluation.json")))
-    assert [r["env_id"] for r in table["games"]] == games and table["median_human_normalized"] is not None
     summary = json.load(open(os.path.join(run_path, "summary.json")))
     assert summary["env_ids"] == games and set(summary["mean_episodic_return_last_10_per_game"]) == set(games)
     from evaluate import main as eval_main
 
-    scores = eval_main(
-        [
-            os.path.join(run_path, "model.pt"),
-            "--env-ids",
-            "MsPacman-v5",
-            "Qbert-v5",
-            "--episodes",
-            "1",
-            "--out",
-            str(tmp_path / "other"),
-        ]
-    )  # any Atari game, one it did not train on too: the full action set
+    model, out = os.path.join(run_path, "model.pt"), str(tmp_path / "other")
+    # any Atari game, one it did not train on too: the full action set
+    scores = eval_main([model, *flags("--env-ids MsPacman-v5 Qbert-v5 --episodes 1 --out"), out])
     assert set(scores) == {"MsPacman-v5", "Qbert-v5"} and os.path.isfile(tmp_path / "other.csv")
 
 
@@ -402,19 +351,9 @@ def test_smoke_torchrun_two_learners(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "impala_vtrace.py"]
     run_path = run_script(
         cmd,
-        [
-            "--env-id",
-            "CartPole-v1",
-            "--total-timesteps",
-            "3200",
-            "--num-envs",
-            "4",
-            "--batch-size",
-            "8",
-            "--save-model",
-            "--eval-episodes",
-            "1",
-        ],
+        flags(
+            "--env-id CartPole-v1 --total-timesteps 3200 --num-envs 4", "--batch-size 8 --save-model --eval-episodes 1"
+        ),
         tmp_path,
     )
     check_run(run_path)
@@ -465,10 +404,7 @@ def test_two_nodes_through_a_c10d_rendezvous(tmp_path):
         (["--env-id", "CartPole-v1", "--num-envs", "6", "--num-actors", "4"], "--num-envs"),
         (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
         (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
-        (
-            ["--env-ids", "Pong-v5", "Breakout-v5", "--num-actors", "3", "--num-envs", "6"],
-            "multiple of the number of games",
-        ),
+        (flags("--env-ids Pong-v5 Breakout-v5 --num-actors 3 --num-envs 6"), "multiple of the number of games"),
         (["--env-ids", "atari58"], "unknown env id"),
         (["--resume", "runs/no-such-run"], "--resume"),
     ],
@@ -519,24 +455,10 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     `kill_after_first_checkpoint`, with no settling time, so that its 12,000-step budget of 150 updates is far from
     spent) continues with --resume: same folder, its own arguments, the update counter, weights and optimiser from
     the checkpoint, curves continuing from the checkpoint's step, and the requested budget reached in the end."""
-    argv = [
-        "--env-id",
-        "CartPole-v1",
-        "--total-timesteps",
-        "12000",
-        "--num-envs",
-        "4",
-        "--batch-size",
-        "4",
-        "--checkpoint-interval",
-        "0.5",
-        "--eval-episodes",
-        "0",
-        "--log-interval",
-        "0",
-        "--seed",
-        "3",
-    ]
+    argv = flags(
+        "--env-id CartPole-v1 --total-timesteps 12000 --num-envs 4 --batch-size 4",
+        "--checkpoint-interval 0.5 --eval-episodes 0 --log-interval 0 --seed 3",
+    )
     ckpt = kill_after_first_checkpoint("impala_vtrace.py", argv, tmp_path, settle=0.0)
     run = os.path.dirname(ckpt)
     saved = torch.load(ckpt, weights_only=False)
@@ -549,10 +471,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     final = torch.load(ckpt, weights_only=False)
     assert final["update"] == 150 and final["args"]["seed"] == 3  # the run's own arguments
     assert final["args"]["learning_rate"] == 3e-3  # the classic-control family's, kept on resume
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run, size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = events(run)
     steps = [e.step for e in acc.Scalars("charts/learning_rate")]
     assert steps == sorted(steps) and steps[-1] == 12000  # after purging, one continuing curve
     # the checkpoint's own update reached the curves with it (logged, then flushed by the save), the rest went on
@@ -573,20 +492,15 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 @pytest.mark.e2e
 def test_preset_paper_and_given_flags_win_over_the_family_defaults(tmp_path):
     """`--preset paper` runs CartPole with Table G.1's settings; a flag the user gives beats the family's value."""
-    run_path = run_script(
-        "impala_vtrace.py",
-        ["--env-id", "CartPole-v1", "--preset", "paper", "--total-timesteps", "640", "--eval-episodes", "0"],
-        tmp_path / "paper",
-    )
-    saved = json.load(open(os.path.join(run_path, "args.json")))
+
+    def saved_args(flag, folder):  # a short CartPole-v1 run with `flag`: its args.json
+        argv = f"--env-id CartPole-v1 {flag} --total-timesteps 640 --eval-episodes 0".split()
+        return json.load(open(os.path.join(run_script("impala_vtrace.py", argv, tmp_path / folder), "args.json")))
+
+    saved = saved_args("--preset paper", "paper")
     assert (saved["batch_size"], saved["learning_rate"], saved["num_envs"]) == (32, 6e-4, 32)
     assert "forced by --preset paper" in saved["defaults_from"]
-    run_path = run_script(
-        "impala_vtrace.py",
-        ["--env-id", "CartPole-v1", "--learning-rate", "1e-3", "--total-timesteps", "640", "--eval-episodes", "0"],
-        tmp_path / "family",
-    )
-    saved = json.load(open(os.path.join(run_path, "args.json")))
+    saved = saved_args("--learning-rate 1e-3", "family")
     assert (saved["batch_size"], saved["learning_rate"], saved["num_envs"]) == (8, 1e-3, 16)
 
 
@@ -595,38 +509,10 @@ def test_ctrl_c_during_an_update_of_a_large_network_completes_it_and_saves_it(tm
     """The deep network with wide channels and an LSTM on a CPU, where one update takes many seconds: Ctrl-C while
     the second update is collected or in progress lets that update finish (an update is never half-applied), starts
     no other, checkpoints it and ends the run with exit 130."""
-    argv = [
-        "--env-id",
-        "Breakout-v5",
-        "--network",
-        "deep",
-        "--channels",
-        "32",
-        "64",
-        "64",
-        "--use-lstm",
-        "--num-envs",
-        "8",
-        "--batch-size",
-        "8",
-    ]
+    argv = "--env-id Breakout-v5 --network deep --channels 32 64 64 --use-lstm --num-envs 8 --batch-size 8".split()
     ctrl_c_during_second_update("impala_vtrace.py", argv, tmp_path, steps_per_update=8 * 20)
 
 
-@pytest.mark.parametrize(
-    "argv, expected",
-    [
-        (["--env-ids", "Breakout-v5", "Qbert-v5", "BeamRider-v5"], (3, 33)),  # one actor per game, 32 envs rounded up
-        (["--env-ids", "Breakout-v5", "Qbert-v5", "BeamRider-v5", "--num-actors", "6"], (6, 36)),
-        (["--env-ids", "Pong-v5", "Breakout-v5", "--num-envs", "8"], (2, 8)),  # a flag given wins
-        (["--env-ids", "Pong-v5", "Breakout-v5", "--preset", "paper"], (1, impala_vtrace.Args().num_envs)),
-        (["--env-id", "Pong-v5"], (1, 32)),
-    ],
-)
+@pytest.mark.parametrize("argv, expected", ENV_IDS_SHARES)
 def test_env_ids_alone_give_every_game_the_same_share_of_actors_and_envs(argv, expected):
-    """`--env-ids` alone runs: one actor per game and the family's envs rounded up to a multiple of them (the
-    actors must divide evenly over the games); flags given and `--preset paper` keep theirs."""
-    args = impala_vtrace.parse_args([*argv, "--no-cuda"])
-    assert (args.num_actors, args.num_envs) == expected
-    if args.env_ids and args.preset != "paper":
-        impala_vtrace.check_args(args)  # accepted: no UsageError
+    assert_env_ids_share(impala_vtrace, [*argv, "--no-cuda"], expected)

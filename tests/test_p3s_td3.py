@@ -34,6 +34,9 @@ from p3s_td3 import (
     td3_target,
 )
 from tests.helpers import (
+    assert_logged,
+    events,
+    flags,
     learns,  # noqa: E402
     ROOT,
     assert_only_stop_lines,
@@ -652,34 +655,11 @@ def test_smoke_halfcheetah(tmp_path, delay):
     """Two learners on HalfCheetah-v4 (1000-step episodes), with and without delayed rewards."""
     run = run_script(
         "p3s_td3.py",
-        [
-            "--env-id",
-            "HalfCheetah-v4",
-            "--num-learners",
-            "2",
-            "--total-timesteps",
-            "2400",
-            "--t-initial",
-            "300",
-            "--learning-starts",
-            "600",
-            "--best-period",
-            "100",
-            "--hidden",
-            "32",
-            "32",
-            "--buffer-size",
-            "10000",
-            "--eval-episodes",
-            "1",
-            "--save-model",
-            "--reward-delay",
-            str(delay),
-            "--log-interval",
-            "1",
-            "--eval-interval",
-            "1000",
-        ],
+        flags(
+            "--env-id HalfCheetah-v4 --num-learners 2 --total-timesteps 2400 --t-initial 300 --learning-starts 600",
+            "--best-period 100 --hidden 32 32 --buffer-size 10000 --eval-episodes 1 --save-model",
+            f"--reward-delay {delay} --log-interval 1 --eval-interval 1000",
+        ),
         tmp_path,
     )
     summary = json.load(open(os.path.join(run, "summary.json")))
@@ -699,21 +679,12 @@ def test_smoke_halfcheetah(tmp_path, delay):
     assert (saved["updates_per_step"], saved["learning_starts"]) == (2, 600)
     lines = check_selections(run, 2, 2.0, saved["d_min"])
     assert len(lines) == 10  # at t = 300, 400, ..., 1200
-    tags = events_tags(run)
-    assert {
-        "charts/episodic_return",
-        "charts/learner_0/episodic_return",
-        "charts/learner_1/episodic_return",
-        "stats/beta",
-        "stats/d_spread",
-        "stats/d_change",
-        "stats/best_learner",
-        "charts/SPS",
-        "losses/learner_0/qf_loss",
-        "losses/learner_1/actor_loss",
-        "charts/eval_return",
-        "charts/learner_1/eval_return",
-    } <= tags
+    assert_logged(
+        run,
+        "charts/episodic_return charts/learner_0/episodic_return charts/learner_1/episodic_return charts/SPS",
+        "stats/beta stats/d_spread stats/d_change stats/best_learner",
+        "losses/learner_0/qf_loss losses/learner_1/actor_loss charts/eval_return charts/learner_1/eval_return",
+    )
     checkpoint = torch.load(os.path.join(run, "model.pt"), weights_only=False)
     assert len(checkpoint["actors"]) == 2 and checkpoint["actor_config"]["action_dim"] == 6
     assert evaluate_cli(run)["episodes"] == 2
@@ -724,25 +695,10 @@ def test_smoke_one_learner_is_td3_with_video(tmp_path):
     """--num-learners 1: no selection, no guidance, no β; a classic-control task records its evaluation."""
     run = run_script(
         "p3s_td3.py",
-        [
-            "--env-id",
-            "Pendulum-v1",
-            "--num-learners",
-            "1",
-            "--total-timesteps",
-            "700",
-            "--t-initial",
-            "200",
-            "--learning-starts",
-            "0",
-            "--best-period",
-            "100",
-            "--hidden",
-            "32",
-            "--eval-episodes",
-            "1",
-            "--capture-video",
-        ],
+        flags(
+            "--env-id Pendulum-v1 --num-learners 1 --total-timesteps 700 --t-initial 200",
+            "--learning-starts 0 --best-period 100 --hidden 32 --eval-episodes 1 --capture-video",
+        ),
         tmp_path,
     )
     summary = json.load(open(os.path.join(run, "summary.json")))
@@ -763,7 +719,7 @@ def test_smoke_one_learner_is_td3_with_video(tmp_path):
         (["--env-id", "Pendulum-v1", "--num-learners", "0"], "--num-learners"),
         (["--env-id", "Pendulum-v1", "--num-learners", "4", "--buffer-size", "300"], "--buffer-size"),
         (
-            ["--env-id", "Pendulum-v1", "--t-initial", "2500", "--learning-starts", "0", "--total-timesteps", "5000"],
+            flags("--env-id Pendulum-v1 --t-initial 2500 --learning-starts 0 --total-timesteps 5000"),
             "before the first update",
         ),
         (["--env-id", "Pendulum-v1", "--learning-starts", "30000"], "before the first update"),
@@ -793,26 +749,10 @@ def test_learns_pendulum_with_its_family_defaults(tmp_path):
     assert np.mean(returns[:10]) < -900  # it started from random behaviour
 
 
-SMALL = [
-    "--env-id",
-    "Pendulum-v1",
-    "--num-learners",
-    "2",
-    "--t-initial",
-    "100",
-    "--learning-starts",
-    "200",
-    "--best-period",
-    "50",
-    "--hidden",
-    "32",
-    "--eval-episodes",
-    "0",
-    "--log-interval",
-    "0.5",
-    "--seed",
-    "3",
-]
+SMALL = flags(
+    "--env-id Pendulum-v1 --num-learners 2 --t-initial 100 --learning-starts 200",
+    "--best-period 50 --hidden 32 --eval-episodes 0 --log-interval 0.5 --seed 3",
+)
 
 
 def start(argv, tmp_path, console="console.log", **popen):
@@ -868,14 +808,8 @@ def resume_and_stop(run, tmp_path, console, group):
     else on stderr. Returns the checkpoint."""
     before = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)["global_step"]
     path = tmp_path / console
-    proc = subprocess.Popen(
-        [sys.executable, "p3s_td3.py", "--resume", run],
-        cwd=ROOT,
-        stdout=open(path, "w"),
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=group,
-    )
+    cmd, out = [sys.executable, "p3s_td3.py", "--resume", run], open(path, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True, start_new_session=group)
     try:
         deadline = time.time() + 300  # a hang guard
         while proc.poll() is None and time.time() < deadline and last_step(path) <= before:
@@ -934,16 +868,12 @@ def test_killed_run_resumes_stops_on_ctrl_c_or_sigterm_and_resumes_to_its_end(tm
     # the updates went on from the saved count across all four sessions: N = 2 per step from t = 100 (200 rows of D)
     assert summary["updates_per_learner"] == [2 * (800 - 99)] * 2
     final = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
-    assert final["t"] == 800 and sorted(os.listdir(run)) == sorted(
-        ["args.json", "checkpoint.pt", "model.pt", "summary.json", "population.jsonl"]
-        + [f for f in os.listdir(run) if f.startswith("events.out.tfevents")]
-    )
+    events_files = [f for f in os.listdir(run) if f.startswith("events.out.tfevents")]
+    expected = "args.json checkpoint.pt model.pt summary.json population.jsonl".split() + events_files
+    assert final["t"] == 800 and sorted(os.listdir(run)) == sorted(expected)
     selections = open(os.path.join(run, "population.jsonl")).read().splitlines()
     assert selections[: len(selections_before)] == selections_before and len(selections) > len(selections_before)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run, size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = events(run)
     steps = [e.step for e in acc.Scalars("stats/beta")]
     assert steps == sorted(steps) and steps[-1] == 1600
     assert any(s <= saved["global_step"] for s in steps) and any(s > saved["global_step"] for s in steps)
@@ -953,9 +883,11 @@ def test_killed_run_resumes_stops_on_ctrl_c_or_sigterm_and_resumes_to_its_end(tm
 def test_non_finite_loss_stops_the_run(tmp_path):
     """A learning rate of 1e30 blows the weights up within a few updates (from t = 10, 20 rows of D): exit 1 with a
     line naming the non-finite loss; the checkpoint (one every time step) is the last one with finite weights."""
-    argv = ["--env-id", "Pendulum-v1", "--num-learners", "2", "--t-initial", "0", "--learning-starts", "20"]
-    argv += ["--best-period", "50", "--hidden", "32", "--total-timesteps", "100000", "--learning-rate", "1e30"]
-    argv += ["--checkpoint-interval", "1e-6", "--eval-episodes", "0", "--run-dir", str(tmp_path)]
+    argv = flags(
+        "--env-id Pendulum-v1 --num-learners 2 --t-initial 0 --learning-starts 20 --best-period 50 --hidden 32",
+        "--total-timesteps 100000 --learning-rate 1e30 --checkpoint-interval 1e-6 --eval-episodes 0 --run-dir",
+        [str(tmp_path)],
+    )
     out = subprocess.run([sys.executable, "p3s_td3.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stderr[-2000:]
     lines = [x for x in out.stderr.splitlines() if x.startswith("error: non-finite ")]

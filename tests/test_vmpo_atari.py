@@ -14,6 +14,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vmpo_atari  # noqa: E402
 from vmpo_atari import categorical_kl, kl_constraint_loss, n_step_returns, vmpo_weights  # noqa: E402
 from tests.helpers import (
+    assert_lstm_input_in_range_and_torso_gradient,
+    three_games_run,
+    ENV_IDS_SHARES,
+    assert_env_ids_share,
+    assert_logged,
+    events,
+    flags,
     breakout_unrolls,
     acted_unrolls,
     assert_lstm_state_carried_and_zeroed,
@@ -275,21 +282,12 @@ def test_deep_agent_lstm_input_stays_in_range_and_the_torso_keeps_its_gradient()
     state = learner_state(args)
     agent = state["agent"]
     seq = [batch[k] for k in ("obs", "prev_action", "reward", "first")] + [(batch["core_h"], batch["core_c"])]
-    inputs = []  # the LSTM cell's inputs, step by step
-    agent.core.cell.register_forward_pre_hook(lambda cell, x: inputs.append(x[0]))
     for update in range(10):
         if update % args.target_update_period == 0:
             with torch.no_grad():
                 batch["logits"] = agent(*seq)[0]
         stats = vmpo_atari.learner_step(state, batch, args, diagnose=True)
-    inputs.clear()
-    with torch.no_grad():
-        agent(*seq)
-        cell = agent.core.cell
-        saturated = float(((torch.cat(inputs) @ cell.weight_ih.T + cell.bias_ih).abs() > 4).float().mean())
-    assert saturated < 0.1, f"{saturated:.0%} of the LSTM's input pre-activations beyond |4| after 10 updates"
-    grad = float(stats["grad_norm/torso.fc"])
-    assert grad > 1e-4, f"the torso's last layer's gradient {grad:.1e} after 10 updates"
+    assert_lstm_input_in_range_and_torso_gradient(agent, seq, stats)
 
 
 def _args(**kw):
@@ -512,21 +510,11 @@ def test_import_runs_nothing():
 def check_run(run_path, expect_model=True):
     summary = json.load(open(os.path.join(run_path, "summary.json")))
     assert summary["total_timesteps"] > 0 and summary["sps"] > 0
-    tags = events_tags(run_path)
-    for tag in (
-        "charts/SPS",
-        "losses/value_loss",
-        "losses/policy_loss",
-        "losses/eta_loss",
-        "losses/alpha_loss",
-        "stats/eta",
-        "stats/alpha",
-        "stats/kl",
-        "stats/kl_psi",
-        "stats/popart_mu",
-        "stats/popart_sigma",
-    ):
-        assert tag in tags, (tag, tags)
+    assert_logged(
+        run_path,
+        "charts/SPS losses/value_loss losses/policy_loss losses/eta_loss losses/alpha_loss",
+        "stats/eta stats/alpha stats/kl stats/kl_psi stats/popart_mu stats/popart_sigma",
+    )
     for tag in ("stats/eta", "stats/alpha"):
         assert min(events_tags(run_path, values_of=tag)) >= 1e-8
     if expect_model:
@@ -554,25 +542,13 @@ TINY = ["--channels", "4", "8", "8", "--lstm-size", "32", "--head-hidden", "32"]
 def test_smoke_breakout(tmp_path, extra):
     run_path = run_script(
         "vmpo_atari.py",
-        [
-            "--env-id",
-            "Breakout-v5",
-            "--total-timesteps",
-            "640",
-            "--num-envs",
-            "4",
-            "--batch-size",
-            "4",
-            "--num-minibatches",
-            "2",
-            "--unroll-length",
-            "20",
-            *TINY,
-            "--save-model",
-            "--eval-episodes",
-            "1",
-            *extra,
-        ],
+        flags(
+            "--env-id Breakout-v5 --total-timesteps 640 --num-envs 4",
+            "--batch-size 4 --num-minibatches 2 --unroll-length 20",
+            TINY,
+            "--save-model --eval-episodes 1",
+            extra,
+        ),
         tmp_path,
     )
     check_run(run_path)
@@ -588,52 +564,11 @@ def test_smoke_breakout(tmp_path, extra):
 def test_smoke_multitask_three_games(tmp_path):
     """One agent on Breakout, Qbert and Asterix (one actor each, the full 18 actions): per-game curves, per-game
     PopArt statistics, and the per-game evaluation table."""
-    games = ["Breakout-v5", "Qbert-v5", "Asterix-v5"]  # 120-340 steps a game with random play
-    run_path = run_script(
-        "vmpo_atari.py",
-        [
-            "--env-ids",
-            *games,
-            "--num-actors",
-            "3",
-            "--num-envs",
-            "6",
-            "--batch-size",
-            "6",
-            "--num-minibatches",
-            "1",
-            "--unroll-length",
-            "20",
-            "--no-use-lstm",
-            "--network",
-            "shallow",
-            "--channels",
-            "8",
-            "16",
-            "--head-hidden",
-            "32",
-            "--total-timesteps",
-            "3000",
-            "--save-model",
-            "--eval-episodes",
-            "1",
-            "--log-interval",
-            "1",
-        ],
-        tmp_path,
-        timeout=600,
-    )
-    assert os.path.basename(run_path).startswith("3games__")
-    tags = events_tags(run_path)
-    for g in games:
-        assert {f"charts/{g}/episodic_return", f"stats/popart_sigma/{g}", f"charts/{g}/eval_return"} <= tags, tags
-    checkpoint = torch.load(os.path.join(run_path, "model.pt"), weights_only=False)
-    assert checkpoint["full_action_space"] and checkpoint["env_ids"] == games
+    small = "--num-minibatches 1 --unroll-length 20 --no-use-lstm --network shallow --channels 8 16 --head-hidden 32"
+    _, _, checkpoint = three_games_run("vmpo_atari.py", small, tmp_path)
     assert checkpoint["agent_config"]["num_actions"] == 18 and checkpoint["agent_config"]["num_tasks"] == 3
     mu = checkpoint["agent"]["popart.mu"]
     assert mu.shape == (3,) and len(set(mu.tolist())) == 3 and (mu != 0).all()  # one pair per game, all moved
-    table = json.load(open(os.path.join(run_path, "evaluation.json")))
-    assert [r["env_id"] for r in table["games"]] == games and table["median_human_normalized"] is not None
 
 
 @pytest.mark.e2e
@@ -641,24 +576,10 @@ def test_smoke_torchrun_two_learners(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "vmpo_atari.py"]
     run_path = run_script(
         cmd,
-        [
-            "--env-id",
-            "CartPole-v1",
-            "--total-timesteps",
-            "3200",
-            "--num-envs",
-            "4",
-            "--batch-size",
-            "8",
-            "--num-minibatches",
-            "4",
-            "--unroll-length",
-            "20",
-            "--no-use-lstm",
-            "--save-model",
-            "--eval-episodes",
-            "1",
-        ],
+        flags(
+            "--env-id CartPole-v1 --total-timesteps 3200 --num-envs 4 --batch-size 8",
+            "--num-minibatches 4 --unroll-length 20 --no-use-lstm --save-model --eval-episodes 1",
+        ),
         tmp_path,
     )
     check_run(run_path)
@@ -687,23 +608,10 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["actor", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    argv = [
-        "--env-id",
-        "CartPole-v1",
-        "--total-timesteps",
-        "100000000",
-        "--num-envs",
-        "4",
-        "--batch-size",
-        "4",
-        "--num-minibatches",
-        "1",
-        "--unroll-length",
-        "10",
-        "--no-use-lstm",
-        "--eval-episodes",
-        "0",
-    ]
+    argv = flags(
+        "--env-id CartPole-v1 --total-timesteps 100000000 --num-envs 4 --batch-size 4",
+        "--num-minibatches 1 --unroll-length 10 --no-use-lstm --eval-episodes 0",
+    )
     assert_killed_process_ends_the_run("vmpo_atari.py", argv, tmp_path, victim)
 
 
@@ -729,31 +637,11 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     so that its 12,000-step budget of 150 updates is far from spent) continues with --resume: the same folder and
     arguments, η, α, PopArt, the target network and the counters from the checkpoint, curves continuing from its step,
     and the budget reached in the end."""
-    argv = [
-        "--env-id",
-        "CartPole-v1",
-        "--total-timesteps",
-        "12000",
-        "--num-envs",
-        "4",
-        "--batch-size",
-        "4",
-        "--num-minibatches",
-        "1",
-        "--unroll-length",
-        "20",
-        "--no-use-lstm",
-        "--target-update-period",
-        "10",
-        "--checkpoint-interval",
-        "0.5",
-        "--eval-episodes",
-        "0",
-        "--log-interval",
-        "0",
-        "--seed",
-        "3",
-    ]
+    argv = flags(
+        "--env-id CartPole-v1 --total-timesteps 12000 --num-envs 4 --batch-size 4",
+        "--num-minibatches 1 --unroll-length 20 --no-use-lstm --target-update-period 10",
+        "--checkpoint-interval 0.5 --eval-episodes 0 --log-interval 0 --seed 3",
+    )
     ckpt = kill_after_first_checkpoint("vmpo_atari.py", argv, tmp_path, settle=0.0)
     run = os.path.dirname(ckpt)
     saved = torch.load(ckpt, weights_only=False)
@@ -764,10 +652,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert summary["total_timesteps"] == 12000
     final = torch.load(ckpt, weights_only=False)
     assert final["update"] == 150 and final["args"]["target_update_period"] == 10
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run, size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = events(run)
     steps = [e.step for e in acc.Scalars("stats/eta")]
     assert steps == sorted(steps) and steps[-1] == 12000
     # the checkpoint's own update reached the curves with it (logged, then flushed by the save), the rest went on
@@ -842,23 +727,9 @@ def test_the_design_command_on_a_cpu_shows_progress_while_it_collects_and_stops_
     assert ckpt["global_step"] == ckpt["update"] * batch
 
 
-@pytest.mark.parametrize(
-    "argv, expected",
-    [
-        (["--env-ids", "Breakout-v5", "Qbert-v5", "BeamRider-v5"], (3, 33)),  # one actor per game, 32 envs rounded up
-        (["--env-ids", "Breakout-v5", "Qbert-v5", "BeamRider-v5", "--num-actors", "6"], (6, 36)),
-        (["--env-ids", "Pong-v5", "Breakout-v5", "--num-envs", "8"], (2, 8)),  # a flag given wins
-        (["--env-ids", "Pong-v5", "Breakout-v5", "--preset", "paper"], (1, vmpo_atari.Args().num_envs)),
-        (["--env-id", "Pong-v5"], (1, 32)),
-    ],
-)
+@pytest.mark.parametrize("argv, expected", ENV_IDS_SHARES)
 def test_env_ids_alone_give_every_game_the_same_share_of_actors_and_envs(argv, expected):
-    """`--env-ids` alone runs: one actor per game and the family's envs rounded up to a multiple of them (the
-    actors must divide evenly over the games); flags given and `--preset paper` keep theirs."""
-    args = vmpo_atari.parse_args(argv)
-    assert (args.num_actors, args.num_envs) == expected
-    if args.env_ids and args.preset != "paper":
-        vmpo_atari.check_args(args)  # accepted: no UsageError
+    assert_env_ids_share(vmpo_atari, argv, expected)
 
 
 def test_defaults_and_help_are_the_same_with_and_without_a_gpu(monkeypatch, capsys):

@@ -27,6 +27,9 @@ from vmpo_mujoco import (  # noqa: E402
     vmpo_weights,
 )
 from tests.helpers import (  # noqa: E402
+    assert_logged,
+    events,
+    flags,
     assert_killed_process_ends_the_run,
     learns,
     ctrl_c_during_second_update,
@@ -700,24 +703,12 @@ def check_run(run_path):
         summary = json.load(f)
     for key in ("env_id", "total_timesteps", "wall_time_s", "sps", "mean_episodic_return_last_100", "eval_mean_return"):
         assert key in summary
-    tags = events_tags(run_path)
-    for tag in (
-        "charts/episodic_return",
-        "charts/SPS",
-        "losses/value_loss",
-        "losses/policy_loss",
-        "stats/eta",
-        "stats/alpha_mu",
-        "stats/alpha_sigma",
-        "stats/kl_mu",
-        "stats/kl_sigma",
-        "stats/policy_std",
-        "stats/kl_mu_max_ratio",
-        "stats/kl_sigma_max_ratio",
-        "stats/passes",
-        "losses/regression_loss",
-    ):
-        assert tag in tags, (tag, tags)
+    assert_logged(
+        run_path,
+        "charts/episodic_return charts/SPS losses/value_loss losses/policy_loss losses/regression_loss",
+        "stats/eta stats/alpha_mu stats/alpha_sigma stats/kl_mu stats/kl_sigma stats/policy_std stats/passes",
+        "stats/kl_mu_max_ratio stats/kl_sigma_max_ratio",
+    )
     from evaluate import main as eval_main
 
     scores = eval_main([os.path.join(run_path, "model.pt"), "--episodes", "2", "--num-envs", "2"])
@@ -746,22 +737,12 @@ def test_smoke(tmp_path, env_id, extra):
     """HalfCheetah (Gym) with two actors; the dm_control humanoid, whose observations come as a dict."""
     run_path = run_script(
         "vmpo_mujoco.py",
-        [
-            "--env-id",
-            env_id,
-            "--total-timesteps",
-            "4000",
-            "--num-envs",
-            "4",
-            "--batch-size",
-            "4",
-            "--num-minibatches",
-            "2",
-            "--unroll-length",
-            "20",
-            *TINY,
-            *extra,
-        ],
+        flags(
+            f"--env-id {env_id} --total-timesteps 4000 --num-envs 4",
+            "--batch-size 4 --num-minibatches 2 --unroll-length 20",
+            TINY,
+            extra,
+        ),
         tmp_path,
     )
     summary = check_run(run_path)
@@ -780,21 +761,11 @@ def test_smoke_torchrun_two_learners(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "vmpo_mujoco.py"]
     run_path = run_script(
         cmd,
-        [
-            "--env-id",
-            "Pendulum-v1",
-            "--total-timesteps",
-            "3200",
-            "--num-envs",
-            "4",
-            "--batch-size",
-            "8",
-            "--num-minibatches",
-            "4",
-            "--unroll-length",
-            "20",
-            *TINY,
-        ],
+        flags(
+            "--env-id Pendulum-v1 --total-timesteps 3200 --num-envs 4",
+            "--batch-size 8 --num-minibatches 4 --unroll-length 20",
+            TINY,
+        ),
         tmp_path,
     )
     check_run(run_path)
@@ -820,22 +791,10 @@ def test_bad_input_one_clear_line(argv, needle, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["actor", "sigint-twice"])
 def test_killed_process_ends_the_run(tmp_path, victim):
-    argv = [
-        "--env-id",
-        "Pendulum-v1",
-        "--total-timesteps",
-        "100000000",
-        "--num-envs",
-        "4",
-        "--batch-size",
-        "4",
-        "--num-minibatches",
-        "1",
-        "--unroll-length",
-        "10",
-        "--eval-episodes",
-        "0",
-    ]
+    argv = flags(
+        "--env-id Pendulum-v1 --total-timesteps 100000000 --num-envs 4",
+        "--batch-size 4 --num-minibatches 1 --unroll-length 10 --eval-episodes 0",
+    )
     assert_killed_process_ends_the_run("vmpo_mujoco.py", argv, tmp_path, victim)
 
 
@@ -873,30 +832,11 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     so that its 8,000-step budget of 200 updates is far from spent) continues with --resume: the same folder and
     arguments, η, α_μ, α_Σ, the observation statistics, PopArt, the target network and the counters from the
     checkpoint, curves continuing from its step, and the budget reached in the end."""
-    argv = [
-        "--env-id",
-        "Pendulum-v1",
-        "--total-timesteps",
-        "8000",
-        "--num-envs",
-        "4",
-        "--batch-size",
-        "4",
-        "--num-minibatches",
-        "1",
-        "--unroll-length",
-        "10",
-        "--target-update-period",
-        "10",
-        "--checkpoint-interval",
-        "0.5",
-        "--eval-episodes",
-        "0",
-        "--log-interval",
-        "0",
-        "--seed",
-        "3",
-    ]
+    argv = flags(
+        "--env-id Pendulum-v1 --total-timesteps 8000 --num-envs 4 --batch-size 4",
+        "--num-minibatches 1 --unroll-length 10 --target-update-period 10",
+        "--checkpoint-interval 0.5 --eval-episodes 0 --log-interval 0 --seed 3",
+    )
     ckpt = kill_after_first_checkpoint("vmpo_mujoco.py", argv + ["--save-model"], tmp_path, settle=0.0)
     run = os.path.dirname(ckpt)
     assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
@@ -912,10 +852,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     # the observation statistics went on from the saved ones: their count only grew
     count = next(k for k in saved["agent"] if "obs_norm" in k and "count" in k)
     assert final["agent"][count] > saved["agent"][count]
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run, size_guidance={"scalars": 0})
-    acc.Reload()
+    acc = events(run)
     steps = [e.step for e in acc.Scalars("stats/eta")]
     assert steps == sorted(steps) and steps[-1] == 8000
     # the checkpoint's own update reached the curves with it (logged, then flushed by the save), the rest went on
@@ -926,20 +863,10 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     line, state = assert_non_finite_stops_the_run(
         "vmpo_mujoco.py",
-        [
-            "--env-id",
-            "Pendulum-v1",
-            "--num-envs",
-            "4",
-            "--batch-size",
-            "4",
-            "--num-minibatches",
-            "1",
-            "--unroll-length",
-            "10",
-            "--update-epochs",
-            "1",  # one Adam step an update: the first update ends with finite weights, to be checkpointed
-        ],
+        flags(
+            "--env-id Pendulum-v1 --num-envs 4 --batch-size 4",
+            "--num-minibatches 1 --unroll-length 10 --update-epochs 1",
+        ),
         tmp_path,
     )
     assert "at update" in line and state["update"] >= 1
