@@ -1,12 +1,25 @@
 """Shared by the tests: run a script as a subprocess, read its TensorBoard events, wait for processes."""
 
+import contextlib
 import glob
+import importlib
+import io
 import json
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from common.envs import make_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,15 +42,18 @@ def run_script(script, argv, run_dir, timeout=300):
     return runs[0]
 
 
+def torchrun(script, argv, run_dir):
+    """`run_script` of `script argv` as two learners under torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
+    return run_script(cmd, argv, run_dir)
+
+
 def learns(script, argv, run_dir, target, timeout=900, evaluations=False):
     """Runs `script` with `argv` (the defaults a user gets, with a budget) and watches its console line: once the mean
     return of its last 100 episodes, over 100 episodes or more, reaches `target`, a Ctrl-C stops the run (it saves
     the update in hand and exits 130); otherwise it runs its budget out. With `evaluations` (p3s_td3.py) it watches the
     periodic evaluation's score (`eval X at step`) instead. Returns the best value seen and the run folder. A learning
     test asserts that the budget is enough; the run's whole curve is a benchmark's business."""
-    import signal
-    import threading
-
     no_eval = [] if evaluations else ["--eval-episodes", "0"]  # the end's evaluation: none (p3s: its periodic ones)
     cmd = [sys.executable, script, *argv, *no_eval, "--log-interval", "1", "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -68,8 +84,6 @@ def learns(script, argv, run_dir, target, timeout=900, evaluations=False):
 
 def events(run_path):
     """A run's TensorBoard events, read whole (`.Scalars(tag)`: a tag's events in step order)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     acc = EventAccumulator(run_path, size_guidance={"scalars": 0})
     acc.Reload()
     return acc
@@ -127,10 +141,6 @@ def assert_usage_error(script, argv, run_dir, needle, process=None):
     (by default the first bad input of each script in a session) as `python script ...` runs it (a hang guard, no
     time bound: what is checked is the exit before any work); else the script's `cli()` in this process, as its
     `__main__` calls it, its `RunLog` a tripwire (the run would begin)."""
-    import contextlib
-    import importlib
-    import io
-
     process = script not in AS_A_PROCESS if process is None else process
     AS_A_PROCESS.add(script)
     if process:
@@ -166,8 +176,6 @@ def run_began(*args, **kwargs):
 
 def torch_threads(count=None):
     """torch's thread count in this process, or sets it (a script's set-up may change it)."""
-    import torch
-
     return torch.get_num_threads() if count is None else torch.set_num_threads(count)
 
 
@@ -197,8 +205,6 @@ def wait_for_actors(proc, timeout=120):
 def assert_two_ctrl_cs_end_cleanly(proc):
     """An impatient user: Ctrl-C twice, 0.3 s apart; the second must not cut the shutdown short (exit 130, no
     traceback). `proc` has its stderr piped as text; returns it."""
-    import signal
-
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(0.3)  # the impatient user's second Ctrl-C: part of the scenario, no synchronisation
     os.kill(proc.pid, signal.SIGINT)
@@ -227,8 +233,6 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
     "sigint-twice" sends Ctrl-C twice 0.3 s apart (the run must end with 130 and no traceback); either way no spawned
     process may outlive the run. The waits are hang guards of minutes, not speed checks (a loaded 2-core machine once
     took more than 30 s to end a run after its actor's kill). Returns the stderr read (empty after "sigterm")."""
-    import signal
-
     log = os.path.join(str(run_dir), "console.log")
     with open(log, "w") as out:
         cmd = [sys.executable, script, *argv, "--run-dir", str(run_dir)]
@@ -259,28 +263,46 @@ def assert_killed_process_ends_the_run(script, argv, run_dir, victim):
     return err
 
 
-def kill_after_first_checkpoint(script, argv, run_dir, settle=1.0):
-    """Starts `script` for a run, SIGKILLs it `settle` seconds after its first checkpoint.pt appeared (its actors
-    must then exit by themselves) and returns that checkpoint's path."""
-    cmd = [sys.executable, script, *argv, "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def killed_and_resumed(script, argv, run_dir, budget, steps_per_update, curve, killed=None):
+    """`script argv` with a budget of `budget` steps (and a checkpoint every 0.5 s, seed 3), SIGKILLed as soon as its
+    first checkpoint.pt is there, so that its budget is far from spent (its actors must then exit by themselves;
+    `killed(run folder)` looks at it then), continues with --resume: the same folder and arguments, the update counter
+    from the checkpoint, `curve` going on from the checkpoint's step, and the budget reached in the end. Returns the
+    run folder, the first checkpoint, the last and the run's events."""
+    extra = f"--total-timesteps {budget} --checkpoint-interval 0.5 --eval-episodes 0 --log-interval 0 --seed 3"
+    proc = subprocess.Popen(
+        [sys.executable, script, *flags(argv, extra), "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        actors = wait_for_actors(proc)
-        deadline = time.time() + 120
-        while time.time() < deadline:
+        actors, deadline = wait_for_actors(proc), time.time() + 120
+        while time.time() < deadline and not (found := glob.glob(os.path.join(str(run_dir), "*", "checkpoint.pt"))):
             time.sleep(0.2)
-            found = glob.glob(os.path.join(str(run_dir), "*", "checkpoint.pt"))
-            if found:
-                time.sleep(settle)  # let it run past the checkpoint
-                break
         assert found, "no checkpoint written"
         proc.kill()
         proc.wait(timeout=30)
         assert wait_gone(actors, timeout=20), "an actor outlived its killed learner"
-        return found[0]
     finally:
         if proc.poll() is None:
             proc.kill()
+    run, updates = os.path.dirname(found[0]), budget // steps_per_update
+    if killed:
+        killed(run)
+    saved = torch.load(found[0], weights_only=False)
+    assert 0 < saved["update"] < updates and saved["global_step"] == saved["update"] * steps_per_update
+    assert not os.path.exists(os.path.join(run, "summary.json"))  # it did not finish
+    assert run_script(script, ["--resume", run], run_dir, timeout=600) == run  # the same folder, no new one
+    assert json.load(open(os.path.join(run, "summary.json")))["total_timesteps"] == budget
+    final = torch.load(found[0], weights_only=False)
+    assert final["update"] == updates and final["args"]["seed"] == 3  # the run's own arguments
+    acc = events(run)
+    steps = [e.step for e in acc.Scalars(curve)]
+    assert steps == sorted(steps) and steps[-1] == budget  # after purging, one continuing curve
+    # the checkpoint's own update reached the curves with it (logged, then flushed by the save), the rest went on
+    assert saved["global_step"] in steps and any(s > saved["global_step"] for s in steps)
+    return run, saved, final, acc
 
 
 def evaluate_py(argv, timeout=300):
@@ -296,13 +318,11 @@ def evaluate_cli(run, episodes=2, extra=()):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=True):
+def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=True, processes=True):
     """A learning rate of 1e30 blows the weights up within a few updates: the run must stop with exit code 1
     and a line naming the non-finite quantity, keep a checkpoint of finite weights from before (when one was
     written: Hogwild workers can get there before the main process writes its first), and leave no process
-    behind."""
-    import torch
-
+    behind (with `processes`, it must have started some: p3s_td3.py starts none)."""
     cmd = [sys.executable, script, *argv, *flags("--learning-rate 1e30 --checkpoint-interval 1e-6 --eval-episodes 0")]
     stderr = open(os.path.join(str(run_dir), "stderr.txt"), "w")
     proc = subprocess.Popen([*cmd, "--run-dir", str(run_dir)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
@@ -316,7 +336,7 @@ def assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=T
         if proc.poll() is None:
             proc.kill()
     err = open(os.path.join(str(run_dir), "stderr.txt")).read()
-    assert workers, "no worker process seen"
+    assert workers or not processes, "no worker process seen"
     assert proc.returncode == 1, err[-2000:]
     lines = [x for x in err.splitlines() if re.match(r"(error|\S*NonFiniteError): non-finite \S+ ", x)]
     assert lines, err[-2000:]
@@ -341,7 +361,6 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
     no other (what makes a stop take seconds, whatever the machine's speed), checkpoints the last completed one (k or
     k + 1 updates of `steps_per_update` steps, k those done when Ctrl-C is sent: a fast machine may finish a second
     update between two looks at the log), exits with 130, says how to continue and leaves no actor behind."""
-    import signal
 
     def updates_done(text):  # complete lines only: a line still being written may not show "collecting" yet
         return sum(line.startswith("step ") and "collecting" not in line for line in text.split("\n")[:-1])
@@ -370,8 +389,6 @@ def ctrl_c_during_second_update(script, argv, run_dir, steps_per_update, deadlin
     assert done in (seen, seen + 1), text[-3000:]  # the update in hand completed, no other started
     assert "continue with" in text and "--resume" in text, text[-3000:]
     assert_only_stop_lines(text, also=("step ", "task family: ", "run folder: "))
-    import torch
-
     (run,) = glob.glob(os.path.join(str(run_dir), "runs", "*"))
     ckpt = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=False)
     assert ckpt["update"] == done and ckpt["global_step"] == done * steps_per_update
@@ -385,7 +402,6 @@ def kill_resume_stop(script, argv, run_dir, stop_signal, kill_past=0, past=1, ti
     beyond that one, `stop_signal` (Ctrl-C or SIGTERM) asks it to stop: it must finish the update in hand, save, say
     how to continue and exit with 130, with nothing else on stderr and no process left. Returns (run folder, the first
     checkpoint, the last, the resumed run's stderr)."""
-    import torch
 
     def start(args, **streams):
         cmd = [sys.executable, script, *args]
@@ -438,11 +454,6 @@ def kill_resume_stop(script, argv, run_dir, stop_signal, kill_past=0, past=1, ti
 def acted_unrolls(script, agent, argv, num_unrolls):
     """Runs `script.act` (impala_vtrace, vmpo_atari) in this process with `agent` and `argv`'s actor settings until it
     has sent `num_unrolls` full unrolls; returns each env's unrolls in the order it sent them, as {name: [T+1, ...]}."""
-    import queue
-
-    import numpy as np
-    import torch
-
     args = script.parse_args(argv)
     specs = script.buffer_specs(script.env_spec(args.env_id).observation_space, agent.policy.out_features, args)
     slots = args.num_envs + 2
@@ -478,9 +489,6 @@ def assert_lstm_state_carried_and_zeroed(agent, chains, readout):
     row is the first of an episode, against what the actor stored: the state before each unroll (so the state crosses
     from one unroll to the next) and the logits at every row (`readout`: the LSTM's output to logits). The learner's
     one pass over an unroll from its stored state gives those logits too. Returns how many rows were firsts."""
-    import torch
-    import torch.nn.functional as F
-
     core, firsts, carried = agent.core, 0, 0
     with torch.no_grad():
         for unrolls in chains.values():
@@ -506,10 +514,6 @@ def assert_lstm_state_carried_and_zeroed(agent, chains, readout):
 def breakout_unrolls(num_envs=8, unroll_length=20, seed=0):
     """Real Breakout-v5 frames of random play as a batch of unrolls (the keys `next_batch` gives, time-major
     `[T+1, B]`), with the training settings of the CPU Atari defaults (a lost life ends the episode)."""
-    import numpy as np
-    import torch
-
-    from common.envs import make_env
 
     envs = make_env("Breakout-v5", num_envs, seed, episodic_life=True, reward_clip=False)
     obs, _ = envs.reset()
@@ -530,14 +534,6 @@ def breakout_unrolls(num_envs=8, unroll_length=20, seed=0):
 HOGWILD_LONG_RUN = "--env-id CartPole-v1 --num-workers 2 --total-timesteps 100000000"  # a3c.py, acer.py: not spent
 
 
-def assert_hogwild_non_finite_stops_the_run(script, run_dir):
-    """`assert_non_finite_stops_the_run` for a Hogwild script (a3c.py, acer.py) on CartPole-v1 with 2 workers, which
-    can get there before the first checkpoint: the line names the policy, the loss or a gradient."""
-    argv = flags("--env-id CartPole-v1 --num-workers 2")
-    line, _ = assert_non_finite_stops_the_run(script, argv, run_dir, checkpoint_expected=False)
-    assert "policy" in line or "loss" in line or "gradient" in line
-
-
 def learning_rate_logged(run, saved):
     """A `ready` for `kill_resume_stop` in a Hogwild run: worker 0 logs the learning rate, and may start after the
     other has passed the checkpoint's step."""
@@ -548,8 +544,6 @@ def assert_every_steps_return_scaled(agent, work):
     """--scale-rewards on Pendulum-v1, one env: `work()` (a worker's 400 steps in this process, two episodes of 200)
     puts R_t into `agent`'s return statistics at every step, the last of an episode too (R_t shares no memory with
     the array reset after it). Pendulum's rewards are all negative, so is every R_t but at envpool's reset step."""
-    import torch
-
     seen, update = [], agent.return_norm.update
     agent.return_norm.update = lambda x: (seen.append(x.clone()), update(x))
     work()
@@ -592,8 +586,6 @@ def three_games_run(script, argv, run_dir):
     every multi-game run has (a `3games__` folder; each game's curves, PopArt statistics and evaluation; the full
     action set and the games in model.pt; the per-game evaluation table) and returns the run folder, its TensorBoard
     tags and its model.pt."""
-    import torch
-
     games = flags("--env-ids", THREE_GAMES, "--num-actors 3 --num-envs 6 --batch-size 6")
     budget = "--total-timesteps 3000 --save-model --eval-episodes 1 --log-interval 1"
     run_path = run_script(script, flags(games, argv, budget), run_dir, timeout=600)
@@ -612,8 +604,6 @@ def assert_lstm_input_in_range_and_torso_gradient(agent, seq, stats):
     """A deep agent with an LSTM after 10 updates: over its inputs `seq`, under 10% of the LSTM cell's input
     pre-activations beyond |4|, and the torso's last layer's gradient in `stats` (the last update's diagnostics)
     above 1e-4."""
-    import torch
-
     inputs = []  # the LSTM cell's inputs, step by step
     hook = agent.core.cell.register_forward_pre_hook(lambda cell, x: inputs.append(x[0]))
     with torch.no_grad():

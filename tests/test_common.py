@@ -1,36 +1,43 @@
 """common/ (networks, envs, evaluation helpers) and the run machinery every script carries (one text, tested once)."""
 
+import ast
 import contextlib
+import csv
 import ctypes.util
+import dataclasses
+import glob
 import importlib
+import json
 import math
+import queue
 import re
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env, to_env_action  # noqa: E402
-from common.evaluation import resume_checkpoint, write_apng  # noqa: E402
-from tests.helpers import evaluate_py  # noqa: E402
-from common.networks import (
-    LSTMCore,
-    ResidualBlock,
-    ResNetTorso,
-    RunningNorm,
-    ShallowTorso,  # noqa: E402
-    dead_units,
-    grad_norms_by_layer,
-    init_output_,
-    init_weights_,
-    logits_std_across_states,
-    make_torso,
-)
+from common.envs import EpisodeTracker, UsageError, env_spec, flat_obs_dim, flatten_obs, make_env
+from common.envs import MUJOCO_FRAME, check_render, require_in, to_env_action
+import common.envs
+from common.evaluation import ATARI_SCORES, PRESETS, atari_games, expand_env_ids, human_normalized_score
+from common.evaluation import median_human_normalized, resume_checkpoint, score_table, write_apng
+from common.popart import PopArt
+from tests.helpers import HOGWILD_LONG_RUN, assert_killed_process_ends_the_run
+from tests.helpers import assert_non_finite_stops_the_run, assert_usage_error, ctrl_c_during_second_update
+from tests.helpers import ROOT, evaluate_py, flags, imported_envpool_modules, acted_unrolls
+from tests.helpers import assert_lstm_state_carried_and_zeroed, ENV_IDS_SHARES, assert_env_ids_share
+from common.networks import LSTMCore, ResidualBlock, ResNetTorso, RunningNorm, ShallowTorso, dead_units
+from common.networks import grad_norms_by_layer, init_output_, init_weights_, logits_std_across_states
+from common.networks import make_torso
 
 SCRIPTS = ["impala_vtrace", "vmpo_atari", "vmpo_mujoco", "a3c", "acer", "p3s_td3"]
 
@@ -122,11 +129,24 @@ def test_env_checks():
         env_spec("CartPole-v1", discrete=False)
 
 
+def test_require_in_refuses_the_first_flag_outside_its_interval():
+    """`require_in`: each closed bound inside, each open bound and NaN outside; the first flag outside is named with
+    dashes and its value."""
+    args = SimpleNamespace(low_ok=0.0, high_ok=1.0, big=float("inf"), open_low=0.0, open_high=1.0, nan=float("nan"))
+    require_in("[0, 1]", args, "low_ok high_ok")
+    require_in("[0, inf]", args, "big")
+    for interval, names, message in [
+        ("(0, 1]", "high_ok open_low nan", "--open-low must be in (0, 1], got 0.0"),
+        ("[0, 1)", "low_ok open_high open_low", "--open-high must be in [0, 1), got 1.0"),
+        ("[0, inf)", "low_ok nan", "--nan must be in [0, inf), got nan"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(message)):
+            require_in(interval, args, names)
+
+
 def test_env_spec_refuses_continuous_actions_that_are_not_a_bounded_vector(monkeypatch):
     """Every script's policy is a vector in a box: another shape, or an infinite bound, is one line."""
     import gymnasium
-
-    import common.envs
 
     real = common.envs._envpool().make_spec
 
@@ -169,8 +189,6 @@ def test_apng_is_a_valid_animated_png(tmp_path):
 
 
 def _popart(num_tasks=1, beta=0.3, seed=0, **kw):
-    from common.popart import PopArt
-
     torch.manual_seed(seed)
     p = PopArt(8, num_tasks, beta=beta, **kw).double()
     with torch.no_grad():
@@ -271,8 +289,6 @@ def test_flatten_obs_of_a_dm_control_dict():
 
 
 def test_human_normalized_scores_on_known_values():
-    from common.evaluation import human_normalized_score
-
     assert human_normalized_score("Breakout-v5", 30.5) == pytest.approx(100.0)  # the human reference
     assert human_normalized_score("Breakout", 1.7) == pytest.approx(0.0)  # the random reference
     assert human_normalized_score("Pong-v5", -3.05) == pytest.approx(50.0)  # halfway from -20.7 to 14.6
@@ -282,8 +298,6 @@ def test_human_normalized_scores_on_known_values():
 
 
 def test_score_table_median_and_mean_over_games():
-    from common.evaluation import score_table
-
     scores = {"Breakout-v5": [30.5, 30.5], "Pong-v5": [-20.7], "Boxing-v5": [6.1, 6.1], "Enduro-v5": [860.5 * 3]}
     table = score_table({**scores, "CartPole-v1": [500.0]})
     hns = {r["env_id"]: r["human_normalized"] for r in table["games"]}
@@ -297,8 +311,6 @@ def test_score_table_median_and_mean_over_games():
 def test_atari_presets():
     import envpool
 
-    from common.evaluation import ATARI_SCORES, PRESETS, expand_env_ids
-
     known = set(envpool.list_all_envs())
     assert len(PRESETS["atari57"]) == 57 == len(set(PRESETS["atari57"])) == len(ATARI_SCORES)
     assert set(PRESETS["atari57"]) <= known
@@ -307,8 +319,6 @@ def test_atari_presets():
 
 
 def test_atari_games_and_their_median_human_normalized_score():
-    from common.evaluation import atari_games, human_normalized_score, median_human_normalized
-
     assert atari_games(["atari5", "Pong-v5"], "Breakout-v5")[-1] == "Pong-v5" and atari_games([], "CartPole-v1") == []
     for env_ids, env_id, says in (
         (["Pong-v5", "CartPole-v1"], "Pong-v5", "takes Atari games"),
@@ -332,10 +342,6 @@ def test_atari_games_and_their_median_human_normalized_score():
 def test_evaluation_cli_per_game_table_for_a_multi_game_policy(tmp_path):
     """A policy over the 18 actions evaluated on two games: per-game table on the console and in JSON/CSV, with
     the human-normalised scores of its mean scores."""
-    import csv
-    import json
-
-    from common.evaluation import human_normalized_score
 
     model = tmp_path / "model.pt"
     torch.save(
@@ -440,8 +446,6 @@ MACHINERY = "vmpo_atari"  # the script that carries every piece of the run machi
 
 def _machinery(path):
     """{name: source} of each top-level definition below the run machinery's banner of the script at `path`."""
-    import ast
-
     text = open(path).read()
     start = text.index("# The run machinery: one text")
     lines, pieces = text.splitlines(), {}
@@ -488,8 +492,6 @@ def test_the_hogwild_pieces_are_one_text_in_a3c_and_acer():
 
 
 def test_family_defaults_fill_what_the_user_did_not_give(capsys):
-    import dataclasses
-
     module = importlib.import_module(MACHINERY)
     parse_args, Args = module.parse_args, module.Args
     source, values = module.FAMILY_DEFAULTS["atari"]
@@ -542,8 +544,6 @@ def test_actor_channel_fills_overlapping_unrolls_in_async_order():
     envs in any order (envpool's async mode). Each env's unroll k must hold its rows kT..kT+T (T+1 rows: the last
     row of an unroll is the first of the next), its core state must be the one before row kT, and a slot goes to the
     learner as soon as its env has written row T."""
-    import queue
-
     module = importlib.import_module(MACHINERY)
 
     T, n, num_slots = 3, 3, 64
@@ -584,8 +584,6 @@ def test_actor_channel_fills_overlapping_unrolls_in_async_order():
 
 def _run_args(module, tmp_path, **kw):
     """The script's own arguments for a CartPole-v1 run in `tmp_path`, logging at every call."""
-    import dataclasses
-
     run = dict(env_id="CartPole-v1", exp_name="x", seed=3, run_dir=str(tmp_path), log_interval=0.0, eval_episodes=0)
     return dataclasses.replace(module.Args(), **{**run, **kw})
 
@@ -595,8 +593,6 @@ def test_run_log_writes_the_run_folder_and_continues_a_resumed_run(tmp_path, cap
     holding the script's state with the log's, and summary.json with the house keys, its SPS up to the last checkpoint.
     A resumed run: the same folder, its returns, groups and episode count continued, the steps and wall time counted
     on from the checkpoint's."""
-    import json
-
     where = MACHINERY
     module = importlib.import_module(where)
     args = _run_args(module, tmp_path)
@@ -679,8 +675,6 @@ def test_stop_waits_for_the_update_in_hand_and_a_second_ctrl_c_exits_at_once(mon
 
 
 def test_loss_stats_names_the_parts_of_a_loss_and_its_diagnostics():
-    from typing import NamedTuple
-
     loss_stats = importlib.import_module(MACHINERY).loss_stats
 
     class Out(NamedTuple):
@@ -712,6 +706,64 @@ def test_actor_configs_share_envs_games_and_seeds():
     assert cfgs[0].env_options == {"reward_clip": False, "full_action_space": True}
     one = actor_configs(args, 0, "cpu")
     assert {c.env_id for c in one} == {"Pong-v5"} and one[0].env_options == {}
+
+
+@pytest.mark.parametrize("script", ["impala_vtrace", "vmpo_atari"])
+@pytest.mark.parametrize("argv, expected", ENV_IDS_SHARES)
+def test_env_ids_alone_give_every_game_the_same_share_of_actors_and_envs(script, argv, expected):
+    assert_env_ids_share(importlib.import_module(script), [*argv, "--no-cuda"], expected)
+
+
+@pytest.mark.parametrize("script", ["impala_vtrace", "vmpo_atari"])
+def test_actor_carries_the_lstm_state_across_unrolls_and_zeroes_it_where_an_episode_starts(script):
+    """`act` with an LSTM, in this process on CartPole-v1 (4 envs stepped 2 at a time, unrolls of 5): the state
+    stored before each unroll, and the logits of every row, are a plain step-by-step loop's over the env's rows from a
+    zero state (`assert_lstm_state_carried_and_zeroed`); the learner's pass over an unroll from that state agrees."""
+    module = importlib.import_module(script)
+    torch.manual_seed(0)
+    heads = dict(head_hidden=16, mlp_hidden=(16,)) if script == "vmpo_atari" else {}
+    agent = module.Agent((4,), 2, use_lstm=True, lstm_size=16, **heads)
+    torch.nn.init.normal_(agent.policy.weight)  # logits of order 1 that depend on the state (not a zero readout's)
+    argv = flags("--env-id CartPole-v1 --use-lstm --lstm-size 16 --unroll-length 5 --num-envs 4 --env-batch-size 2")
+    chains = acted_unrolls(module, agent, argv, num_unrolls=48)
+    readout = agent.policy if script == "impala_vtrace" else lambda h: agent.policy(agent.policy_mlp(h))
+    assert assert_lstm_state_carried_and_zeroed(agent, chains, readout) > 0  # episodes ended inside unrolls
+
+
+def test_actor_pool_batches_unrolls_recycles_slots_publishes_and_ends_its_actors():
+    """`ActorPool` (the learner's side) with one real actor of vmpo_atari on CartPole and 10 slots: `next_batch` gives
+    `batch_size` full unrolls `[T+1, B]`, each opening with the row that closed one before it, for 40 batches (the
+    slots come back); `publish` reaches the actor (later rows carry version 1); `take_episodes` drains the episodes;
+    a stop makes `next_batch` return None; `close` leaves no actor running."""
+    module = importlib.import_module(MACHINERY)
+    args = module.parse_args("--env-id CartPole-v1 --num-envs 2 --batch-size 2 --unroll-length 5".split())
+    spec = module.env_spec(args.env_id)
+    agent = module.Agent(spec.observation_space.shape, 2, use_lstm=False)
+    specs = module.buffer_specs(spec.observation_space, 2, args)
+    stop = SimpleNamespace(requested=False)
+    timer = threading.Timer(60, setattr, (stop, "requested", True))  # a pool that stalls fails, never hangs
+    pool = module.ActorPool(module.actor_configs(args, 0, torch.device("cpu")), agent, specs, 2, torch.device("cpu"))
+    try:
+        timer.start()
+        batch = pool.next_batch(stop)
+        assert batch["obs"].shape == (6, 2, 4) and batch["action"].shape == (6, 2) and not batch["version"].any()
+        pool.publish({k: v + 1 for k, v in agent.state_dict().items()})
+        assert pool.version.item() == 1 and torch.equal(pool.agent.policy.bias, agent.policy.bias + 1)
+        closing, versions, episodes = {tuple(o.tolist()) for o in batch["obs"][-1]}, set(), []
+        for _ in range(40):
+            batch = pool.next_batch(stop)
+            assert batch is not None, "the actor stalled: slots not returned"
+            assert all(tuple(o.tolist()) in closing for o in batch["obs"][0])  # each env's rows go on where they ended
+            closing |= {tuple(o.tolist()) for o in batch["obs"][-1]}
+            versions |= set(batch["version"].flatten().tolist())
+            episodes += pool.take_episodes()
+        assert 1 in versions and episodes and all(len(e) == 3 and e[2] == 0 for e in episodes)  # (score, length, task)
+        stop.requested = True
+        assert pool.next_batch(stop) is None
+    finally:
+        timer.cancel()
+        pool.close()
+    assert not any(p.is_alive() for p in pool.workers.processes)
 
 
 @pytest.mark.parametrize(
@@ -854,8 +906,6 @@ def test_worker_processes_report_how_they_ended_and_leave_none_running(kinds, me
 def test_exit_failed_and_exit_stopped_say_what_to_do_next(tmp_path, capsys):
     """`exit_failed`: the error line and exit status 1; after a non-finite value, where the last good checkpoint is
     (or that there is none). `exit_stopped`: the checkpoint's step and the command that continues the run, 130."""
-    import signal
-
     module = importlib.import_module(MACHINERY)
     cases = [(module.WorkerError("worker 0 died"), None), (module.NonFiniteError("non-finite loss at update 3"), 42)]
     cases.append((module.NonFiniteError("non-finite loss at update 1"), None))
@@ -891,9 +941,6 @@ def test_exit_failed_and_exit_stopped_say_what_to_do_next(tmp_path, capsys):
 
 
 def test_common_never_imports_a_script():
-    import ast
-    import glob
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for path in glob.glob(os.path.join(root, "common", "*.py")):
         tree = ast.parse(open(path).read())
@@ -924,15 +971,8 @@ def test_a_script_copied_with_common_into_an_empty_folder_trains_films_resumes_a
     continuous actions (a3c, acer, p3s_td3, vmpo_mujoco) run InvertedPendulum-v4 with `--capture-video` where libEGL
     is: the run's first evaluation episode as an animated PNG of MuJoCo frames; and `evaluate.py --capture-video` of
     the saved model writes one too."""
-    import glob
-    import json
-    import shutil
-    import subprocess
 
     from PIL import Image
-
-    from common.envs import MUJOCO_FRAME
-    from tests.helpers import ROOT
 
     shutil.copy(os.path.join(ROOT, f"{script}.py"), tmp_path)
     shutil.copytree(os.path.join(ROOT, "common"), tmp_path / "common", ignore=shutil.ignore_patterns("__pycache__"))
@@ -971,10 +1011,6 @@ def test_a_script_copied_with_common_into_an_empty_folder_trains_films_resumes_a
 def test_resume_of_a_damaged_or_foreign_run_folder_is_one_line(tmp_path, where):
     """`--resume` of a folder whose checkpoint.pt is truncated, is not a torch file, or is another script's
     (with its name, or an older one without it): exit status 2 and one `error:` line, before any work."""
-    import dataclasses
-
-    from tests.helpers import assert_usage_error
-
     module = importlib.import_module(where)
     other = "a3c" if where != "a3c" else "acer"
     foreign = {"args": dataclasses.asdict(importlib.import_module(other).Args()), "global_step": 10, "t": 1}
@@ -999,8 +1035,6 @@ def test_resume_of_a_damaged_or_foreign_run_folder_is_one_line(tmp_path, where):
 def test_evaluation_cli_of_a_damaged_or_wrong_file_is_one_line(tmp_path):
     """`python evaluate.py` of a truncated model.pt, a text file, a checkpoint.pt, or a model naming no script of
     this project: exit status 2 and one `error:` line, no traceback."""
-    import subprocess
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     torch.save({"script": "a3c", "env_id": "CartPole-v1", "weights": torch.zeros(1000)}, tmp_path / "good.pt")
     (tmp_path / "truncated.pt").write_bytes((tmp_path / "good.pt").read_bytes()[:500])
@@ -1035,8 +1069,6 @@ def test_evaluation_cli_of_a_damaged_or_wrong_file_is_one_line(tmp_path):
 def test_check_render_names_what_to_install_when_egl_is_missing(monkeypatch):
     """Without a usable libEGL, `--capture-video` of a MuJoCo task is one line before any work (the probe runs in a
     child, so a failure cannot end this process); classic control and Atari render without it."""
-    import common.envs
-
     monkeypatch.setattr(common.envs, "EGL_LIBRARY", "libEGL-not-installed.so.1")
     with pytest.raises(UsageError, match="apt install libegl1"):
         common.envs.check_render("InvertedPendulum-v4")
@@ -1050,8 +1082,6 @@ def test_envpool_renders_mujoco_once_egl_is_loaded(env_id):
     """envpool draws MuJoCo (Gym and dm_control) offscreen with the libEGL this process has loaded, which
     `make_env(render=True)` loads (undocumented envpool behaviour, so pinned here): frames of the set size, a lit
     scene (not blank), and a scene that moves as the env steps."""
-    from common.envs import MUJOCO_FRAME, check_render
-
     check_render(env_id)
     env = make_env(env_id, 2, 0, training=False, render=True)
     env.reset()
@@ -1060,3 +1090,159 @@ def test_envpool_renders_mujoco_once_egl_is_loaded(env_id):
     for _ in range(20):
         env.step(np.stack([env.action_space.sample() for _ in range(2)]))
     assert np.abs(env.render().astype(int) - first).mean() > 0.1
+
+
+# --------------------------------------------------------------------------------------------------------
+# Every script, the same behaviour: a row per script.
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_import_runs_nothing(script):
+    assert imported_envpool_modules(script) == "[]"
+
+
+BAD_INPUTS = [  # (script, argv, what its one line names)
+    ("impala_vtrace", "--env-id Breakot-v5", "unknown env id"),
+    ("impala_vtrace", "--env-id HalfCheetah-v4", "continuous actions"),
+    ("impala_vtrace", "--env-id CartPole-v1 --unroll-length 0", "--unroll-length"),
+    ("impala_vtrace", "--env-id CartPole-v1 --lr-anneal-steps -1", "--lr-anneal-steps"),
+    ("impala_vtrace", "--env-id CartPole-v1 --num-envs 6 --num-actors 4", "--num-envs"),
+    ("impala_vtrace", "--env-id CartPole-v1 --total-timesteps 10", "less than one batch"),
+    ("impala_vtrace", "--env-ids Pong-v5 CartPole-v1", "takes Atari games"),
+    ("impala_vtrace", "--env-ids Pong-v5 Breakout-v5 --num-actors 3 --num-envs 6", "multiple of the number of games"),
+    ("impala_vtrace", "--env-ids atari58", "unknown env id"),
+    ("impala_vtrace", "--resume runs/no-such-run", "--resume"),
+    ("vmpo_atari", "--env-id Breakot-v5", "unknown env id"),
+    ("vmpo_atari", "--env-id HalfCheetah-v4", "continuous actions"),
+    ("vmpo_atari", "--env-id CartPole-v1 --gamma 1.5", "--gamma"),
+    ("vmpo_atari", "--env-id CartPole-v1 --eps-alpha -1", "--eps-alpha"),
+    ("vmpo_atari", "--env-id Breakout-v5 --network deep --channels 16 32", "--channels"),
+    ("vmpo_atari", "--env-id CartPole-v1 --total-timesteps 10", "less than one batch"),
+    ("vmpo_atari", "--env-id CartPole-v1 --num-minibatches 3", "--num-minibatches 3"),
+    ("vmpo_atari", "--env-ids Pong-v5 CartPole-v1", "takes Atari games"),
+    ("vmpo_atari", "--env-ids atari5 --num-actors 4 --num-envs 8", "multiple of the number of games"),
+    ("vmpo_atari", "--resume runs/no-such-run", "--resume"),
+    ("vmpo_mujoco", "--env-id HalfCheetah-v9", "unknown env id"),
+    ("vmpo_mujoco", "--env-id CartPole-v1", "discrete actions"),
+    ("vmpo_mujoco", "--env-id Pendulum-v1 --num-minibatches 3", "--num-minibatches 3"),
+    ("vmpo_mujoco", "--env-id Pendulum-v1 --eps-alpha-sigma 0", "--eps-alpha-sigma"),
+    ("vmpo_mujoco", "--env-id Pendulum-v1 --total-timesteps 10", "less than one batch"),
+    ("vmpo_mujoco", "--preset humanoid-pixels", "--preset"),
+    ("vmpo_mujoco", "--resume runs/no-such-run", "--resume"),
+    ("a3c", "--env-id Breakout-v9", "unknown env id"),
+    ("a3c", "--env-id CartPole-v1 --cuda", "--cuda"),
+    ("a3c", "--env-id CartPole-v1 --num-envs 0", "--num-envs"),
+    ("a3c", "--env-id CartPole-v1 --t-max -1", "--t-max"),
+    ("a3c", "--env-id CartPole-v1 --total-timesteps 3", "less than one rollout"),
+    ("a3c", "--env-id CartPole-v1 --rmsprop-alpha 1", "--rmsprop-alpha"),
+    ("a3c", "--env-id CartPole-v1 --hidden 0", "--hidden"),
+    ("a3c", "--resume runs/no-such-run", "--resume"),
+    ("a3c", "--env-id HalfCheetah-v4 --method n-step-q", "takes discrete actions"),
+    ("a3c", "--env-id CartPole-v1 --method one-step-q --lstm", "--lstm is A3C's"),
+    ("a3c", "--env-id CartPole-v1 --method one-step-sarsa --target-update-period -1", "--target-update"),
+    ("acer", "--env-id Breakout-v9", "unknown env id"),
+    ("acer", "--env-id HalfCheetah-v4 --replay-ratio 0", "replay only"),
+    ("acer", "--env-id CartPole-v1 --cuda", "--cuda"),
+    ("acer", "--env-id CartPole-v1 --k -1", "--k"),
+    ("acer", "--env-id CartPole-v1 --replay-ratio -1", "--replay-ratio"),
+    ("acer", "--env-id CartPole-v1 --delta 0", "--delta"),
+    ("acer", "--env-id CartPole-v1 --avg-decay 1", "--avg-decay"),
+    ("acer", "--env-id CartPole-v1 --replay-size 10", "--replay-size"),
+    ("acer", "--env-id CartPole-v1 --scale-rewards", "--scale-rewards"),
+    ("acer", "--env-id CartPole-v1 --bf16", "--bf16"),
+    ("acer", "--resume runs/no-such-run", "--resume"),
+    ("p3s_td3", "--env-id HalfCheetah-v9", "unknown env id"),
+    ("p3s_td3", "--env-id CartPole-v1", "discrete actions"),
+    ("p3s_td3", "--env-id Pendulum-v1 --num-learners 0", "--num-learners"),
+    ("p3s_td3", "--env-id Pendulum-v1 --num-learners 4 --buffer-size 300", "--buffer-size"),
+    (
+        "p3s_td3",
+        "--env-id Pendulum-v1 --t-initial 2500 --learning-starts 0 --total-timesteps 5000",
+        "before the first update",
+    ),
+    ("p3s_td3", "--env-id Pendulum-v1 --learning-starts 30000", "before the first update"),
+    ("p3s_td3", "--env-id Pendulum-v1 --updates-per-step 0", "--updates-per-step"),
+    ("p3s_td3", "--env-id Pendulum-v1 --beta-init 5000", "--beta-init"),
+    ("p3s_td3", "--env-id Pendulum-v1 --tau 2", "--tau"),
+    ("p3s_td3", "--resume runs/no-such-run", "--resume"),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script, argv, needle", BAD_INPUTS)
+def test_bad_input_one_clear_line(script, argv, needle, tmp_path):
+    assert_usage_error(f"{script}.py", flags(argv), tmp_path, needle)
+
+
+FOUR_ENVS, VMPO_RUN = "--num-envs 4 --batch-size 4", "--num-minibatches 1 --unroll-length 10"
+LONG_RUN = f"--total-timesteps 100000000 {FOUR_ENVS} --eval-episodes 0"  # a budget not spent within a test
+KILLED = {  # a run the kills end, and the kills tried
+    "impala_vtrace": (f"--env-id CartPole-v1 {LONG_RUN}", "actor sigterm sigint-twice"),
+    "vmpo_atari": (f"--env-id CartPole-v1 {LONG_RUN} {VMPO_RUN} --no-use-lstm", "actor sigint-twice"),
+    "vmpo_mujoco": (f"--env-id Pendulum-v1 {LONG_RUN} {VMPO_RUN}", "actor sigint-twice"),
+    "a3c": (HOGWILD_LONG_RUN, "worker sigint-twice"),
+    "acer": (HOGWILD_LONG_RUN, "worker sigint-twice"),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script, victim", [(s, v) for s, (_, victims) in KILLED.items() for v in victims.split()])
+def test_killed_process_ends_the_run(tmp_path, script, victim):
+    """Once the run is in its loop (its first progress line): a SIGKILLed actor or worker ends the run non-zero,
+    naming it; a polite kill (SIGTERM) stops the run and takes its actors with it (Ctrl-C: the tests of a stopped
+    update); two Ctrl-Cs end it with 130 and no traceback. No spawned process outlives the main process
+    (`assert_killed_process_ends_the_run`)."""
+    err = assert_killed_process_ends_the_run(f"{script}.py", flags(KILLED[script][0]), tmp_path, victim)
+    assert (script, victim) != ("impala_vtrace", "actor") or "actor 0 died" in err
+
+
+NON_FINITE = {  # a short run, what its line names (one of), and what its last good checkpoint holds (None: maybe none)
+    "impala_vtrace": (f"--env-id CartPole-v1 {FOUR_ENVS}", "non-finite", "update"),
+    "vmpo_atari": (f"--env-id CartPole-v1 {FOUR_ENVS} --num-minibatches 1 --no-use-lstm", "at update", "update"),
+    "vmpo_mujoco": (f"--env-id Pendulum-v1 {FOUR_ENVS} {VMPO_RUN} --update-epochs 1", "at update", "update"),
+    "a3c": ("--env-id CartPole-v1 --num-workers 2", "policy|loss|gradient", None),  # Hogwild workers can get there
+    "acer": ("--env-id CartPole-v1 --num-workers 2", "policy|loss|gradient", None),  # before the first checkpoint
+    "p3s_td3": (
+        "--env-id Pendulum-v1 --num-learners 2 --t-initial 0 --learning-starts 20 --best-period 50 --hidden 32"
+        " --total-timesteps 100000",
+        "loss",
+        "learners",
+    ),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", list(NON_FINITE))
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, script):
+    """A learning rate of 1e30 blows the weights up within a few updates (p3s_td3: from t = 10, 20 rows of D): exit 1
+    with a line naming the non-finite quantity; the checkpoint is the last one with finite weights
+    (`assert_non_finite_stops_the_run`)."""
+    argv, named, kept = NON_FINITE[script]
+    line, state = assert_non_finite_stops_the_run(
+        f"{script}.py", flags(argv), tmp_path, checkpoint_expected=kept is not None, processes=script != "p3s_td3"
+    )
+    assert re.search(named, line), line
+    if kept == "update":
+        assert state["update"] >= 1
+    if kept == "learners":
+        for net in ("actor", "qf", "actor_target", "qf_target"):
+            assert all(bool(torch.isfinite(v).all()) for v in state["learners"][net].values())
+
+
+EIGHT_ENVS = "--num-envs 8 --batch-size 8"
+CTRL_C_IN_AN_UPDATE = {  # a run whose updates take a while on a CPU, and its steps per update
+    "impala_vtrace": (f"--env-id Breakout-v5 {EIGHT_ENVS} --network deep --channels 32 64 64 --use-lstm", 8 * 20),
+    "vmpo_atari": (f"--env-id Breakout-v5 {EIGHT_ENVS}", 8 * 20),
+    "vmpo_mujoco": (f"--env-id Pendulum-v1 {FOUR_ENVS} {VMPO_RUN} --hidden 1024 1024", 4 * 10),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", list(CTRL_C_IN_AN_UPDATE))
+def test_ctrl_c_during_an_update_completes_it_and_saves_it(tmp_path, script):
+    """Ctrl-C while the second update is collected or in progress (impala_vtrace: the deep network with wide channels
+    and an LSTM, where one update takes many seconds; vmpo_mujoco: a wide network) lets that update finish (an update
+    is never half-applied, no copy of the learner is kept to undo it), starts no other, checkpoints the last completed
+    update and ends the run with exit 130 (`ctrl_c_during_second_update`)."""
+    argv, steps_per_update = CTRL_C_IN_AN_UPDATE[script]
+    ctrl_c_during_second_update(f"{script}.py", flags(argv), tmp_path, steps_per_update=steps_per_update)

@@ -3,37 +3,21 @@
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import impala_vtrace  # noqa: E402
-from impala_vtrace import vtrace  # noqa: E402
-from tests.helpers import (
-    assert_lstm_input_in_range_and_torso_gradient,
-    THREE_GAMES,
-    three_games_run,
-    ENV_IDS_SHARES,
-    assert_env_ids_share,
-    events,
-    flags,
-    breakout_unrolls,
-    acted_unrolls,
-    assert_lstm_state_carried_and_zeroed,
-    assert_killed_process_ends_the_run,
-    learns,
-    ROOT,
-    ctrl_c_during_second_update,
-    assert_non_finite_stops_the_run,
-    assert_usage_error,
-    events_tags,
-    imported_envpool_modules,  # noqa: E402
-    kill_after_first_checkpoint,
-    run_script,
-)
+import impala_vtrace
+from evaluate import main as eval_main
+from impala_vtrace import vtrace
+from common.popart import PopArt
+from tests.helpers import assert_lstm_input_in_range_and_torso_gradient, THREE_GAMES, three_games_run
+from tests.helpers import torchrun, flags, breakout_unrolls
+from tests.helpers import learns, ROOT
+from tests.helpers import assert_usage_error, events_tags, killed_and_resumed, run_script
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -182,8 +166,6 @@ def test_popart_learner_loss_is_the_plain_loss_in_normalised_units():
     """PopArt-IMPALA on a batch of two games: V-trace runs on σ n + μ (the same targets as the plain loss on those
     values), the value gradient is that of ½((v_s − μ)/σ − n)² on each row's own task output only, and the policy
     gradient is the plain one divided by σ of the row's game."""
-    from common.popart import PopArt
-
     T, B, A = 6, 4, 5
     batch = make_batch(T, B, A)
     batch["task"] = torch.tensor([0, 1, 1, 0]).repeat(T + 1, 1)
@@ -266,24 +248,8 @@ def test_deep_agent_lstm_input_stays_in_range_and_the_torso_keeps_its_gradient()
     assert_lstm_input_in_range_and_torso_gradient(agent, seq, stats)
 
 
-def test_actor_carries_the_lstm_state_across_unrolls_and_zeroes_it_where_an_episode_starts():
-    """`act` with an LSTM, in this process on CartPole-v1 (4 envs stepped 2 at a time, unrolls of 5): the state
-    stored before each unroll, and the logits of every row, are a plain step-by-step loop's over the env's rows from a
-    zero state (`assert_lstm_state_carried_and_zeroed`); the learner's pass over an unroll from that state agrees."""
-    torch.manual_seed(0)
-    argv = ["--env-id", "CartPole-v1", "--use-lstm", "--lstm-size", "16", "--unroll-length", "5", "--num-envs", "4"]
-    agent = impala_vtrace.Agent((4,), 2, use_lstm=True, lstm_size=16)
-    torch.nn.init.normal_(agent.policy.weight)  # logits of order 1 that depend on the state
-    chains = acted_unrolls(impala_vtrace, agent, [*argv, "--env-batch-size", "2"], num_unrolls=48)
-    assert assert_lstm_state_carried_and_zeroed(agent, chains, agent.policy) > 0  # episodes ended inside unrolls
-
-
 # --------------------------------------------------------------------------------------------------------
 # The script end to end.
-
-
-def test_import_runs_nothing():
-    assert imported_envpool_modules("impala_vtrace") == "[]"
 
 
 def check_run(run_path, expect_model=True):
@@ -293,8 +259,6 @@ def check_run(run_path, expect_model=True):
     for tag in ("charts/SPS", "losses/value_loss", "losses/policy_loss", "stats/policy_lag", "stats/rho_mean"):
         assert tag in tags, (tag, tags)
     if expect_model:
-        from evaluate import main as eval_main
-
         scores = eval_main([os.path.join(run_path, "model.pt"), "--episodes", "2", "--num-envs", "2"])
         assert len(scores) == 2
     return summary
@@ -307,15 +271,8 @@ def check_run(run_path, expect_model=True):
     ids=["shallow", "deep-lstm"],
 )
 def test_smoke_breakout(tmp_path, extra):
-    run_path = run_script(
-        "impala_vtrace.py",
-        flags(
-            "--env-id Breakout-v5 --total-timesteps 480 --num-envs 4",
-            "--batch-size 4 --unroll-length 20 --save-model --eval-episodes 1",
-            extra,
-        ),
-        tmp_path,
-    )
+    argv = "--env-id Breakout-v5 --total-timesteps 480 --num-envs 4 --batch-size 4 --unroll-length 20 --save-model"
+    run_path = run_script("impala_vtrace.py", flags(argv, "--eval-episodes 1", extra), tmp_path)
     check_run(run_path)
     # Atari anneals over the paper's 50M steps whatever the budget: the 6th update of 80 steps is at lr (1 − 5/625,000)
     lr = events_tags(run_path, values_of="charts/learning_rate")[-1]
@@ -338,8 +295,6 @@ def test_smoke_multitask_three_games(tmp_path):
     assert (mu != 0).all() and (sigma != 1).all()  # every game's statistics moved
     summary = json.load(open(os.path.join(run_path, "summary.json")))
     assert summary["env_ids"] == games and set(summary["mean_episodic_return_last_10_per_game"]) == set(games)
-    from evaluate import main as eval_main
-
     model, out = os.path.join(run_path, "model.pt"), str(tmp_path / "other")
     # any Atari game, one it did not train on too: the full action set
     scores = eval_main([model, *flags("--env-ids MsPacman-v5 Qbert-v5 --episodes 1 --out"), out])
@@ -348,15 +303,8 @@ def test_smoke_multitask_three_games(tmp_path):
 
 @pytest.mark.e2e
 def test_smoke_torchrun_two_learners(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "impala_vtrace.py"]
-    run_path = run_script(
-        cmd,
-        flags(
-            "--env-id CartPole-v1 --total-timesteps 3200 --num-envs 4", "--batch-size 8 --save-model --eval-episodes 1"
-        ),
-        tmp_path,
-    )
-    check_run(run_path)
+    argv = "--env-id CartPole-v1 --total-timesteps 3200 --num-envs 4 --batch-size 8 --save-model --eval-episodes 1"
+    check_run(torchrun("impala_vtrace.py", flags(argv), tmp_path))
 
 
 @pytest.mark.e2e
@@ -364,8 +312,6 @@ def test_two_nodes_through_a_c10d_rendezvous(tmp_path):
     """torchrun's multi-node launch as on two machines: two launchers of one learner each (`--nnodes 2`), meeting at
     a c10d rendezvous, here on this machine's loopback. One run folder (rank 0's), the batch split between the
     nodes (each node's learner takes 4 of the 8 unrolls, with its own actors), the updates of a one-node run."""
-    import socket
-
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -393,26 +339,6 @@ def test_two_nodes_through_a_c10d_rendezvous(tmp_path):
     assert sum("2 learner process(es)" in o for o in outputs) == 1  # rank 0 alone writes
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize(
-    "argv,needle",
-    [
-        (["--env-id", "Breakot-v5"], "unknown env id"),
-        (["--env-id", "HalfCheetah-v4"], "continuous actions"),
-        (["--env-id", "CartPole-v1", "--unroll-length", "0"], "--unroll-length"),
-        (["--env-id", "CartPole-v1", "--lr-anneal-steps", "-1"], "--lr-anneal-steps"),
-        (["--env-id", "CartPole-v1", "--num-envs", "6", "--num-actors", "4"], "--num-envs"),
-        (["--env-id", "CartPole-v1", "--total-timesteps", "10"], "less than one batch"),
-        (["--env-ids", "Pong-v5", "CartPole-v1"], "takes Atari games"),
-        (flags("--env-ids Pong-v5 Breakout-v5 --num-actors 3 --num-envs 6"), "multiple of the number of games"),
-        (["--env-ids", "atari58"], "unknown env id"),
-        (["--resume", "runs/no-such-run"], "--resume"),
-    ],
-)
-def test_bad_input_one_clear_line(argv, needle, tmp_path):
-    assert_usage_error("impala_vtrace.py", argv, tmp_path, needle)
-
-
 def test_batch_must_divide_over_learners(tmp_path, monkeypatch):
     """Under torchrun (WORLD_SIZE 2) a batch that does not split over the learners is bad input: exit status 2, one
     line naming `--batch-size 5`, no traceback, no run folder (the script's `cli()` in this process, as `python
@@ -420,17 +346,6 @@ def test_batch_must_divide_over_learners(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     argv = ["--env-id", "CartPole-v1", "--batch-size", "5"]
     assert_usage_error("impala_vtrace.py", argv, tmp_path, "--batch-size 5", process=False)
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("victim", ["actor", "sigterm", "sigint-twice"])
-def test_killed_process_ends_the_run(tmp_path, victim):
-    """Once the run is in its loop (its first progress line): a SIGKILLed actor ends the run non-zero, naming it; a
-    polite kill (SIGTERM) stops the run and takes its actors with it (Ctrl-C: the tests of a stopped update); two
-    Ctrl-Cs end it with 130 and no traceback. No actor outlives its learner (`assert_killed_process_ends_the_run`)."""
-    argv = ["--env-id", "CartPole-v1", "--total-timesteps", "100000000", "--num-envs", "4", "--batch-size", "4"]
-    err = assert_killed_process_ends_the_run("impala_vtrace.py", [*argv, "--eval-episodes", "0"], tmp_path, victim)
-    assert victim != "actor" or "actor 0 died" in err
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -451,42 +366,14 @@ def test_learns_cartpole_with_its_family_defaults(tmp_path):
 
 @pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
-    """A run SIGKILLed as soon as its first checkpoint is there (its actors exit by themselves:
-    `kill_after_first_checkpoint`, with no settling time, so that its 12,000-step budget of 150 updates is far from
-    spent) continues with --resume: same folder, its own arguments, the update counter, weights and optimiser from
-    the checkpoint, curves continuing from the checkpoint's step, and the requested budget reached in the end."""
-    argv = flags(
-        "--env-id CartPole-v1 --total-timesteps 12000 --num-envs 4 --batch-size 4",
-        "--checkpoint-interval 0.5 --eval-episodes 0 --log-interval 0 --seed 3",
-    )
-    ckpt = kill_after_first_checkpoint("impala_vtrace.py", argv, tmp_path, settle=0.0)
-    run = os.path.dirname(ckpt)
-    saved = torch.load(ckpt, weights_only=False)
-    assert 0 < saved["update"] < 150 and saved["global_step"] == saved["update"] * 80
-    assert not os.path.exists(os.path.join(run, "summary.json"))  # it did not finish
-    resumed = run_script("impala_vtrace.py", ["--resume", run], tmp_path, timeout=600)
-    assert resumed == run  # the same folder, no new one
-    summary = json.load(open(os.path.join(run, "summary.json")))
-    assert summary["total_timesteps"] == 12000
-    final = torch.load(ckpt, weights_only=False)
-    assert final["update"] == 150 and final["args"]["seed"] == 3  # the run's own arguments
+    """A run SIGKILLed as soon as its first checkpoint is there continues with --resume (`killed_and_resumed`, a
+    12,000-step budget of 150 updates): its own arguments, the update counter, weights and optimiser from the
+    checkpoint, and the learning rate annealed on the same schedule across the restart."""
+    argv = "--env-id CartPole-v1 --num-envs 4 --batch-size 4"
+    _, _, final, acc = killed_and_resumed("impala_vtrace.py", argv, tmp_path, 12000, 80, "charts/learning_rate")
     assert final["args"]["learning_rate"] == 3e-3  # the classic-control family's, kept on resume
-    acc = events(run)
-    steps = [e.step for e in acc.Scalars("charts/learning_rate")]
-    assert steps == sorted(steps) and steps[-1] == 12000  # after purging, one continuing curve
-    # the checkpoint's own update reached the curves with it (logged, then flushed by the save), the rest went on
-    assert saved["global_step"] in steps and any(s > saved["global_step"] for s in steps)
-    lr = {e.step: e.value for e in acc.Scalars("charts/learning_rate")}
-    for step, value in lr.items():  # annealed on the same schedule across the restart
-        assert value == pytest.approx(3e-3 * (1 - (step / 80 - 1) / 150), rel=1e-5)
-
-
-@pytest.mark.e2e
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-    line, state = assert_non_finite_stops_the_run(
-        "impala_vtrace.py", ["--env-id", "CartPole-v1", "--num-envs", "4", "--batch-size", "4"], tmp_path
-    )
-    assert "non-finite" in line and state["update"] >= 1
+    for e in acc.Scalars("charts/learning_rate"):  # annealed on the same schedule across the restart
+        assert e.value == pytest.approx(3e-3 * (1 - (e.step / 80 - 1) / 150), rel=1e-5)
 
 
 @pytest.mark.e2e
@@ -502,17 +389,3 @@ def test_preset_paper_and_given_flags_win_over_the_family_defaults(tmp_path):
     assert "forced by --preset paper" in saved["defaults_from"]
     saved = saved_args("--learning-rate 1e-3", "family")
     assert (saved["batch_size"], saved["learning_rate"], saved["num_envs"]) == (8, 1e-3, 16)
-
-
-@pytest.mark.e2e
-def test_ctrl_c_during_an_update_of_a_large_network_completes_it_and_saves_it(tmp_path):
-    """The deep network with wide channels and an LSTM on a CPU, where one update takes many seconds: Ctrl-C while
-    the second update is collected or in progress lets that update finish (an update is never half-applied), starts
-    no other, checkpoints it and ends the run with exit 130."""
-    argv = "--env-id Breakout-v5 --network deep --channels 32 64 64 --use-lstm --num-envs 8 --batch-size 8".split()
-    ctrl_c_during_second_update("impala_vtrace.py", argv, tmp_path, steps_per_update=8 * 20)
-
-
-@pytest.mark.parametrize("argv, expected", ENV_IDS_SHARES)
-def test_env_ids_alone_give_every_game_the_same_share_of_actors_and_envs(argv, expected):
-    assert_env_ids_share(impala_vtrace, [*argv, "--no-cuda"], expected)

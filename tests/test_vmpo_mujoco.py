@@ -8,40 +8,20 @@ import itertools
 import json
 import math
 import os
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import vmpo_mujoco  # noqa: E402
-from vmpo_mujoco import (  # noqa: E402
-    gaussian_kl_parts,
-    kl_constraint_loss,
-    n_step_targets,
-    project_gaussian,
-    value_targets,
-    vmpo_loss,
-    vmpo_weights,
-)
-from tests.helpers import (  # noqa: E402
-    assert_logged,
-    events,
-    flags,
-    assert_killed_process_ends_the_run,
-    learns,
-    ctrl_c_during_second_update,
-    evaluate_cli,
-    assert_non_finite_stops_the_run,
-    assert_usage_error,
-    events_tags,
-    imported_envpool_modules,
-    kill_after_first_checkpoint,
-    run_script,
-)
-from tests.test_vmpo_atari import weights_reference  # noqa: E402
+import vmpo_mujoco
+from vmpo_mujoco import gaussian_kl_parts, kl_constraint_loss, n_step_targets, project_gaussian
+from vmpo_mujoco import value_targets, vmpo_loss, vmpo_weights
+from tests.helpers import torchrun, assert_logged, flags, learns, evaluate_cli, events_tags
+from tests.helpers import killed_and_resumed, run_script
+from evaluate import main as eval_main
+from tests.test_vmpo_atari import weights_reference
+from common.envs import flatten_obs, make_env, to_env_action
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -694,10 +674,6 @@ def test_family_defaults_on_top_of_the_column_and_flags_win():
 # The script end to end.
 
 
-def test_import_runs_nothing():
-    assert imported_envpool_modules("vmpo_mujoco") == "[]"
-
-
 def check_run(run_path):
     with open(os.path.join(run_path, "summary.json")) as f:
         summary = json.load(f)
@@ -709,8 +685,6 @@ def check_run(run_path):
         "stats/eta stats/alpha_mu stats/alpha_sigma stats/kl_mu stats/kl_sigma stats/policy_std stats/passes",
         "stats/kl_mu_max_ratio stats/kl_sigma_max_ratio",
     )
-    from evaluate import main as eval_main
-
     scores = eval_main([os.path.join(run_path, "model.pt"), "--episodes", "2", "--num-envs", "2"])
     assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
     model = torch.load(os.path.join(run_path, "model.pt"), weights_only=False)
@@ -735,16 +709,9 @@ TINY = ["--hidden", "32", "32", "--save-model", "--eval-episodes", "1"]
 )
 def test_smoke(tmp_path, env_id, extra):
     """HalfCheetah (Gym) with two actors; the dm_control humanoid, whose observations come as a dict."""
-    run_path = run_script(
-        "vmpo_mujoco.py",
-        flags(
-            f"--env-id {env_id} --total-timesteps 4000 --num-envs 4",
-            "--batch-size 4 --num-minibatches 2 --unroll-length 20",
-            TINY,
-            extra,
-        ),
-        tmp_path,
-    )
+    argv = f"--env-id {env_id} --total-timesteps 4000 --num-envs 4 --batch-size 4 --num-minibatches 2"
+    argv += " --unroll-length 20"
+    run_path = run_script("vmpo_mujoco.py", flags(argv, TINY, extra), tmp_path)
     summary = check_run(run_path)
     assert summary["total_timesteps"] == 4000 // 80 * 80
     checkpoint = torch.load(os.path.join(run_path, "checkpoint.pt"), weights_only=False)
@@ -758,54 +725,9 @@ def test_smoke(tmp_path, env_id, extra):
 
 @pytest.mark.e2e
 def test_smoke_torchrun_two_learners(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "vmpo_mujoco.py"]
-    run_path = run_script(
-        cmd,
-        flags(
-            "--env-id Pendulum-v1 --total-timesteps 3200 --num-envs 4",
-            "--batch-size 8 --num-minibatches 4 --unroll-length 20",
-            TINY,
-        ),
-        tmp_path,
-    )
-    check_run(run_path)
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize(
-    "argv,needle",
-    [
-        (["--env-id", "HalfCheetah-v9"], "unknown env id"),
-        (["--env-id", "CartPole-v1"], "discrete actions"),
-        (["--env-id", "Pendulum-v1", "--num-minibatches", "3"], "--num-minibatches 3"),
-        (["--env-id", "Pendulum-v1", "--eps-alpha-sigma", "0"], "--eps-alpha-sigma"),
-        (["--env-id", "Pendulum-v1", "--total-timesteps", "10"], "less than one batch"),
-        (["--preset", "humanoid-pixels"], "--preset"),
-        (["--resume", "runs/no-such-run"], "--resume"),
-    ],
-)
-def test_bad_input_one_clear_line(argv, needle, tmp_path):
-    assert_usage_error("vmpo_mujoco.py", argv, tmp_path, needle)
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("victim", ["actor", "sigint-twice"])
-def test_killed_process_ends_the_run(tmp_path, victim):
-    argv = flags(
-        "--env-id Pendulum-v1 --total-timesteps 100000000 --num-envs 4",
-        "--batch-size 4 --num-minibatches 1 --unroll-length 10 --eval-episodes 0",
-    )
-    assert_killed_process_ends_the_run("vmpo_mujoco.py", argv, tmp_path, victim)
-
-
-@pytest.mark.e2e
-def test_ctrl_c_completes_the_update_in_hand_and_saves_it(tmp_path):
-    """A wide network, so that an update takes a while on a CPU: Ctrl-C while the second update is collected or in
-    progress lets that update finish (no copy of the learner is kept to undo it), starts no other, checkpoints the
-    last completed update and ends the run with exit 130."""
-    argv = ["--env-id", "Pendulum-v1", "--num-envs", "4", "--batch-size", "4", "--num-minibatches", "1"]
-    argv += ["--unroll-length", "10", "--hidden", "1024", "1024"]
-    ctrl_c_during_second_update("vmpo_mujoco.py", argv, tmp_path, steps_per_update=4 * 10)
+    argv = "--env-id Pendulum-v1 --total-timesteps 3200 --num-envs 4 --batch-size 8 --num-minibatches 4"
+    argv += " --unroll-length 20"
+    check_run(torchrun("vmpo_mujoco.py", flags(argv, TINY), tmp_path))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -828,55 +750,28 @@ def test_learns_inverted_pendulum(tmp_path):
 
 @pytest.mark.e2e
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
-    """A run SIGKILLed as soon as its first checkpoint is there (`kill_after_first_checkpoint` with no settling time,
-    so that its 8,000-step budget of 200 updates is far from spent) continues with --resume: the same folder and
-    arguments, η, α_μ, α_Σ, the observation statistics, PopArt, the target network and the counters from the
-    checkpoint, curves continuing from its step, and the budget reached in the end."""
-    argv = flags(
-        "--env-id Pendulum-v1 --total-timesteps 8000 --num-envs 4 --batch-size 4",
-        "--num-minibatches 1 --unroll-length 10 --target-update-period 10",
-        "--checkpoint-interval 0.5 --eval-episodes 0 --log-interval 0 --seed 3",
-    )
-    ckpt = kill_after_first_checkpoint("vmpo_mujoco.py", argv + ["--save-model"], tmp_path, settle=0.0)
-    run = os.path.dirname(ckpt)
-    assert evaluate_cli(run, episodes=1)["episodes"] == 1  # the killed run's model.pt, written with its checkpoint
-    saved = torch.load(ckpt, weights_only=False)
-    assert 0 < saved["update"] < 200 and saved["global_step"] == saved["update"] * 40
+    """A run SIGKILLed as soon as its first checkpoint is there continues with --resume (`killed_and_resumed`, an
+    8,000-step budget of 200 updates): the same folder and arguments, η, α_μ, α_Σ, the observation statistics, PopArt,
+    the target network and the counters from the checkpoint; the killed run's model.pt, written with its checkpoint,
+    plays."""
+    argv = "--env-id Pendulum-v1 --num-envs 4 --batch-size 4 --num-minibatches 1 --unroll-length 10 --save-model"
+
+    def killed(run):  # the killed run's model.pt, written with its checkpoint
+        assert evaluate_cli(run, episodes=1)["episodes"] == 1
+
+    argv += " --target-update-period 10"
+    _, saved, final, _ = killed_and_resumed("vmpo_mujoco.py", argv, tmp_path, 8000, 40, "stats/eta", killed)
     assert set(saved["multipliers"]) == {"eta", "alpha_mu", "alpha_sigma"}
     assert any("obs_norm" in k for k in saved["agent"]) and any("popart" in k for k in saved["agent"])
-    assert run_script("vmpo_mujoco.py", ["--resume", run], tmp_path, timeout=600) == run
-    summary = json.load(open(os.path.join(run, "summary.json")))
-    assert summary["total_timesteps"] == 8000
-    final = torch.load(ckpt, weights_only=False)
-    assert final["update"] == 200 and final["args"]["target_update_period"] == 10
+    assert final["args"]["target_update_period"] == 10
     # the observation statistics went on from the saved ones: their count only grew
     count = next(k for k in saved["agent"] if "obs_norm" in k and "count" in k)
     assert final["agent"][count] > saved["agent"][count]
-    acc = events(run)
-    steps = [e.step for e in acc.Scalars("stats/eta")]
-    assert steps == sorted(steps) and steps[-1] == 8000
-    # the checkpoint's own update reached the curves with it (logged, then flushed by the save), the rest went on
-    assert saved["global_step"] in steps and any(s > saved["global_step"] for s in steps)
-
-
-@pytest.mark.e2e
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-    line, state = assert_non_finite_stops_the_run(
-        "vmpo_mujoco.py",
-        flags(
-            "--env-id Pendulum-v1 --num-envs 4 --batch-size 4",
-            "--num-minibatches 1 --unroll-length 10 --update-epochs 1",
-        ),
-        tmp_path,
-    )
-    assert "at update" in line and state["update"] >= 1
 
 
 def _hopper_batch(envs, agent, T, generator):
     """One batch of unrolls `[T+1, B, ...]` of Hopper-v4 acted with `agent` as `act` does (a sample of its Gaussian,
     its tanh sent to the envs), stepping all envs together."""
-    from common.envs import flatten_obs, to_env_action
-
     rows, (obs, _) = [], envs.reset()
     reward, ended = np.zeros(envs.config["num_envs"], np.float32), np.zeros(envs.config["num_envs"], bool)
     terminated = ended.copy()
@@ -900,8 +795,6 @@ def test_every_state_s_fitted_gaussian_stays_within_its_bounds_in_a_short_hopper
     learner runs. The network itself overshoots its projection in a few states (the regression term pulls it back):
     its largest per-state KL over the updates is logged, and stays under a ceiling with room over what was measured
     (kl_mu_max_ratio 1.3-3.3, kl_sigma_max_ratio 1.4-11.2 at these updates on seeds 0-2)."""
-    from common.envs import make_env
-
     args = vmpo_mujoco.parse_args(["--env-id", "Hopper-v4"])
     assert args.projection and args.squash and args.update_epochs > 1  # what the family runs
     torch.manual_seed(0)
